@@ -1,0 +1,59 @@
+"""The bitcoll exception hierarchy.
+
+Every error bitcoll raises derives from :class:`BitcollError`::
+
+    BitcollError
+    ├── UsageError (ValueError)          bad arguments: dtype, shape, op, out, levels, NaN votes
+    └── CommError                         the collective could not complete
+        ├── CommTimeoutError (TimeoutError)   a deadline passed
+        ├── PeerLostError (ConnectionError)   a peer disappeared or aborted the communicator
+        └── ProtocolError                     a frame did not match what this rank expected
+                                              (mismatched collectives, lengths, dtypes, versions)
+
+A ``UsageError`` detected before anything was sent leaves the communicator usable. Any
+``CommError`` aborts the communicator: the rank that saw it tells its peers (so that every rank
+fails fast instead of waiting for its deadline) and every later call raises ``CommError``.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BitcollError",
+    "UsageError",
+    "CommError",
+    "CommTimeoutError",
+    "PeerLostError",
+    "ProtocolError",
+]
+
+
+class BitcollError(Exception):
+    """Base class of every error raised by bitcoll."""
+
+
+class UsageError(BitcollError, ValueError):
+    """An argument is invalid (dtype, shape, op, ``out`` buffer, levels, NaN in a vote input).
+
+    Raised before any byte is sent when the problem is visible locally; raised on every rank
+    when only the comparison with other ranks reveals it (see :class:`ProtocolError`).
+    """
+
+
+class CommError(BitcollError):
+    """A collective could not complete. The communicator is aborted afterwards."""
+
+
+class CommTimeoutError(CommError, TimeoutError):
+    """A blocking operation did not complete before its deadline."""
+
+
+class PeerLostError(CommError, ConnectionError):
+    """A peer closed its connection, died, or aborted the communicator."""
+
+
+class ProtocolError(CommError):
+    """A received frame did not match this rank's expectation.
+
+    This is how mismatched collectives are reported: a rank that called ``allreduce`` with a
+    different length, dtype, op or algorithm than its peers, or another collective altogether.
+    """

@@ -1,0 +1,21 @@
+"""Transports: the byte-moving layer under the algorithms (see :mod:`bitcoll.transport.base`)."""
+
+from .base import (
+    HEADER_SIZE,
+    FrameHeader,
+    FrameKind,
+    Request,
+    TrafficStats,
+    Transport,
+    wait_all,
+)
+
+__all__ = [
+    "HEADER_SIZE",
+    "FrameHeader",
+    "FrameKind",
+    "Request",
+    "TrafficStats",
+    "Transport",
+    "wait_all",
+]

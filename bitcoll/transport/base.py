@@ -1,0 +1,207 @@
+"""The transport interface: ordered, checked byte messages between ranks.
+
+Algorithms (``bitcoll.algorithms``) talk to this interface only; they never see sockets or MPI.
+A transport moves *frames*: a fixed 32-byte header followed by ``length`` payload bytes.
+
+Contract every transport implements
+-----------------------------------
+* ``isend(peer, payload, header)`` starts sending ``header`` then ``payload`` to ``peer`` and
+  returns a :class:`Request` at once. ``payload`` must stay alive and unmodified until the
+  request completes. Frames to one peer leave in the order of the ``isend`` calls.
+* ``irecv(peer, payload, header)`` posts a receive of the next frame from ``peer`` into the
+  writable ``payload``; ``header`` is what this rank *expects*. Receives from one peer are
+  matched to frames in posting order. When the frame's header differs from the expected one
+  (another collective, sequence number, step, signature or length) the request fails with
+  :class:`~bitcoll.errors.ProtocolError` and the transport is aborted.
+* ``Request.wait(deadline)`` blocks until completion or until ``time.monotonic()`` passes
+  ``deadline`` (then :class:`~bitcoll.errors.CommTimeoutError`). A lost peer gives
+  :class:`~bitcoll.errors.PeerLostError`.
+* ``abort(reason)`` fails every pending and future request on this rank and makes every peer
+  fail promptly too (it is called by the communicator on any communication error).
+* ``stats`` counts what was handed to / taken from the wire by this rank, headers included.
+* Zero-length payloads are legal and still move a header.
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from ..errors import CommError, ProtocolError
+
+__all__ = [
+    "MAGIC",
+    "PROTOCOL_VERSION",
+    "HEADER_SIZE",
+    "FrameKind",
+    "FrameHeader",
+    "Request",
+    "TrafficStats",
+    "Transport",
+    "wait_all",
+]
+
+MAGIC = 0xB17C0110
+PROTOCOL_VERSION = 1
+_HEADER = struct.Struct("<IHHQIIQ")  # magic, version, kind, seq, step, signature, length
+HEADER_SIZE = _HEADER.size  # 32 bytes
+
+
+class FrameKind:
+    """Values of the header's ``kind`` field."""
+
+    DATA = 1
+    ABORT = 2
+
+
+@dataclass(frozen=True)
+class FrameHeader:
+    """A frame header.
+
+    ``seq`` is the communicator's collective sequence number (identical on every rank for the
+    same call), ``step`` counts the frames of this collective between one ordered pair of ranks,
+    ``signature`` is a 32-bit digest of the collective's name and arguments (so a rank in a
+    different collective is detected), ``length`` is the payload size in bytes.
+    """
+
+    seq: int
+    step: int
+    signature: int
+    length: int
+    kind: int = FrameKind.DATA
+    magic: int = MAGIC
+    version: int = PROTOCOL_VERSION
+
+    def pack(self) -> bytes:
+        return _HEADER.pack(self.magic, self.version, self.kind, self.seq, self.step,
+                            self.signature, self.length)
+
+    def pack_into(self, buf: bytearray | memoryview, offset: int = 0) -> None:
+        _HEADER.pack_into(buf, offset, self.magic, self.version, self.kind, self.seq,
+                          self.step, self.signature, self.length)
+
+    @classmethod
+    def unpack(cls, data: bytes | bytearray | memoryview) -> FrameHeader:
+        """Decode a header; raise ProtocolError on a wrong size, magic or version."""
+        if len(data) != HEADER_SIZE:
+            raise ProtocolError(f"frame header has {len(data)} bytes, expected {HEADER_SIZE}")
+        magic, version, kind, seq, step, sig, length = _HEADER.unpack(data)
+        if magic != MAGIC:
+            raise ProtocolError(f"bad frame magic 0x{magic:08x} (expected 0x{MAGIC:08x}): "
+                                "the peer is not a bitcoll rank or the stream is corrupt")
+        if version != PROTOCOL_VERSION:
+            raise ProtocolError(f"peer speaks bitcoll protocol version {version}, "
+                                f"this rank speaks {PROTOCOL_VERSION}")
+        return cls(seq=seq, step=step, signature=sig, length=length, kind=kind, magic=magic,
+                   version=version)
+
+    def mismatch(self, expected: FrameHeader, peer: int) -> str | None:
+        """Describe how this (received) header differs from ``expected``, or None if equal."""
+        if self.seq != expected.seq:
+            return (f"rank {peer} sent a frame of collective #{self.seq} while this rank is in "
+                    f"collective #{expected.seq}: the ranks called different numbers of "
+                    "collectives")
+        if self.signature != expected.signature:
+            return (f"rank {peer} called a different collective or passed different arguments "
+                    f"(op, dtype, length, algorithm) in collective #{expected.seq}")
+        if self.step != expected.step:
+            return f"rank {peer} sent step {self.step}, expected step {expected.step}"
+        if self.length != expected.length:
+            return (f"rank {peer} sent {self.length} payload bytes, this rank expected "
+                    f"{expected.length}: mismatched lengths or dtypes across ranks")
+        if self.kind != expected.kind:
+            return f"rank {peer} sent a frame of kind {self.kind}, expected {expected.kind}"
+        return None
+
+
+class TrafficStats:
+    """Bytes and messages moved by one rank, headers included. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self.messages_sent = 0
+        self.messages_received = 0
+
+    def add_sent(self, nbytes: int, messages: int = 1) -> None:
+        with self._lock:
+            self.bytes_sent += nbytes
+            self.messages_sent += messages
+
+    def add_received(self, nbytes: int, messages: int = 1) -> None:
+        with self._lock:
+            self.bytes_received += nbytes
+            self.messages_received += messages
+
+    def snapshot(self) -> dict[str, int]:
+        """Return the four counters as a dict."""
+        with self._lock:
+            return {
+                "bytes_sent": self.bytes_sent,
+                "bytes_received": self.bytes_received,
+                "messages_sent": self.messages_sent,
+                "messages_received": self.messages_received,
+            }
+
+    def reset(self) -> None:
+        """Set every counter to zero."""
+        with self._lock:
+            self.bytes_sent = self.bytes_received = 0
+            self.messages_sent = self.messages_received = 0
+
+    def __repr__(self) -> str:
+        return f"TrafficStats({self.snapshot()})"
+
+
+class Request(ABC):
+    """A pending send or receive."""
+
+    @abstractmethod
+    def done(self) -> bool:
+        """Return True once the request completed (successfully or not); never blocks."""
+
+    @abstractmethod
+    def wait(self, deadline: float) -> None:
+        """Block until completion; raise CommError (CommTimeoutError past ``deadline``,
+        a ``time.monotonic()`` value)."""
+
+
+class Transport(ABC):
+    """Ordered, header-checked frames between the ``size`` ranks of one job."""
+
+    name: str = "abstract"
+    rank: int
+    size: int
+    stats: TrafficStats
+
+    @abstractmethod
+    def isend(self, peer: int, payload: memoryview, header: FrameHeader) -> Request:
+        """Start sending ``header`` + ``payload`` (a C-contiguous byte view) to ``peer``."""
+
+    @abstractmethod
+    def irecv(self, peer: int, payload: memoryview, header: FrameHeader) -> Request:
+        """Post a receive of the next frame from ``peer`` into the writable byte view
+        ``payload``; ``header`` is the expected header."""
+
+    @abstractmethod
+    def abort(self, reason: str) -> None:
+        """Fail all pending and future requests here and make every peer fail promptly."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release sockets / communicators. Idempotent."""
+
+    @property
+    @abstractmethod
+    def failure(self) -> CommError | None:
+        """The error that aborted this transport, or None while it is healthy."""
+
+
+def wait_all(requests: Iterable[Request], deadline: float) -> None:
+    """Wait for every request; the first failure is raised."""
+    for req in requests:
+        req.wait(deadline)

@@ -1,0 +1,105 @@
+#!/usr/bin/env python3
+"""Set-up and run commands for bitcoll / lioncub.
+
+    python3 dev.py train [train.py options]   # the main job: a 4-rank Lion Cub training run
+    python3 dev.py test                        # the whole test suite (lint, types, tests, MPI tests)
+
+Each command creates (or reuses) the virtual environment ``.venv`` next to this file and
+installs the project with everything it needs (``pip install -e .[mpi,torch,test]`` under
+``constraints.txt``). Only Python 3.10+ with venv and pip is assumed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+VENV = ROOT / ".venv"
+PY = VENV / "bin" / "python"
+MPIEXEC = VENV / "bin" / "mpiexec"
+STAMP = VENV / ".bitcoll-install-stamp"
+MPI_WORLD_SIZES = (2, 3, 4)
+
+
+def _run(cmd: list[str], env: dict[str, str] | None = None, timeout: float | None = None) -> int:
+    print("+ " + " ".join(str(c) for c in cmd), flush=True)
+    try:
+        return subprocess.run(cmd, cwd=ROOT, env=env, timeout=timeout).returncode
+    except subprocess.TimeoutExpired:
+        print(f"command timed out after {timeout} s", flush=True)
+        return 124
+
+
+def ensure_venv() -> None:
+    """Create .venv if needed and (re)install the project when its requirements changed."""
+    if not PY.exists():
+        if _run([sys.executable, "-m", "venv", str(VENV)]) != 0:
+            sys.exit("could not create the virtual environment .venv")
+    digest = hashlib.sha256()
+    for name in ("pyproject.toml", "constraints.txt"):
+        digest.update((ROOT / name).read_bytes())
+    want = digest.hexdigest()
+    if STAMP.exists() and STAMP.read_text().strip() == want:
+        return
+    rc = _run([str(PY), "-m", "pip", "install", "--disable-pip-version-check", "-q",
+               "-c", "constraints.txt", "-e", ".[mpi,torch,test]"])
+    if rc != 0:
+        sys.exit("installation failed")
+    STAMP.write_text(want + "\n")
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PATH"] = f"{VENV / 'bin'}{os.pathsep}{env.get('PATH', '')}"
+    env.setdefault("NUMBA_NUM_THREADS", "1")  # more ranks than cores
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def cmd_test() -> int:
+    env = _env()
+    steps: list[tuple[str, list[str], float]] = [
+        ("ruff", [str(PY), "-m", "ruff", "check", "bitcoll", "lioncub", "launch", "bench",
+                  "tests", "train.py", "dev.py"], 300),
+        ("mypy", [str(PY), "-m", "mypy"], 900),
+        ("pytest (single-process and TCP multi-process)",
+         [str(PY), "-m", "pytest", "-q", "--color=no", "tests"], 2400),
+    ]
+    for n in MPI_WORLD_SIZES:
+        steps.append((f"pytest-mpi, {n} ranks",
+                      [str(MPIEXEC), "-n", str(n), str(PY), "-m", "pytest", "--with-mpi", "-q",
+                       "--color=no", "-m", "mpi", "tests"], 900))
+    failed = []
+    for name, cmd, timeout in steps:
+        print(f"\n=== {name}", flush=True)
+        rc = _run(cmd, env=env, timeout=timeout)
+        if rc != 0:
+            print(f"=== {name}: FAILED (exit {rc})", flush=True)
+            failed.append(name)
+    print("\n=== summary: " + ("all steps passed" if not failed else "FAILED: " + ", ".join(failed)))
+    return 1 if failed else 0
+
+
+def cmd_train(args: list[str]) -> int:
+    env = _env()
+    return _run([str(PY), "-m", "launch", "-n", "4", "train.py", *args], env=env)
+
+
+def main() -> int:
+    if len(sys.argv) < 2 or sys.argv[1] not in ("test", "train", "setup"):
+        print(__doc__)
+        return 2
+    ensure_venv()
+    if sys.argv[1] == "test":
+        return cmd_test()
+    if sys.argv[1] == "train":
+        return cmd_train(sys.argv[2:])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
