@@ -1,0 +1,74 @@
+"""The view of one collective call that algorithms work with.
+
+An :class:`OpContext` wraps the transport for one collective: it stamps every frame with the
+call's sequence number and signature, numbers the frames between each ordered pair of ranks
+(the header's ``step``), and applies the call's deadline to every wait. Algorithms only ever
+call ``isend``, ``irecv`` and ``wait`` here: they never see sockets or MPI.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from ..transport.base import FrameHeader, Request, Transport
+
+__all__ = ["OpContext", "as_bytes"]
+
+
+def as_bytes(arr: npt.NDArray[Any]) -> memoryview:
+    """A byte view of a 1-D C-contiguous array (no copy)."""
+    return memoryview(arr.reshape(-1).view(np.uint8))
+
+
+class OpContext:
+    """One collective call on one rank: frame stamping, step numbering, the deadline.
+
+    ``segment_bytes`` is the preferred size of one frame's payload for algorithms that cut
+    large buffers into segments (pipelining).
+    """
+
+    def __init__(self, transport: Transport, seq: int, signature: int, deadline: float,
+                 segment_bytes: int) -> None:
+        self.transport = transport
+        self.rank = transport.rank
+        self.size = transport.size
+        self.seq = seq
+        self.signature = signature
+        self.deadline = deadline
+        self.segment_bytes = max(1, segment_bytes)
+        self._send_step = [0] * transport.size
+        self._recv_step = [0] * transport.size
+
+    def _header(self, step: int, length: int) -> FrameHeader:
+        return FrameHeader(seq=self.seq, step=step, signature=self.signature, length=length)
+
+    def isend(self, peer: int, arr: npt.NDArray[Any]) -> Request:
+        """Start sending the C-contiguous array ``arr`` to ``peer`` (keep it unchanged until
+        the request completes)."""
+        view = as_bytes(arr)
+        step = self._send_step[peer]
+        self._send_step[peer] = step + 1
+        return self.transport.isend(peer, view, self._header(step, view.nbytes))
+
+    def irecv(self, peer: int, arr: npt.NDArray[Any]) -> Request:
+        """Post a receive of the next frame from ``peer`` into the C-contiguous ``arr``."""
+        view = as_bytes(arr)
+        step = self._recv_step[peer]
+        self._recv_step[peer] = step + 1
+        return self.transport.irecv(peer, view, self._header(step, view.nbytes))
+
+    def wait(self, *requests: Request) -> None:
+        """Wait for every request within this call's deadline."""
+        for req in requests:
+            req.wait(self.deadline)
+
+    def segments(self, start: int, stop: int, itemsize: int) -> list[tuple[int, int]]:
+        """Cut ``[start, stop)`` into segments of about ``segment_bytes`` (at least one,
+        possibly empty, so that every block still moves a frame)."""
+        per = max(1, self.segment_bytes // max(1, itemsize))
+        if stop - start <= per:
+            return [(start, stop)]
+        return [(s, min(s + per, stop)) for s in range(start, stop, per)]

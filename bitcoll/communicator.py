@@ -1,0 +1,390 @@
+"""The public ``Communicator``: validation, algorithm choice, ordering, failure handling.
+
+Every collective is called by every rank of the world in the same order with matching
+arguments (same op, dtype, length, algorithm, root). Mismatches are detected from the frame
+headers and raise :class:`~bitcoll.errors.ProtocolError` on the rank that sees them and
+:class:`~bitcoll.errors.PeerLostError` on the others (the communicator is then aborted).
+
+Arrays: numpy arrays in and out. An input of any shape is read as its flattened (C order)
+view; a non-contiguous input is copied first. An ``out`` array must have the documented
+dtype and number of elements, be C-contiguous and writeable, else
+:class:`~bitcoll.errors.UsageError`. Inputs must not be modified, and outputs not read, until
+the collective has completed (for ``async_op=True``: until ``Work.wait`` returned).
+
+Every collective takes ``timeout`` (seconds, default: the communicator's) and
+``async_op=True`` (returns a :class:`~bitcoll.work.Work`). Collectives run one at a time in
+call order; a synchronous call first waits for pending asynchronous ones.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import math
+import threading
+import time
+import zlib
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import numpy as np
+import numpy.typing as npt
+
+from .algorithms.allgather_ring import allgather_ring
+from .algorithms.allreduce_recursive_doubling import allreduce_recursive_doubling
+from .algorithms.allreduce_ring import allreduce_ring, reduce_scatter_ring
+from .algorithms.alltoall_direct import alltoall_direct
+from .algorithms.barrier_dissemination import barrier_dissemination
+from .algorithms.broadcast_tree import broadcast_tree
+from .algorithms.context import OpContext
+from .errors import BitcollError, CommError, UsageError
+from .ops import ReduceOp, check_dtype, parse_op
+from .partition import block, block_bounds
+from .transport.base import TrafficStats, Transport
+from .work import Work
+
+__all__ = ["Communicator", "DEFAULT_TIMEOUT", "DEFAULT_SEGMENT_BYTES", "SMALL_MESSAGE_BYTES"]
+
+T = TypeVar("T")
+Array = npt.NDArray[Any]
+
+DEFAULT_TIMEOUT = 300.0
+#: Payload size of one wire segment in the pipelined algorithms.
+DEFAULT_SEGMENT_BYTES = 1 << 20
+#: At or below this many bytes the dense all-reduce uses recursive doubling (latency-bound).
+SMALL_MESSAGE_BYTES = 64 << 10
+
+_ALGORITHMS: dict[str, tuple[str, ...]] = {
+    "allreduce": ("auto", "ring", "recursive_doubling", "native"),
+    "reduce_scatter": ("auto", "ring", "native"),
+    "allgather": ("auto", "ring", "native"),
+    "broadcast": ("auto", "tree", "native"),
+    "alltoall": ("auto", "direct", "native"),
+    "barrier": ("auto", "dissemination", "native"),
+}
+
+
+def as_vector(x: object, name: str = "x") -> Array:
+    """Return the 1-D C-contiguous view (or copy) of the numpy array ``x``; check its dtype."""
+    if not isinstance(x, np.ndarray):
+        raise UsageError(f"{name} must be a numpy.ndarray, got {type(x).__name__}")
+    check_dtype(x.dtype)
+    return np.ascontiguousarray(x).reshape(-1)
+
+
+def output(out: object, size: int, dtype: np.dtype[Any], shape: tuple[int, ...] | None = None,
+           name: str = "out") -> tuple[Array, Array]:
+    """Validate or allocate an output; return (array as the user sees it, its 1-D view)."""
+    if out is None:
+        arr = np.empty(shape if shape is not None else (size,), dtype=dtype)
+        return arr, arr.reshape(-1)
+    if not isinstance(out, np.ndarray):
+        raise UsageError(f"{name} must be a numpy.ndarray, got {type(out).__name__}")
+    if out.dtype != dtype:
+        raise UsageError(f"{name} has dtype {out.dtype}, expected {dtype}")
+    if out.size != size:
+        raise UsageError(f"{name} has {out.size} elements, expected {size}")
+    if not out.flags.c_contiguous:
+        raise UsageError(f"{name} must be C-contiguous so that it can be written in place")
+    if not out.flags.writeable:
+        raise UsageError(f"{name} is read-only")
+    return out, out.reshape(-1)
+
+
+def signature(*fields: object) -> int:
+    """32-bit digest of a collective's name and arguments, carried in every frame header."""
+    return zlib.crc32(repr(fields).encode())
+
+
+class Communicator:
+    """A group of ``size`` ranks that run collectives together.
+
+    Create one with :func:`bitcoll.init`. Attributes: ``rank`` (0-based), ``size``,
+    ``backend`` ("local", "tcp" or "mpi"), ``stats`` (:class:`TrafficStats`: bytes and
+    messages this rank handed to / took from its transport, headers included; ``reset()``
+    zeroes them), ``timeout`` (default deadline in seconds), ``segment_bytes`` (wire segment
+    size of the pipelined algorithms).
+    """
+
+    def __init__(self, transport: Transport, timeout: float = DEFAULT_TIMEOUT,
+                 segment_bytes: int = DEFAULT_SEGMENT_BYTES) -> None:
+        self._transport = transport
+        self.timeout = _check_timeout(timeout)
+        if segment_bytes < 1:
+            raise UsageError(f"segment_bytes must be >= 1, got {segment_bytes}")
+        self.segment_bytes = int(segment_bytes)
+        self._seq = 0
+        self._lock = threading.Lock()
+        self._executor: cf.ThreadPoolExecutor | None = None
+        self._last: cf.Future[Any] | None = None
+        self._closed = False
+        self._failure: BaseException | None = None
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def rank(self) -> int:
+        """This process's rank, ``0 <= rank < size``."""
+        return self._transport.rank
+
+    @property
+    def size(self) -> int:
+        """The number of ranks."""
+        return self._transport.size
+
+    @property
+    def backend(self) -> str:
+        """"local" (one rank), "tcp" or "mpi"."""
+        return self._transport.name
+
+    @property
+    def stats(self) -> TrafficStats:
+        """Bytes and messages sent and received by this rank since init (or ``reset()``)."""
+        return self._transport.stats
+
+    @property
+    def transport(self) -> Transport:
+        """The transport under this communicator (for algorithms and benchmarks)."""
+        return self._transport
+
+    def __repr__(self) -> str:
+        return f"<Communicator rank={self.rank} size={self.size} backend={self.backend}>"
+
+    # ------------------------------------------------------------------ lifecycle
+    def close(self) -> None:
+        """Wait for pending collectives (within their deadlines), then release the transport.
+        Idempotent."""
+        if self._closed:
+            return
+        try:
+            self._drain()
+        except BitcollError:
+            pass
+        finally:
+            self._closed = True
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+            self._transport.close()
+
+    def __enter__(self) -> Communicator:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ machinery
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise UsageError("the communicator is closed")
+        failure = self._transport.failure
+        if failure is not None:
+            raise CommError(f"the communicator was aborted earlier: {failure}") from failure
+
+    def _drain(self) -> None:
+        last = self._last
+        if last is not None:
+            cf.wait([last])
+
+    def _algorithm(self, collective: str, algorithm: str | None, auto: str) -> str:
+        choices = _ALGORITHMS[collective]
+        name = "auto" if algorithm is None else algorithm
+        if name not in choices:
+            raise UsageError(f"unknown algorithm {algorithm!r} for {collective}; "
+                             f"expected one of {', '.join(choices)}")
+        if name == "native" and not hasattr(self._transport, f"native_{collective}"):
+            raise UsageError(f"algorithm 'native' needs the MPI backend (this is {self.backend})")
+        return auto if name == "auto" else name
+
+    def run(self, name: str, fields: tuple[object, ...], body: Callable[[OpContext], T],
+            async_op: bool, timeout: float | None) -> T | Work[T]:
+        """Run one collective: assign its sequence number, then execute ``body`` now or on the
+        worker thread. Any error aborts the communicator (every peer fails fast) unless the
+        world has one rank. Public for the packed-bit collectives and extensions."""
+        self._check_usable()
+        limit = self.timeout if timeout is None else _check_timeout(timeout)
+        with self._lock:
+            seq = self._seq
+            self._seq += 1
+        sig = signature(name, *fields)
+
+        def execute() -> T:
+            self._check_usable()
+            ctx = OpContext(self._transport, seq, sig, time.monotonic() + limit,
+                            self.segment_bytes)
+            try:
+                return body(ctx)
+            except BaseException as exc:
+                if self.size > 1 and self._transport.failure is None:
+                    self._transport.abort(f"{type(exc).__name__} in {name} #{seq} on rank "
+                                          f"{self.rank}: {exc}")
+                raise
+
+        if async_op:
+            if self._executor is None:
+                self._executor = cf.ThreadPoolExecutor(1, thread_name_prefix="bitcoll")
+            fut = self._executor.submit(execute)
+            self._last = fut
+            return Work(fut, f"{name} #{seq}")
+        self._drain()
+        return execute()
+
+    # ------------------------------------------------------------------ dense collectives
+    def allreduce(self, x: Array, op: ReduceOp | str = ReduceOp.SUM, out: Array | None = None,
+                  *, async_op: bool = False, timeout: float | None = None,
+                  algorithm: str | None = None) -> Any:
+        """Element-wise reduction of ``x`` over all ranks; every rank gets the same bits.
+
+        ``x``: any supported dtype and shape (read flattened). ``op``: "sum", "avg" (floating
+        dtypes only), "max", "min". Returns ``out`` (same dtype and shape as ``x``; ``out=x``
+        reduces in place), or a Work with ``async_op=True``. ``algorithm``: "auto" (recursive
+        doubling up to 64 KiB, ring above), "ring", "recursive_doubling", "native" (MPI's
+        own, MPI backend only).
+
+        Example, 2 ranks: rank 0 ``x=[1, 2]``, rank 1 ``x=[3, 4]`` → both get ``[4, 6]``.
+        """
+        rop = parse_op(op)
+        vec = as_vector(x)
+        check_dtype(vec.dtype, rop)
+        res, flat = output(out, vec.size, vec.dtype, x.shape)
+        auto = "recursive_doubling" if vec.nbytes <= SMALL_MESSAGE_BYTES else "ring"
+        algo = self._algorithm("allreduce", algorithm, auto)
+
+        def body(ctx: OpContext) -> Array:
+            if not np.shares_memory(flat, vec):
+                np.copyto(flat, vec)
+            if algo == "native":
+                self._native_allreduce(ctx, flat, rop)
+            elif algo == "ring":
+                allreduce_ring(ctx, flat, rop)
+            else:
+                allreduce_recursive_doubling(ctx, flat, rop)
+            return res
+
+        return self.run("allreduce", (rop.value, vec.dtype.str, vec.size, algo), body,
+                        async_op, timeout)
+
+    def _native_allreduce(self, ctx: OpContext, flat: Array, op: ReduceOp) -> None:
+        native = getattr(self._transport, "native_allreduce")  # noqa: B009 (MPI-only capability)
+        mpi_op = "sum" if op is ReduceOp.AVG else op.value
+        native(flat.copy(), flat, mpi_op, ctx.deadline)
+        if op is ReduceOp.AVG:
+            np.divide(flat, np.asarray(self.size, dtype=flat.dtype), out=flat)
+
+    def reduce_scatter(self, x: Array, op: ReduceOp | str = ReduceOp.SUM,
+                       out: Array | None = None, *, async_op: bool = False,
+                       timeout: float | None = None, algorithm: str | None = None) -> Any:
+        """Reduce ``x`` over ranks and give rank ``r`` only block ``r`` of
+        ``bitcoll.partition(x.size, size)`` (the first ``n mod p`` ranks get one element more).
+
+        Returns ``out`` (1-D, ``stop_r - start_r`` elements, dtype of ``x``) or a Work.
+        ``algorithm``: "auto"/"ring", or "native" (MPI backend).
+        """
+        rop = parse_op(op)
+        vec = as_vector(x)
+        check_dtype(vec.dtype, rop)
+        start, stop = block(vec.size, self.size, self.rank)
+        res, flat = output(out, stop - start, vec.dtype)
+        algo = self._algorithm("reduce_scatter", algorithm, "ring")
+
+        def body(ctx: OpContext) -> Array:
+            if algo == "native":
+                bounds = block_bounds(vec.size, self.size)
+                counts = [int(c) for c in np.diff(bounds)]
+                native = getattr(self._transport, "native_reduce_scatter")  # noqa: B009
+                native(vec, flat, counts, "sum" if rop is ReduceOp.AVG else rop.value,
+                       ctx.deadline)
+                if rop is ReduceOp.AVG:
+                    np.divide(flat, np.asarray(self.size, dtype=flat.dtype), out=flat)
+                return res
+            work = vec.copy()
+            reduce_scatter_ring(ctx, work, rop)
+            np.copyto(flat, work[start:stop])
+            return res
+
+        return self.run("reduce_scatter", (rop.value, vec.dtype.str, vec.size, algo), body,
+                        async_op, timeout)
+
+    def allgather(self, x: Array, out: Array | None = None, *, async_op: bool = False,
+                  timeout: float | None = None, algorithm: str | None = None) -> Any:
+        """Concatenate every rank's ``x`` (same length and dtype on every rank) in rank order.
+
+        Returns ``out`` (1-D, ``size * x.size`` elements) or a Work. Rank ``j``'s data is
+        ``out[j * x.size:(j + 1) * x.size]`` on every rank.
+        """
+        vec = as_vector(x)
+        m, p = vec.size, self.size
+        res, flat = output(out, m * p, vec.dtype)
+        algo = self._algorithm("allgather", algorithm, "ring")
+
+        def body(ctx: OpContext) -> Array:
+            if algo == "native":
+                native = getattr(self._transport, "native_allgather")  # noqa: B009
+                native(vec, flat, ctx.deadline)
+                return res
+            np.copyto(flat[self.rank * m:(self.rank + 1) * m], vec)
+            allgather_ring(ctx, flat, [j * m for j in range(p + 1)])
+            return res
+
+        return self.run("allgather", (vec.dtype.str, m, algo), body, async_op, timeout)
+
+    def broadcast(self, x: Array, root: int = 0, *, async_op: bool = False,
+                  timeout: float | None = None, algorithm: str | None = None) -> Any:
+        """Copy the root's ``x`` into ``x`` on every rank, in place (``x`` must be C-contiguous
+        and writeable everywhere). Returns ``x`` or a Work."""
+        _, flat = output(x, getattr(x, "size", 0), getattr(x, "dtype", np.dtype(np.float32)),
+                         name="x")
+        check_dtype(flat.dtype)
+        if not isinstance(root, (int, np.integer)) or not 0 <= root < self.size:
+            raise UsageError(f"root must be a rank in [0, {self.size}), got {root!r}")
+        algo = self._algorithm("broadcast", algorithm, "tree")
+
+        def body(ctx: OpContext) -> Array:
+            if algo == "native":
+                native = getattr(self._transport, "native_bcast")  # noqa: B009
+                native(flat, int(root), ctx.deadline)
+            else:
+                broadcast_tree(ctx, flat, int(root))
+            return x
+
+        return self.run("broadcast", (flat.dtype.str, flat.size, int(root), algo), body,
+                        async_op, timeout)
+
+    def alltoall(self, x: Array, out: Array | None = None, *, async_op: bool = False,
+                 timeout: float | None = None, algorithm: str | None = None) -> Any:
+        """All-to-all exchange: ``x`` holds ``size`` equal blocks; block ``j`` goes to rank
+        ``j`` and lands there as block ``rank``. ``x.size`` must be a multiple of ``size``.
+        Returns ``out`` (1-D, ``x.size`` elements) or a Work."""
+        vec = as_vector(x)
+        if vec.size % self.size:
+            raise UsageError(f"alltoall needs a length divisible by the world size "
+                             f"{self.size}, got {vec.size}")
+        res, flat = output(out, vec.size, vec.dtype)
+        algo = self._algorithm("alltoall", algorithm, "direct")
+
+        def body(ctx: OpContext) -> Array:
+            if algo == "native":
+                native = getattr(self._transport, "native_alltoall")  # noqa: B009
+                native(vec, flat, ctx.deadline)
+            else:
+                alltoall_direct(ctx, vec, flat)
+            return res
+
+        return self.run("alltoall", (vec.dtype.str, vec.size, algo), body, async_op, timeout)
+
+    def barrier(self, *, async_op: bool = False, timeout: float | None = None,
+                algorithm: str | None = None) -> Any:
+        """Return once every rank has entered the barrier (or a Work)."""
+        algo = self._algorithm("barrier", algorithm, "dissemination")
+
+        def body(ctx: OpContext) -> None:
+            if algo == "native":
+                native = getattr(self._transport, "native_barrier")  # noqa: B009
+                native(ctx.deadline)
+            else:
+                barrier_dissemination(ctx)
+
+        return self.run("barrier", (algo,), body, async_op, timeout)
+
+
+def _check_timeout(timeout: float) -> float:
+    if not isinstance(timeout, (int, float)) or not timeout > 0 or math.isnan(timeout):
+        raise UsageError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    return float(timeout)

@@ -1,0 +1,67 @@
+"""Reduction operations and the dtypes bitcoll accepts.
+
+``ReduceOp`` names the element-wise reductions of the dense collectives. ``sum`` of integers
+wraps around like numpy's; ``avg`` is defined for floating dtypes only (it is the sum divided
+by the world size, computed once at each block's owner, so every rank gets identical bits).
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from .errors import UsageError
+
+__all__ = ["ReduceOp", "SUPPORTED_DTYPES", "FLOAT_DTYPES", "parse_op", "check_dtype",
+           "reduce_into"]
+
+FLOAT_DTYPES: frozenset[np.dtype[Any]] = frozenset(
+    np.dtype(t) for t in (np.float16, np.float32, np.float64))
+INT_DTYPES: frozenset[np.dtype[Any]] = frozenset(
+    np.dtype(t) for t in (np.int8, np.int16, np.int32, np.int64,
+                          np.uint8, np.uint16, np.uint32, np.uint64))
+SUPPORTED_DTYPES: frozenset[np.dtype[Any]] = FLOAT_DTYPES | INT_DTYPES
+
+
+class ReduceOp(str, enum.Enum):
+    """Element-wise reduction of the dense collectives; plain strings are accepted too."""
+
+    SUM = "sum"
+    AVG = "avg"
+    MAX = "max"
+    MIN = "min"
+
+
+def parse_op(op: ReduceOp | str) -> ReduceOp:
+    """Return ``op`` as a ReduceOp; raise UsageError for an unknown name."""
+    try:
+        return ReduceOp(op.value if isinstance(op, ReduceOp) else str(op).lower())
+    except ValueError:
+        names = ", ".join(o.value for o in ReduceOp)
+        raise UsageError(f"unknown reduction op {op!r}; expected one of {names}") from None
+
+
+def check_dtype(dtype: np.dtype[Any], op: ReduceOp | None = None) -> None:
+    """Raise UsageError unless ``dtype`` (and the pair ``(op, dtype)``) is supported."""
+    if dtype not in SUPPORTED_DTYPES:
+        names = ", ".join(sorted(d.name for d in SUPPORTED_DTYPES))
+        raise UsageError(f"unsupported dtype {dtype}; bitcoll supports {names}")
+    if op is ReduceOp.AVG and dtype not in FLOAT_DTYPES:
+        raise UsageError(f"op 'avg' is not defined for integer dtype {dtype}: use 'sum' and "
+                         "divide, or convert to a floating dtype")
+
+
+_UFUNCS = {
+    ReduceOp.SUM: np.add,
+    ReduceOp.AVG: np.add,
+    ReduceOp.MAX: np.maximum,
+    ReduceOp.MIN: np.minimum,
+}
+
+
+def reduce_into(acc: npt.NDArray[Any], other: npt.NDArray[Any], op: ReduceOp) -> None:
+    """``acc = op(acc, other)`` element-wise, in place (avg accumulates a sum)."""
+    _UFUNCS[op](acc, other, out=acc)
