@@ -1,0 +1,113 @@
+"""Vote codecs: how packed-bit collectives encode contributions and aggregate them.
+
+A codec fixes three things for one packed collective:
+
+* the **input field width** ``w_in`` and the encoder of a rank's contribution:
+  1-bit signs (majority; ``x >= 0`` and ``-0.0`` vote +1), 2-bit ternary signs
+  (``sign(x)`` in {-1, 0, 1}), or ``ceil(log2(2 L + 1))``-bit integers in ``[-L, L]``;
+* the **owner's aggregation** of ``p`` packed rows into the result: the majority bit (with
+  the tie rule) or the exact sum, packed in ``w_out`` bits (1 for majority,
+  ``ceil(log2(2 L p + 1))`` for sums, biased by ``L p``);
+* the **decoder** of the packed result into the caller's output (int8 +-1 for majority, the
+  sums in the output's integer dtype).
+
+Bit order everywhere: element ``i`` occupies stream bits ``[i w, (i + 1) w)``, little-endian
+(``numpy.packbits(bits, bitorder="little")`` is the 1-bit layout). Segments of a block are
+multiples of 8 elements, so the packing of a block is the concatenation of its segments'.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from .. import kernels
+
+__all__ = ["VoteCodec", "field_width", "majority_codec", "sum_codec", "TIES"]
+
+Array = npt.NDArray[Any]
+
+TIES = {"positive": kernels.TIE_POSITIVE, "negative": kernels.TIE_NEGATIVE,
+        "alternate": kernels.TIE_ALTERNATE}
+
+
+def field_width(max_abs: int) -> int:
+    """Bits needed for integers in ``[-max_abs, max_abs]``: ``ceil(log2(2 max_abs + 1))``."""
+    return max(1, int(2 * max_abs).bit_length())
+
+
+@dataclass(frozen=True)
+class VoteCodec:
+    """Encoding and aggregation of one packed collective (see the module docstring).
+
+    ``kind``: "majority" or "sum". ``source``: "sign" (float votes, 1-bit for majority,
+    ternary for sum) or "int" (integers in ``[-levels, levels]``). ``size``: the world size.
+    ``tie``: a kernels.TIE_* constant; ``tie_call``: the communicator's majority call counter.
+    """
+
+    kind: str
+    source: str
+    levels: int
+    size: int
+    tie: int = kernels.TIE_ALTERNATE
+    tie_call: int = 0
+
+    @property
+    def w_in(self) -> int:
+        if self.kind == "majority":
+            return 1
+        return field_width(self.levels)
+
+    @property
+    def bias_in(self) -> int:
+        return 0 if self.kind == "majority" else self.levels
+
+    @property
+    def w_out(self) -> int:
+        return 1 if self.kind == "majority" else field_width(self.levels * self.size)
+
+    @property
+    def bias_out(self) -> int:
+        return 0 if self.kind == "majority" else self.levels * self.size
+
+    def encode(self, x: Array, out: Array) -> None:
+        """Pack this rank's contribution ``x`` (a slice of the input) into ``out`` (uint8)."""
+        if self.kind == "majority":
+            kernels.pack_signs(x, out=out)
+        elif self.source == "sign":
+            kernels.pack_ternary(x, out=out)
+        else:
+            kernels.pack_fields(x, self.w_in, self.bias_in, out=out)
+
+    def combine(self, rows: Array, n: int, first: int, out: Array) -> None:
+        """Aggregate ``rows`` (uint8 ``(p, nbytes)``, one packed contribution per rank) for
+        ``n`` elements whose first global index is ``first``; write the packed result."""
+        if self.kind == "majority":
+            kernels.majority(rows, n, self.tie, first + self.tie_call, out=out)
+            return
+        acc = np.zeros(n, dtype=np.int32)
+        for row in rows:
+            kernels.add_fields(row, n, self.w_in, self.bias_in, acc)
+        kernels.pack_fields(acc, self.w_out, self.bias_out, out=out)
+
+    def decode(self, packed: Array, out: Array) -> None:
+        """Unpack a result segment into ``out`` (int8 +-1 for majority, else the sums)."""
+        if self.kind == "majority":
+            kernels.unpack_signs(packed, out.size, out=out, dtype=out.dtype)
+        else:
+            kernels.unpack_fields(packed, out.size, self.w_out, self.bias_out, out=out,
+                                  dtype=out.dtype)
+
+
+def majority_codec(size: int, tie: int, tie_call: int) -> VoteCodec:
+    """1-bit sign votes, majority result."""
+    return VoteCodec("majority", "sign", 1, size, tie, tie_call)
+
+
+def sum_codec(size: int, source: str, levels: int) -> VoteCodec:
+    """Exact sums of ternary signs (``source="sign"``, levels 1) or of integers in
+    ``[-levels, levels]`` (``source="int"``)."""
+    return VoteCodec("sum", source, levels, size)

@@ -1,0 +1,75 @@
+"""Run a function on N real ranks (spawned processes) over the TCP backend.
+
+``run_world(size, target, *args)`` starts ``size`` processes; each sets the launcher's
+environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), creates ``bitcoll.init("tcp")`` and
+returns ``target(comm, *args)``. ``target`` must be a module-level (importable) function and
+its result picklable. Any failing rank makes ``run_world`` raise AssertionError carrying every
+failing rank's traceback; ranks still running after ``timeout`` are killed.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _child(rank: int, size: int, port: int, comm_timeout: float, target: Callable[..., Any],
+           args: tuple[Any, ...], results: Any, comm_kwargs: dict[str, Any]) -> None:
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(size), "LOCAL_RANK": str(rank),
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                       "NUMBA_NUM_THREADS": "1"})
+    try:
+        import bitcoll
+
+        comm = bitcoll.init("tcp", timeout=comm_timeout, **comm_kwargs)
+        try:
+            out = target(comm, *args)
+        finally:
+            comm.close()
+        results.put((rank, True, out))
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+
+
+def run_world(size: int, target: Callable[..., Any], *args: Any, timeout: float = 120.0,
+              comm_timeout: float = 30.0, **comm_kwargs: Any) -> list[Any]:
+    """Run ``target(comm, *args)`` on ``size`` TCP ranks; return the results in rank order."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_child, args=(r, size, port, comm_timeout, target, args,
+                                              results, comm_kwargs), daemon=True)
+             for r in range(size)]
+    for p in procs:
+        p.start()
+    got: dict[int, tuple[bool, Any]] = {}
+    try:
+        while len(got) < size:
+            try:
+                rank, ok, value = results.get(timeout=timeout)
+            except queue.Empty:
+                missing = sorted(set(range(size)) - set(got))
+                raise AssertionError(f"ranks {missing} did not finish within {timeout} s") \
+                    from None
+            got[rank] = (ok, value)
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    failed = {r: v for r, (ok, v) in sorted(got.items()) if not ok}
+    if failed:
+        raise AssertionError("\n".join(f"--- rank {r} failed:\n{tb}" for r, tb in failed.items()))
+    return [got[r][1] for r in range(size)]

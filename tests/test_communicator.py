@@ -1,0 +1,180 @@
+"""Communicator behaviour on the in-process transport (threads as ranks) and on one rank."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+from inproc import run_threads
+from sweeps import dense_sweep, inplace_and_async
+
+import bitcoll
+from bitcoll.communicator import Communicator
+from bitcoll.errors import CommError, CommTimeoutError, PeerLostError, ProtocolError, UsageError
+
+SMALL = (0, 1, 7, 8, 9, 1000)
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 4, 5])
+def test_dense_sweep_threads(size: int) -> None:
+    # Tiny segments exercise the multi-segment pipelines.
+    res = run_threads(size, lambda c: dense_sweep(c, lengths=SMALL), segment_bytes=24)
+    assert res[0] > 100
+
+
+@pytest.mark.parametrize("size", [1, 3, 4])
+def test_inplace_and_async_threads(size: int) -> None:
+    run_threads(size, inplace_and_async)
+
+
+def test_local_backend() -> None:
+    with bitcoll.init("local") as comm:
+        assert (comm.rank, comm.size, comm.backend) == (0, 1, "local")
+        dense_sweep(comm, lengths=SMALL)
+        inplace_and_async(comm)
+        assert comm.stats.snapshot()["bytes_sent"] == 0
+
+
+def test_init_rejects_unknown_backend() -> None:
+    with pytest.raises(UsageError, match="backend"):
+        bitcoll.init("carrier-pigeon")
+
+
+def test_closed_communicator_is_an_error() -> None:
+    comm = bitcoll.init("local")
+    comm.close()
+    comm.close()
+    with pytest.raises(UsageError, match="closed"):
+        comm.allreduce(np.ones(3))
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda c: c.allreduce([1.0, 2.0]), "numpy.ndarray"),
+    (lambda c: c.allreduce(np.ones(3, dtype=np.complex64)), "unsupported dtype"),
+    (lambda c: c.allreduce(np.ones(3, dtype=bool)), "unsupported dtype"),
+    (lambda c: c.allreduce(np.ones(3, np.int32), op="avg"), "avg"),
+    (lambda c: c.allreduce(np.ones(3), op="prod"), "unknown reduction op"),
+    (lambda c: c.allreduce(np.ones(3), out=np.ones(4)), "4 elements"),
+    (lambda c: c.allreduce(np.ones(3), out=np.ones(3, np.float32)), "dtype"),
+    (lambda c: c.allreduce(np.ones(4), out=np.ones((4, 2))[:, 0]), "C-contiguous"),
+    (lambda c: c.allreduce(np.ones(3), algorithm="butterfly"), "unknown algorithm"),
+    (lambda c: c.allreduce(np.ones(3), algorithm="native"), "MPI"),
+    (lambda c: c.allreduce(np.ones(3), timeout=0), "timeout"),
+    (lambda c: c.allreduce(np.ones(3), timeout=float("nan")), "timeout"),
+    (lambda c: c.broadcast(np.ones(3), root=1), "root"),
+    (lambda c: c.broadcast(np.ones(3)[::2]), "C-contiguous"),
+    (lambda c: c.reduce_scatter(np.ones(3), out=np.ones(1)), "expected 3"),
+])
+def test_usage_errors_on_one_rank(call: object, match: str) -> None:
+    comm = bitcoll.init("local")
+    with pytest.raises(UsageError, match=match):
+        call(comm)  # type: ignore[operator]
+    # one rank: a usage error leaves the communicator usable
+    assert comm.allreduce(np.ones(2))[0] == 1.0
+
+
+def test_read_only_out_is_an_error() -> None:
+    out = np.zeros(3)
+    out.flags.writeable = False
+    with pytest.raises(UsageError, match="read-only"):
+        bitcoll.init("local").allreduce(np.ones(3), out=out)
+
+
+def test_alltoall_length_must_divide() -> None:
+    def body(c: Communicator) -> None:
+        c.alltoall(np.ones(3))
+
+    with pytest.raises(UsageError, match="divisible"):
+        run_threads(2, body, timeout=5)
+
+
+def _expect_everywhere(size: int, fn: object, local_error: type, timeout: float = 5.0) -> None:
+    """Run fn on every rank; each rank must raise: the offending one ``local_error``, the
+    others a CommError, all within a few seconds (no rank waits for its deadline)."""
+    outcomes: list[tuple[type, str]] = [(type(None), "")] * size
+
+    def body(c: Communicator) -> None:
+        try:
+            fn(c)  # type: ignore[operator]
+        except Exception as exc:
+            outcomes[c.rank] = (type(exc), str(exc))
+        with pytest.raises(CommError):
+            c.allreduce(np.ones(1))  # aborted for good
+
+    t0 = time.monotonic()
+    run_threads(size, body, timeout=30)
+    assert time.monotonic() - t0 < 20
+    kinds = [k for k, _ in outcomes]
+    assert local_error in kinds, outcomes
+    assert all(issubclass(k, (CommError, local_error)) for k in kinds), outcomes
+
+
+@pytest.mark.parametrize("size", [2, 3, 5])
+def test_mismatched_length_raises_everywhere(size: int) -> None:
+    _expect_everywhere(size, lambda c: c.allreduce(np.ones(10 + (c.rank == size - 1))),
+                       ProtocolError)
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_mismatched_dtype_raises_everywhere(size: int) -> None:
+    _expect_everywhere(size, lambda c: c.allreduce(
+        np.ones(5000, np.float32 if c.rank else np.float64)), ProtocolError)
+
+
+def test_mismatched_collective_raises_everywhere() -> None:
+    _expect_everywhere(3, lambda c: c.allgather(np.ones(4)) if c.rank == 1
+                       else c.allreduce(np.ones(4)), ProtocolError)
+
+
+def test_usage_error_on_one_rank_fails_the_others_fast() -> None:
+    def body(c: Communicator) -> None:
+        out = np.zeros(5 if c.rank == 1 else 4)
+        c.allreduce(np.ones(4), out=out)
+
+    _expect_everywhere(3, body, UsageError)
+
+
+def test_deadline_raises_comm_timeout() -> None:
+    def body(c: Communicator) -> str:
+        if c.rank == 0:
+            try:
+                c.allreduce(np.ones(4), timeout=0.3)
+            except CommTimeoutError as exc:
+                return type(exc).__name__
+            return "no error"
+        time.sleep(1.0)
+        try:
+            c.allreduce(np.ones(4), timeout=2)
+        except PeerLostError:
+            return "lost"
+        return "no error"
+
+    assert run_threads(2, body, timeout=10) == ["CommTimeoutError", "lost"]
+
+
+def test_work_wait_timeout_does_not_abort() -> None:
+    def body(c: Communicator) -> float:
+        if c.rank == 1:
+            time.sleep(0.5)
+        w = c.allreduce(np.ones(2), async_op=True)
+        if c.rank == 0:
+            with pytest.raises(CommTimeoutError):
+                w.wait(timeout=0.01)
+        return float(w.wait()[0])
+
+    assert run_threads(2, body) == [2.0, 2.0]
+
+
+def test_stats_count_headers_and_payload() -> None:
+    def body(c: Communicator) -> dict[str, int]:
+        c.stats.reset()
+        c.allreduce(np.ones(8, np.float32), algorithm="ring")
+        return c.stats.snapshot()
+
+    for p in (2, 3, 4):
+        for snap in run_threads(p, body):
+            # two ring passes of p - 1 frames each; blocks of 8 float32 split p ways
+            assert snap["messages_sent"] == snap["messages_received"] == 2 * (p - 1)
+            assert snap["bytes_sent"] >= 2 * (p - 1) * 32
+            assert snap["bytes_sent"] <= 2 * (p - 1) * (32 + 4 * (-(-8 // p)))

@@ -1,0 +1,48 @@
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from bitcoll.errors import ProtocolError
+from bitcoll.transport.base import HEADER_SIZE, MAGIC, FrameHeader, FrameKind, TrafficStats
+
+
+@given(st.integers(0, 2**64 - 1), st.integers(0, 2**32 - 1), st.integers(0, 2**32 - 1),
+       st.integers(0, 2**64 - 1), st.sampled_from([FrameKind.DATA, FrameKind.ABORT]))
+def test_header_round_trip(seq: int, step: int, sig: int, length: int, kind: int) -> None:
+    h = FrameHeader(seq=seq, step=step, signature=sig, length=length, kind=kind)
+    raw = h.pack()
+    assert len(raw) == HEADER_SIZE == 32
+    assert FrameHeader.unpack(raw) == h
+    buf = bytearray(40)
+    h.pack_into(buf, 8)
+    assert FrameHeader.unpack(bytes(buf[8:])) == h
+
+
+def test_header_rejects_bad_magic_version_size() -> None:
+    good = FrameHeader(seq=1, step=2, signature=3, length=4)
+    with pytest.raises(ProtocolError, match="magic"):
+        FrameHeader.unpack(FrameHeader(1, 2, 3, 4, magic=MAGIC ^ 1).pack())
+    with pytest.raises(ProtocolError, match="version"):
+        FrameHeader.unpack(FrameHeader(1, 2, 3, 4, version=99).pack())
+    with pytest.raises(ProtocolError, match="32"):
+        FrameHeader.unpack(good.pack()[:31])
+
+
+def test_header_mismatch_messages() -> None:
+    want = FrameHeader(seq=5, step=0, signature=77, length=16)
+    assert want.mismatch(want, 1) is None
+    assert "collective #6" in str(FrameHeader(6, 0, 77, 16).mismatch(want, 1))
+    assert "different collective" in str(FrameHeader(5, 0, 78, 16).mismatch(want, 1))
+    assert "step" in str(FrameHeader(5, 1, 77, 16).mismatch(want, 1))
+    assert "8 payload bytes" in str(FrameHeader(5, 0, 77, 8).mismatch(want, 2))
+
+
+def test_traffic_stats() -> None:
+    s = TrafficStats()
+    s.add_sent(40)
+    s.add_sent(32, messages=2)
+    s.add_received(33)
+    assert s.snapshot() == {"bytes_sent": 72, "bytes_received": 33, "messages_sent": 3,
+                            "messages_received": 1}
+    s.reset()
+    assert set(s.snapshot().values()) == {0}
