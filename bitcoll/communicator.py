@@ -150,6 +150,12 @@ class Communicator:
         return self._transport.stats
 
     @property
+    def majority_calls(self) -> int:
+        """Majority collectives started so far on this communicator: the ``k`` of the
+        "alternate" tie rule for the next one."""
+        return self._majority_calls
+
+    @property
     def transport(self) -> Transport:
         """The transport under this communicator (for algorithms and benchmarks)."""
         return self._transport

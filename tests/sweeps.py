@@ -112,3 +112,123 @@ def inplace_and_async(comm: Communicator, seed: int = 1) -> int:
     assert all(w.is_completed() for w in works)
     assert comm.barrier(async_op=True).wait() is None
     return 6
+
+
+# ---------------------------------------------------------------------- packed-bit collectives
+PACKED_LENGTHS = (0, 1, 7, 8, 9, 63, 64, 65, 1000, 100_003)
+PACKED_ALGOS = ("direct", "ring", "allgather")
+TIES = ("positive", "negative", "alternate")
+
+
+def vote_input(seed: int, rank: int, n: int, dtype: str) -> Array:
+    """Signs with many zeros (both +0.0 and -0.0) so that ties and zero votes occur."""
+    rng = np.random.default_rng([seed, rank, n, 7])
+    x = rng.integers(-2, 3, n).astype(dtype)
+    x[rng.random(n) < 0.1] = -0.0
+    return x
+
+
+def expected_majority(xs: list[Array], tie: str, call: int) -> Array:
+    n = xs[0].size
+    votes = np.sum([np.where(x < 0, -1, 1) for x in xs], axis=0).reshape(n)
+    out = np.sign(votes).astype(np.int8)
+    ties = votes == 0
+    if tie == "positive":
+        out[ties] = 1
+    elif tie == "negative":
+        out[ties] = -1
+    else:
+        idx = np.arange(n)
+        out[ties] = np.where((idx[ties] + call) % 2 == 0, 1, -1)
+    return out
+
+
+def expected_sign_sum(xs: list[Array]) -> Array:
+    return np.sum([np.sign(x).astype(np.int32) for x in xs], axis=0,
+                  dtype=np.int32).reshape(xs[0].size)
+
+
+def packed_sweep(comm: Communicator, seed: int = 0,
+                 lengths: tuple[int, ...] = PACKED_LENGTHS,
+                 algorithms: tuple[str, ...] = PACKED_ALGOS) -> int:
+    """sign_allreduce / sign_reduce_scatter (majority, every tie rule; sum) and
+    quantized_allreduce / quantized_reduce_scatter against numpy references."""
+    p, r = comm.size, comm.rank
+    checks = 0
+    for n in lengths:
+        lo, hi = bitcoll.block(n, p, r)
+        for dt in ("float32", "float16", "float64"):
+            if n > 10_000 and dt != "float32":
+                continue
+            xs = [vote_input(seed, j, n, dt) for j in range(p)]
+            ssum = expected_sign_sum(xs)
+            for algo in algorithms:
+                for tie in TIES:
+                    call = comm.majority_calls
+                    want = expected_majority(xs, tie, call)
+                    _eq(comm.sign_allreduce(xs[r], tie=tie, algorithm=algo), want,
+                        f"sign_allreduce majority n={n} {dt} {algo} tie={tie} p={p}")
+                    call = comm.majority_calls
+                    want = expected_majority(xs, tie, call)[lo:hi]
+                    _eq(comm.sign_reduce_scatter(xs[r], tie=tie, algorithm=algo), want,
+                        f"sign_reduce_scatter majority n={n} {dt} {algo} tie={tie} p={p}")
+                    checks += 2
+                _eq(comm.sign_allreduce(xs[r], op="sum", algorithm=algo), ssum,
+                    f"sign_allreduce sum n={n} {dt} {algo} p={p}")
+                _eq(comm.sign_reduce_scatter(xs[r], op="sum", algorithm=algo), ssum[lo:hi],
+                    f"sign_reduce_scatter sum n={n} {dt} {algo} p={p}")
+                checks += 2
+        for levels in (1, 3, 15, 127):
+            for qdt in ("int8", "int16", "int64"):
+                if n > 10_000 and qdt != "int8":
+                    continue
+                qs = [np.random.default_rng([seed, j, n, levels]).integers(
+                    -levels, levels + 1, n).astype(qdt) for j in range(p)]
+                want = np.sum(qs, axis=0, dtype=np.int32).reshape(n)
+                for algo in algorithms:
+                    _eq(comm.quantized_allreduce(qs[r], levels, algorithm=algo), want,
+                        f"quantized_allreduce n={n} L={levels} {qdt} {algo} p={p}")
+                    _eq(comm.quantized_reduce_scatter(qs[r], levels, algorithm=algo),
+                        want[lo:hi], f"quantized_reduce_scatter n={n} L={levels} {algo}")
+                    checks += 2
+    return checks
+
+
+def packed_bandwidth(comm: Communicator, n: int = 100_003, levels: int = 7) -> dict[str, Any]:
+    """Bytes each rank sends, checked exactly against the cost model (headers excluded)."""
+    from bitcoll.algorithms.votes import field_width
+    from bitcoll.transport.base import HEADER_SIZE
+
+    p, r = comm.size, comm.rank
+    x = vote_input(5, r, n, "float32")
+    q = np.random.default_rng([r, 9]).integers(-levels, levels + 1, n).astype(np.int8)
+    lens = [b - a for a, b in bitcoll.partition(n, p)]
+    report: dict[str, Any] = {}
+
+    def payload(fn: Any) -> tuple[int, int]:
+        comm.barrier()
+        comm.stats.reset()
+        fn()
+        s = comm.stats.snapshot()
+        comm.barrier()
+        return s["bytes_sent"] - HEADER_SIZE * s["messages_sent"], s["messages_sent"]
+
+    # majority, direct: every other block's bits once, then this block's result to p-1 peers
+    sent, msgs = payload(lambda: comm.sign_allreduce(x))
+    exact = sum(-(-lens[j] // 8) for j in range(p) if j != r) + (p - 1) * -(-lens[r] // 8)
+    bound = 2 * (p - 1) / p * n / 8 + 2 * (p - 1)
+    assert sent == exact and sent <= bound, (sent, exact, bound)
+    report["majority_direct"] = (sent, msgs)
+    # majority, all-gather baseline: the whole packed vector to every peer (ring: p-1 hops)
+    sent, msgs = payload(lambda: comm.sign_allreduce(x, algorithm="allgather"))
+    assert sent == (p - 1) * -(-n // 8), (sent, (p - 1) * -(-n // 8))
+    report["majority_allgather"] = (sent, msgs)
+    # exact sums: w_in bits to each owner, w_out bits back
+    w_in, w_out = field_width(levels), field_width(levels * p)
+    sent, msgs = payload(lambda: comm.quantized_allreduce(q, levels))
+    exact = (sum(-(-lens[j] * w_in // 8) for j in range(p) if j != r)
+             + (p - 1) * -(-lens[r] * w_out // 8))
+    bound = (p - 1) / p * n * (w_in + w_out) / 8 + 2 * (p - 1)
+    assert sent == exact and sent <= bound, (sent, exact, bound)
+    report["quantized_direct"] = (sent, msgs)
+    return report

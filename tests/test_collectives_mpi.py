@@ -1,0 +1,92 @@
+"""Every collective over the MPI transport (run under mpiexec with pytest-mpi:
+``mpiexec -n N python -m pytest --with-mpi -m mpi tests``)."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+from sweeps import dense_sweep, inplace_and_async, packed_bandwidth, packed_sweep
+
+import bitcoll
+from bitcoll.communicator import Communicator
+from bitcoll.errors import CommError, ProtocolError, UsageError
+
+
+@pytest.fixture(scope="module")
+def comm() -> Communicator:
+    c = bitcoll.init("mpi", timeout=120)
+    assert c.backend == "mpi"
+    return c
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(600)
+def test_dense_collectives_mpi(comm: Communicator) -> None:
+    assert bitcoll.detect_backend() == "mpi"
+    assert dense_sweep(comm) > 100
+    comm.segment_bytes = 40
+    dense_sweep(comm, lengths=(9, 1000), dtypes=("float32", "int16"))
+    comm.segment_bytes = 1 << 20
+    inplace_and_async(comm)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(300)
+def test_native_mpi_algorithms(comm: Communicator) -> None:
+    for dt in ("float32", "float64", "int32", "int64", "uint8"):
+        dense_sweep(comm, lengths=(0, 1, 9, 1000), dtypes=(dt,), algorithms=("native",))
+    p, r = comm.size, comm.rank
+    x = np.arange(6, dtype=np.float64) + r
+    got = comm.reduce_scatter(x, algorithm="native")
+    lo, hi = bitcoll.block(6, p, r)
+    assert np.array_equal(got, (np.arange(6) * p + p * (p - 1) / 2)[lo:hi])
+    buf = x.copy()
+    comm.broadcast(buf, root=p - 1, algorithm="native")
+    assert np.array_equal(buf, np.arange(6) + p - 1)
+    comm.barrier(algorithm="native")
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(600)
+def test_packed_collectives_mpi(comm: Communicator) -> None:
+    packed_sweep(comm)
+    comm.segment_bytes = 8
+    packed_sweep(comm, lengths=(65, 1000, 4099))
+    comm.segment_bytes = 1 << 20
+    packed_bandwidth(comm)
+
+
+def _fresh() -> Communicator:
+    return bitcoll.init("mpi", timeout=30)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("case", ["length", "dtype", "collective", "out"])
+def test_mismatch_fails_every_rank_fast(case: str) -> None:
+    c = _fresh()
+    last = c.size - 1
+    odd = c.rank == last
+    t0 = time.monotonic()
+    with pytest.raises((CommError, UsageError)) as info:
+        if case == "length":
+            c.allreduce(np.ones(100 + odd, np.float32))
+        elif case == "dtype":
+            c.allreduce(np.ones(100, np.float64 if odd else np.float32))
+        elif case == "collective":
+            if odd:
+                c.allgather(np.ones(4))
+            else:
+                c.allreduce(np.ones(4))
+        else:
+            c.allreduce(np.ones(10), out=np.ones(11 if odd else 10))
+    assert time.monotonic() - t0 < 20  # well before the 30 s deadline
+    if case == "out" and odd:
+        assert info.type is UsageError
+    elif case != "out":
+        assert issubclass(info.type, (ProtocolError, CommError))
+    with pytest.raises(CommError):
+        c.allreduce(np.ones(1))
+    c.close()

@@ -1,0 +1,85 @@
+"""Every collective on real processes over the TCP transport, world sizes 1 to 5."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+from multiproc import free_port, run_world
+from sweeps import dense_sweep, inplace_and_async, packed_bandwidth, packed_sweep
+
+import bitcoll
+from bitcoll.communicator import Communicator
+
+pytestmark = pytest.mark.tcp
+
+
+def _dense(comm: Communicator) -> int:
+    assert comm.backend == "tcp"
+    n = dense_sweep(comm)
+    comm.segment_bytes = 40  # many tiny segments through the same pipelines
+    n += dense_sweep(comm, lengths=(9, 1000), dtypes=("float32", "int16"))
+    n += inplace_and_async(comm)
+    return n
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("size", [1, 2, 3, 4, 5])
+def test_dense_collectives_tcp(size: int) -> None:
+    results = run_world(size, _dense, timeout=500)
+    assert len(set(results)) == 1 and results[0] > 100
+
+
+def _packed(comm: Communicator) -> dict[str, Any]:
+    packed_sweep(comm)
+    comm.segment_bytes = 8  # 64-element segments: the multi-segment pipeline on every block
+    packed_sweep(comm, lengths=(65, 1000, 4099))
+    comm.segment_bytes = 1 << 20
+    return packed_bandwidth(comm)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("size", [1, 2, 3, 4, 5])
+def test_packed_collectives_tcp(size: int) -> None:
+    run_world(size, _packed, timeout=500)
+
+
+def _victim(rank: int, size: int, port: int, q: Any) -> None:
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(size), "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(port)})
+    comm = bitcoll.init("tcp", timeout=60)
+    x = np.ones(8 << 20, np.float32)
+    comm.allreduce(x)
+    if rank == 1:
+        threading.Timer(0.05, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
+    t0 = time.monotonic()
+    try:
+        for _ in range(1000):
+            comm.allreduce(x)
+        q.put((rank, "no error", 0.0))
+    except Exception as exc:
+        q.put((rank, type(exc).__name__, time.monotonic() - t0))
+
+
+@pytest.mark.timeout(120)
+def test_killed_rank_makes_survivors_fail_fast() -> None:
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_victim, args=(r, 3, port, q)) for r in range(3)]
+    for p in procs:
+        p.start()
+    got = sorted(q.get(timeout=90) for _ in range(2))
+    for p in procs:
+        p.join(timeout=10)
+    assert procs[1].exitcode == -signal.SIGKILL
+    assert [g[0] for g in got] == [0, 2]
+    for _, kind, elapsed in got:
+        assert kind in ("PeerLostError", "CommTimeoutError"), got
+        assert elapsed < 30, got  # far below the 60 s deadline
