@@ -67,7 +67,7 @@ def cmd_test() -> int:
                   "tests", "train.py", "dev.py"], 300),
         ("mypy", [str(PY), "-m", "mypy"], 900),
         ("pytest (single-process and TCP multi-process)",
-         [str(PY), "-m", "pytest", "-q", "--color=no", "tests"], 2400),
+         [str(PY), "-m", "pytest", "-q", "--color=no", "-m", "not mpi", "tests"], 2400),
     ]
     for n in MPI_WORLD_SIZES:
         steps.append((f"pytest-mpi, {n} ranks",
