@@ -43,7 +43,7 @@ def _child(rank: int, size: int, port: int, comm_timeout: float, target: Callabl
 
 
 def run_world(size: int, target: Callable[..., Any], *args: Any, timeout: float = 120.0,
-              comm_timeout: float = 30.0, **comm_kwargs: Any) -> list[Any]:
+              comm_timeout: float = 120.0, **comm_kwargs: Any) -> list[Any]:
     """Run ``target(comm, *args)`` on ``size`` TCP ranks; return the results in rank order."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()

@@ -20,7 +20,7 @@ __all__ = ["OpContext", "as_bytes"]
 
 def as_bytes(arr: npt.NDArray[Any]) -> memoryview:
     """A byte view of a 1-D C-contiguous array (no copy)."""
-    return memoryview(arr.reshape(-1).view(np.uint8))
+    return arr.reshape(-1).view(np.uint8).data
 
 
 class OpContext:

@@ -35,7 +35,8 @@ __all__ = ["ring_pass"]
 Reducer = Callable[[npt.NDArray[Any], npt.NDArray[Any]], None]
 
 
-def ring_pass(ctx: OpContext, work: npt.NDArray[Any], bounds: Sequence[int], b0: int,
+def ring_pass(ctx: OpContext, work: npt.NDArray[Any],
+              bounds: Sequence[int] | npt.NDArray[np.int64], b0: int,
               steps: int, reduce: Reducer | None) -> None:
     """Run one ring pass over ``work`` (1-D, C-contiguous) cut at ``bounds`` (p + 1 offsets).
 
