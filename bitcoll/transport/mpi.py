@@ -1,0 +1,992 @@
+"""The MPI transport: bitcoll frames over non-blocking mpi4py point-to-point messages.
+
+This is the only module of bitcoll that imports :mod:`mpi4py`, and it does so lazily (inside
+:meth:`MPITransport.create` and the helpers it calls), so ``import bitcoll`` never initializes
+MPI. Everything on the data path uses mpi4py's upper-case buffer methods (``Isend``/``Irecv``
+on byte buffers); nothing is pickled.
+
+Wire format
+-----------
+All bitcoll traffic runs on a private duplicate of the user's communicator, so it can never
+match the user's own messages. Two tags are used on it:
+
+* :data:`DATA_TAG` carries frames. A frame whose payload has at most :data:`INLINE_MAX` bytes
+  is **one** MPI message: the 32-byte header followed by the payload (the payload is copied
+  into a small staging buffer; a copy of a few KiB costs less than a second message). A larger
+  frame is **two** consecutive MPI messages on the same tag: the 32-byte header, then the
+  payload straight from (and into) the caller's buffer, with no copy. MPI's non-overtaking rule
+  (messages between one pair of ranks on one communicator and tag are matched in the order they
+  were sent and posted) gives the transport contract's ordering: frames to one peer are
+  delivered in ``isend`` order and matched to receives in posting order. The transport lock
+  keeps the two messages of a frame adjacent when several threads post frames.
+* :data:`CONTROL_TAG` carries abort notices (:data:`CONTROL_SIZE` bytes: a header of kind
+  :attr:`~bitcoll.transport.base.FrameKind.ABORT` then the UTF-8 reason). Every transport
+  keeps one receive posted on it from ``MPI.ANY_SOURCE`` and every wait loop (and every
+  ``isend``/``irecv``) tests it, so an abort anywhere fails every rank within a few
+  milliseconds instead of at its deadline.
+
+A receive always posts the header message into a staging buffer of
+``HEADER_SIZE + INLINE_MAX`` bytes (and, for a large frame, the payload message into the
+caller's buffer at the same time). The received header is compared with the expected one before
+the payload is used; a mismatch, a frame whose size disagrees with its header, or an MPI
+truncation error (a peer sent more bytes than were posted) becomes
+:class:`~bitcoll.errors.ProtocolError` and aborts the transport.
+
+Traffic counters
+----------------
+:attr:`MPITransport.stats` counts *frames*: one message and ``HEADER_SIZE + payload length``
+bytes per frame, which is exactly the number of bytes handed to MPI for it whether it travels as
+one MPI message or two. A send is counted when it is handed to MPI (in ``isend``), a receive when
+it completes successfully. Abort notices and native collectives are not counted.
+
+Waiting
+-------
+:meth:`Request.wait` polls (``MPI_Test``) rather than blocking in ``MPI_Wait``, because only a
+polling loop can honour a deadline and notice an abort. The loop spins for
+:data:`SPIN_SECONDS` (small messages complete in tens of microseconds on an idle machine), then
+calls ``sched_yield`` between tests until :data:`YIELD_SECONDS` have passed, then sleeps for
+exponentially growing intervals from :data:`MIN_SLEEP_SECONDS` up to :data:`MAX_SLEEP_SECONDS`,
+so a long wait costs a fraction of a percent of a core. When :meth:`MPITransport.create` finds
+more ranks of the communicator on this node than CPUs this process may run on (an
+oversubscribed node), spinning and yielding only steal the CPU from the rank being waited for
+(``sched_yield`` does not give it away under Linux's CFS scheduler): the loop then spins for
+:data:`OVERSUBSCRIBED_SPIN_SECONDS` only and goes straight to sleeping.
+
+Native collectives
+------------------
+MPI's own collectives (``native_allreduce`` etc.) are exposed as methods of this transport so
+that algorithm code can use them without importing mpi4py. They use the non-blocking MPI
+collectives polled with the same deadline and abort logic as frames. MPI cannot cancel a
+collective: after one failed or timed out it stays pending inside MPI, so the transport must
+then be aborted (as the communicator does after any CommError) and its communicator is not
+freed.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import hashlib
+import importlib.util
+import os
+import stat
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Final
+
+import numpy as np
+import numpy.typing as npt
+
+from ..errors import CommError, CommTimeoutError, PeerLostError, ProtocolError, UsageError
+from .base import HEADER_SIZE, FrameHeader, FrameKind, Request, TrafficStats, Transport
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
+
+__all__ = [
+    "MPITransport",
+    "launched_by_mpi",
+    "mpi_available",
+    "DATA_TAG",
+    "CONTROL_TAG",
+    "INLINE_MAX",
+    "CONTROL_SIZE",
+]
+
+DATA_TAG: Final = 1
+"""MPI tag of frame messages on the transport's private communicator."""
+
+CONTROL_TAG: Final = 2
+"""MPI tag of abort notices on the transport's private communicator."""
+
+INLINE_MAX: Final = 8192
+"""Largest payload (bytes) that travels in the same MPI message as its header."""
+
+CONTROL_SIZE: Final = 512
+"""Size in bytes of an abort notice: a 32-byte header and up to 480 bytes of UTF-8 reason."""
+
+SPIN_SECONDS: Final = 50e-6
+"""Wait loops poll without pausing for this long ..."""
+
+YIELD_SECONDS: Final = 300e-6
+"""... then poll with ``sched_yield`` between tests until this much time has passed ..."""
+
+MIN_SLEEP_SECONDS: Final = 20e-6
+"""... then sleep between tests, doubling the pause from MIN_SLEEP_SECONDS ..."""
+
+MAX_SLEEP_SECONDS: Final = 1e-3
+"""... up to MAX_SLEEP_SECONDS."""
+
+OVERSUBSCRIBED_SPIN_SECONDS: Final = 10e-6
+"""Spin time (and no yielding) when more ranks than CPUs share the node."""
+
+CLOSE_DRAIN_SECONDS: Final = 0.2
+"""How long :meth:`MPITransport.close` waits for outstanding MPI requests to finish."""
+
+_REDUCE_OPS: Final = ("sum", "max", "min")
+
+# MPI requests (with the buffers mpi4py keeps alive through them) and communicators that could
+# not be completed or freed. Keeping them referenced forever is deliberate: MPI may still write
+# into a receive buffer whose request could not be cancelled, so the memory must never be freed.
+_LEAKED: list[object] = []
+
+# Open transports, strongly referenced: an unclosed transport keeps a receive posted into its
+# control buffer, so it must not be garbage-collected before close() (run at exit at the latest).
+_LIVE: set[MPITransport] = set()
+
+
+def _close_all_at_exit() -> None:
+    for transport in list(_LIVE):
+        transport.close()
+
+
+# Registered at import, i.e. before mpi4py is imported by create(); atexit runs handlers in
+# reverse order and mpi4py finalizes MPI after the interpreter's atexit handlers anyway.
+atexit.register(_close_all_at_exit)
+
+
+# --------------------------------------------------------------------------------------------
+# Environment detection
+# --------------------------------------------------------------------------------------------
+
+
+def _is_open_socket(fd_text: str) -> bool:
+    try:
+        fd = int(fd_text)
+        return stat.S_ISSOCK(os.fstat(fd).st_mode)
+    except (ValueError, OSError):
+        return False
+
+
+def launched_by_mpi() -> bool:
+    """Return True when this process was started by an MPI launcher (``mpiexec``/``srun``).
+
+    Only environment variables are inspected (and one ``fstat``); mpi4py is not imported. The
+    process counts as MPI-launched when any of these holds:
+
+    * **Open MPI** (``mpirun``/``prterun``): ``OMPI_COMM_WORLD_SIZE`` is set. Open MPI's
+      launcher sets it (with ``OMPI_COMM_WORLD_RANK``) in every process it starts.
+    * **PMIx** (Open MPI 5 / PRRTE, ``srun --mpi=pmix``, any PMIx server): ``PMIX_RANK`` is set.
+      A PMIx server sets it for every client process it launches.
+    * **PMI-1 / PMI-2** (MPICH's Hydra ``mpiexec``, Intel MPI and MVAPICH under Hydra,
+      ``srun --mpi=pmi2``): ``PMI_RANK`` is set *and* the PMI connection it relies on exists:
+      ``PMI_FD`` names a socket that is open in this process, or ``PMI_PORT`` (a
+      ``host:port`` the client connects to) is set. Hydra also sets ``PMI_SIZE``,
+      ``MPI_LOCALNRANKS`` and ``HYDI_CONTROL_FD``, which add nothing to this test.
+
+    The ``PMI_FD`` check matters because environment variables are inherited: a child process
+    started by an MPI rank (for example with :mod:`subprocess`, which closes inherited file
+    descriptors by default) sees the rank's ``PMI_*`` variables but not its PMI socket, and an
+    MPI initialization there would fail. Such a child is correctly reported as not launched by
+    MPI. The same cannot be checked cheaply for Open MPI and PMIx (their variables point to a
+    server address, not to a descriptor), so a child of an Open MPI rank that keeps the parent's
+    environment is reported as MPI-launched.
+
+    Slurm sets ``SLURM_PROCID`` in every task of a step, including steps that are not MPI jobs
+    (``srun -n 4 python x.py`` runs four independent processes). It is therefore not sufficient
+    on its own: a Slurm step counts as MPI only through the PMI-2 or PMIx variables that
+    Slurm's ``--mpi`` plugins set, which the rules above already cover.
+    """
+    env = os.environ
+    if "OMPI_COMM_WORLD_SIZE" in env or "PMIX_RANK" in env:
+        return True
+    if "PMI_RANK" in env:
+        if "PMI_PORT" in env:
+            return True
+        fd_text = env.get("PMI_FD")
+        if fd_text is not None and _is_open_socket(fd_text):
+            return True
+    return False
+
+
+def mpi_available() -> bool:
+    """Return True when mpi4py is installed with its compiled ``mpi4py.MPI`` module.
+
+    This finds the module without importing it (importing ``mpi4py.MPI`` initializes MPI), so
+    it does not prove that the MPI library itself loads; :meth:`MPITransport.create` does.
+    """
+    try:
+        return importlib.util.find_spec("mpi4py.MPI") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _usable_cpus() -> int:
+    """CPUs this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
+
+
+def _mpi() -> Any:
+    """Import and return ``mpi4py.MPI`` (initializes MPI on first use)."""
+    try:
+        from mpi4py import MPI as mpi_module
+    except ImportError as exc:  # pragma: no cover - depends on the installation
+        raise UsageError("the MPI transport needs mpi4py: pip install 'bitcoll[mpi]'") from exc
+    return mpi_module
+
+
+# --------------------------------------------------------------------------------------------
+# Helpers
+# --------------------------------------------------------------------------------------------
+
+
+def _byte_view(buf: object, *, writable: bool, what: str) -> memoryview:
+    """Return ``buf`` as a flat unsigned-byte memoryview (no copy); UsageError if impossible."""
+    try:
+        mv = memoryview(buf)  # type: ignore[arg-type]  # any buffer-protocol object
+    except TypeError as exc:
+        raise UsageError(f"{what} must support the buffer protocol, got {type(buf)!r}") from exc
+    if writable and mv.readonly:
+        raise UsageError(f"{what} must be writable")
+    if not mv.c_contiguous:
+        raise UsageError(f"{what} must be C-contiguous")
+    if mv.format != "B" or mv.ndim != 1:
+        mv = mv.cast("B")
+    return mv
+
+
+def _mpi_error_class(exc: BaseException) -> int | None:
+    get = getattr(exc, "Get_error_class", None)
+    if get is None:
+        return None
+    try:
+        return int(get())
+    except Exception:  # pragma: no cover - defensive
+        return None
+
+
+class _Poller:
+    """Back-off state of one wait loop: spin, then yield, then sleep with growing pauses."""
+
+    __slots__ = ("_pause", "_spin", "_start", "_yield")
+
+    def __init__(self, oversubscribed: bool = False) -> None:
+        self._start = time.monotonic()
+        self._pause = MIN_SLEEP_SECONDS
+        if oversubscribed:
+            self._spin = self._yield = OVERSUBSCRIBED_SPIN_SECONDS
+        else:
+            self._spin, self._yield = SPIN_SECONDS, YIELD_SECONDS
+
+    def pause(self, now: float) -> None:
+        """Called after an unsuccessful test at time ``now``: wait a little, or not."""
+        elapsed = now - self._start
+        if elapsed < self._spin:
+            return
+        if elapsed < self._yield:
+            os.sched_yield()
+            return
+        time.sleep(self._pause)
+        self._pause = min(self._pause * 2.0, MAX_SLEEP_SECONDS)
+
+
+# --------------------------------------------------------------------------------------------
+# Requests
+# --------------------------------------------------------------------------------------------
+
+
+class _MPIRequest(Request):
+    """Base of the transport's requests: progress under the lock, poll with back-off."""
+
+    def __init__(self, transport: MPITransport, mpi_requests: list[MPI.Request],
+                 keep: tuple[object, ...]) -> None:
+        self._t = transport
+        self._reqs = mpi_requests
+        self._keep = keep  # buffers that must stay alive while MPI may touch them
+        self._complete = False
+        self._error: CommError | None = None
+        self._posted = time.monotonic()
+
+    # Called with the transport lock held. Returns True when complete, raises CommError when
+    # this request failed.
+    def _progress(self) -> bool:
+        raise NotImplementedError
+
+    def _describe(self) -> str:
+        raise NotImplementedError
+
+    def _step(self) -> bool:
+        """One non-blocking progress step: True if complete; raises CommError on failure."""
+        t = self._t
+        with t._lock:
+            if self._complete:
+                return True
+            if self._error is not None:
+                raise self._error.with_traceback(None)
+            if t._failure is None:
+                # Progress first: a frame that already arrived completes even if an abort
+                # notice arrived just after it.
+                try:
+                    done = self._progress()
+                except CommError as exc:
+                    self._error = exc
+                    raise
+                if done:
+                    self._complete = True
+                    t._pending.discard(self)
+                    return True
+            failure = t._check_failure()
+            if failure is not None:
+                self._error = failure
+                raise failure.with_traceback(None)
+            return False
+
+    def done(self) -> bool:
+        try:
+            return self._step()
+        except CommError:
+            return True
+
+    def wait(self, deadline: float) -> None:
+        if self._step():
+            return
+        poller = _Poller(self._t.oversubscribed)
+        while not self._step():
+            now = time.monotonic()
+            if now > deadline:
+                if self._step():  # a last look before giving up
+                    return
+                waited = now - self._posted
+                raise CommTimeoutError(
+                    f"{self._describe()} did not complete before the deadline "
+                    f"({waited:.3g} s after it was posted)")
+            poller.pause(now)
+
+    def _cancel(self) -> None:
+        """Cancel what MPI allows to cancel (receives); called with the lock held."""
+
+
+class _SendRequest(_MPIRequest):
+    def __init__(self, transport: MPITransport, mpi_requests: list[MPI.Request],
+                 keep: tuple[object, ...], peer: int, header: FrameHeader) -> None:
+        super().__init__(transport, mpi_requests, keep)
+        self._peer = peer
+        self._header = header
+
+    def _progress(self) -> bool:
+        while self._reqs:
+            try:
+                if not self._reqs[0].Test():
+                    return False
+            except self._t._mpi.Exception as exc:
+                err = CommError(f"MPI failed to send to rank {self._peer}: {exc}")
+                self._t._fail(err, notify=True)
+                raise err from exc
+            self._reqs.pop(0)
+        return True
+
+    def _describe(self) -> str:
+        h = self._header
+        return (f"send of {h.length} bytes to rank {self._peer} (collective #{h.seq}, "
+                f"step {h.step})")
+
+
+class _RecvRequest(_MPIRequest):
+    def __init__(self, transport: MPITransport, mpi_requests: list[MPI.Request],
+                 keep: tuple[object, ...], peer: int, expected: FrameHeader,
+                 staging: npt.NDArray[np.uint8], payload: memoryview) -> None:
+        super().__init__(transport, mpi_requests, keep)
+        self._peer = peer
+        self._expected = expected
+        self._expected_bytes = expected.pack()
+        self._staging = staging
+        self._payload = payload
+        self._header_done = False
+
+    def _protocol_error(self, message: str, cause: BaseException | None = None) -> ProtocolError:
+        err = ProtocolError(message)
+        if cause is not None:
+            err.__cause__ = cause
+        self._t._fail(err, notify=True)
+        return err
+
+    def _test(self, index: int, status: MPI.Status, posted: int) -> bool:
+        """Test one MPI request; MPI errors (truncation) become ProtocolError."""
+        mpi = self._t._mpi
+        try:
+            return bool(self._reqs[index].Test(status))
+        except mpi.Exception as exc:
+            if _mpi_error_class(exc) == mpi.ERR_TRUNCATE:
+                raise self._protocol_error(
+                    f"rank {self._peer} sent a message longer than the {posted} bytes posted "
+                    f"for it (collective #{self._expected.seq}, step {self._expected.step}): "
+                    "mismatched lengths across ranks", exc) from exc
+            raise self._protocol_error(
+                f"MPI failed to receive from rank {self._peer}: {exc}", exc) from exc
+
+    def _progress(self) -> bool:
+        mpi = self._t._mpi
+        status = mpi.Status()
+        n = self._expected.length
+        if not self._header_done:
+            if not self._test(0, status, self._staging.nbytes):
+                return False
+            count = status.Get_count(mpi.BYTE)
+            if count < HEADER_SIZE:
+                raise self._protocol_error(
+                    f"rank {self._peer} sent a {count}-byte message where a frame header was "
+                    "expected")
+            received = self._staging.data[:HEADER_SIZE]
+            if received != self._expected_bytes:  # fast path: byte-wise equal headers
+                try:
+                    got = FrameHeader.unpack(received)
+                except ProtocolError as exc:  # bad magic or version
+                    raise self._protocol_error(f"from rank {self._peer}: {exc}") from exc
+                problem = got.mismatch(self._expected, self._peer)
+                if problem is not None:
+                    raise self._protocol_error(problem)
+            if n <= INLINE_MAX:
+                if count != HEADER_SIZE + n:
+                    raise self._protocol_error(
+                        f"rank {self._peer} sent a frame of {count - HEADER_SIZE} payload "
+                        f"bytes whose header announces {n}")
+                if n:
+                    self._payload[:] = self._staging.data[HEADER_SIZE:HEADER_SIZE + n]
+            elif count != HEADER_SIZE:
+                raise self._protocol_error(
+                    f"rank {self._peer} sent {count - HEADER_SIZE} payload bytes inline for a "
+                    f"frame of {n} bytes (peers disagree on the inline limit)")
+            self._header_done = True
+        if n > INLINE_MAX:
+            if not self._test(1, status, n):
+                return False
+            count = status.Get_count(mpi.BYTE)
+            if count != n:
+                raise self._protocol_error(
+                    f"rank {self._peer} sent {count} payload bytes for a frame whose header "
+                    f"announces {n}")
+        self._t.stats.add_received(HEADER_SIZE + n)
+        self._reqs.clear()
+        return True
+
+    def _cancel(self) -> None:
+        for req in self._reqs:
+            with contextlib.suppress(self._t._mpi.Exception):  # already complete
+                req.Cancel()
+
+    def _describe(self) -> str:
+        h = self._expected
+        return (f"receive of {h.length} bytes from rank {self._peer} (collective #{h.seq}, "
+                f"step {h.step})")
+
+
+class _CollectiveRequest(_MPIRequest):
+    def __init__(self, transport: MPITransport, mpi_request: MPI.Request,
+                 keep: tuple[object, ...], what: str) -> None:
+        super().__init__(transport, [mpi_request], keep)
+        self._what = what
+
+    def _progress(self) -> bool:
+        try:
+            if not self._reqs[0].Test():
+                return False
+        except self._t._mpi.Exception as exc:
+            err = CommError(f"MPI {self._what} failed: {exc}")
+            self._t._fail(err, notify=True)
+            raise err from exc
+        self._reqs.clear()
+        return True
+
+    def _describe(self) -> str:
+        return f"native {self._what}"
+
+
+# --------------------------------------------------------------------------------------------
+# The transport
+# --------------------------------------------------------------------------------------------
+
+
+class MPITransport(Transport):
+    """Bitcoll frames over a private duplicate of an MPI communicator.
+
+    Create it with :meth:`create` (collective over the communicator). ``rank`` and ``size`` are
+    those of the communicator. ``timeout`` (seconds) is the default time budget of one
+    operation for callers that do not compute their own deadlines (for example
+    ``deadline = time.monotonic() + transport.timeout``); :meth:`create` itself uses it as its
+    own deadline. ``oversubscribed`` (set by :meth:`create`, may be overridden) selects the
+    wait loop's back-off (see the module docstring). Thread-safe: MPI calls are serialized by
+    a lock, so MPI's ``THREAD_SERIALIZED`` level is enough.
+    """
+
+    name = "mpi"
+
+    def __init__(self, comm: MPI.Intracomm, timeout: float, mpi_module: Any) -> None:
+        """Internal: use :meth:`create`. ``comm`` must be a private duplicate."""
+        self._mpi = mpi_module
+        self._comm = comm
+        self.rank = comm.Get_rank()
+        self.size = comm.Get_size()
+        self.timeout = float(timeout)
+        self.oversubscribed = False
+        self.stats = TrafficStats()
+        self._lock = threading.RLock()
+        self._failure: CommError | None = None
+        self._notified = False  # every peer has been (or is being) told about the abort
+        self._closed = False
+        self._pending: set[_MPIRequest] = set()
+        self._orphans: list[MPI.Request] = []  # requests that must finish before comm.Free
+        self._keep: list[object] = []  # buffers of orphans
+        self._ctl_buf = np.zeros(CONTROL_SIZE, dtype=np.uint8)
+        self._ctl_status = mpi_module.Status()
+        self._ctl_req: MPI.Request | None = comm.Irecv(
+            [self._ctl_buf, mpi_module.BYTE], mpi_module.ANY_SOURCE, CONTROL_TAG)
+        _LIVE.add(self)
+
+    @classmethod
+    def create(cls, comm: object | None = None, timeout: float = 300.0) -> MPITransport:
+        """Duplicate ``comm`` (default ``MPI.COMM_WORLD``) and build a transport on the copy.
+
+        Collective: every rank of ``comm`` must call it. The duplicate gets the
+        ``ERRORS_RETURN`` error handler so that MPI errors become Python exceptions.
+        Raises UsageError for a communicator that is not an mpi4py intra-communicator or a bad
+        ``timeout``, CommTimeoutError when the duplication does not complete within
+        ``timeout`` seconds (some rank did not call ``create``).
+        """
+        if not timeout > 0:
+            raise UsageError(f"timeout must be > 0 seconds, got {timeout!r}")
+        mpi = _mpi()
+        if comm is None:
+            comm = mpi.COMM_WORLD
+        if not isinstance(comm, mpi.Intracomm):
+            raise UsageError(f"comm must be an mpi4py Intracomm, got {type(comm)!r}")
+        if comm == mpi.COMM_NULL:
+            raise UsageError("comm is MPI.COMM_NULL")
+        deadline = time.monotonic() + timeout
+
+        def finish(req: MPI.Request, keep: tuple[object, ...], what: str) -> None:
+            poller = _Poller()
+            while not req.Test():
+                now = time.monotonic()
+                if now > deadline:
+                    _LEAKED.extend((req, *keep))
+                    raise CommTimeoutError(
+                        f"{what} did not complete in {timeout} s: not every rank called "
+                        "MPITransport.create")
+                poller.pause(now)
+
+        newcomm, req = comm.Idup()
+        finish(req, (newcomm,), "duplicating the communicator")
+        newcomm.Set_errhandler(mpi.ERRORS_RETURN)
+        newcomm.Set_name(f"bitcoll-{comm.Get_name() or 'comm'}")
+        # Count the ranks on this node (same processor name) to detect oversubscription.
+        digest = hashlib.blake2b(mpi.Get_processor_name().encode(), digest_size=8).digest()
+        node = np.frombuffer(digest, dtype=np.uint64).copy()
+        nodes = np.empty(newcomm.Get_size(), dtype=np.uint64)
+        req = newcomm.Iallgather([node, mpi.UINT64_T], [nodes, mpi.UINT64_T])
+        finish(req, (newcomm, node, nodes), "exchanging node names")
+        local_ranks = int(np.count_nonzero(nodes == node[0]))
+        transport = cls(newcomm, timeout, mpi)
+        transport.oversubscribed = local_ranks > _usable_cpus()
+        return transport
+
+    # ---------------------------------------------------------------- state and failure
+
+    @property
+    def failure(self) -> CommError | None:
+        """The error that aborted this transport, or None while it is healthy.
+
+        Reading it also takes a non-blocking look at the abort channel, so an abort by a peer
+        shows up here without any other call.
+        """
+        with self._lock:
+            return self._check_failure()
+
+    @property
+    def comm(self) -> MPI.Intracomm:
+        """The private communicator (for diagnostics; do not send on it)."""
+        return self._comm
+
+    def _check_failure(self) -> CommError | None:
+        """Poll the abort channel; return the failure (lock held)."""
+        if self._failure is None and self._ctl_req is not None:
+            self._poll_control()
+        return self._failure
+
+    def _poll_control(self) -> None:
+        assert self._ctl_req is not None
+        mpi = self._mpi
+        try:
+            arrived = self._ctl_req.Test(self._ctl_status)
+        except mpi.Exception as exc:
+            self._ctl_req = None
+            self._fail(PeerLostError(f"garbled abort notice from a peer: {exc}"),
+                       notify=False)
+            return
+        if not arrived:
+            return
+        self._ctl_req = None
+        source = self._ctl_status.Get_source()
+        reason = "(unreadable reason)"
+        try:
+            h = FrameHeader.unpack(self._ctl_buf.data[:HEADER_SIZE])
+            if h.kind == FrameKind.ABORT and h.length <= CONTROL_SIZE - HEADER_SIZE:
+                raw = self._ctl_buf[HEADER_SIZE:HEADER_SIZE + h.length].tobytes()
+                reason = raw.decode("utf-8", errors="replace")
+        except ProtocolError:
+            pass
+        # The aborting rank notifies every peer itself: no need to forward the notice.
+        self._fail(PeerLostError(f"rank {source} aborted: {reason}"), notify=False)
+
+    def _fail(self, error: CommError, notify: bool, reason: str | None = None) -> None:
+        """Record the first failure, tell peers if asked (the notice carries ``reason``, by
+        default the failure's message), stop pending receives (lock held)."""
+        if self._failure is None:
+            self._failure = error
+        if notify and not self._notified and not self._closed:
+            self._notify_peers(reason if reason is not None else str(self._failure))
+        # A peer's abort reached us (or we told everyone): nobody needs to be told again.
+        self._notified = True
+        for req in list(self._pending):
+            req._cancel()
+            self._orphans.extend(req._reqs)
+            self._keep.append(req._keep)
+        self._pending.clear()
+
+    def _notify_peers(self, reason: str) -> None:
+        mpi = self._mpi
+        if mpi.Is_finalized():
+            return
+        text = reason.encode("utf-8")[:CONTROL_SIZE - HEADER_SIZE]
+        msg = np.zeros(CONTROL_SIZE, dtype=np.uint8)
+        FrameHeader(seq=0, step=0, signature=0, length=len(text),
+                    kind=FrameKind.ABORT).pack_into(msg.data)
+        msg[HEADER_SIZE:HEADER_SIZE + len(text)] = np.frombuffer(text, dtype=np.uint8)
+        self._keep.append(msg)
+        for peer in range(self.size):
+            if peer == self.rank:
+                continue
+            with contextlib.suppress(mpi.Exception):  # nothing better to do while failing
+                self._orphans.append(self._comm.Isend([msg, mpi.BYTE], peer, CONTROL_TAG))
+
+    def _check_usable(self) -> None:
+        """Raise UsageError after close, the failure after an abort (lock held)."""
+        if self._closed:
+            raise UsageError("the MPI transport is closed")
+        failure = self._check_failure()
+        if failure is not None:
+            raise failure.with_traceback(None)
+
+    def _check_peer(self, peer: int) -> None:
+        if not 0 <= peer < self.size:
+            raise UsageError(f"peer {peer} is not a rank of this {self.size}-rank transport")
+
+    # ---------------------------------------------------------------- frames
+
+    def isend(self, peer: int, payload: memoryview, header: FrameHeader) -> Request:
+        """Start sending ``header`` + ``payload`` to ``peer``; see the module docstring.
+
+        ``payload`` (any C-contiguous buffer) must stay alive and unmodified until the request
+        completes; ``header.length`` must equal its size in bytes (UsageError otherwise). Raises
+        the transport's failure after an abort.
+        """
+        self._check_peer(peer)
+        mv = _byte_view(payload, writable=False, what="payload")
+        n = mv.nbytes
+        if header.length != n:
+            raise UsageError(f"header.length is {header.length} but the payload has {n} bytes")
+        mpi = self._mpi
+        with self._lock:
+            self._check_usable()
+            if n <= INLINE_MAX:
+                frame = np.empty(HEADER_SIZE + n, dtype=np.uint8)
+                header.pack_into(frame.data)
+                if n:
+                    frame.data[HEADER_SIZE:] = mv
+                reqs = [self._comm.Isend([frame, mpi.BYTE], peer, DATA_TAG)]
+                keep: tuple[object, ...] = (frame,)
+            else:
+                hbuf = header.pack()
+                reqs = [self._comm.Isend([hbuf, mpi.BYTE], peer, DATA_TAG),
+                        self._comm.Isend([mv, mpi.BYTE], peer, DATA_TAG)]
+                keep = (hbuf, mv)
+            req = _SendRequest(self, reqs, keep, peer, header)
+            self._pending.add(req)
+        self.stats.add_sent(HEADER_SIZE + n)
+        return req
+
+    def irecv(self, peer: int, payload: memoryview, header: FrameHeader) -> Request:
+        """Post a receive of the next frame from ``peer`` into ``payload``.
+
+        ``payload`` (writable, C-contiguous) must hold exactly ``header.length`` bytes
+        (UsageError otherwise) and must stay alive until the request completes; after a
+        failure it may still be written by MPI if the receive could not be cancelled. The
+        request fails with ProtocolError (and aborts the transport) when the frame's header
+        differs from ``header``, its size disagrees with its header, or it is longer than
+        posted. Raises the transport's failure after an abort.
+        """
+        self._check_peer(peer)
+        mv = _byte_view(payload, writable=True, what="payload")
+        n = mv.nbytes
+        if header.length != n:
+            raise UsageError(f"header.length is {header.length} but the payload has {n} bytes")
+        mpi = self._mpi
+        staging = np.empty(HEADER_SIZE + INLINE_MAX, dtype=np.uint8)
+        with self._lock:
+            self._check_usable()
+            reqs = [self._comm.Irecv([staging, mpi.BYTE], peer, DATA_TAG)]
+            if n > INLINE_MAX:
+                reqs.append(self._comm.Irecv([mv, mpi.BYTE], peer, DATA_TAG))
+            req = _RecvRequest(self, reqs, (staging, mv), peer, header, staging, mv)
+            self._pending.add(req)
+        return req
+
+    # ---------------------------------------------------------------- abort / close
+
+    def abort(self, reason: str) -> None:
+        """Fail every pending and future request here and on every peer.
+
+        Peers fail with ``PeerLostError("rank <r> aborted: <reason>")`` at their next test of
+        any request (within milliseconds while they wait). On this rank ``failure`` becomes
+        ``CommError("rank <r> aborted: <reason>")`` unless an earlier error is already recorded
+        (that one is kept). Idempotent; never raises; peers are notified at most once.
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._check_failure()
+            if self._failure is None:
+                self._failure = CommError(f"rank {self.rank} aborted: {reason}")
+            self._fail(self._failure, notify=True, reason=reason)
+
+    def close(self) -> None:
+        """Cancel outstanding receives and free the private communicator. Idempotent.
+
+        Pending requests fail with CommError afterwards, later calls with UsageError.
+        Outstanding MPI operations get :data:`CLOSE_DRAIN_SECONDS` to finish; if some cannot (a
+        send to a peer that will never receive it, a collective a peer never joined), the
+        communicator is left unfreed rather than risking a hang. Never raises.
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            _LIVE.discard(self)
+            mpi = self._mpi
+            finalized = mpi.Is_finalized()
+            for req in list(self._pending):
+                if not finalized:
+                    req._cancel()
+                req._error = CommError("the MPI transport was closed before this request "
+                                       "completed")
+                self._orphans.extend(req._reqs)
+                self._keep.append(req._keep)
+            self._pending.clear()
+            if finalized:
+                self._ctl_req = None
+                return
+            if self._ctl_req is not None:
+                with contextlib.suppress(mpi.Exception):
+                    self._ctl_req.Cancel()
+                self._orphans.append(self._ctl_req)
+                self._ctl_req = None
+            self._keep.append(self._ctl_buf)
+            deadline = time.monotonic() + CLOSE_DRAIN_SECONDS
+            poller = _Poller(self.oversubscribed)
+            while self._orphans:
+                try:
+                    if self._orphans[-1].Test():
+                        self._orphans.pop()
+                        continue
+                except mpi.Exception:
+                    self._orphans.pop()  # completed in error: nothing left to wait for
+                    continue
+                now = time.monotonic()
+                if now > deadline:
+                    break
+                poller.pause(now)
+            if self._orphans:
+                _LEAKED.extend((self._comm, self._orphans, self._keep))
+            else:
+                try:
+                    self._comm.Free()
+                except mpi.Exception:  # pragma: no cover
+                    _LEAKED.append(self._comm)
+            self._orphans = []
+            self._keep = []
+
+    def __enter__(self) -> MPITransport:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else ("failed" if self._failure else "ok")
+        return f"MPITransport(rank={self.rank}, size={self.size}, {state})"
+
+    # ---------------------------------------------------------------- native collectives
+
+    def _run_collective(self, what: str, start: Callable[[], MPI.Request],
+                        keep: tuple[object, ...], deadline: float) -> None:
+        with self._lock:
+            self._check_usable()
+            req = _CollectiveRequest(self, start(), keep, what)
+            self._pending.add(req)
+        req.wait(deadline)
+
+    def _reduce_type(self, arr: npt.NDArray[Any], op: str) -> tuple[MPI.Datatype, MPI.Op]:
+        if op not in _REDUCE_OPS:
+            raise UsageError(f"native reduction op must be one of {_REDUCE_OPS}, got {op!r}")
+        mpi = self._mpi
+        dt = arr.dtype
+        if not dt.isnative:
+            raise UsageError(f"native collectives need native byte order, got {dt}")
+        table: dict[str, Any] = {
+            "int8": mpi.INT8_T, "int16": mpi.INT16_T, "int32": mpi.INT32_T,
+            "int64": mpi.INT64_T, "uint8": mpi.UINT8_T, "uint16": mpi.UINT16_T,
+            "uint32": mpi.UINT32_T, "uint64": mpi.UINT64_T, "float32": mpi.FLOAT,
+            "float64": mpi.DOUBLE,
+        }
+        if op == "sum":
+            table["complex64"] = mpi.C_FLOAT_COMPLEX
+            table["complex128"] = mpi.C_DOUBLE_COMPLEX
+        mpitype = table.get(dt.name)
+        if mpitype is None or mpitype == mpi.DATATYPE_NULL:
+            raise UsageError(f"native {op} reductions do not support dtype {dt} "
+                             "(supported: " + ", ".join(sorted(table)) + ")")
+        mpiop = {"sum": mpi.SUM, "max": mpi.MAX, "min": mpi.MIN}[op]
+        return mpitype, mpiop
+
+    @staticmethod
+    def _check_array(arr: object, what: str, *, writable: bool) -> npt.NDArray[Any]:
+        if not isinstance(arr, np.ndarray):
+            raise UsageError(f"{what} must be a numpy array, got {type(arr)!r}")
+        if not arr.flags.c_contiguous:
+            raise UsageError(f"{what} must be C-contiguous")
+        if writable and not arr.flags.writeable:
+            raise UsageError(f"{what} must be writable")
+        return arr
+
+    @staticmethod
+    def _same_buffer(a: npt.NDArray[Any], b: npt.NDArray[Any]) -> bool:
+        """True when a and b are the very same memory; UsageError on partial overlap."""
+        if a.nbytes == 0 or b.nbytes == 0 or not np.may_share_memory(a, b):
+            return False
+        if a.ctypes.data == b.ctypes.data and a.nbytes == b.nbytes:
+            return True
+        raise UsageError("send and recv buffers overlap partially")
+
+    def native_allreduce(self, send: npt.NDArray[Any], recv: npt.NDArray[Any], op: str,
+                         deadline: float) -> None:
+        """MPI ``Iallreduce``: ``recv = op(send of every rank)`` elementwise.
+
+        ``send`` and ``recv`` are C-contiguous numpy arrays of one dtype and size (``recv``
+        may be ``send`` itself: in place). ``op`` is "sum", "max" or "min". Supported dtypes:
+        int8-64, uint8-64, float32, float64 (and complex64/128 for "sum"); anything else
+        (float16, bool, ...) raises UsageError before anything is sent, so the caller can fall
+        back to a bitcoll algorithm. Raises CommTimeoutError past ``deadline``, the transport's
+        failure after an abort.
+        """
+        send = self._check_array(send, "send", writable=False)
+        recv = self._check_array(recv, "recv", writable=True)
+        if send.dtype != recv.dtype or send.size != recv.size:
+            raise UsageError(f"send ({send.dtype}[{send.size}]) and recv "
+                             f"({recv.dtype}[{recv.size}]) differ in dtype or size")
+        mpitype, mpiop = self._reduce_type(recv, op)
+        mpi = self._mpi
+        in_place = self._same_buffer(send, recv)
+        sbuf: Any = mpi.IN_PLACE if in_place else [send, mpitype]
+        self._run_collective(
+            f"allreduce({op}, {recv.dtype}[{recv.size}])",
+            lambda: self._comm.Iallreduce(sbuf, [recv, mpitype], mpiop), (send, recv), deadline)
+
+    def native_reduce_scatter(self, send: npt.NDArray[Any], recv: npt.NDArray[Any],
+                              counts: list[int], op: str, deadline: float) -> None:
+        """MPI ``Ireduce_scatter``: rank r receives block r of ``op(send of every rank)``.
+
+        ``counts`` (one non-negative int per rank) cuts ``send`` (``sum(counts)`` elements)
+        into consecutive blocks; ``recv`` holds ``counts[rank]`` elements of the same dtype.
+        Buffers must not overlap. Dtypes, ops and errors as :meth:`native_allreduce`.
+        """
+        send = self._check_array(send, "send", writable=False)
+        recv = self._check_array(recv, "recv", writable=True)
+        cnts = self._check_counts(counts)
+        if send.dtype != recv.dtype:
+            raise UsageError(f"send ({send.dtype}) and recv ({recv.dtype}) dtypes differ")
+        if send.size != sum(cnts) or recv.size != cnts[self.rank]:
+            raise UsageError(f"send has {send.size} elements and recv {recv.size}, expected "
+                             f"sum(counts)={sum(cnts)} and counts[{self.rank}]={cnts[self.rank]}")
+        if self._same_buffer(send, recv):
+            raise UsageError("send and recv must not be the same buffer")
+        mpitype, mpiop = self._reduce_type(recv, op)
+        self._run_collective(
+            f"reduce_scatter({op}, {recv.dtype}[{send.size}])",
+            lambda: self._comm.Ireduce_scatter([send, mpitype], [recv, mpitype], cnts, mpiop),
+            (send, recv), deadline)
+
+    def _check_counts(self, counts: Sequence[int]) -> list[int]:
+        try:
+            cnts = [int(c) for c in counts]
+        except (TypeError, ValueError) as exc:
+            raise UsageError(f"counts must be a list of ints, got {counts!r}") from exc
+        if len(cnts) != self.size or any(c < 0 for c in cnts):
+            raise UsageError(f"counts must hold {self.size} non-negative ints, got {counts!r}")
+        return cnts
+
+    def native_allgather(self, send: npt.NDArray[Any], recv: npt.NDArray[Any],
+                         deadline: float) -> None:
+        """MPI ``Iallgather``: ``recv`` = the ``send`` arrays of ranks 0..size-1, concatenated.
+
+        ``recv`` has ``size * send.size`` elements of ``send``'s dtype (any dtype: the bytes are
+        moved as they are). Buffers must not overlap. Raises UsageError, CommTimeoutError past
+        ``deadline``, the transport's failure after an abort.
+        """
+        send = self._check_array(send, "send", writable=False)
+        recv = self._check_array(recv, "recv", writable=True)
+        if send.dtype != recv.dtype or recv.size != send.size * self.size:
+            raise UsageError(f"recv must hold {self.size} x {send.size} elements of "
+                             f"{send.dtype}, got {recv.dtype}[{recv.size}]")
+        if self._same_buffer(send, recv):
+            raise UsageError("send and recv must not be the same buffer")
+        byte = self._mpi.BYTE
+        self._run_collective(
+            f"allgather({send.dtype}[{send.size}])",
+            lambda: self._comm.Iallgather([send, send.nbytes, byte], [recv, send.nbytes, byte]),
+            (send, recv), deadline)
+
+    def native_bcast(self, buf: npt.NDArray[Any], root: int, deadline: float) -> None:
+        """MPI ``Ibcast``: every rank's ``buf`` receives the content of ``root``'s ``buf``.
+
+        ``buf`` is a C-contiguous numpy array of any dtype, of the same byte size on every
+        rank (writable except on the root). Raises UsageError, CommTimeoutError past
+        ``deadline``, the transport's failure after an abort.
+        """
+        self._check_peer(root)
+        buf = self._check_array(buf, "buf", writable=self.rank != root)
+        byte = self._mpi.BYTE
+        self._run_collective(
+            f"bcast({buf.dtype}[{buf.size}], root={root})",
+            lambda: self._comm.Ibcast([buf, buf.nbytes, byte], root), (buf,), deadline)
+
+    def native_alltoall(self, send: npt.NDArray[Any], recv: npt.NDArray[Any],
+                        deadline: float) -> None:
+        """MPI ``Ialltoall``: block j of ``send`` goes to rank j, block i of ``recv`` comes
+        from rank i.
+
+        ``send`` and ``recv`` have the same dtype (any) and size, a multiple of ``size``;
+        blocks are ``size``-th parts in order. Buffers must not overlap. Raises UsageError,
+        CommTimeoutError past ``deadline``, the transport's failure after an abort.
+        """
+        send = self._check_array(send, "send", writable=False)
+        recv = self._check_array(recv, "recv", writable=True)
+        if send.dtype != recv.dtype or send.size != recv.size or send.size % self.size:
+            raise UsageError(f"send ({send.dtype}[{send.size}]) and recv "
+                             f"({recv.dtype}[{recv.size}]) must have one dtype and one size, a "
+                             f"multiple of {self.size}")
+        if self._same_buffer(send, recv):
+            raise UsageError("send and recv must not be the same buffer")
+        block = send.nbytes // self.size
+        byte = self._mpi.BYTE
+        self._run_collective(
+            f"alltoall({send.dtype}[{send.size}])",
+            lambda: self._comm.Ialltoall([send, block, byte], [recv, block, byte]),
+            (send, recv), deadline)
+
+    def native_barrier(self, deadline: float) -> None:
+        """MPI ``Ibarrier``: return once every rank entered it. Raises CommTimeoutError past
+        ``deadline``, the transport's failure after an abort."""
+        self._run_collective("barrier", self._comm.Ibarrier, (), deadline)

@@ -1,0 +1,715 @@
+"""Tests of the MPI transport (bitcoll.transport.mpi).
+
+Run under MPI with any world size >= 2, for example::
+
+    mpiexec -n 3 python -m pytest --with-mpi -q -m mpi tests/test_mpi_transport.py
+
+Plain ``pytest`` runs only the environment-detection unit test and skips the MPI tests. Every
+MPI test creates its own transport (a private duplicate of COMM_WORLD), so a test that aborts
+its transport, or fails half-way on one rank, cannot disturb the next one. Expected data are
+computed locally from seeds.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+
+from bitcoll.errors import (
+    CommError,
+    CommTimeoutError,
+    PeerLostError,
+    ProtocolError,
+    UsageError,
+)
+from bitcoll.partition import partition
+from bitcoll.transport.base import HEADER_SIZE, FrameHeader, Request, wait_all
+from bitcoll.transport.mpi import (
+    DATA_TAG,
+    INLINE_MAX,
+    MPITransport,
+    launched_by_mpi,
+    mpi_available,
+)
+
+TIMEOUT = 10.0  # seconds: bitcoll deadlines in these tests
+PROMPT = 3.0  # seconds: an abort must reach every rank well within this
+SIG = 0x5EED
+MIB = 1 << 20
+LENGTHS = [0, 1, 7, INLINE_MAX, INLINE_MAX + 1, MIB]
+
+mpi = pytest.mark.mpi(min_size=2)
+
+
+def _deadline(seconds: float = TIMEOUT) -> float:
+    return time.monotonic() + seconds
+
+
+def _payload(src: int, dst: int, length: int, salt: int = 0) -> npt.NDArray[np.uint8]:
+    """The bytes rank ``src`` sends to rank ``dst`` (reproducible on every rank)."""
+    rng = np.random.default_rng([src, dst, length, salt])
+    return rng.integers(0, 256, size=length, dtype=np.uint8)
+
+
+def _header(length: int, step: int = 0, seq: int = 1, sig: int = SIG) -> FrameHeader:
+    return FrameHeader(seq=seq, step=step, signature=sig, length=length)
+
+
+def _world_barrier() -> None:
+    from mpi4py import MPI
+
+    MPI.COMM_WORLD.Barrier()
+
+
+@pytest.fixture
+def transport() -> Iterator[MPITransport]:
+    t = MPITransport.create(timeout=TIMEOUT)
+    try:
+        yield t
+    finally:
+        t.close()
+
+
+def _expect_peer_abort(t: MPITransport, silent_peer: int, origin: str) -> None:
+    """Wait on a receive nobody will send; it must fail promptly because a peer aborted."""
+    start = time.monotonic()
+    buf = np.empty(4, dtype=np.uint8)
+    with pytest.raises(CommError) as info:
+        t.irecv(silent_peer, buf.data, _header(4, seq=99)).wait(_deadline())
+    elapsed = time.monotonic() - start
+    assert not isinstance(info.value, CommTimeoutError), info.value
+    assert elapsed < PROMPT, f"the abort took {elapsed:.2f} s to arrive"
+    assert isinstance(info.value, PeerLostError), repr(info.value)
+    assert origin in str(info.value)
+    assert t.failure is info.value
+    with pytest.raises(PeerLostError):
+        t.isend(silent_peer, memoryview(b""), _header(0))
+
+
+# --------------------------------------------------------------------------------------------
+# Environment detection (no MPI needed)
+# --------------------------------------------------------------------------------------------
+
+_LAUNCH_VARS = ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK",
+                "PMI_SIZE", "PMI_FD", "PMI_PORT", "HYDI_CONTROL_FD", "MPI_LOCALNRANKS",
+                "MPI_LOCALRANKID", "SLURM_PROCID", "SLURM_NTASKS")
+
+
+def test_launched_by_mpi_reads_the_environment(monkeypatch: pytest.MonkeyPatch,
+                                               tmp_path: Any) -> None:
+    for var in _LAUNCH_VARS:
+        monkeypatch.delenv(var, raising=False)
+    assert launched_by_mpi() is False
+
+    monkeypatch.setenv("SLURM_PROCID", "0")  # a plain srun step is not an MPI job
+    monkeypatch.setenv("SLURM_NTASKS", "4")
+    assert launched_by_mpi() is False
+    monkeypatch.setenv("PMIX_RANK", "0")  # srun --mpi=pmix
+    assert launched_by_mpi() is True
+    monkeypatch.delenv("PMIX_RANK")
+
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "4")
+    assert launched_by_mpi() is True
+    monkeypatch.delenv("OMPI_COMM_WORLD_SIZE")
+
+    # Hydra / PMI-2: PMI_RANK plus a live PMI socket (or a PMI port).
+    monkeypatch.setenv("PMI_RANK", "1")
+    monkeypatch.setenv("PMI_SIZE", "4")
+    assert launched_by_mpi() is False
+    a, b = socket.socketpair()
+    try:
+        monkeypatch.setenv("PMI_FD", str(a.fileno()))
+        assert launched_by_mpi() is True
+        # Inherited variables whose descriptor is gone (a child of an MPI rank).
+        closed_fd = a.fileno()
+        a.close()
+        monkeypatch.setenv("PMI_FD", str(closed_fd))
+        assert launched_by_mpi() is False
+    finally:
+        a.close()
+        b.close()
+    regular = tmp_path / "not-a-socket"
+    regular.write_bytes(b"")
+    with open(regular, "rb") as f:
+        monkeypatch.setenv("PMI_FD", str(f.fileno()))
+        assert launched_by_mpi() is False
+    monkeypatch.setenv("PMI_FD", "not-a-number")
+    assert launched_by_mpi() is False
+    monkeypatch.setenv("PMI_PORT", "host:1234")
+    assert launched_by_mpi() is True
+    monkeypatch.delenv("PMI_RANK")
+    assert launched_by_mpi() is False  # PMI_PORT without a rank is not a launch
+
+
+def test_mpi_available_without_initializing_mpi() -> None:
+    import sys
+
+    was_loaded = "mpi4py.MPI" in sys.modules
+    assert mpi_available() is True  # mpi4py is a test dependency
+    assert ("mpi4py.MPI" in sys.modules) == was_loaded
+
+
+# --------------------------------------------------------------------------------------------
+# Set-up
+# --------------------------------------------------------------------------------------------
+
+
+@mpi
+@pytest.mark.timeout(30)
+def test_launched_by_mpi_under_mpiexec() -> None:
+    assert launched_by_mpi() is True
+    assert mpi_available() is True
+
+
+@mpi
+@pytest.mark.timeout(30)
+def test_create_uses_a_private_duplicate(transport: MPITransport) -> None:
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    assert (transport.rank, transport.size) == (world.Get_rank(), world.Get_size())
+    assert transport.name == "mpi"
+    assert transport.failure is None
+    assert MPI.Comm.Compare(transport.comm, world) == MPI.CONGRUENT  # same group, new context
+    node = world.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        assert transport.oversubscribed == (node.Get_size() > len(os.sched_getaffinity(0)))
+    finally:
+        node.Free()
+    # A user message on COMM_WORLD with the transport's tag never reaches the transport.
+    peer_to = (transport.rank + 1) % transport.size
+    peer_from = (transport.rank - 1) % transport.size
+    user = world.Isend([np.zeros(HEADER_SIZE, np.uint8), MPI.BYTE], peer_to, DATA_TAG)
+    data = _payload(transport.rank, peer_to, 3)
+    out = np.empty(3, dtype=np.uint8)
+    reqs = [transport.irecv(peer_from, out.data, _header(3)),
+            transport.isend(peer_to, data.data, _header(3))]
+    wait_all(reqs, _deadline())
+    np.testing.assert_array_equal(out, _payload(peer_from, transport.rank, 3))
+    junk = np.empty(HEADER_SIZE, np.uint8)
+    world.Recv([junk, MPI.BYTE], peer_from, DATA_TAG)
+    user.Wait()
+    assert not junk.any()
+
+
+@mpi
+@pytest.mark.timeout(30)
+def test_create_with_explicit_communicator() -> None:
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    # Split the world in two halves (size >= 2 ranks; a half may hold one rank).
+    color = world.Get_rank() % 2
+    sub = world.Split(color, world.Get_rank())
+    try:
+        with MPITransport.create(sub, timeout=TIMEOUT) as t:
+            assert (t.rank, t.size) == (sub.Get_rank(), sub.Get_size())
+            assert MPI.Comm.Compare(t.comm, sub) == MPI.CONGRUENT
+            t.native_barrier(_deadline())
+    finally:
+        sub.Free()
+    with pytest.raises(UsageError):
+        MPITransport.create(object(), timeout=TIMEOUT)
+    with pytest.raises(UsageError):
+        MPITransport.create(timeout=0.0)
+
+
+# --------------------------------------------------------------------------------------------
+# Exchanges, ordering and counters
+# --------------------------------------------------------------------------------------------
+
+
+@mpi
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("length", LENGTHS)
+def test_ring_exchange(transport: MPITransport, length: int) -> None:
+    t = transport
+    right, left = (t.rank + 1) % t.size, (t.rank - 1) % t.size
+    data = _payload(t.rank, right, length)
+    out = np.full(length, 0xAA, dtype=np.uint8)
+    # Post the receive first on even ranks, the send first on odd ranks.
+    if t.rank % 2 == 0:
+        reqs = [t.irecv(left, out.data, _header(length)), t.isend(right, data.data,
+                                                                 _header(length))]
+    else:
+        reqs = [t.isend(right, data.data, _header(length)), t.irecv(left, out.data,
+                                                                    _header(length))]
+    wait_all(reqs, _deadline())
+    assert all(r.done() for r in reqs)
+    np.testing.assert_array_equal(out, _payload(left, t.rank, length))
+    assert t.stats.snapshot() == {
+        "bytes_sent": HEADER_SIZE + length, "bytes_received": HEADER_SIZE + length,
+        "messages_sent": 1, "messages_received": 1,
+    }
+    assert t.failure is None
+
+
+@mpi
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("length", [0, 1, 7, MIB])
+def test_all_pairs_exchange(transport: MPITransport, length: int) -> None:
+    """Every rank sends one frame to every other rank; lengths differ per pair."""
+    t = transport
+
+    def size_of(src: int, dst: int) -> int:
+        return length + (src * 3 + dst) % 5 if length else 0
+
+    outs: dict[int, npt.NDArray[np.uint8]] = {}
+    reqs: list[Request] = []
+    sends = []
+    for peer in range(t.size):
+        if peer == t.rank:
+            continue
+        n_in = size_of(peer, t.rank)
+        outs[peer] = np.empty(n_in, dtype=np.uint8)
+        reqs.append(t.irecv(peer, outs[peer].data, _header(n_in)))
+    for peer in range(t.size):
+        if peer == t.rank:
+            continue
+        data = _payload(t.rank, peer, size_of(t.rank, peer))
+        sends.append(data)
+        reqs.append(t.isend(peer, data.data, _header(data.nbytes)))
+    wait_all(reqs, _deadline())
+    for peer, out in outs.items():
+        np.testing.assert_array_equal(out, _payload(peer, t.rank, size_of(peer, t.rank)))
+    peers = [p for p in range(t.size) if p != t.rank]
+    assert t.stats.snapshot() == {
+        "bytes_sent": sum(HEADER_SIZE + size_of(t.rank, p) for p in peers),
+        "bytes_received": sum(HEADER_SIZE + size_of(p, t.rank) for p in peers),
+        "messages_sent": len(peers),
+        "messages_received": len(peers),
+    }
+
+
+@mpi
+@pytest.mark.timeout(60)
+def test_many_frames_in_flight_keep_their_order(transport: MPITransport) -> None:
+    """Hundreds of frames of mixed sizes (inline and two-message) to both ring neighbours,
+    all posted before any wait: each arrives intact, in order, in its own receive."""
+    t = transport
+    count = 150
+    rng = np.random.default_rng(12345)  # same sizes on every rank
+    sizes = rng.integers(0, 3 * INLINE_MAX, size=count)
+    sizes[::10] = 0
+    sizes[5::17] = 200_000
+    neighbours = sorted({(t.rank + 1) % t.size, (t.rank - 1) % t.size})
+    outs = {p: [np.empty(int(n), np.uint8) for n in sizes] for p in neighbours}
+    reqs: list[Request] = []
+    keep = []
+    for i, n in enumerate(sizes):
+        for p in neighbours:
+            reqs.append(t.irecv(p, outs[p][i].data, _header(int(n), step=i)))
+        for p in neighbours:
+            data = _payload(t.rank, p, int(n), salt=i)
+            keep.append(data)
+            reqs.append(t.isend(p, data.data, _header(int(n), step=i)))
+    wait_all(reversed(reqs), _deadline(30.0))  # completion order does not matter
+    for p in neighbours:
+        for i, n in enumerate(sizes):
+            np.testing.assert_array_equal(outs[p][i], _payload(p, t.rank, int(n), salt=i))
+    total = sum(HEADER_SIZE + int(n) for n in sizes) * len(neighbours)
+    assert t.stats.snapshot() == {
+        "bytes_sent": total, "bytes_received": total,
+        "messages_sent": count * len(neighbours), "messages_received": count * len(neighbours),
+    }
+
+
+@mpi
+@pytest.mark.timeout(30)
+def test_payloads_of_any_buffer_type(transport: MPITransport) -> None:
+    """Payloads may be any C-contiguous buffer (2-D float arrays, bytes); sends may be
+    read-only."""
+    t = transport
+    right, left = (t.rank + 1) % t.size, (t.rank - 1) % t.size
+    data = np.arange(12, dtype=np.float64).reshape(3, 4) + t.rank
+    data.flags.writeable = False
+    out = np.zeros((3, 4), dtype=np.float64)
+    reqs = [t.irecv(left, out.data, _header(out.nbytes)),
+            t.isend(right, data.data, _header(data.nbytes))]
+    wait_all(reqs, _deadline())
+    np.testing.assert_array_equal(out, np.arange(12).reshape(3, 4) + left)
+
+
+@mpi
+@pytest.mark.timeout(30)
+def test_usage_errors_leave_the_transport_healthy(transport: MPITransport) -> None:
+    t = transport
+    buf = np.zeros(8, np.uint8)
+    with pytest.raises(UsageError):
+        t.isend(t.size, buf.data, _header(8))
+    with pytest.raises(UsageError):
+        t.irecv(-1, buf.data, _header(8))
+    with pytest.raises(UsageError):
+        t.isend(0, buf.data, _header(9))  # header length differs from the payload
+    with pytest.raises(UsageError):
+        t.irecv(0, memoryview(b"12345678"), _header(8))  # read-only receive buffer
+    with pytest.raises(UsageError):
+        t.isend(0, np.zeros((4, 4), np.uint8)[:, 1].data, _header(4))  # not contiguous
+    assert t.failure is None
+    assert t.stats.snapshot()["messages_sent"] == 0
+
+
+# --------------------------------------------------------------------------------------------
+# Failures: mismatches, truncation, timeouts, aborts
+# --------------------------------------------------------------------------------------------
+
+
+@mpi
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("sent", "expected", "wrong_signature"), [
+    (7, 7, True),
+    (MIB, MIB, True),
+    (8, 7, False),
+    (7, MIB, False),
+    (MIB, 7, False),
+    (MIB + 1, MIB, False),
+])
+def test_header_mismatch_fails_every_rank(transport: MPITransport, sent: int, expected: int,
+                                          wrong_signature: bool) -> None:
+    """Rank 1 sends its right neighbour a frame with a wrong signature or length: the
+    receiver gets ProtocolError, every other rank PeerLostError promptly."""
+    t = transport
+    right, left = (t.rank + 1) % t.size, (t.rank - 1) % t.size
+    bad_sender, victim = 1, 2 % t.size
+    n_send = sent if t.rank == bad_sender else expected
+    sig = SIG + 1 if (t.rank == bad_sender and wrong_signature) else SIG
+    data = _payload(t.rank, right, n_send)
+    out = np.empty(expected, dtype=np.uint8)
+    recv = t.irecv(left, out.data, _header(expected))
+    send = t.isend(right, data.data, _header(n_send, sig=sig))
+    # Everybody has posted before anybody looks at a frame (and the victim aborts). A plain
+    # MPI barrier: the transport's own would race with the abort.
+    _world_barrier()
+    if t.rank == victim:
+        start = time.monotonic()
+        with pytest.raises(ProtocolError) as info:
+            recv.wait(_deadline())
+        assert time.monotonic() - start < PROMPT
+        text = str(info.value)
+        if wrong_signature:
+            assert "different collective" in text
+        else:
+            assert f"sent {sent} payload bytes" in text and str(expected) in text
+        assert t.failure is info.value
+        with pytest.raises(ProtocolError):
+            t.isend(right, data.data, _header(n_send))
+        with pytest.raises(ProtocolError):
+            t.native_barrier(_deadline())
+        t.abort("ignored: already failed")  # idempotent, keeps the first error
+        assert t.failure is info.value
+    else:
+        # The healthy frames complete, unless the victim's abort overtakes them (a frame can
+        # only complete while both ends still progress it): then they fail with the abort.
+        for req in (recv, send):
+            try:
+                req.wait(_deadline())
+            except PeerLostError as exc:
+                assert f"rank {victim} aborted" in str(exc)
+            else:
+                if req is recv:
+                    np.testing.assert_array_equal(out, _payload(left, t.rank, expected))
+        _expect_peer_abort(t, victim, f"rank {victim} aborted")
+
+
+@mpi
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("where", ["payload", "header"])
+def test_truncation_becomes_protocol_error(transport: MPITransport, where: str) -> None:
+    """A peer that sends more bytes than were posted (bypassing the transport) triggers MPI's
+    truncation error, which must surface as ProtocolError, not an MPI crash."""
+    from mpi4py import MPI
+
+    t = transport
+    expected = 4 * INLINE_MAX
+    victim, culprit = 0, 1
+    if t.rank == victim:
+        out = np.empty(expected, dtype=np.uint8)
+        req = t.irecv(culprit, out.data, _header(expected))
+        with pytest.raises(ProtocolError, match="longer than"):
+            req.wait(_deadline())
+        assert isinstance(t.failure, ProtocolError)
+    elif t.rank == culprit:
+        comm = t.comm
+        if where == "payload":
+            # A correct header, then a payload twice as long as announced.
+            messages = [_header(expected).pack(), np.zeros(2 * expected, np.uint8)]
+        else:
+            # A header message larger than any header + inline payload.
+            big = np.zeros(HEADER_SIZE + INLINE_MAX + 100, np.uint8)
+            _header(expected).pack_into(big.data)
+            messages = [big]
+        sends = [comm.Isend([m, MPI.BYTE], victim, DATA_TAG) for m in messages]
+        _expect_peer_abort(t, victim, f"rank {victim} aborted")
+        MPI.Request.Testall(sends)
+    else:
+        _expect_peer_abort(t, victim, f"rank {victim} aborted")
+
+
+@mpi
+@pytest.mark.timeout(60)
+def test_unmatched_receive_times_out_near_its_deadline(transport: MPITransport) -> None:
+    t = transport
+    wait_for = 0.5
+    buf = np.empty(16, dtype=np.uint8)
+    req = t.irecv((t.rank + 1) % t.size, buf.data, _header(16))
+    assert not req.done()
+    start = time.monotonic()
+    with pytest.raises(CommTimeoutError, match="did not complete"):
+        req.wait(start + wait_for)
+    elapsed = time.monotonic() - start
+    assert wait_for <= elapsed < wait_for + 1.0
+    assert t.failure is None  # a timeout alone does not abort the transport
+    t.close()
+    with pytest.raises(CommError):
+        req.wait(_deadline())
+    with pytest.raises(UsageError, match="closed"):
+        t.irecv(0, buf.data, _header(16))
+    t.close()  # idempotent
+
+
+@mpi
+@pytest.mark.timeout(60)
+def test_abort_reaches_every_rank_promptly(transport: MPITransport) -> None:
+    """Rank 0 aborts while everybody waits (rank 1 on a large send to rank 0, the others on
+    a receive from rank 0): all fail within a second or so, long before the deadline, with
+    the reason; rank 0's own pending request and later calls fail too."""
+    t = transport
+    if t.rank == 0:
+        data = _payload(0, 1, MIB)
+        pending = t.isend(1, data.data, _header(MIB))  # rank 1 never receives it
+        _world_barrier()
+        time.sleep(0.2)  # let the others block in their waits
+        t.abort("out of cheese")
+        failure = t.failure
+        assert isinstance(failure, CommError)
+        assert str(failure) == "rank 0 aborted: out of cheese"
+        with pytest.raises(CommError, match="out of cheese"):
+            pending.wait(_deadline())
+        assert pending.done()
+        with pytest.raises(CommError, match="out of cheese"):
+            t.irecv(1, np.empty(4, np.uint8).data, _header(4))
+        t.abort("again")  # idempotent: the first failure stays
+        assert t.failure is failure
+        return
+    start = time.monotonic()
+    if t.rank == 1:
+        data = _payload(1, 0, MIB)
+        req = t.isend(0, data.data, _header(MIB))  # rank 0 never receives it
+    else:
+        out = np.empty(MIB, np.uint8)
+        req = t.irecv(0, out.data, _header(MIB))  # rank 0 never sends it
+    _world_barrier()
+    with pytest.raises(PeerLostError) as info:
+        req.wait(_deadline())
+    assert time.monotonic() - start < PROMPT
+    assert str(info.value) == "rank 0 aborted: out of cheese"
+    _expect_peer_abort(t, 0, "rank 0 aborted: out of cheese")
+
+
+@mpi
+@pytest.mark.timeout(60)
+def test_abort_during_native_collective(transport: MPITransport) -> None:
+    t = transport
+    x = np.ones(1000, dtype=np.float32)
+    y = np.empty_like(x)
+    if t.rank == t.size - 1:
+        time.sleep(0.2)
+        t.abort("not joining")
+    else:
+        start = time.monotonic()
+        with pytest.raises(PeerLostError, match="not joining"):
+            t.native_allreduce(x, y, "sum", _deadline())
+        assert time.monotonic() - start < PROMPT
+
+
+# --------------------------------------------------------------------------------------------
+# Native collectives
+# --------------------------------------------------------------------------------------------
+
+
+def _rank_data(rank: int, n: int, dtype: str, salt: int = 0) -> npt.NDArray[Any]:
+    rng = np.random.default_rng([rank, n, salt])
+    if np.dtype(dtype).kind == "f":
+        return rng.standard_normal(n).astype(dtype)
+    info = np.iinfo(dtype)
+    lo, hi = max(info.min, -100), min(info.max, 100)
+    return rng.integers(lo, hi, size=n, endpoint=True).astype(dtype)
+
+
+def _reference(op: str, arrays: list[npt.NDArray[Any]]) -> npt.NDArray[Any]:
+    stacked = np.stack(arrays)
+    result: npt.NDArray[Any]
+    if op == "sum":
+        result = stacked.sum(axis=0, dtype=stacked.dtype)
+    else:
+        result = stacked.max(axis=0) if op == "max" else stacked.min(axis=0)
+    return result
+
+
+def _check_reduced(got: npt.NDArray[Any], want: npt.NDArray[Any]) -> None:
+    if got.dtype.kind == "f":
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    else:
+        np.testing.assert_array_equal(got, want)
+
+
+@mpi
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("dtype", ["float32", "float64", "int32", "uint8", "int64"])
+@pytest.mark.parametrize("op", ["sum", "max", "min"])
+def test_native_allreduce(transport: MPITransport, dtype: str, op: str) -> None:
+    t = transport
+    n = 1001
+    send = _rank_data(t.rank, n, dtype)
+    recv = np.empty_like(send)
+    t.native_allreduce(send, recv, op, _deadline())
+    want = _reference(op, [_rank_data(r, n, dtype) for r in range(t.size)])
+    _check_reduced(recv, want)
+    # In place: send and recv are the same array.
+    t.native_allreduce(send, send, op, _deadline())
+    _check_reduced(send, want)
+    empty = np.empty(0, dtype=dtype)
+    t.native_allreduce(empty, np.empty_like(empty), op, _deadline())
+    assert t.stats.snapshot()["messages_sent"] == 0  # native traffic is not counted as frames
+
+
+@mpi
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("dtype", "op"), [("float32", "sum"), ("int16", "max"),
+                                           ("uint32", "min")])
+def test_native_reduce_scatter(transport: MPITransport, dtype: str, op: str) -> None:
+    t = transport
+    n = 1000 + t.size - 1
+    counts = [stop - start for start, stop in partition(n, t.size)]
+    start, stop = partition(n, t.size)[t.rank]
+    send = _rank_data(t.rank, n, dtype)
+    recv = np.empty(counts[t.rank], dtype=dtype)
+    t.native_reduce_scatter(send, recv, counts, op, _deadline())
+    want = _reference(op, [_rank_data(r, n, dtype) for r in range(t.size)])
+    _check_reduced(recv, want[start:stop])
+
+
+@mpi
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("dtype", ["float16", "bool", "int8"])
+def test_native_data_movement(transport: MPITransport, dtype: str) -> None:
+    """allgather, bcast and alltoall move bytes: any dtype works, float16 included."""
+    t = transport
+    p = t.size
+
+    def data(rank: int, n: int, salt: int) -> npt.NDArray[Any]:
+        rng = np.random.default_rng([rank, n, salt])
+        return (rng.integers(-50, 50, size=n) if dtype != "bool"
+                else rng.integers(0, 2, size=n)).astype(dtype)
+
+    send = data(t.rank, 13, 1)
+    gathered = np.empty(13 * p, dtype=dtype)
+    t.native_allgather(send, gathered, _deadline())
+    np.testing.assert_array_equal(gathered, np.concatenate([data(r, 13, 1) for r in range(p)]))
+
+    root = p - 1
+    buf = data(t.rank, 37, 2) if t.rank == root else np.zeros(37, dtype=dtype)
+    buf.flags.writeable = t.rank != root  # the root's buffer is only read
+    t.native_bcast(buf, root, _deadline())
+    np.testing.assert_array_equal(buf, data(root, 37, 2))
+
+    send = data(t.rank, 5 * p, 3)
+    recv = np.empty_like(send)
+    t.native_alltoall(send, recv, _deadline())
+    want = np.concatenate([data(r, 5 * p, 3)[5 * t.rank:5 * (t.rank + 1)] for r in range(p)])
+    np.testing.assert_array_equal(recv, want)
+    t.native_barrier(_deadline())
+
+
+@mpi
+@pytest.mark.timeout(30)
+def test_native_usage_errors(transport: MPITransport) -> None:
+    t = transport
+    x16 = np.ones(8, dtype=np.float16)
+    with pytest.raises(UsageError, match="float16"):
+        t.native_allreduce(x16, np.empty_like(x16), "sum", _deadline())
+    xb = np.ones(8, dtype=bool)
+    with pytest.raises(UsageError):
+        t.native_allreduce(xb, np.empty_like(xb), "max", _deadline())
+    x = np.ones(8, dtype=np.float32)
+    with pytest.raises(UsageError):
+        t.native_allreduce(x, np.empty_like(x), "avg", _deadline())
+    with pytest.raises(UsageError):
+        t.native_allreduce(x, np.empty(9, np.float32), "sum", _deadline())
+    with pytest.raises(UsageError):
+        t.native_allreduce(x, np.empty(8, np.float64), "sum", _deadline())
+    with pytest.raises(UsageError):
+        t.native_allreduce(x[::2], np.empty(4, np.float32), "sum", _deadline())
+    with pytest.raises(UsageError, match="overlap"):
+        t.native_allreduce(x[1:], x[:-1], "sum", _deadline())
+    with pytest.raises(UsageError):
+        t.native_reduce_scatter(x, np.empty(8, np.float32), [8] * (t.size + 1), "sum",
+                                _deadline())
+    with pytest.raises(UsageError):
+        t.native_allgather(x, np.empty(8 * t.size + 1, np.float32), _deadline())
+    with pytest.raises(UsageError):
+        t.native_bcast(x, t.size, _deadline())
+    with pytest.raises(UsageError):
+        t.native_alltoall(np.ones(t.size + 1, np.float32), np.empty(t.size + 1, np.float32),
+                          _deadline())
+    # Nothing was started: the transport still works collectively.
+    t.native_barrier(_deadline())
+    assert t.failure is None
+
+
+@mpi
+@pytest.mark.timeout(60)
+def test_native_collective_times_out(transport: MPITransport) -> None:
+    """A collective that rank 0 never joins times out on the other ranks, near the deadline.
+    (MPI cannot cancel a collective: the transport is left to be aborted or closed.)"""
+    t = transport
+    if t.rank != 0:
+        start = time.monotonic()
+        with pytest.raises(CommTimeoutError, match="native barrier"):
+            t.native_barrier(start + 0.5)
+        assert 0.5 <= time.monotonic() - start < 1.5
+
+
+@mpi
+@pytest.mark.timeout(30)
+def test_wait_does_not_burn_a_core(transport: MPITransport) -> None:
+    """A rank waiting for a frame that comes late sleeps instead of spinning: it uses a small
+    fraction of one core while it waits. (Rank 0 starts a token round the ring after 0.6 s.)"""
+    t = transport
+    right, left = (t.rank + 1) % t.size, (t.rank - 1) % t.size
+    token = np.ones(1, np.uint8)
+    out = np.empty(1, np.uint8)
+    req = t.irecv(left, out.data, _header(1))
+    if t.rank == 0:
+        time.sleep(0.6)
+        wait_all([t.isend(right, token.data, _header(1)), req], _deadline())
+        return
+    cpu0, wall0 = time.process_time(), time.monotonic()
+    req.wait(_deadline())
+    cpu, wall = time.process_time() - cpu0, time.monotonic() - wall0
+    t.isend(right, token.data, _header(1)).wait(_deadline())
+    assert wall >= 0.3
+    assert cpu < 0.25 * wall, f"waited {wall:.2f} s using {cpu:.2f} s of CPU"
+
+
+@mpi
+@pytest.mark.timeout(30)
+def test_close_is_idempotent_and_frees_the_communicator() -> None:
+    from mpi4py import MPI
+
+    t = MPITransport.create(timeout=TIMEOUT)
+    comm = t.comm
+    t.native_barrier(_deadline())
+    t.close()
+    t.close()
+    assert comm == MPI.COMM_NULL  # mpi4py resets the handle of a freed communicator
+    assert t.failure is None
+    with pytest.raises(UsageError):
+        t.native_barrier(_deadline())
