@@ -63,8 +63,10 @@ _ALGORITHMS: dict[str, tuple[str, ...]] = {
     "barrier": ("auto", "dissemination", "native"),
     "packed": ("auto", "direct", "ring", "allgather"),
 }
-#: At or below this many elements the packed collectives use the ring of partial counts.
-SMALL_PACKED_ELEMENTS = 0
+#: The MPI transport's method behind algorithm="native" of each collective.
+_NATIVE = {"allreduce": "native_allreduce", "reduce_scatter": "native_reduce_scatter",
+           "allgather": "native_allgather", "broadcast": "native_bcast",
+           "alltoall": "native_alltoall", "barrier": "native_barrier", "packed": "-"}
 TIE_RULES = ("positive", "negative", "alternate")
 SIGN_DTYPES = frozenset(np.dtype(t) for t in (np.float16, np.float32, np.float64))
 INT_DTYPES = frozenset(np.dtype(t) for t in (np.int8, np.int16, np.int32, np.int64))
@@ -217,7 +219,7 @@ class Communicator:
         if name not in choices:
             raise UsageError(f"unknown algorithm {algorithm!r} for {collective}; "
                              f"expected one of {', '.join(choices)}")
-        if name == "native" and not hasattr(self._transport, f"native_{collective}"):
+        if name == "native" and not hasattr(self._transport, _NATIVE[collective]):
             raise UsageError(f"algorithm 'native' needs the MPI backend (this is {self.backend})")
         return auto if name == "auto" else name
 
@@ -290,8 +292,12 @@ class Communicator:
         return self.run("allreduce", (rop.value, vec.dtype.str, vec.size, algo), body,
                         async_op, timeout)
 
+    def _native(self, method: str) -> Any:
+        """A native-collective method of the MPI transport (checked by ``_algorithm``)."""
+        return getattr(self._transport, method)
+
     def _native_allreduce(self, ctx: OpContext, flat: Array, op: ReduceOp) -> None:
-        native = getattr(self._transport, "native_allreduce")  # noqa: B009 (MPI-only capability)
+        native = self._native("native_allreduce")
         mpi_op = "sum" if op is ReduceOp.AVG else op.value
         native(flat.copy(), flat, mpi_op, ctx.deadline)
         if op is ReduceOp.AVG:
@@ -318,7 +324,7 @@ class Communicator:
             if algo == "native":
                 bounds = block_bounds(vec.size, self.size)
                 counts = [int(c) for c in np.diff(bounds)]
-                native = getattr(self._transport, "native_reduce_scatter")  # noqa: B009
+                native = self._native("native_reduce_scatter")
                 native(vec, flat, counts, "sum" if rop is ReduceOp.AVG else rop.value,
                        ctx.deadline)
                 if rop is ReduceOp.AVG:
@@ -347,7 +353,7 @@ class Communicator:
 
         def body(ctx: OpContext) -> Array:
             if algo == "native":
-                native = getattr(self._transport, "native_allgather")  # noqa: B009
+                native = self._native("native_allgather")
                 native(vec, flat, ctx.deadline)
                 return res
             np.copyto(flat[self.rank * m:(self.rank + 1) * m], vec)
@@ -370,7 +376,7 @@ class Communicator:
 
         def body(ctx: OpContext) -> Array:
             if algo == "native":
-                native = getattr(self._transport, "native_bcast")  # noqa: B009
+                native = self._native("native_bcast")
                 native(flat, int(root), ctx.deadline)
             else:
                 broadcast_tree(ctx, flat, int(root))
@@ -394,7 +400,7 @@ class Communicator:
 
         def body(ctx: OpContext) -> Array:
             if algo == "native":
-                native = getattr(self._transport, "native_alltoall")  # noqa: B009
+                native = self._native("native_alltoall")
                 native(vec, flat, ctx.deadline)
             else:
                 alltoall_direct(ctx, vec, flat)
@@ -410,7 +416,7 @@ class Communicator:
 
         def body(ctx: OpContext) -> None:
             if algo == "native":
-                native = getattr(self._transport, "native_barrier")  # noqa: B009
+                native = self._native("native_barrier")
                 native(ctx.deadline)
             else:
                 barrier_dissemination(ctx)

@@ -758,7 +758,8 @@ class MPITransport(Transport):
         Pending requests fail with CommError afterwards, later calls with UsageError.
         Outstanding MPI operations get :data:`CLOSE_DRAIN_SECONDS` to finish; if some cannot (a
         send to a peer that will never receive it, a collective a peer never joined), the
-        communicator is left unfreed rather than risking a hang. Never raises.
+        communicator is left unfreed rather than risking a hang. An aborted communicator is
+        never freed (see the comment below). Never raises.
         """
         with self._lock:
             if self._closed:
@@ -798,7 +799,10 @@ class MPITransport(Transport):
                 if now > deadline:
                     break
                 poller.pause(now)
-            if self._orphans:
+            if self._orphans or self._failure is not None:
+                # An aborted communicator is never freed: MPI may recycle its context id for
+                # a later communicator, and a peer's abort notice still in flight would then
+                # abort that one.
                 _LEAKED.extend((self._comm, self._orphans, self._keep))
             else:
                 try:
