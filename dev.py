@@ -2,7 +2,7 @@
 """Set-up and run commands for bitcoll / lioncub.
 
     python3 dev.py train [train.py options]   # the main job: a 4-rank Lion Cub training run
-    python3 dev.py test                        # the whole test suite (lint, types, tests, MPI tests)
+    python3 dev.py test                        # the whole test suite (lint, types, tests, MPI)
 
 Each command creates (or reuses) the virtual environment ``.venv`` next to this file and
 installs the project with everything it needs (``pip install -e .[mpi,torch,test]`` under
@@ -36,9 +36,8 @@ def _run(cmd: list[str], env: dict[str, str] | None = None, timeout: float | Non
 
 def ensure_venv() -> None:
     """Create .venv if needed and (re)install the project when its requirements changed."""
-    if not PY.exists():
-        if _run([sys.executable, "-m", "venv", str(VENV)]) != 0:
-            sys.exit("could not create the virtual environment .venv")
+    if not PY.exists() and _run([sys.executable, "-m", "venv", str(VENV)]) != 0:
+        sys.exit("could not create the virtual environment .venv")
     digest = hashlib.sha256()
     for name in ("pyproject.toml", "constraints.txt"):
         digest.update((ROOT / name).read_bytes())
@@ -80,7 +79,8 @@ def cmd_test() -> int:
         if rc != 0:
             print(f"=== {name}: FAILED (exit {rc})", flush=True)
             failed.append(name)
-    print("\n=== summary: " + ("all steps passed" if not failed else "FAILED: " + ", ".join(failed)))
+    verdict = "all steps passed" if not failed else "FAILED: " + ", ".join(failed)
+    print("\n=== summary: " + verdict)
     return 1 if failed else 0
 
 

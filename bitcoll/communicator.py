@@ -471,13 +471,14 @@ class Communicator:
                     "allgather": packed_allgather}[algo]
 
         def body(ctx: OpContext) -> Array:
-            if source == "int" and n:
-                top = int(np.max(np.abs(vec, dtype=np.int64)))
-                if top > levels:
-                    bad = int(np.argmax(np.abs(vec.astype(np.int64)) > levels))
-                    raise UsageError(f"{name}: value {int(vec[bad])} at index {bad} is "
-                                     f"outside [-{levels}, {levels}]")
-            run_algo(ctx, codec, vec, flat, gather)
+            if source == "int" and n and (vec.min() < -levels or vec.max() > levels):
+                bad = int(np.argmax((vec < -levels) | (vec > levels)))
+                raise UsageError(f"{name}: value {int(vec[bad])} at index {bad} is "
+                                 f"outside [-{levels}, {levels}]")
+            if ctx.size == 1:
+                codec.local(vec, flat)
+            else:
+                run_algo(ctx, codec, vec, flat, gather)
             return res
 
         fields = (kind, source, levels, tie, vec.dtype.str, n, algo, gather)

@@ -1,0 +1,73 @@
+"""lioncub: the Lion optimizer and its communication-efficient distributed variants.
+
+* :func:`lion_update`: Lion's update rule (Chen et al., arXiv 2302.06675) on numpy arrays.
+* :func:`quantize`: Lion Cub's vote quantizers ("sign", "l1", "l0", "linf").
+* :class:`DistributedLion`: data-parallel Lion over a bitcoll communicator, in one of
+  :data:`VARIANTS`: Global Lion (float32 gradient all-reduce), Distributed Lion (arXiv
+  2404.00438; majority vote or averaging over an all-gather of sign bits) and Lion Cub (arXiv
+  2411.16462; 1-bit majority or exact p-bit sums of quantized votes through bandwidth-optimal
+  all-reduces), with optional momentum synchronization schedules (:mod:`lioncub.sync`).
+* :mod:`lioncub.torch`: ``torch.optim`` front ends (``Lion``, ``DistributedLion``); it is the
+  only module that imports torch and is not imported here.
+
+Example (run with ``python -m launch -n 4 script.py`` or ``mpiexec -n 4 python script.py``)::
+
+    import numpy as np, bitcoll, lioncub
+    with bitcoll.init() as comm:
+        w = np.zeros(1000, np.float32)                     # the same on every rank
+        opt = lioncub.DistributedLion([w], comm, variant="lioncub-l1", lr=1e-3)
+        for step in range(100):
+            g = compute_gradient(w)                        # this rank's minibatch
+            opt.step([g])                                  # w stays identical on all ranks
+
+Errors are :class:`bitcoll.errors.UsageError` (bad arguments) and bitcoll's ``CommError``
+family (communication).
+"""
+
+from bitcoll.errors import UsageError
+
+from .buckets import Bucket, Slot, make_buckets
+from .distributed import DEFAULT_BUCKET_BYTES, TIE_RULES, DistributedLion
+from .lion import Hyper, lion_update
+from .quantize import METHODS, default_levels, quantize
+from .stats import StepStats
+from .sync import (
+    Adaptive,
+    EarlyPhase,
+    EveryK,
+    Exponential,
+    MomentumSync,
+    NoSync,
+    Selective,
+    parse_sync,
+)
+from .variants import SPECS, VARIANTS, VariantSpec
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "lion_update",
+    "Hyper",
+    "quantize",
+    "METHODS",
+    "default_levels",
+    "VARIANTS",
+    "SPECS",
+    "VariantSpec",
+    "DistributedLion",
+    "DEFAULT_BUCKET_BYTES",
+    "TIE_RULES",
+    "StepStats",
+    "MomentumSync",
+    "NoSync",
+    "EveryK",
+    "Exponential",
+    "EarlyPhase",
+    "Adaptive",
+    "Selective",
+    "parse_sync",
+    "Bucket",
+    "Slot",
+    "make_buckets",
+    "UsageError",
+]

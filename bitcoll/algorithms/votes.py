@@ -97,9 +97,25 @@ class VoteCodec:
         """Unpack a result segment into ``out`` (int8 +-1 for majority, else the sums)."""
         if self.kind == "majority":
             kernels.unpack_signs(packed, out.size, out=out, dtype=out.dtype)
-        else:
+        elif (1 << self.w_out) - 1 - self.bias_out <= np.iinfo(out.dtype).max:
             kernels.unpack_fields(packed, out.size, self.w_out, self.bias_out, out=out,
                                   dtype=out.dtype)
+        else:
+            # The sums fit ``out`` (checked by the communicator) but the field's full range
+            # does not: decode wider, then narrow.
+            wide = kernels.unpack_fields(packed, out.size, self.w_out, self.bias_out,
+                                         dtype=np.int32)
+            np.copyto(out, wide, casting="unsafe")
+
+    def local(self, x: Array, out: Array) -> None:
+        """The result of a one-rank world: each vote or value is its own aggregate."""
+        if self.kind == "majority":
+            kernels.unpack_signs(kernels.pack_signs(x), x.size, out=out, dtype=out.dtype)
+        elif self.source == "sign":
+            kernels.unpack_fields(kernels.pack_ternary(x), x.size, 2, 1, out=out,
+                                  dtype=out.dtype)
+        else:
+            np.copyto(out, x, casting="unsafe")
 
 
 def majority_codec(size: int, tie: int, tie_call: int) -> VoteCodec:

@@ -1,0 +1,582 @@
+"""``DistributedLion``: data-parallel Lion / Distributed Lion / Lion Cub on numpy parameters.
+
+Each rank holds the same float32 parameters and calls :meth:`DistributedLion.step` with its own
+gradients; the variant (:mod:`lioncub.variants`) decides what travels and how the update is
+formed. Every rank applies the same update, so the parameters stay bitwise identical on every
+rank after every step.
+
+How a step runs
+---------------
+1. The parameters are packed, in order, into *buckets* of at most ``bucket_size`` bytes of
+   float32 (:mod:`lioncub.buckets`); each bucket takes one collective per step.
+2. For bucket ``k`` this rank computes its contribution into a flat buffer (the gradient
+   copy for "global"; otherwise ``c = beta1 m + (1 - beta1) g`` with its own momentum, which
+   it advances at the same time, then the integer votes for the quantized variants) and
+   starts the collective with ``async_op=True``.
+3. While that collective is on the wire, bucket ``k + 1`` is computed (the kernels release
+   the GIL); then the result of bucket ``k`` is awaited and applied to the parameters.
+   Two sets of flat buffers alternate, so at most two buckets are in flight.
+4. After the last bucket the momentum schedule (:mod:`lioncub.sync`) picks the tensors whose
+   momenta are averaged over the ranks (float32 ``allreduce(op="avg")``).
+
+Parameters without a gradient
+-----------------------------
+A gradient given as None counts as a **zero gradient** on that rank: the tensor keeps its
+place in the bucket layout on every rank, this rank's vote comes from its momentum alone
+(``c = beta1 m``; its momentum decays by ``beta2``), and the parameter receives the same
+aggregated update as on every other rank (weight decay included). The layout therefore never
+depends on which gradients exist, and ranks can never disagree about it. (In the 1-bit
+majority variants a zero ``c`` votes +1, as bitcoll's 1-bit code cannot carry 0.)
+
+Ties of the 1-bit majority (even world size), ``tie=``
+------------------------------------------------------
+``"alternate"`` (default): the optimizer alternates the rule between steps and buckets, bucket
+``b`` at tie counter ``k`` (one count per step) resolves ties to +1 when ``k + b`` is even and
+to -1 otherwise (the alternation of Lion Cub's reference code). The counter is part of
+:meth:`state_dict`, so a restored run breaks ties exactly as the uninterrupted one.
+``"positive"`` / ``"negative"``: always +1 / -1. ``"elementwise"``: bitcoll's own "alternate"
+rule (element ``i`` on the communicator's ``j``-th majority call: +1 when ``i + j`` is even);
+it alternates within a vector, but its counter lives in the communicator, so a run restored
+into a new communicator does not reproduce the original's ties.
+
+Errors
+------
+Bad arguments raise :class:`bitcoll.errors.UsageError` before anything is sent when they are
+visible locally (wrong gradient count, shape or dtype, bad hyperparameters). A non-finite
+gradient is found while computing a bucket and raises UsageError on that rank; buckets already
+started complete, the step is left half done and the other ranks fail at their next
+collective (PeerLostError once this rank closes its communicator, or at their deadline).
+Communication errors are bitcoll's :class:`~bitcoll.errors.CommError` family.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from bitcoll.errors import UsageError
+
+from . import kernels
+from .buckets import Bucket, Slot, fingerprint, make_buckets
+from .lion import Hyper, check_hyper
+from .quantize import check_levels, default_levels, multiplier, tensor_scale
+from .stats import StepStats
+from .sync import MomentumSync, parse_sync
+from .variants import get_spec
+
+__all__ = ["DistributedLion", "DEFAULT_BUCKET_BYTES", "TIE_RULES"]
+
+F32 = npt.NDArray[np.float32]
+Array = npt.NDArray[Any]
+
+#: Default bucket size: 25 MiB of float32 (6,553,600 elements).
+DEFAULT_BUCKET_BYTES = 25 * 2**20
+TIE_RULES = ("alternate", "positive", "negative", "elementwise")
+_STATE_FORMAT = "lioncub.DistributedLion/1"
+_MAX_SUM = 32767  # bitcoll's exact sums travel in at most 16-bit fields
+
+
+@dataclass
+class _Buffers:
+    """One pipeline stage's flat buffers (sized for the largest bucket)."""
+
+    f: F32            # float32: gradient copy ("global") or c
+    q: Array | None   # int8 votes (quantized variants)
+    s: Array          # collective result: int8 majority or the exact sums
+
+
+def _normalize_groups(params: object, lr: float, betas: object, weight_decay: float
+                      ) -> list[dict[str, Any]]:
+    """``params`` as torch-style groups ``{"params": [arrays], "lr", "betas",
+    "weight_decay"}`` (a flat list of arrays is one group with the defaults)."""
+    if isinstance(params, np.ndarray):
+        raise UsageError("params must be a list of arrays (or of param-group dicts), "
+                         "not a single array")
+    if not isinstance(params, Iterable):
+        raise UsageError(f"params must be a list of numpy arrays, got {type(params).__name__}")
+    items = list(params)
+    if not items:
+        raise UsageError("params is empty")
+    defaults = {"lr": lr, "betas": betas, "weight_decay": weight_decay}
+    if all(isinstance(x, Mapping) for x in items):
+        groups = []
+        for g in items:
+            unknown = set(g) - {"params", "lr", "betas", "weight_decay"}
+            if "params" not in g or unknown:
+                raise UsageError(f"a param group needs 'params' and may set lr, betas, "
+                                 f"weight_decay; got keys {sorted(g)}")
+            ps = g["params"]
+            group = {**defaults, **{k: v for k, v in g.items() if k != "params"},
+                     "params": [ps] if isinstance(ps, np.ndarray) else list(ps)}
+            groups.append(group)
+        return groups
+    if any(isinstance(x, Mapping) for x in items):
+        raise UsageError("params mixes arrays and param-group dicts")
+    return [{**defaults, "params": items}]
+
+
+def _check_betas(betas: object) -> tuple[float, float]:
+    if not isinstance(betas, Sequence) or isinstance(betas, str) or len(betas) != 2:
+        raise UsageError(f"betas must be a pair (beta1, beta2), got {betas!r}")
+    _, b1, b2, _ = check_hyper(0.0, betas[0], betas[1], 0.0)
+    return b1, b2
+
+
+class DistributedLion:
+    """Data-parallel Lion over a bitcoll communicator, in place on float32 numpy arrays.
+
+    Parameters
+    ----------
+    params
+        float32 numpy arrays, C-contiguous and writable (updated in place), identical on
+        every rank; or torch-style param groups ``[{"params": [...], "lr": ..., "betas":
+        ..., "weight_decay": ...}, ...]`` (missing keys take the defaults below).
+    comm
+        a :class:`bitcoll.Communicator` (any object with its methods).
+    variant
+        one of :data:`lioncub.VARIANTS` (table in :mod:`lioncub.variants`).
+    lr, betas, weight_decay
+        Lion's hyperparameters (defaults of every group).
+    levels
+        vote levels of the quantized variants (int in [1, 127], ``levels * world_size <=
+        32767``); None: :func:`lioncub.quantize.default_levels` (``floor(127 / p)`` capped at
+        31). Validated but unused by the other variants.
+    tie
+        tie rule of the 1-bit majority variants: "alternate", "positive", "negative",
+        "elementwise" (see the module docstring).
+    momentum_sync
+        a :class:`lioncub.sync.MomentumSync`, a string spec (``"every:10"``, ``"exp:4"``,
+        ``"adaptive:0.3"``, ``"every:10@*.bias"``, ...) or None (no synchronization). Ignored
+        by "global", whose single momentum is already identical everywhere.
+    bucket_size
+        bytes of float32 per bucket (default 25 MiB); a larger tensor gets its own bucket.
+    names
+        one name per parameter (for selective sync and the stats); default ``"0"``,
+        ``"1"``, ... in parameter order.
+
+    Construction is collective: every rank must construct its optimizer at the same point
+    (one small all-reduce checks that the ranks agree on the layout, the variant, the
+    levels, the tie rule and the sync schedule; UsageError on every rank otherwise).
+
+    Attributes: ``param_groups`` (dicts with ``params`` (the arrays), ``lr``, ``betas``,
+    ``weight_decay``; changing the hyperparameters between steps is allowed), ``variant``,
+    ``levels`` (effective vote levels: 1 for ternary signs), ``buckets``, ``names``,
+    ``momentum_sync``, ``step_count``, ``last_stats`` (:class:`lioncub.stats.StepStats` of
+    the last step, None before the first).
+    """
+
+    def __init__(self, params: Iterable[Any], comm: Any, variant: str = "lioncub-l1",
+                 lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99),
+                 weight_decay: float = 0.0, levels: int | None = None,
+                 tie: str = "alternate",
+                 momentum_sync: MomentumSync | str | None = None,
+                 bucket_size: int = DEFAULT_BUCKET_BYTES,
+                 names: Sequence[str] | None = None) -> None:
+        self.spec = get_spec(variant)
+        self.variant = self.spec.name
+        self.comm = comm
+        self.world_size = int(comm.size)
+        self.rank = int(comm.rank)
+        check_hyper(lr, *_check_betas(betas), weight_decay)
+        self.param_groups = _normalize_groups(params, lr, betas, weight_decay)
+        self.params: list[F32] = []
+        self._group_of: list[int] = []
+        seen: set[int] = set()
+        for gi, group in enumerate(self.param_groups):
+            check_hyper(group["lr"], *_check_betas(group["betas"]), group["weight_decay"])
+            for p in group["params"]:
+                self._check_param(p, len(self.params), seen)
+                self.params.append(p)
+                self._group_of.append(gi)
+        n = len(self.params)
+        spans = sorted((p.ctypes.data, p.ctypes.data + p.nbytes, i)
+                       for i, p in enumerate(self.params) if p.size)
+        for (_, end, i), (start, _, j) in itertools.pairwise(spans):
+            if start < end:
+                raise UsageError(f"parameters {min(i, j)} and {max(i, j)} share memory")
+        if names is None:
+            self.names: tuple[str, ...] = tuple(str(i) for i in range(n))
+        else:
+            names = list(names)
+            if len(names) != n or not all(isinstance(x, str) for x in names):
+                raise UsageError(f"names must be {n} strings (one per parameter)")
+            if len(set(names)) != n:
+                raise UsageError("names must be unique")
+            self.names = tuple(names)
+
+        if levels is not None:
+            levels = check_levels(levels)
+        if self.spec.uses_levels:
+            self.levels = default_levels(self.world_size) if levels is None else levels
+        else:
+            self.levels = 1
+        if self.levels * self.world_size > _MAX_SUM:
+            raise UsageError(f"levels * world size = {self.levels * self.world_size} exceeds "
+                             f"{_MAX_SUM}; use at most {_MAX_SUM // self.world_size} levels")
+        if tie not in TIE_RULES:
+            raise UsageError(f"unknown tie rule {tie!r}; expected one of {', '.join(TIE_RULES)}")
+        self.tie = tie
+        self.momentum_sync = parse_sync(momentum_sync)
+        if self.momentum_sync.needs_agreement and not self.spec.yields_sums:
+            raise UsageError(f"momentum sync {self.momentum_sync.spec()!r} needs vote "
+                             f"agreement, which variant {self.variant!r} does not produce; "
+                             "use dlion-avg, lioncub-sign or a quantized lioncub variant")
+        if isinstance(bucket_size, bool) or not isinstance(bucket_size, (int, np.integer)) \
+                or bucket_size < 4:
+            raise UsageError(f"bucket_size must be a number of bytes >= 4, got {bucket_size!r}")
+        self.bucket_size = int(bucket_size)
+        self.buckets: list[Bucket] = make_buckets([p.size for p in self.params],
+                                                  self.bucket_size // 4)
+
+        self._flat: list[F32] = [p.reshape(-1) for p in self.params]
+        self._bucket_mom: list[F32] = [np.zeros(b.size, dtype=np.float32)
+                                       for b in self.buckets]
+        self._place: list[tuple[int, Slot] | None] = [None] * n
+        self._mom: list[F32] = [np.zeros(0, dtype=np.float32)] * n
+        for b in self.buckets:
+            for s in b.slots:
+                self._place[s.index] = (b.index, s)
+                self._mom[s.index] = self._bucket_mom[b.index][s.offset:s.stop]
+        self._buffers: list[_Buffers] = []
+        self._step = 0
+        self._tie_counter = 0
+        self._comm_seconds = 0.0
+        self.last_stats: StepStats | None = None
+        self._check_agreement_across_ranks()
+
+    # ------------------------------------------------------------------ set-up helpers
+    @staticmethod
+    def _check_param(p: object, index: int, seen: set[int]) -> None:
+        if not isinstance(p, np.ndarray):
+            raise UsageError(f"parameter {index} must be a numpy array, got {type(p).__name__}")
+        if p.dtype != np.float32:
+            raise UsageError(f"parameter {index} must be float32, got {p.dtype}")
+        if not p.flags.c_contiguous or not p.flags.writeable:
+            raise UsageError(f"parameter {index} must be C-contiguous and writable "
+                             "(it is updated in place)")
+        if id(p) in seen:
+            raise UsageError(f"parameter {index} appears twice")
+        seen.add(id(p))
+
+    def _check_agreement_across_ranks(self) -> None:
+        """One tiny all-reduce: every rank must have the same layout and settings."""
+        fp = fingerprint([p.shape for p in self.params], self.buckets, self.variant,
+                         self.levels, self.tie, self.momentum_sync.spec(), self.world_size)
+        probe = np.array([fp, -fp], dtype=np.float64)
+        self.comm.allreduce(probe, op="max", out=probe)
+        if probe[0] != fp or -probe[1] != fp:
+            raise UsageError("the ranks constructed DistributedLion differently (parameter "
+                             "shapes or order, bucket size, variant, levels, tie rule or "
+                             "momentum sync schedule differ)")
+
+    def _buffer(self, k: int) -> _Buffers:
+        while len(self._buffers) <= k:
+            size = max((b.size for b in self.buckets), default=0)
+            q = np.zeros(size, np.int8) if self.spec.kind == "quantized" else None
+            # majority results are int8 +-1; exact sums (at most levels * p <= 32767 in
+            # magnitude) are received as int16
+            s_dtype = np.int8 if self.spec.kind == "majority" else np.int16
+            self._buffers.append(_Buffers(np.zeros(size, np.float32), q,
+                                          np.zeros(size, s_dtype)))
+        return self._buffers[k]
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def step_count(self) -> int:
+        """Number of completed steps."""
+        return self._step
+
+    @property
+    def momenta(self) -> list[F32]:
+        """This rank's momentum of every parameter, as views shaped like the parameters
+        (writing them changes the optimizer's state)."""
+        return [m.reshape(p.shape) for m, p in zip(self._mom, self.params, strict=True)]
+
+    # ------------------------------------------------------------------ the step
+    def _check_grads(self, grads: object) -> list[F32 | None]:
+        if isinstance(grads, np.ndarray) or not isinstance(grads, Sequence):
+            raise UsageError("grads must be a list with one array (or None) per parameter")
+        if len(grads) != len(self.params):
+            raise UsageError(f"got {len(grads)} gradients for {len(self.params)} parameters")
+        out: list[F32 | None] = []
+        for i, (g, p) in enumerate(zip(grads, self.params, strict=True)):
+            if g is None:
+                out.append(None)
+                continue
+            if not isinstance(g, np.ndarray):
+                raise UsageError(f"gradient {i} ({self.names[i]}) must be a numpy array or "
+                                 f"None, got {type(g).__name__}")
+            if g.dtype != np.float32:
+                raise UsageError(f"gradient {i} ({self.names[i]}) must be float32, got "
+                                 f"{g.dtype}")
+            if g.shape != p.shape:
+                raise UsageError(f"gradient {i} ({self.names[i]}) has shape {g.shape}, the "
+                                 f"parameter has {p.shape}")
+            out.append(np.ascontiguousarray(g).reshape(-1))
+        return out
+
+    def _hypers(self) -> list[Hyper]:
+        per_group = []
+        for group in self.param_groups:
+            b1, b2 = _check_betas(group["betas"])
+            per_group.append(Hyper.of(group["lr"], b1, b2, group["weight_decay"]))
+        return [per_group[g] for g in self._group_of]
+
+    def _tie_for(self, bucket: int) -> str:
+        if self.tie == "alternate":
+            return "positive" if (self._tie_counter + bucket) % 2 == 0 else "negative"
+        if self.tie == "elementwise":
+            return "alternate"
+        return self.tie
+
+    def _non_finite(self, i: int) -> UsageError:
+        return UsageError(f"non-finite value in the gradient (or momentum) of parameter {i} "
+                          f"({self.names[i]}) on rank {self.rank}")
+
+    def _prepare(self, bucket: Bucket, buf: _Buffers, grads: list[F32 | None],
+                 hypers: list[Hyper]) -> None:
+        """Compute this rank's contribution of ``bucket`` into ``buf``."""
+        kind = self.spec.kind
+        for s in bucket.slots:
+            i = s.index
+            g = grads[i]
+            f = buf.f[s.offset:s.stop]
+            if kind == "global":
+                if g is None:
+                    f.fill(0.0)
+                elif not kernels.copy_checked(g, f):
+                    raise self._non_finite(i)
+                continue
+            h = hypers[i]
+            total = kernels.direction(self._mom[i], g, f, h.b1, h.a1, h.b2, h.a2)
+            if not math.isfinite(total):
+                raise self._non_finite(i)
+            if kind == "quantized":
+                assert buf.q is not None and self.spec.method is not None
+                q = buf.q[s.offset:s.stop]
+                method = self.spec.method
+                mult = multiplier(method, self.levels, tensor_scale(method, f, total))
+                if mult is None:
+                    q.fill(0)
+                else:
+                    kernels.quantize_scaled(f, mult, self.levels, q)
+
+    def _start(self, bucket: Bucket, buf: _Buffers) -> Any:
+        """Start the bucket's collective (async); return its Work."""
+        n = bucket.size
+        kind = self.spec.kind
+        algo = self.spec.algorithm
+        t0 = time.perf_counter()
+        if kind == "global":
+            work = self.comm.allreduce(buf.f[:n], op="avg", out=buf.f[:n], async_op=True)
+        elif kind == "majority":
+            work = self.comm.sign_allreduce(buf.f[:n], op="majority",
+                                            tie=self._tie_for(bucket.index), out=buf.s[:n],
+                                            async_op=True, algorithm=algo)
+        elif kind == "quantized":
+            assert buf.q is not None
+            work = self.comm.quantized_allreduce(buf.q[:n], self.levels, out=buf.s[:n],
+                                                 async_op=True, algorithm=algo)
+        else:  # "mean", "sign-sum": exact sums of ternary signs
+            work = self.comm.sign_allreduce(buf.f[:n], op="sum", out=buf.s[:n],
+                                            async_op=True, algorithm=algo)
+        self._comm_seconds += time.perf_counter() - t0
+        return work
+
+    def _finish(self, bucket: Bucket, buf: _Buffers, work: Any, hypers: list[Hyper],
+                sums: dict[int, int]) -> None:
+        """Wait for the bucket's collective and apply the update to its parameters."""
+        t0 = time.perf_counter()
+        work.wait()
+        self._comm_seconds += time.perf_counter() - t0
+        kind = self.spec.kind
+        p = kernels.f32(self.world_size)
+        for s in bucket.slots:
+            i = s.index
+            h = hypers[i]
+            if kind == "global":
+                kernels.lion_step(self._flat[i], buf.f[s.offset:s.stop], self._mom[i], h.lr,
+                                  h.decay, h.b1, h.a1, h.b2, h.a2)
+            elif kind == "mean":
+                sums[i] = kernels.apply_mean(self._flat[i], buf.s[s.offset:s.stop], h.lr,
+                                             h.decay, p)
+            else:
+                total = kernels.apply_sign(self._flat[i], buf.s[s.offset:s.stop], h.lr,
+                                           h.decay)
+                if kind != "majority":
+                    sums[i] = total
+
+    def step(self, grads: Sequence[npt.NDArray[np.float32] | None]) -> None:
+        """One optimizer step from this rank's gradients (collective: every rank calls it).
+
+        ``grads``: one entry per parameter, in parameter order: a float32 array of the
+        parameter's shape (any memory layout; a non-contiguous one is copied) or None (a zero
+        gradient, see the module docstring). Updates the parameters (identically on every
+        rank) and this rank's momenta in place, then sets :attr:`last_stats`.
+        """
+        flat_grads = self._check_grads(grads)
+        hypers = self._hypers()
+        before = self.comm.stats.snapshot()
+        self._comm_seconds = 0.0
+        start = time.perf_counter()
+        sums: dict[int, int] = {}
+        pending: tuple[Bucket, _Buffers, Any] | None = None
+        for bucket in self.buckets:
+            buf = self._buffer(bucket.index % 2)
+            self._prepare(bucket, buf, flat_grads, hypers)
+            work = self._start(bucket, buf)
+            if pending is not None:
+                self._finish(*pending, hypers, sums)
+            pending = (bucket, buf, work)
+        if pending is not None:
+            self._finish(*pending, hypers, sums)
+        self._step += 1
+        if self.spec.kind == "majority":
+            self._tie_counter += 1
+
+        agreement: dict[int, float] | None = None
+        if self.spec.yields_sums:
+            denom = self.world_size * self.levels
+            agreement = {i: total / (self.params[i].size * denom) for i, total in sums.items()}
+        synced = self._sync_momenta(agreement)
+        elapsed = time.perf_counter() - start
+        after = self.comm.stats.snapshot()
+        self.last_stats = StepStats(
+            step=self._step,
+            compute_seconds=max(0.0, elapsed - self._comm_seconds),
+            comm_seconds=self._comm_seconds,
+            bytes_sent=after["bytes_sent"] - before["bytes_sent"],
+            bytes_received=after["bytes_received"] - before["bytes_received"],
+            messages_sent=after["messages_sent"] - before["messages_sent"],
+            messages_received=after["messages_received"] - before["messages_received"],
+            synced=tuple(self.names[i] for i in synced),
+            agreement=None if agreement is None
+            else {self.names[i]: a for i, a in sorted(agreement.items())},
+        )
+
+    # ------------------------------------------------------------------ momentum sync
+    def _sync_momenta(self, agreement: Mapping[int, float] | None) -> list[int]:
+        """Average the momenta the schedule selects; return their indices."""
+        if not self.spec.local_momentum:
+            return []
+        chosen = [i for i in self.momentum_sync.select(self._step, agreement, self.names)
+                  if self._place[i] is not None]
+        if not chosen:
+            return []
+        by_bucket: dict[int, list[Slot]] = {}
+        for i in chosen:
+            place = self._place[i]
+            assert place is not None
+            by_bucket.setdefault(place[0], []).append(place[1])
+        for b, slots in sorted(by_bucket.items()):
+            self.average_momenta(b, slots)
+        return sorted(chosen)
+
+    def average_momenta(self, bucket: int, slots: Sequence[Slot] | None = None) -> None:
+        """Replace this rank's momenta of ``slots`` of ``bucket`` (all of them when None) by
+        their average over the ranks (collective; one float32 all-reduce)."""
+        mom = self._bucket_mom[bucket]
+        everything = self.buckets[bucket].slots
+        t0 = time.perf_counter()
+        if slots is None or len(slots) == len(everything):
+            self.comm.allreduce(mom, op="avg", out=mom)
+        else:
+            scratch = self._buffer(0).f
+            pos = 0
+            for s in slots:
+                scratch[pos:pos + s.size] = mom[s.offset:s.stop]
+                pos += s.size
+            self.comm.allreduce(scratch[:pos], op="avg", out=scratch[:pos])
+            pos = 0
+            for s in slots:
+                mom[s.offset:s.stop] = scratch[pos:pos + s.size]
+                pos += s.size
+        self._comm_seconds += time.perf_counter() - t0
+
+    def broadcast_parameters(self, root: int = 0) -> None:
+        """Copy rank ``root``'s parameters to every rank (collective; one broadcast per
+        bucket). Use it once after construction when the ranks' initial values may differ."""
+        scratch = self._buffer(0).f
+        for b in self.buckets:
+            for s in b.slots:
+                scratch[s.offset:s.stop] = self._flat[s.index]
+            self.comm.broadcast(scratch[:b.size], root=root)
+            for s in b.slots:
+                self._flat[s.index][:] = scratch[s.offset:s.stop]
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's optimizer state (copies): step count, tie counter, per-rank momenta
+        (one float32 array per parameter, shaped like it), the sync schedule's state and the
+        param groups' hyperparameters. Save one per rank; the "global" variant's momenta
+        are identical on every rank."""
+        groups = []
+        index = 0
+        for group in self.param_groups:
+            count = len(group["params"])
+            groups.append({"lr": group["lr"], "betas": tuple(group["betas"]),
+                           "weight_decay": group["weight_decay"],
+                           "params": list(range(index, index + count))})
+            index += count
+        return {
+            "format": _STATE_FORMAT,
+            "variant": self.variant,
+            "world_size": self.world_size,
+            "rank": self.rank,
+            "levels": self.levels,
+            "tie": self.tie,
+            "step": self._step,
+            "tie_counter": self._tie_counter,
+            "momentum": [m.reshape(p.shape).copy()
+                         for m, p in zip(self._mom, self.params, strict=True)],
+            "sync": self.momentum_sync.state_dict(),
+            "param_groups": groups,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore a :meth:`state_dict` of an optimizer built the same way (same variant,
+        world size, levels, tie rule, parameter shapes and groups, sync schedule). Each rank
+        loads its own rank's state. Raises UsageError on any mismatch, before changing
+        anything."""
+        if not isinstance(state, Mapping) or state.get("format") != _STATE_FORMAT:
+            raise UsageError("not a lioncub.DistributedLion state dict")
+        for key, value in (("variant", self.variant), ("world_size", self.world_size),
+                           ("levels", self.levels), ("tie", self.tie)):
+            if state.get(key) != value:
+                raise UsageError(f"state dict has {key}={state.get(key)!r}, this optimizer "
+                                 f"has {value!r}")
+        momenta = state["momentum"]
+        if len(momenta) != len(self.params):
+            raise UsageError(f"state dict has {len(momenta)} momenta for "
+                             f"{len(self.params)} parameters")
+        for i, (m, p) in enumerate(zip(momenta, self.params, strict=True)):
+            m = np.asarray(m)
+            if m.shape != p.shape or m.dtype != np.float32:
+                raise UsageError(f"momentum {i} has shape {m.shape} / dtype {m.dtype}, "
+                                 f"expected {p.shape} / float32")
+        groups = state["param_groups"]
+        if [len(g["params"]) for g in groups] != [len(g["params"]) for g in self.param_groups]:
+            raise UsageError("state dict has a different param-group structure")
+        for g in groups:
+            check_hyper(g["lr"], *_check_betas(g["betas"]), g["weight_decay"])
+        self.momentum_sync.load_state_dict(state["sync"])
+        for i, m in enumerate(momenta):
+            self._mom[i][:] = np.asarray(m).reshape(-1)
+        for mine, saved in zip(self.param_groups, groups, strict=True):
+            mine["lr"] = saved["lr"]
+            mine["betas"] = tuple(saved["betas"])
+            mine["weight_decay"] = saved["weight_decay"]
+        self._step = int(state["step"])
+        self._tie_counter = int(state["tie_counter"])
+
+    def __repr__(self) -> str:
+        return (f"<DistributedLion variant={self.variant} levels={self.levels} "
+                f"params={len(self.params)} buckets={len(self.buckets)} "
+                f"rank={self.rank}/{self.world_size} step={self._step}>")

@@ -1,0 +1,259 @@
+"""Fused element-wise kernels of the Lion family (numba, ``nogil``, compiled once and cached).
+
+Every kernel works on 1-D C-contiguous arrays and states the numpy expression it computes.
+All arithmetic is float32 with every operation rounded as numpy rounds it (no fused
+multiply-add, no reassociation: the kernels are compiled without fast-math), so a kernel and
+its numpy expression give identical bits. Scalars must be passed as ``numpy.float32``; callers
+get them from :func:`f32`.
+
+Reductions (sums of absolute values, of logarithms) accumulate sequentially in float64 and are
+therefore deterministic. A returned sum is non-finite exactly when an input element was
+non-finite (NaN or +-inf), which is how callers detect bad gradients without another pass.
+
+The kernels release the GIL, so a bucket can be computed while a collective of the
+communicator's worker thread moves another bucket.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
+
+import numba
+import numpy as np
+import numpy.typing as npt
+
+__all__ = [
+    "f32",
+    "lion_step",
+    "direction",
+    "copy_checked",
+    "abs_sum",
+    "abs_max",
+    "log_abs_sum",
+    "quantize_scaled",
+    "quantize_sign",
+    "apply_sign",
+    "apply_mean",
+]
+
+F32 = npt.NDArray[np.float32]
+Int = npt.NDArray[Any]
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _jit(func: _F) -> _F:
+    """Compile with numba: no GIL, cached on disk, no fast-math (IEEE rounding per op)."""
+    return cast(_F, numba.njit(nogil=True, cache=True, fastmath=False)(func))
+
+
+def f32(x: float) -> np.float32:
+    """``x`` rounded to float32: the only way scalars enter the kernels."""
+    return np.float32(x)
+
+
+@_jit
+def _lion_step(param: F32, grad: F32, has_grad: bool, mom: F32, lr: np.float32,
+               decay: np.float32, b1: np.float32, a1: np.float32, b2: np.float32,
+               a2: np.float32) -> None:
+    for i in range(param.size):
+        m = mom[i]
+        g = grad[i] if has_grad else np.float32(0.0)
+        c = m * b1 + g * a1
+        t = param[i] * decay
+        if c > 0:
+            t = t - lr
+        elif c < 0:
+            t = t + lr
+        param[i] = t
+        mom[i] = m * b2 + g * a2
+
+
+def lion_step(param: F32, grad: F32 | None, mom: F32, lr: np.float32, decay: np.float32,
+              b1: np.float32, a1: np.float32, b2: np.float32, a2: np.float32) -> None:
+    """One Lion update of ``param`` and ``mom`` in place (``grad=None``: a zero gradient).
+
+    numpy equivalent (``a1 = 1 - b1``, ``a2 = 1 - b2``, ``decay = 1 - lr * weight_decay``)::
+
+        c = mom * b1 + grad * a1
+        param *= decay
+        param -= lr * sign(c)
+        mom[:] = mom * b2 + grad * a2
+    """
+    _lion_step(param, _ONE if grad is None else grad, grad is not None, mom, lr, decay,
+               b1, a1, b2, a2)
+
+
+@_jit
+def _direction(mom: F32, grad: F32, has_grad: bool, out: F32, b1: np.float32, a1: np.float32,
+               b2: np.float32, a2: np.float32) -> float:
+    total = 0.0
+    for i in range(mom.size):
+        m = mom[i]
+        g = grad[i] if has_grad else np.float32(0.0)
+        c = m * b1 + g * a1
+        out[i] = c
+        total += abs(c)
+        mom[i] = m * b2 + g * a2
+    return total
+
+
+def direction(mom: F32, grad: F32 | None, out: F32, b1: np.float32, a1: np.float32,
+              b2: np.float32, a2: np.float32) -> float:
+    """Write Lion's interpolation ``c`` into ``out``, advance ``mom``; return ``sum|c|``.
+
+    numpy equivalent: ``out[:] = mom * b1 + grad * a1; mom[:] = mom * b2 + grad * a2;
+    return float(np.abs(out).astype(np.float64).sum())`` (``grad=None``: zeros).
+    """
+    return float(_direction(mom, _ONE if grad is None else grad, grad is not None, out,
+                            b1, a1, b2, a2))
+
+
+@_jit
+def _copy_checked(src: F32, dst: F32) -> float:
+    total = 0.0
+    for i in range(src.size):
+        v = src[i]
+        dst[i] = v
+        total += v
+    return total
+
+
+def copy_checked(src: F32, dst: F32) -> bool:
+    """``dst[:] = src``; return True when every element was finite."""
+    return bool(np.isfinite(_copy_checked(src, dst)))
+
+
+@_jit
+def _abs_sum(x: F32) -> float:
+    total = 0.0
+    for i in range(x.size):
+        total += abs(x[i])
+    return total
+
+
+def abs_sum(x: F32) -> float:
+    """``sum(|x|)`` accumulated sequentially in float64 (the order :func:`direction` uses)."""
+    return float(_abs_sum(x))
+
+
+@_jit
+def _abs_max(x: F32) -> np.float32:
+    best = np.float32(0.0)
+    for i in range(x.size):
+        v = abs(x[i])
+        if v > best:
+            best = v
+    return best
+
+
+def abs_max(x: F32) -> float:
+    """``max(|x|)`` (0 for an empty or all-zero ``x``). The input must be finite."""
+    return float(_abs_max(x))
+
+
+@_jit
+def _log_abs_sum(x: F32) -> tuple[float, int]:
+    total = 0.0
+    count = 0
+    for i in range(x.size):
+        v = x[i]
+        if v != 0:
+            total += np.log(np.float64(abs(v)))
+            count += 1
+    return total, count
+
+
+def log_abs_sum(x: F32) -> tuple[float, int]:
+    """``(sum(log|x_i|), count)`` over the nonzero entries of ``x`` (float64 logarithms)."""
+    total, count = _log_abs_sum(x)
+    return float(total), int(count)
+
+
+@_jit
+def _quantize_scaled(c: F32, mult: np.float32, levels: np.int64, out: Int) -> None:
+    hi = np.float32(levels)
+    lo = -hi
+    for i in range(c.size):
+        v = c[i] * mult
+        if v > hi:
+            v = hi
+        elif v < lo:
+            v = lo
+        out[i] = np.int8(np.rint(v))
+
+
+def quantize_scaled(c: F32, mult: np.float32, levels: int, out: Int) -> None:
+    """``out[:] = rint(clip(c * mult, -levels, levels))`` as int8 (round half to even).
+
+    Clipping before rounding equals clipping after it because ``levels`` is an integer.
+    ``c`` must be finite; ``1 <= levels <= 127``.
+    """
+    _quantize_scaled(c, mult, np.int64(levels), out)
+
+
+@_jit
+def _quantize_sign(c: F32, out: Int) -> int:
+    bad = 0
+    for i in range(c.size):
+        v = c[i]
+        if v > 0:
+            out[i] = 1
+        elif v < 0:
+            out[i] = -1
+        else:
+            out[i] = 0
+            if v != v:
+                bad += 1
+    return bad
+
+
+def quantize_sign(c: F32, out: Int) -> bool:
+    """``out[:] = sign(c)`` as int8 (sign(0) = 0); return False when ``c`` held a NaN."""
+    return int(_quantize_sign(c, out)) == 0
+
+
+@_jit
+def _apply_sign(param: F32, s: Int, lr: np.float32, decay: np.float32) -> int:
+    total = 0
+    for i in range(param.size):
+        v = s[i]
+        t = param[i] * decay
+        if v > 0:
+            t = t - lr
+            total += v
+        elif v < 0:
+            t = t + lr
+            total -= v
+        param[i] = t
+    return total
+
+
+def apply_sign(param: F32, s: Int, lr: np.float32, decay: np.float32) -> int:
+    """``param[:] = param * decay - lr * sign(s)`` for an integer ``s``; return ``sum|s|``.
+
+    ``x - lr * (-1)`` and ``x + lr`` round identically, so this equals the numpy expression.
+    """
+    return int(_apply_sign(param, s, lr, decay))
+
+
+@_jit
+def _apply_mean(param: F32, s: Int, lr: np.float32, decay: np.float32,
+                p: np.float32) -> int:
+    total = 0
+    for i in range(param.size):
+        v = s[i]
+        u = np.float32(v) / p
+        param[i] = param[i] * decay - lr * u
+        total += abs(v)
+    return total
+
+
+def apply_mean(param: F32, s: Int, lr: np.float32, decay: np.float32, p: np.float32) -> int:
+    """``param[:] = param * decay - lr * (s / p)`` in float32 for an integer ``s`` (the mean
+    of ``p`` votes, not re-signed); return ``sum|s|``."""
+    return int(_apply_mean(param, s, lr, decay, p))
+
+
+_ONE = np.ones(1, dtype=np.float32)  # placeholder array for grad=None

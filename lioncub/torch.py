@@ -1,0 +1,303 @@
+"""``torch.optim`` front ends: :class:`Lion` and :class:`DistributedLion`.
+
+This is the only lioncub module that imports torch. Both classes are
+:class:`torch.optim.Optimizer` subclasses: param groups (per-group ``lr``, ``betas``,
+``weight_decay``), ``zero_grad``, ``state_dict`` / ``load_state_dict`` and LR schedulers work
+as usual.
+
+* :class:`Lion` is single-process Lion written with torch tensor operations (any device and
+  floating dtype).
+* :class:`DistributedLion` hands the step to the numpy core :class:`lioncub.DistributedLion`
+  on the same memory: parameters, gradients and momenta are shared between torch and numpy
+  (``Tensor.numpy()`` / ``torch.from_numpy``), so nothing is copied except into the flat
+  buckets the collectives need. Its parameters must therefore be float32, dense, contiguous
+  CPU tensors; do not replace a parameter's storage (``p.data = ...``) after construction
+  (checked at every step).
+
+Example, 4 ranks (``python -m launch -n 4 train.py``)::
+
+    import bitcoll, lioncub.torch
+    comm = bitcoll.init()
+    opt = lioncub.torch.DistributedLion(model.named_parameters(), comm,
+                                        variant="lioncub-l1", lr=3e-4, weight_decay=0.1,
+                                        momentum_sync="exp:4")
+    for x, y in loader:                     # each rank its own shard
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        opt.step()                          # parameters stay identical on every rank
+        print(opt.last_stats.comm_seconds)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+from torch.optim import Optimizer
+
+from bitcoll.errors import UsageError
+
+from .distributed import DEFAULT_BUCKET_BYTES
+from .distributed import DistributedLion as _CoreDistributedLion
+from .lion import check_hyper
+from .stats import StepStats
+from .sync import MomentumSync
+
+__all__ = ["Lion", "DistributedLion"]
+
+_STATE_FORMAT = "lioncub.torch.DistributedLion/1"
+
+
+def _betas(betas: object) -> tuple[float, float]:
+    if not isinstance(betas, Sequence) or isinstance(betas, str) or len(betas) != 2:
+        raise UsageError(f"betas must be a pair (beta1, beta2), got {betas!r}")
+    _, b1, b2, _ = check_hyper(0.0, betas[0], betas[1], 0.0)
+    return b1, b2
+
+
+def _check_group(group: dict[str, Any]) -> tuple[float, float, float, float]:
+    b1, b2 = _betas(group["betas"])
+    lr, _, _, wd = check_hyper(group["lr"], b1, b2, group["weight_decay"])
+    return lr, b1, b2, wd
+
+
+class Lion(Optimizer):
+    """Lion (Chen et al. 2023) as a torch optimizer.
+
+    Per parameter with a gradient (parameters whose ``grad`` is None are skipped)::
+
+        p <- p * (1 - lr * weight_decay)
+        c  = beta1 * m + (1 - beta1) * g          (computed as torch.lerp(m, g, 1 - beta1))
+        p <- p - lr * sign(c)
+        m <- beta2 * m + (1 - beta2) * g          (m.lerp_(g, 1 - beta2))
+
+    ``lerp`` rounds differently from the two-product form in the last bit, so trajectories
+    agree with :func:`lioncub.lion_update` to float32 rounding, not bit for bit. State per
+    parameter: ``"exp_avg"`` (the momentum). Raises UsageError for bad hyperparameters or a
+    sparse gradient.
+    """
+
+    def __init__(self, params: Iterable[Any], lr: float = 1e-4,
+                 betas: tuple[float, float] = (0.9, 0.99), weight_decay: float = 0.0) -> None:
+        b1, b2 = _betas(betas)
+        check_hyper(lr, b1, b2, weight_decay)
+        super().__init__(params, {"lr": lr, "betas": (b1, b2), "weight_decay": weight_decay})
+        for group in self.param_groups:
+            _check_group(group)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """One Lion step on every parameter with a gradient; returns ``closure()`` if given
+        (evaluated with gradients enabled, before the update)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr, b1, b2, wd = _check_group(group)
+            for p in group["params"]:
+                grad = p.grad
+                if grad is None:
+                    continue
+                if grad.is_sparse:
+                    raise UsageError("Lion does not support sparse gradients")
+                state = self.state[p]
+                if not state:
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                m = state["exp_avg"]
+                if wd != 0.0:
+                    p.mul_(1.0 - lr * wd)
+                update = torch.lerp(m, grad, 1.0 - b1).sign_()
+                p.add_(update, alpha=-lr)
+                m.lerp_(grad, 1.0 - b2)
+        return loss
+
+
+class DistributedLion(Optimizer):
+    """The distributed Lion variants (:data:`lioncub.VARIANTS`) as a torch optimizer.
+
+    ``params``: tensors, ``model.named_parameters()``, or param groups (dicts whose
+    ``"params"`` are tensors or ``(name, tensor)`` pairs, with optional ``lr``, ``betas``,
+    ``weight_decay``). Every tensor must be float32, dense, contiguous and on the CPU.
+    Tensors with ``requires_grad=False`` stay in the param groups but are left out of the
+    distributed layout and never updated. ``names``: one name per tensor (overrides names
+    from ``named_parameters()``); names drive selective momentum sync and ``last_stats``;
+    default: the tensor's index in the flattened param groups.
+
+    The other arguments are those of :class:`lioncub.DistributedLion`, which this class
+    drives on shared memory: at :meth:`step` every trainable tensor's ``grad`` (None counts
+    as a zero gradient on this rank, see :mod:`lioncub.distributed`) is viewed as a numpy
+    array and the core updates the tensors in place. Construction and :meth:`step` are
+    collective (every rank calls them).
+
+    ``state[p]["momentum"]`` is a tensor view of this rank's momentum of ``p``.
+    :meth:`state_dict` returns this rank's state (momenta as tensors, the param groups'
+    hyperparameters, and the core's step count, tie counter and sync schedule state under
+    ``"lioncub"``); :meth:`load_state_dict` restores it exactly.
+    """
+
+    def __init__(self, params: Iterable[Any], comm: Any, variant: str = "lioncub-l1",
+                 lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99),
+                 weight_decay: float = 0.0, levels: int | None = None,
+                 tie: str = "alternate",
+                 momentum_sync: MomentumSync | str | None = None,
+                 bucket_size: int = DEFAULT_BUCKET_BYTES,
+                 names: Sequence[str] | None = None) -> None:
+        b1, b2 = _betas(betas)
+        check_hyper(lr, b1, b2, weight_decay)
+        self._constructed = False
+        super().__init__(params, {"lr": lr, "betas": (b1, b2), "weight_decay": weight_decay})
+        self._all: list[torch.Tensor] = [p for g in self.param_groups for p in g["params"]]
+        all_names = self._names(names)
+        core_groups = []
+        core_names: list[str] = []
+        self._tensors: list[torch.Tensor] = []
+        self._global_index: list[int] = []
+        index = 0
+        for group in self.param_groups:
+            _check_group(group)
+            arrays = []
+            for p in group["params"]:
+                self._check_tensor(p, all_names[index])
+                if p.requires_grad:
+                    arrays.append(p.detach().numpy())
+                    self._tensors.append(p)
+                    self._global_index.append(index)
+                    core_names.append(all_names[index])
+                index += 1
+            core_groups.append({"params": arrays, "lr": group["lr"], "betas": group["betas"],
+                                "weight_decay": group["weight_decay"]})
+        self._core = _CoreDistributedLion(
+            core_groups, comm, variant=variant, lr=lr, betas=(b1, b2),
+            weight_decay=weight_decay, levels=levels, tie=tie, momentum_sync=momentum_sync,
+            bucket_size=bucket_size, names=core_names)
+        self._ptrs = [p.data_ptr() for p in self._tensors]
+        for p, m in zip(self._tensors, self._core.momenta, strict=True):
+            self.state[p]["momentum"] = torch.from_numpy(m)
+        self._constructed = True
+
+    # ------------------------------------------------------------------ set-up helpers
+    def _names(self, names: Sequence[str] | None) -> list[str]:
+        count = len(self._all)
+        if names is not None:
+            names = list(names)
+            if len(names) != count or not all(isinstance(n, str) for n in names):
+                raise UsageError(f"names must be {count} strings (one per tensor)")
+            return names
+        if all("param_names" in g for g in self.param_groups):
+            return [str(n) for g in self.param_groups for n in g["param_names"]]
+        return [str(i) for i in range(count)]
+
+    @staticmethod
+    def _check_tensor(p: torch.Tensor, name: str) -> None:
+        if p.dtype != torch.float32 or p.device.type != "cpu" or p.layout != torch.strided:
+            raise UsageError(f"parameter {name} must be a dense float32 CPU tensor, got "
+                             f"{p.dtype} on {p.device} ({p.layout})")
+        if not p.is_contiguous():
+            raise UsageError(f"parameter {name} must be contiguous")
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Only during construction: the distributed layout is fixed afterwards."""
+        if getattr(self, "_constructed", False):
+            raise UsageError("DistributedLion cannot add param groups after construction "
+                             "(every rank's bucket layout is fixed); build a new optimizer")
+        super().add_param_group(param_group)
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def core(self) -> _CoreDistributedLion:
+        """The numpy optimizer doing the work."""
+        return self._core
+
+    @property
+    def last_stats(self) -> StepStats | None:
+        """:class:`lioncub.stats.StepStats` of the last step (None before the first)."""
+        return self._core.last_stats
+
+    @property
+    def variant(self) -> str:
+        return self._core.variant
+
+    # ------------------------------------------------------------------ step
+    def _sync_hyper(self) -> None:
+        for mine, core in zip(self.param_groups, self._core.param_groups, strict=True):
+            lr, b1, b2, wd = _check_group(mine)
+            core["lr"], core["betas"], core["weight_decay"] = lr, (b1, b2), wd
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """One distributed step (collective). Returns ``closure()`` if given (evaluated with
+        gradients enabled, before the update). Raises UsageError for a gradient that is not a
+        dense float32 CPU tensor of the parameter's shape, or a parameter whose storage was
+        replaced."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._sync_hyper()
+        grads: list[Any] = []
+        for p, ptr in zip(self._tensors, self._ptrs, strict=True):
+            if p.data_ptr() != ptr:
+                raise UsageError("a parameter's storage was replaced after the optimizer was "
+                                 "built; the optimizer updates the original memory")
+            g = p.grad
+            if g is None:
+                grads.append(None)
+                continue
+            if g.dtype != torch.float32 or g.device.type != "cpu" or g.layout != torch.strided:
+                raise UsageError(f"gradients must be dense float32 CPU tensors, got {g.dtype} "
+                                 f"on {g.device} ({g.layout})")
+            grads.append(g.detach().numpy())
+        self._core.step(grads)
+        return loss
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's state: ``{"state": {index: {"momentum": tensor}}, "param_groups":
+        [hyperparameters and "params" indices], "lioncub": {...}}`` (copies)."""
+        core = self._core.state_dict()
+        momenta = core.pop("momentum")
+        core.pop("param_groups")
+        state = {gi: {"momentum": torch.from_numpy(m)}
+                 for gi, m in zip(self._global_index, momenta, strict=True)}
+        groups = []
+        index = 0
+        for group in self.param_groups:
+            saved = {k: v for k, v in group.items() if k not in ("params", "param_names")}
+            count = len(group["params"])
+            saved["params"] = list(range(index, index + count))
+            index += count
+            groups.append(saved)
+        return {"format": _STATE_FORMAT, "state": state, "param_groups": groups,
+                "lioncub": core}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` of an optimizer built the same way on the same rank.
+        Raises UsageError on any mismatch, before changing anything."""
+        if not isinstance(state_dict, dict) or state_dict.get("format") != _STATE_FORMAT:
+            raise UsageError("not a lioncub.torch.DistributedLion state dict")
+        groups = state_dict["param_groups"]
+        if [len(g["params"]) for g in groups] != [len(g["params"]) for g in self.param_groups]:
+            raise UsageError("state dict has a different param-group structure")
+        saved_state = state_dict["state"]
+        momenta = []
+        for gi in self._global_index:
+            entry = saved_state.get(gi)
+            if entry is None or "momentum" not in entry:
+                raise UsageError(f"state dict has no momentum for parameter {gi}")
+            momenta.append(entry["momentum"].detach().cpu().numpy())
+        core_groups = []
+        for group, mine in zip(groups, self.param_groups, strict=True):
+            count = sum(1 for p in mine["params"] if p.requires_grad)
+            core_groups.append({"lr": group["lr"], "betas": tuple(group["betas"]),
+                                "weight_decay": group["weight_decay"],
+                                "params": list(range(count))})
+        core = dict(state_dict["lioncub"])
+        core["momentum"] = momenta
+        core["param_groups"] = core_groups
+        self._core.load_state_dict(core)
+        for group, mine in zip(groups, self.param_groups, strict=True):
+            for k, v in group.items():
+                if k != "params":
+                    mine[k] = tuple(v) if k == "betas" else v
