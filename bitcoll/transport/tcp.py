@@ -1,0 +1,917 @@
+"""The TCP transport: bitcoll frames over one TCP connection per pair of ranks.
+
+Set-up (:meth:`TCPTransport.create`)
+------------------------------------
+1. Rank 0 serves the rendezvous store (:mod:`bitcoll.transport.store`) at
+   ``master_addr:master_port``; every rank (rank 0 included) connects to it, retrying until the
+   deadline. Rank 0 writes the world size and a random 64-bit *job id*; the other ranks read
+   them (a different world size is a :class:`~bitcoll.errors.UsageError`) and register their
+   rank (two processes claiming one rank is a UsageError).
+2. Every rank listens on an ephemeral port and publishes ``"<port> <host>"`` under
+   ``bitcoll/addr/<rank>``. The host is ``listen_addr`` if given, otherwise the local address
+   this rank uses to reach the store (so loopback when ``master_addr`` is loopback); a wildcard
+   ``listen_addr`` (``0.0.0.0`` or ``::``) binds everywhere and publishes that address.
+3. The lower rank of each pair connects to the higher one and sends a 24-byte *hello*
+   (``u32 magic, u16 version, u16 0, u32 rank, u32 world size, u64 job id``, little-endian);
+   the higher rank checks it and answers with its own hello. Connections with another job id
+   (a stale process of an earlier job), version or world size are dropped by the acceptor and
+   are an error for the connector. Every socket gets ``TCP_NODELAY`` and
+   :data:`SOCKET_BUFFER_BYTES` send/receive buffers.
+
+A rank whose peers do not all show up before the deadline raises
+:class:`~bitcoll.errors.CommTimeoutError` naming them. ``size == 1`` needs no store and no
+socket.
+
+Data path
+---------
+Per peer, one *sender* thread takes frames from a FIFO queue and writes header and payload with
+one ``sendmsg`` straight from the caller's buffer (no copy; the GIL is released while the
+kernel copies), so frames to one peer leave in ``isend`` order and any number of them can be
+queued. One *receiver* thread per peer matches frames with posted receives in posting order.
+When a receive is posted it reads the header together with whatever part of the payload has
+arrived (one ``recvmsg_into`` into the header buffer and the caller's buffer), compares the
+header with the expected one, then reads the rest of the payload straight into the caller's
+buffer (``recv_into`` with ``MSG_WAITALL``). When nothing is posted it still reads the next
+header as soon as it arrives, so an abort notice or a lost connection is noticed at once.
+Requests complete by releasing a lock. Nothing is pickled and payloads are never copied in
+user space. Sends to different peers, and sends and receives, all proceed concurrently.
+
+Traffic counters
+----------------
+:attr:`TCPTransport.stats` counts frames: one message and ``HEADER_SIZE + payload length``
+bytes per frame, exactly the bytes written to / read from the socket for it. A send is counted
+when the kernel has taken all of it, a receive when it is complete. The handshake (24 bytes
+each way per connection), abort notices and the rendezvous store's traffic are not counted.
+
+Failure
+-------
+* A header that differs from the expected one fails that receive with
+  :class:`~bitcoll.errors.ProtocolError` (message from :meth:`FrameHeader.mismatch`) and
+  aborts the transport.
+* A connection that breaks while a frame is in flight or a receive from that peer is posted
+  (end of file, reset, write error) fails the transport with
+  :class:`~bitcoll.errors.PeerLostError` naming the peer; when the peer left an abort reason in
+  the store the message is ``"rank <p> aborted: <reason>"``. A connection closed cleanly
+  between frames while nothing is posted from that peer (the peer closed its transport) only
+  marks the peer as gone: the next ``isend``/``irecv`` involving it fails the transport.
+* :meth:`TCPTransport.abort` (also run on every internal failure) records the error, sends an
+  ABORT frame (:attr:`FrameKind.ABORT`, payload = the UTF-8 reason) to every peer whose
+  connection is between frames, writes the reason under ``bitcoll/abort/<rank>`` in the store
+  (for the peers whose connection was in the middle of a frame), then shuts down the sending
+  side of every connection (a send blocked in the kernel fails at once). Peers fail within
+  milliseconds with ``PeerLostError("rank <r> aborted: <reason>")``. The receiver threads
+  keep reading and dropping what peers still send until they close, so no peer stays blocked
+  writing to an aborted rank. The buffer of a failed receive may still be written into until
+  :meth:`TCPTransport.close` returns.
+* After a failure, :attr:`TCPTransport.failure` is the error, every pending request fails with
+  it and every ``isend``/``irecv`` raises it. ``Request.wait`` past its deadline raises
+  :class:`~bitcoll.errors.CommTimeoutError` and leaves the transport as it is (the caller, as
+  the communicator does, decides whether to abort).
+
+``close()`` lets the queued sends finish (within the close timeout), shuts down the sockets,
+joins the threads and fails requests still pending with UsageError. Rank 0 keeps serving the
+store until every other rank has disconnected from it (closed its transport or exited) or the
+close timeout passes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import selectors
+import socket
+import struct
+import threading
+import time
+from typing import Final
+
+from ..errors import (
+    BitcollError,
+    CommError,
+    CommTimeoutError,
+    PeerLostError,
+    ProtocolError,
+    UsageError,
+)
+from .base import (
+    HEADER_SIZE,
+    MAGIC,
+    PROTOCOL_VERSION,
+    FrameHeader,
+    FrameKind,
+    Request,
+    TrafficStats,
+    Transport,
+)
+from .store import StoreClient, StoreServer
+
+__all__ = ["TCPTransport", "SOCKET_BUFFER_BYTES"]
+
+#: Requested SO_SNDBUF / SO_RCVBUF of every data connection (the kernel may cap it).
+SOCKET_BUFFER_BYTES: Final = 4 << 20
+#: Longest abort reason carried by an ABORT frame or read from one.
+MAX_REASON_BYTES: Final = 16 << 10
+#: How long an abort spends at most writing its reason into the store.
+ABORT_STORE_SECONDS: Final = 0.5
+#: Default of ``close_timeout``: how long ``close()`` waits for queued sends and for the
+#: other ranks to leave rank 0's store.
+CLOSE_TIMEOUT: Final = 30.0
+#: After a failure rank 0 keeps its store at most this long for peers to read abort reasons.
+FAILED_CLOSE_SECONDS: Final = 2.0
+
+_HELLO: Final = struct.Struct("<IHHIIQ")  # magic, version, 0, rank, world size, job id
+KEY_SIZE: Final = "bitcoll/size"
+KEY_JOB: Final = "bitcoll/job"
+KEY_JOIN: Final = "bitcoll/join/{}"
+KEY_ADDR: Final = "bitcoll/addr/{}"
+KEY_ABORT: Final = "bitcoll/abort/{}"
+
+_NOSIGNAL: Final = getattr(socket, "MSG_NOSIGNAL", 0)
+_DONTWAIT: Final = getattr(socket, "MSG_DONTWAIT", 0)
+_WAITALL: Final = getattr(socket, "MSG_WAITALL", 0)
+
+
+# --------------------------------------------------------------------------------------------
+# Helpers
+# --------------------------------------------------------------------------------------------
+
+
+def _byte_view(buf: object, *, writable: bool, what: str) -> memoryview:
+    """Return ``buf`` as a flat unsigned-byte memoryview (no copy); UsageError if impossible."""
+    try:
+        mv = memoryview(buf)  # type: ignore[arg-type]  # any buffer-protocol object
+    except TypeError as exc:
+        raise UsageError(f"{what} must support the buffer protocol, got {type(buf)!r}") from exc
+    if writable and mv.readonly:
+        raise UsageError(f"{what} must be writable")
+    if not mv.c_contiguous:
+        raise UsageError(f"{what} must be C-contiguous")
+    if mv.format != "B" or mv.ndim != 1:
+        mv = mv.cast("B")
+    return mv
+
+
+def _recv_exact(sock: socket.socket, view: memoryview) -> int:
+    """Fill ``view`` from ``sock``; return the number of bytes read (short only at EOF)."""
+    n = len(view)
+    got = sock.recv_into(view, n, _WAITALL)
+    while 0 < got < n:
+        k = sock.recv_into(view[got:], n - got, _WAITALL)
+        if k == 0:
+            break
+        got += k
+    return got
+
+
+def _send_some(sock: socket.socket, head: bytes, view: memoryview, flags: int) -> int:
+    """One ``sendmsg`` of ``head`` + ``view``; the number of bytes the kernel took."""
+    try:
+        return sock.sendmsg((head, view), (), flags) if len(view) else sock.send(head, flags)
+    except BlockingIOError:  # only with MSG_DONTWAIT: nothing fits right now
+        return 0
+
+
+def _send_frame(sock: socket.socket, head: bytes, view: memoryview, sent: int = 0) -> None:
+    """Write ``head`` then ``view`` completely, minus the ``sent`` bytes already written
+    (one ``sendmsg`` in the common case)."""
+    if sent == 0:
+        sent = _send_some(sock, head, view, _NOSIGNAL)
+    if sent < HEADER_SIZE:
+        sock.sendall(head[sent:], _NOSIGNAL)
+        sent = HEADER_SIZE
+    if sent - HEADER_SIZE < len(view):
+        sock.sendall(view[sent - HEADER_SIZE:], _NOSIGNAL)
+
+
+def _tune(sock: socket.socket) -> None:
+    """TCP_NODELAY and large buffers (set before connect/listen so the window scales)."""
+    if sock.family in (socket.AF_INET, socket.AF_INET6):
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if SOCKET_BUFFER_BYTES:
+        for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+            with contextlib.suppress(OSError):
+                if sock.getsockopt(socket.SOL_SOCKET, opt) < SOCKET_BUFFER_BYTES:
+                    sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER_BYTES)
+
+
+def _ranks(ranks: list[int] | set[int]) -> str:
+    r = sorted(ranks)
+    return ("rank " if len(r) == 1 else "ranks ") + ", ".join(str(x) for x in r)
+
+
+class _TCPRequest(Request):
+    """A pending send or receive of one frame.
+
+    Completion is signalled by releasing a lock taken at creation (cheaper than an Event:
+    one C call on each side, no Python-level condition).
+    """
+
+    __slots__ = ("_done", "_error", "_lock", "_rank", "head", "header", "is_send", "peer",
+                 "posted", "sent", "view")
+
+    def __init__(self, rank: int, peer: int, header: FrameHeader, view: memoryview,
+                 is_send: bool) -> None:
+        self._lock = threading.Lock()
+        self._lock.acquire()
+        self._done = False
+        self._error: BitcollError | None = None
+        self._rank = rank
+        self.peer = peer
+        self.header = header
+        self.view = view
+        self.head = header.pack() if is_send else b""
+        self.is_send = is_send
+        self.posted = time.monotonic()
+        self.sent = 0  # bytes of a send already written by isend itself
+
+    def _finish(self, error: BitcollError | None) -> None:
+        if self._done:
+            return
+        self._error = error
+        self._done = True
+        with contextlib.suppress(RuntimeError):  # a concurrent _finish released it already
+            self._lock.release()
+
+    def done(self) -> bool:
+        return self._done
+
+    def wait(self, deadline: float) -> None:
+        if not self._done:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._lock.acquire(timeout=min(left, threading.TIMEOUT_MAX)):
+                h = self.header
+                what = (f"send to rank {self.peer}" if self.is_send
+                        else f"receive from rank {self.peer}")
+                raise CommTimeoutError(
+                    f"rank {self._rank}: {what} (collective #{h.seq}, step {h.step}, "
+                    f"{h.length} bytes) did not complete before the deadline "
+                    f"({time.monotonic() - self.posted:.3g} s after it was posted)")
+            self._lock.release()
+        if self._error is not None:
+            raise self._error.with_traceback(None)
+
+
+class _Peer:
+    """One connection and its two threads."""
+
+    def __init__(self, rank: int, sock: socket.socket) -> None:
+        self.rank = rank
+        self.sock = sock
+        self.send_q: queue.SimpleQueue[_TCPRequest | None] = queue.SimpleQueue()
+        self.recv_q: queue.SimpleQueue[_TCPRequest | None] = queue.SimpleQueue()
+        self.send_lock = threading.Lock()  # held while a frame is being written
+        self.state = threading.Lock()  # guards ``queued``
+        self.queued = 0  # sends handed to the sender thread and not finished by it
+        self.eof = False  # the peer closed the connection cleanly between frames
+        self.current: _TCPRequest | None = None  # the receive whose payload is being read
+        self.sender: threading.Thread | None = None
+        self.receiver: threading.Thread | None = None
+
+
+# --------------------------------------------------------------------------------------------
+# The transport
+# --------------------------------------------------------------------------------------------
+
+
+class TCPTransport(Transport):
+    """Frames between the ranks of one job over TCP. Build it with :meth:`create`."""
+
+    name = "tcp"
+
+    def __init__(self, rank: int, size: int, socks: dict[int, socket.socket],
+                 store: StoreClient | None, server: StoreServer | None, job_id: int,
+                 close_timeout: float = CLOSE_TIMEOUT) -> None:
+        """Wrap established connections (use :meth:`create` instead)."""
+        self.rank = rank
+        self.size = size
+        self.stats = TrafficStats()
+        self.job_id = job_id
+        self.close_timeout = close_timeout
+        self._store = store
+        self._server = server
+        self._lock = threading.Lock()
+        self._failure: CommError | None = None
+        self._closed = False
+        self._closing = False
+        self._peers: dict[int, _Peer] = {p: _Peer(p, s) for p, s in socks.items()}
+        for peer in self._peers.values():
+            peer.sender = threading.Thread(target=self._send_loop, args=(peer,), daemon=True,
+                                           name=f"bitcoll-tcp-send-{rank}-to-{peer.rank}")
+            peer.receiver = threading.Thread(target=self._recv_loop, args=(peer,), daemon=True,
+                                             name=f"bitcoll-tcp-recv-{rank}-from-{peer.rank}")
+            peer.sender.start()
+            peer.receiver.start()
+
+    # ---------------------------------------------------------------- set-up
+
+    @classmethod
+    def create(cls, rank: int, size: int, master_addr: str, master_port: int,
+               timeout: float = 300.0, listen_addr: str | None = None, *,
+               close_timeout: float = CLOSE_TIMEOUT) -> TCPTransport:
+        """Connect the ``size`` ranks of a job; see the module docstring for the steps.
+
+        ``rank`` in ``[0, size)``. Rank 0 serves the store at ``master_addr:master_port``
+        (``master_port`` in 1..65535); the others connect to it. ``timeout`` (seconds) bounds
+        the whole set-up. ``listen_addr``: the address to accept peer connections on (default:
+        the local address used to reach ``master_addr``). ``close_timeout``: see
+        :meth:`close`.
+
+        Raises UsageError for bad arguments, a world size that differs from rank 0's or a rank
+        claimed twice; CommTimeoutError naming the ranks that did not show up before the
+        deadline (rank 0 itself when no store answers); CommError when the store's port cannot
+        be bound; PeerLostError or ProtocolError when a peer breaks the handshake.
+        """
+        if size < 1:
+            raise UsageError(f"world size must be >= 1, got {size}")
+        if not 0 <= rank < size:
+            raise UsageError(f"rank {rank} is not in [0, {size})")
+        if timeout <= 0:
+            raise UsageError(f"timeout must be > 0 seconds, got {timeout}")
+        if size == 1:
+            return cls(0, 1, {}, None, None, 0, close_timeout)
+        if not 0 < master_port < 65536:
+            raise UsageError(f"master_port must be in 1..65535, got {master_port}")
+        deadline = time.monotonic() + timeout
+        where = f"{master_addr}:{master_port}"
+        server: StoreServer | None = None
+        store: StoreClient | None = None
+        listener: socket.socket | None = None
+        try:
+            if rank == 0:
+                server = StoreServer(master_addr, master_port)
+            try:
+                store = StoreClient.connect(master_addr, master_port, deadline)
+            except CommTimeoutError as exc:
+                raise CommTimeoutError(
+                    f"rank {rank}: rank 0 never showed up: no rendezvous store answered at "
+                    f"{where} within {timeout:g} s ({exc})") from None
+            if rank == 0:
+                job_id = int.from_bytes(os.urandom(8), "little")
+                store.set(KEY_SIZE, str(size).encode(), deadline)
+                store.set(KEY_JOB, str(job_id).encode(), deadline)
+            else:
+                job_id = int(store.get(KEY_JOB, deadline))
+                size0 = int(store.get(KEY_SIZE, deadline))
+                if size0 != size:
+                    raise UsageError(f"rank {rank} was started with world size {size} but "
+                                     f"rank 0 with {size0}")
+            if store.add(KEY_JOIN.format(rank), 1, deadline) != 1:
+                raise UsageError(f"two processes claim rank {rank} of the job at {where}")
+            listener, host = cls._listen(store, listen_addr, size)
+            store.set(KEY_ADDR.format(rank), f"{listener.getsockname()[1]} {host}".encode(),
+                      deadline)
+            keys = [KEY_ADDR.format(p) for p in range(size) if p != rank]
+            try:
+                store.wait(keys, deadline)
+            except CommTimeoutError:
+                missing = [int(k.rsplit("/", 1)[1]) for k in store.missing(keys)]
+                raise CommTimeoutError(
+                    f"rank {rank}: {_ranks(missing)} never showed up at the rendezvous store "
+                    f"{where} within {timeout:g} s") from None
+            addrs: dict[int, tuple[str, int]] = {}
+            for p in range(rank + 1, size):
+                port_s, host_s = store.get(KEY_ADDR.format(p), deadline).decode().split(" ", 1)
+                addrs[p] = (host_s, int(port_s))
+            socks = _connect_mesh(rank, size, listener, addrs, job_id, deadline, timeout)
+        except BaseException:
+            if listener is not None:
+                listener.close()
+            if store is not None:
+                store.close()
+            if server is not None:
+                # Let the others read their own time-out instead of a vanished store.
+                server.wait_idle(min(deadline, time.monotonic()) + FAILED_CLOSE_SECONDS)
+                server.close()
+            raise
+        listener.close()
+        return cls(rank, size, socks, store, server, job_id, close_timeout)
+
+    @staticmethod
+    def _listen(store: StoreClient, listen_addr: str | None,
+                size: int) -> tuple[socket.socket, str]:
+        """Bind the listener; return it and the host to publish."""
+        local = store.local_address
+        if listen_addr is None:
+            bind_host, publish = local, local
+        elif listen_addr in ("", "0.0.0.0", "::"):
+            bind_host, publish = listen_addr, local
+        else:
+            bind_host, publish = listen_addr, listen_addr
+        try:
+            infos = socket.getaddrinfo(bind_host or None, 0, type=socket.SOCK_STREAM,
+                                       flags=socket.AI_PASSIVE)
+            family, _, _, _, sockaddr = infos[0]
+        except socket.gaierror as exc:
+            raise UsageError(f"cannot resolve listen address {bind_host!r}: {exc}") from exc
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            _tune(sock)
+            sock.bind(sockaddr)
+            sock.listen(max(16, 2 * size))
+        except OSError as exc:
+            sock.close()
+            raise CommError(f"cannot listen on {bind_host!r}: {exc}") from exc
+        return sock, publish
+
+    # ---------------------------------------------------------------- state
+
+    @property
+    def failure(self) -> CommError | None:
+        """The error that aborted this transport, or None while it is healthy."""
+        return self._failure
+
+    def _check_usable(self, peer: int) -> _Peer:
+        if self._closed:
+            raise UsageError("the TCP transport is closed")
+        failure = self._failure
+        if failure is not None:
+            raise failure.with_traceback(None)
+        p = self._peers.get(peer)
+        if p is None:
+            raise UsageError(f"peer {peer} is not another rank of this {self.size}-rank "
+                             f"transport (this is rank {self.rank})")
+        return p
+
+    # ---------------------------------------------------------------- frames
+
+    def isend(self, peer: int, payload: memoryview, header: FrameHeader) -> Request:
+        """Queue ``header`` + ``payload`` for ``peer`` and return at once.
+
+        ``payload`` (any C-contiguous buffer) must stay alive and unmodified until the request
+        completes; ``header.length`` must equal its size in bytes (UsageError otherwise).
+        Raises the transport's failure after an abort, PeerLostError (and aborts) when the
+        peer has closed its connection, UsageError after close or for a bad peer.
+        """
+        p = self._check_usable(peer)
+        mv = _byte_view(payload, writable=False, what="payload")
+        if header.length != mv.nbytes:
+            raise UsageError(f"header.length is {header.length} but the payload has "
+                             f"{mv.nbytes} bytes")
+        if p.eof:
+            self._peer_gone(p)
+        req = _TCPRequest(self.rank, peer, header, mv, True)
+        with p.state:
+            # Nothing queued or being written to this peer: try to write the frame right
+            # here (saves waking the sender thread; order is kept since no frame is ahead).
+            inline = p.queued == 0 and p.send_lock.acquire(blocking=False)
+            if not inline:
+                p.queued += 1
+        if inline:
+            try:
+                self._send_inline(p, req)
+            finally:
+                p.send_lock.release()
+        else:
+            p.send_q.put(req)
+        if self._failure is not None:
+            self._drain(p, self._failure)
+        return req
+
+    def _send_inline(self, p: _Peer, req: _TCPRequest) -> None:
+        """Write what the socket takes without blocking; queue the rest (send lock held)."""
+        if self._failure is not None:
+            req._finish(self._failure)
+            return
+        total = HEADER_SIZE + len(req.view)
+        try:
+            sent = _send_some(p.sock, req.head, req.view, _NOSIGNAL | _DONTWAIT)
+        except OSError as exc:
+            if self._failure is None and not self._closing:
+                self._fail(PeerLostError(self._lost_message(p.rank, exc)))
+            req._finish(self._failure or UsageError("the TCP transport is closed"))
+            return
+        if sent == total:
+            self.stats.add_sent(total)
+            req._finish(None)
+            return
+        req.sent = sent
+        with p.state:
+            p.queued += 1
+        p.send_q.put(req)
+
+    def irecv(self, peer: int, payload: memoryview, header: FrameHeader) -> Request:
+        """Post a receive of the next frame from ``peer`` into ``payload`` and return at once.
+
+        ``payload`` (writable, C-contiguous) must hold exactly ``header.length`` bytes
+        (UsageError otherwise) and stay alive until the request completes. The request fails
+        with ProtocolError (and aborts the transport) when the frame's header differs from
+        ``header``. Raises like :meth:`isend`.
+        """
+        p = self._check_usable(peer)
+        mv = _byte_view(payload, writable=True, what="payload")
+        if header.length != mv.nbytes:
+            raise UsageError(f"header.length is {header.length} but the payload has "
+                             f"{mv.nbytes} bytes")
+        if p.eof:
+            self._peer_gone(p)
+        req = _TCPRequest(self.rank, peer, header, mv, False)
+        p.recv_q.put(req)
+        if p.eof and self._failure is None:
+            # The connection ended while we were posting: the receiver will not see it.
+            self._fail(PeerLostError(self._lost_message(p.rank, None)))
+        if self._failure is not None:
+            self._drain(p, self._failure)
+        return req
+
+    def _peer_gone(self, p: _Peer) -> None:
+        """A call involves a peer that closed its connection: fail and raise."""
+        self._fail(PeerLostError(self._lost_message(p.rank, None)))
+        failure = self._failure
+        assert failure is not None
+        raise failure.with_traceback(None)
+
+    # ---------------------------------------------------------------- threads
+
+    def _send_loop(self, p: _Peer) -> None:
+        sock = p.sock
+        stats = self.stats
+        while True:
+            req = p.send_q.get()
+            if req is None:
+                return
+            with p.send_lock:
+                failure = self._failure
+                if failure is not None:
+                    error: BitcollError | None = failure
+                else:
+                    try:
+                        _send_frame(sock, req.head, req.view, req.sent)
+                        error = None
+                    except OSError as exc:
+                        if self._failure is None and not self._closing:
+                            self._fail(PeerLostError(self._lost_message(p.rank, exc)))
+                        error = self._failure or UsageError("the TCP transport is closed")
+                with p.state:
+                    p.queued -= 1
+            if error is None:
+                stats.add_sent(HEADER_SIZE + len(req.view))
+            req._finish(error)
+
+    def _recv_loop(self, p: _Peer) -> None:
+        sock = p.sock
+        stats = self.stats
+        recv_q = p.recv_q
+        hbuf = bytearray(HEADER_SIZE)
+        hview = memoryview(hbuf)
+        try:
+            while self._failure is None:
+                try:
+                    req = recv_q.get_nowait()
+                except queue.Empty:
+                    req = None
+                    got = 0
+                else:
+                    if req is None:
+                        break
+                    # A receive is posted: take the header and whatever part of the payload
+                    # is already there with one call.
+                    p.current = req
+                    got = (sock.recvmsg_into((hview, req.view))[0] if len(req.view)
+                           else sock.recv_into(hview))
+                    if got == 0:
+                        p.current = None
+                        self._eof(p, req, between_frames=True)
+                        return
+                if got < HEADER_SIZE:
+                    # Wait for a header even when nothing is posted, so that an abort notice
+                    # or a lost connection is seen at once.
+                    k = _recv_exact(sock, hview[got:])
+                    if got + k < HEADER_SIZE:
+                        p.current = None
+                        self._eof(p, req, between_frames=got + k == 0)
+                        return
+                    got = HEADER_SIZE
+                header = FrameHeader.unpack(hbuf)
+                if header.kind == FrameKind.ABORT:
+                    p.current = None
+                    self._abort_notice(p, header, req, got - HEADER_SIZE)
+                    break
+                if req is None:
+                    req = recv_q.get()
+                    if req is None:
+                        break
+                    p.current = req
+                    got = HEADER_SIZE
+                msg = header.mismatch(req.header, p.rank)
+                if msg is not None:
+                    p.current = None
+                    self._fail(ProtocolError(msg))
+                    req._finish(self._failure)
+                    break
+                body = got - HEADER_SIZE
+                if body < header.length and \
+                        body + _recv_exact(sock, req.view[body:]) < header.length:
+                    p.current = None
+                    self._eof(p, req, between_frames=False)
+                    return
+                p.current = None
+                stats.add_received(HEADER_SIZE + header.length)
+                req._finish(None)
+        except ProtocolError as exc:  # bad magic or version
+            self._fail(ProtocolError(f"from rank {p.rank}: {exc}"))
+            req = p.current
+            p.current = None
+            if req is not None:
+                req._finish(self._failure)
+        except OSError as exc:
+            req = p.current
+            p.current = None
+            if self._failure is None and not self._closing:
+                self._fail(PeerLostError(self._lost_message(p.rank, exc)))
+            if req is not None:
+                req._finish(self._failure or UsageError("the TCP transport is closed"))
+            return
+        if not self._closing:
+            # Failed: keep reading (and dropping) whatever the peer still sends until it
+            # closes, so that a peer blocked writing to this rank is released at once.
+            scratch = bytearray(1 << 16)
+            with contextlib.suppress(OSError):
+                while p.sock.recv_into(scratch):
+                    pass
+
+    def _abort_notice(self, p: _Peer, header: FrameHeader, req: _TCPRequest | None,
+                      early: int) -> None:
+        """``p`` sent an ABORT frame; ``early`` bytes of its reason landed in ``req.view``."""
+        n = min(header.length, MAX_REASON_BYTES)
+        raw = bytearray(n)
+        have = 0
+        if req is not None and early > 0:
+            have = min(early, n)
+            raw[:have] = req.view[:have]
+        if have < n:
+            have += _recv_exact(p.sock, memoryview(raw)[have:])
+        reason = raw[:have].decode("utf-8", errors="replace")
+        self._fail(PeerLostError(f"rank {p.rank} aborted: {reason}"))
+        if req is not None:
+            req._finish(self._failure)
+
+    def _eof(self, p: _Peer, req: _TCPRequest | None, between_frames: bool) -> None:
+        """The connection to ``p`` reached end of file (``req``: the frame being read)."""
+        if self._failure is None and not self._closing:
+            if between_frames and req is None:
+                p.eof = True
+                if p.recv_q.empty():
+                    return  # a clean close: only later calls involving p fail
+            self._fail(PeerLostError(self._lost_message(p.rank, None)))
+        if req is not None:
+            req._finish(self._failure or UsageError("the TCP transport is closed"))
+
+    def _lost_message(self, peer: int, exc: BaseException | None) -> str:
+        """Why the connection to ``peer`` ended: its abort reason from the store if any."""
+        store = self._store
+        if store is not None:
+            try:
+                raw = store.try_get(KEY_ABORT.format(peer),
+                                    time.monotonic() + ABORT_STORE_SECONDS)
+            except CommError:
+                raw = None
+            if raw is not None:
+                return f"rank {peer} aborted: {raw.decode('utf-8', errors='replace')}"
+        how = f" ({exc})" if exc is not None else ""
+        return (f"lost the connection to rank {peer}{how}: rank {peer} exited, was killed or "
+                "closed its transport")
+
+    # ---------------------------------------------------------------- abort / close
+
+    def _drain(self, p: _Peer, error: BitcollError) -> None:
+        """Fail every request still queued for ``p``."""
+        for q in (p.send_q, p.recv_q):
+            while True:
+                try:
+                    r = q.get_nowait()
+                except queue.Empty:
+                    break
+                if r is not None:
+                    if r.is_send:
+                        with p.state:
+                            p.queued -= 1
+                    r._finish(error)
+            q.put(None)  # wakes the thread waiting on the queue; it exits
+
+    def _fail(self, error: CommError, reason: str | None = None) -> None:
+        """Record the first failure, tell every peer, stop everything. Never raises."""
+        with self._lock:
+            if self._failure is not None or self._closed:
+                return
+            self._failure = error
+        text = (str(error) if reason is None else reason).encode("utf-8", errors="replace")
+        text = text[:MAX_REASON_BYTES]
+        # 1. An ABORT frame on every connection that is between frames (the fast path).
+        frame = FrameHeader(seq=0, step=0, signature=0, length=len(text),
+                            kind=FrameKind.ABORT).pack() + text
+        for p in self._peers.values():
+            if p.send_lock.acquire(blocking=False):  # not in the middle of a frame
+                try:
+                    with contextlib.suppress(OSError):
+                        p.sock.send(frame, _DONTWAIT | _NOSIGNAL)
+                finally:
+                    p.send_lock.release()
+        # 2. The reason in the store, for peers that will only see the stream end mid-frame.
+        if self._store is not None:
+            with contextlib.suppress(CommError):
+                self._store.set(KEY_ABORT.format(self.rank), text,
+                                time.monotonic() + ABORT_STORE_SECONDS)
+        # SHUT_WR: peers read the end of the stream after what was sent (this rank's own
+        # blocked sends fail at once); the receiver threads go on reading and dropping data
+        # until the peers close, so no peer stays blocked writing to this rank.
+        for p in self._peers.values():
+            with contextlib.suppress(OSError):
+                p.sock.shutdown(socket.SHUT_WR)
+        for p in self._peers.values():
+            self._drain(p, error)
+            current = p.current
+            if current is not None:
+                current._finish(error)
+
+    def abort(self, reason: str) -> None:
+        """Fail every pending and future request here and make every peer fail promptly.
+
+        On this rank ``failure`` becomes ``CommError("rank <r> aborted: <reason>")`` unless an
+        earlier error is recorded (that one is kept); peers fail with
+        ``PeerLostError("rank <r> aborted: <reason>")``. Idempotent; never raises; a no-op
+        after close.
+        """
+        self._fail(CommError(f"rank {self.rank} aborted: {reason}"), reason)
+
+    def close(self, timeout: float | None = None) -> None:
+        """Flush queued sends, close the connections, join the threads. Idempotent.
+
+        ``timeout`` (default: ``close_timeout`` of :meth:`create`) bounds the wait for queued
+        sends and, on rank 0, for the other ranks to leave the store (after a failure at most
+        :data:`FAILED_CLOSE_SECONDS`). Requests still pending afterwards fail with UsageError.
+        Never raises.
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        deadline = time.monotonic() + (self.close_timeout if timeout is None else timeout)
+        closed = UsageError("the TCP transport is closed")
+        for p in self._peers.values():
+            p.send_q.put(None)  # senders exit after the frames queued before it
+        for p in self._peers.values():
+            if p.sender is not None:
+                p.sender.join(max(0.0, deadline - time.monotonic()))
+        self._closing = True
+        for p in self._peers.values():
+            with contextlib.suppress(OSError):
+                p.sock.shutdown(socket.SHUT_RDWR)
+            self._drain(p, closed)
+        for p in self._peers.values():
+            for t in (p.sender, p.receiver):
+                if t is not None:
+                    t.join(5.0)
+            self._drain(p, closed)
+            p.sock.close()
+        if self._store is not None:
+            self._store.close()
+        if self._server is not None:
+            if self._failure is not None:
+                deadline = min(deadline, time.monotonic() + FAILED_CLOSE_SECONDS)
+            self._server.wait_idle(deadline)
+            self._server.close()
+
+    def __enter__(self) -> TCPTransport:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# --------------------------------------------------------------------------------------------
+# The handshake
+# --------------------------------------------------------------------------------------------
+
+
+def _connect(addr: tuple[str, int], deadline: float, peer: int) -> socket.socket:
+    """Connect to a published address, retrying refused connections until ``deadline``."""
+    delay = 0.01
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise CommTimeoutError(f"could not connect to rank {peer} at {addr[0]}:{addr[1]} "
+                                   "before the deadline")
+        try:
+            infos = socket.getaddrinfo(addr[0], addr[1], type=socket.SOCK_STREAM)
+        except socket.gaierror as exc:
+            raise PeerLostError(f"rank {peer} published an unresolvable address "
+                                f"{addr[0]!r}: {exc}") from exc
+        family, _, _, _, sockaddr = infos[0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        _tune(sock)
+        sock.settimeout(min(left, 10.0))
+        try:
+            sock.connect(sockaddr)
+        except OSError:
+            sock.close()
+            time.sleep(max(0.0, min(delay, deadline - time.monotonic())))
+            delay = min(2 * delay, 0.25)
+            continue
+        return sock
+
+
+def _connect_mesh(rank: int, size: int, listener: socket.socket,
+                  addrs: dict[int, tuple[str, int]], job_id: int, deadline: float,
+                  timeout: float) -> dict[int, socket.socket]:
+    """Connect to every higher rank, accept every lower one; return ``{peer: socket}``."""
+    hello = _HELLO.pack(MAGIC, PROTOCOL_VERSION, 0, rank, size, job_id)
+    done: dict[int, socket.socket] = {}
+    pending: dict[socket.socket, tuple[int | None, bytearray]] = {}
+    sel = selectors.DefaultSelector()
+    ok = False
+    try:
+        for peer in range(rank + 1, size):
+            s = _connect(addrs[peer], deadline, peer)
+            s.settimeout(max(0.001, deadline - time.monotonic()))
+            s.sendall(hello)
+            s.setblocking(False)
+            pending[s] = (peer, bytearray())
+            sel.register(s, selectors.EVENT_READ)
+        listener.setblocking(False)
+        sel.register(listener, selectors.EVENT_READ)
+        while len(done) < size - 1:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                absent = set(range(rank)) - done.keys()
+                silent = set(range(rank + 1, size)) - done.keys()
+                parts = []
+                if absent:
+                    parts.append(f"{_ranks(absent)} never connected")
+                if silent:
+                    parts.append(f"{_ranks(silent)} never answered the handshake")
+                raise CommTimeoutError(f"rank {rank}: {' and '.join(parts)} within "
+                                       f"{timeout:g} s")
+            for key, _ in sel.select(min(left, 1.0)):
+                obj = key.fileobj
+                assert isinstance(obj, socket.socket)
+                s = obj
+                if s is listener:
+                    while True:
+                        try:
+                            conn, _ = listener.accept()
+                        except (BlockingIOError, InterruptedError):
+                            break
+                        conn.setblocking(False)
+                        pending[conn] = (None, bytearray())
+                        sel.register(conn, selectors.EVENT_READ)
+                    continue
+                expect, buf = pending[s]
+                try:
+                    chunk = s.recv(_HELLO.size - len(buf))
+                except (BlockingIOError, InterruptedError):
+                    continue
+                except OSError as exc:
+                    chunk = b""
+                    if expect is not None:
+                        raise PeerLostError(f"rank {rank}: rank {expect} broke the handshake: "
+                                            f"{exc}") from exc
+                if not chunk:
+                    sel.unregister(s)
+                    del pending[s]
+                    s.close()
+                    if expect is not None:
+                        raise PeerLostError(f"rank {rank}: rank {expect} closed the connection "
+                                            "during the handshake")
+                    continue
+                buf += chunk
+                if len(buf) < _HELLO.size:
+                    continue
+                sel.unregister(s)
+                del pending[s]
+                magic, version, _, peer_rank, peer_size, peer_job = _HELLO.unpack(buf)
+                good = (magic == MAGIC and version == PROTOCOL_VERSION and peer_size == size
+                        and peer_job == job_id)
+                if expect is None:  # an incoming connection: must be a lower rank of this job
+                    if not good or not 0 <= peer_rank < rank or peer_rank in done:
+                        s.close()  # a stale or foreign connection: drop it
+                        continue
+                    s.setblocking(True)
+                    s.settimeout(max(0.001, deadline - time.monotonic()))
+                    try:
+                        s.sendall(hello)
+                    except OSError:
+                        s.close()
+                        continue
+                    done[peer_rank] = s
+                else:
+                    if not good or peer_rank != expect:
+                        s.close()
+                        raise ProtocolError(
+                            f"rank {rank}: the process at {addrs[expect][0]}:"
+                            f"{addrs[expect][1]} is not rank {expect} of this job (it answered "
+                            f"as rank {peer_rank} of {peer_size}, version {version}, job "
+                            f"{peer_job:#x})")
+                    done[expect] = s
+        ok = True
+    finally:
+        sel.close()
+        if not ok:
+            for s in list(pending) + list(done.values()):
+                s.close()
+    for s in done.values():
+        s.setblocking(True)
+        with contextlib.suppress(OSError):
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return done

@@ -1,0 +1,116 @@
+"""Run ``size`` local ranks as separate processes, each with its own TCPTransport.
+
+    results = run_world(3, worker, arg1, arg2)
+
+starts fresh processes (the ``forkserver`` start method by default: a clean single-threaded
+server process, started once with numpy, bitcoll and the worker's module imported, forks each
+rank, so a rank starts in milliseconds; ``start_method="spawn"`` works too) on 127.0.0.1 and a
+free port; each rank
+creates ``TCPTransport.create(rank, size, "127.0.0.1", port, timeout=create_timeout)``, calls
+``worker(transport, *args)`` (a module-level, importable function), closes the transport and
+sends back the (picklable) return value. ``run_world`` returns one :class:`RankResult` per
+started rank, in rank order: the value, or the type name and message of the exception raised by
+``create``, the worker or ``close``, or (for a process that died without reporting, e.g.
+killed) its exit code. Ranks still running after ``timeout`` seconds are killed.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from bitcoll.transport.tcp import TCPTransport
+
+__all__ = ["RankResult", "free_port", "run_world"]
+
+
+@dataclass
+class RankResult:
+    rank: int
+    value: Any = None
+    error_type: str | None = None
+    error: str | None = None
+    exitcode: int | None = None
+    reported: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.reported and self.error_type is None
+
+    def unwrap(self) -> Any:
+        """The worker's value; AssertionError describing the failure otherwise."""
+        assert self.ok, (f"rank {self.rank}: {self.error_type}: {self.error} "
+                         f"(exit code {self.exitcode})")
+        return self.value
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free right now."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _rank_main(q: Any, rank: int, size: int, port: int, create_timeout: float,
+               worker: Callable[..., Any], args: tuple[Any, ...]) -> None:
+    try:
+        transport = TCPTransport.create(rank, size, "127.0.0.1", port, timeout=create_timeout)
+        try:
+            value = worker(transport, *args)
+        finally:
+            transport.close()
+        q.put((rank, value, None, None))
+    except BaseException as exc:  # report everything, including assertion failures
+        q.put((rank, None, type(exc).__name__, f"{exc}\n{traceback.format_exc()}"))
+
+
+def run_world(size: int, worker: Callable[..., Any], *args: Any, timeout: float = 60.0,
+              create_timeout: float = 20.0, ranks: Sequence[int] | None = None,
+              port: int | None = None, start_method: str = "forkserver") -> list[RankResult]:
+    """Start ranks ``ranks`` (default all of ``range(size)``) of a ``size``-rank world."""
+    ctx: Any = mp.get_context(start_method)  # the context type differs per start method
+    if start_method == "forkserver":
+        # Only effective before the server's first start (later calls are ignored by it).
+        ctx.set_forkserver_preload(["numpy", "bitcoll.transport.tcp", __name__,
+                                    worker.__module__])
+    q = ctx.Queue()
+    port = free_port() if port is None else port
+    started = list(range(size)) if ranks is None else list(ranks)
+    procs = {r: ctx.Process(target=_rank_main, daemon=True, name=f"tcp-rank-{r}",
+                            args=(q, r, size, port, create_timeout, worker, args))
+             for r in started}
+    for p in procs.values():
+        p.start()
+    results = {r: RankResult(r) for r in started}
+    deadline = time.monotonic() + timeout
+    pending = set(started)
+    while pending and time.monotonic() < deadline:
+        try:
+            rank, value, etype, emsg = q.get(timeout=0.1)
+        except queue.Empty:
+            # A rank that died without reporting (killed) will never report.
+            dead = {r for r in pending if not procs[r].is_alive() and procs[r].exitcode != 0}
+            if dead and q.empty():
+                time.sleep(0.2)  # let a last message of a dying rank land
+                if q.empty():
+                    pending -= dead
+            continue
+        results[rank] = RankResult(rank, value, etype, emsg, reported=True)
+        pending.discard(rank)
+    for r, p in procs.items():
+        p.join(max(0.1, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join(5.0)
+            if not results[r].reported:
+                results[r].error_type = "Hung"
+                results[r].error = f"still running after {timeout} s; killed"
+        results[r].exitcode = p.exitcode
+    q.close()
+    return [results[r] for r in started]

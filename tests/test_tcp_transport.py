@@ -1,0 +1,491 @@
+"""The TCP transport: real processes on 127.0.0.1 (see tests/tcp_world.py), plus a few
+single-process tests of set-up, the handshake wire format and clean closes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import struct
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+from tcp_world import free_port, run_world
+
+from bitcoll.errors import CommError, CommTimeoutError, PeerLostError, ProtocolError, UsageError
+from bitcoll.transport.base import HEADER_SIZE, MAGIC, PROTOCOL_VERSION, FrameHeader
+from bitcoll.transport.store import StoreClient, StoreServer
+from bitcoll.transport.tcp import KEY_ADDR, KEY_JOB, KEY_SIZE, TCPTransport
+
+pytestmark = pytest.mark.tcp
+
+SIG = 0x5EED
+MiB = 1 << 20
+
+
+def _data(src: int, dst: int, tag: int, n: int) -> np.ndarray:
+    """The payload ``src`` sends to ``dst`` as frame ``tag``: reproducible from the seeds."""
+    return np.random.default_rng([src, dst, tag]).integers(0, 256, n, dtype=np.uint8)
+
+
+def _view(a: np.ndarray) -> memoryview:
+    return a.data
+
+
+class _Checker:
+    """Posts frames, remembers what must arrive, counts expected traffic."""
+
+    def __init__(self, t: TCPTransport) -> None:
+        self.t = t
+        self.reqs: list[Any] = []
+        self.checks: list[tuple[int, int, np.ndarray]] = []
+        self.sent = self.received = self.msent = self.mreceived = 0
+        self.step: dict[tuple[str, int, int], int] = {}
+        self.keep: list[np.ndarray] = []
+
+    def _hdr(self, kind: str, seq: int, peer: int, n: int) -> FrameHeader:
+        step = self.step.get((kind, seq, peer), 0)
+        self.step[(kind, seq, peer)] = step + 1
+        return FrameHeader(seq=seq, step=step, signature=SIG, length=n)
+
+    def send(self, seq: int, peer: int, tag: int, n: int) -> None:
+        a = _data(self.t.rank, peer, tag, n)
+        self.keep.append(a)
+        self.reqs.append(self.t.isend(peer, _view(a), self._hdr("s", seq, peer, n)))
+        self.sent += HEADER_SIZE + n
+        self.msent += 1
+
+    def recv(self, seq: int, peer: int, tag: int, n: int) -> None:
+        b = np.full(n, 0xAA, dtype=np.uint8)
+        self.reqs.append(self.t.irecv(peer, _view(b), self._hdr("r", seq, peer, n)))
+        self.checks.append((peer, tag, b))
+        self.received += HEADER_SIZE + n
+        self.mreceived += 1
+
+    def finish(self, deadline: float) -> list[str]:
+        for r in self.reqs:
+            r.wait(deadline)
+        assert all(r.done() for r in self.reqs)
+        bad = [f"rank {self.t.rank}: frame {tag} from rank {peer} ({b.size} bytes) differs"
+               for peer, tag, b in self.checks
+               if not np.array_equal(b, _data(peer, self.t.rank, tag, b.size))]
+        self.reqs, self.checks, self.keep = [], [], []
+        return bad
+
+
+def worker_patterns(t: TCPTransport) -> dict[str, Any]:
+    """Ring, all pairs, zero/one-byte and multi-MiB payloads, hundreds of frames in flight."""
+    p, r = t.size, t.rank
+    right, left = (r + 1) % p, (r - 1) % p
+    deadline = time.monotonic() + 60.0
+    before = t.stats.snapshot()
+    c = _Checker(t)
+    problems: list[str] = []
+    # 1. ring, receives posted before the sends, every size class
+    sizes = [0, 1, 1000, 3 * MiB + 5]
+    for i, n in enumerate(sizes):
+        c.recv(1, left, i, n)
+    for i, n in enumerate(sizes):
+        c.send(1, right, i, n)
+    problems += c.finish(deadline)
+    # 2. all pairs at once, sends posted before the receives
+    pair_sizes = [0, 7, 65536 + 3]
+    for q in range(p):
+        if q != r:
+            for i, n in enumerate(pair_sizes):
+                c.send(2, q, 100 + i, n)
+    for q in range(p):
+        if q != r:
+            for i, n in enumerate(pair_sizes):
+                c.recv(2, q, 100 + i, n)
+    problems += c.finish(deadline)
+    # 3. many frames in flight to the right while receiving as many from the left
+    count = 300
+
+    def lengths(src: int) -> np.ndarray:
+        return np.random.default_rng([src, 77]).integers(0, 20000, count)
+
+    for i, n in enumerate(lengths(left)):
+        c.recv(3, left, 1000 + i, int(n))
+    for i, n in enumerate(lengths(r)):
+        c.send(3, right, 1000 + i, int(n))
+    problems += c.finish(deadline)
+    # 4. one large frame each way between ring neighbours, sent before the receive is posted
+    c.send(4, right, 5000, 8 * MiB)
+    time.sleep(0.05)
+    c.recv(4, left, 5000, 8 * MiB)
+    problems += c.finish(deadline)
+    after = t.stats.snapshot()
+    delta = {k: after[k] - before[k] for k in after}
+    expected = {"bytes_sent": c.sent, "bytes_received": c.received,
+                "messages_sent": c.msent, "messages_received": c.mreceived}
+    if delta != expected:
+        problems.append(f"rank {r}: stats {delta} != expected {expected}")
+    if t.failure is not None:
+        problems.append(f"rank {r}: failure {t.failure!r}")
+    return {"problems": problems, "stats": delta}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("size", [2, 3, 4, 5])
+def test_patterns_payloads_and_exact_stats(size: int) -> None:
+    results = run_world(size, worker_patterns, timeout=100)
+    for res in results:
+        out = res.unwrap()
+        assert out["problems"] == []
+    # Traffic is conserved: everything sent was received somewhere.
+    sent = sum(r.value["stats"]["bytes_sent"] for r in results)
+    received = sum(r.value["stats"]["bytes_received"] for r in results)
+    assert sent == received > 0
+
+
+def worker_mismatch(t: TCPTransport) -> tuple[str, str, float, str]:
+    """Rank 1 sends rank 0 a frame with the wrong step; everybody must fail fast."""
+    deadline = time.monotonic() + 30.0
+    buf = np.zeros(16, dtype=np.uint8)
+    if t.rank == 1:
+        t.isend(0, _view(buf), FrameHeader(seq=3, step=1, signature=SIG, length=16)).wait(
+            deadline)
+    t0 = time.monotonic()
+    try:
+        if t.rank == 0:
+            t.irecv(1, _view(buf), FrameHeader(seq=3, step=0, signature=SIG, length=16)).wait(
+                deadline)
+        else:
+            # Nobody sends this: only the abort can end the wait before the deadline.
+            t.irecv(0, _view(buf), FrameHeader(seq=3, step=0, signature=SIG, length=16)).wait(
+                deadline)
+    except CommError as exc:
+        elapsed = time.monotonic() - t0
+        after = ""
+        try:
+            t.isend((t.rank + 1) % t.size, _view(buf),
+                    FrameHeader(seq=4, step=0, signature=SIG, length=16))
+        except CommError as later:
+            after = type(later).__name__
+        assert t.failure is not None
+        return type(exc).__name__, str(exc), elapsed, after
+    return "none", "", time.monotonic() - t0, ""
+
+
+@pytest.mark.timeout(60)
+def test_header_mismatch_is_protocol_error_and_aborts_everyone() -> None:
+    results = [r.unwrap() for r in run_world(3, worker_mismatch, timeout=50)]
+    kind0, msg0, _, after0 = results[0]
+    assert kind0 == "ProtocolError"
+    assert "rank 1 sent step 1, expected step 0" in msg0
+    assert after0 == "ProtocolError"  # every later call raises the failure
+    for kind, msg, elapsed, after in results[1:]:
+        assert kind == "PeerLostError", msg
+        assert "rank 0 aborted" in msg and "step 1" in msg
+        assert elapsed < 5.0
+        assert after == "PeerLostError"
+
+
+def worker_kill(t: TCPTransport) -> tuple[str, str, float]:
+    """Rank 2 dies with SIGKILL while a 64 MiB frame to rank 0 is half way."""
+    deadline = time.monotonic() + 30.0
+    big = 64 * MiB
+    if t.rank == 2:
+        src = np.ones(big, dtype=np.uint8)
+        t.isend(0, _view(src), FrameHeader(seq=1, step=0, signature=SIG, length=big))
+        time.sleep(0.5)  # rank 0 has not posted its receive: the sender is stuck mid-frame
+        os.kill(os.getpid(), signal.SIGKILL)
+    t0 = time.monotonic()
+    try:
+        if t.rank == 0:
+            time.sleep(1.0)
+            t0 = time.monotonic()
+            dst = np.zeros(big, dtype=np.uint8)
+            t.irecv(2, _view(dst), FrameHeader(seq=1, step=0, signature=SIG, length=big)).wait(
+                deadline)
+        else:
+            buf = np.zeros(4, dtype=np.uint8)
+            t.irecv(2, _view(buf), FrameHeader(seq=1, step=0, signature=SIG, length=4)).wait(
+                deadline)
+    except CommError as exc:
+        return type(exc).__name__, str(exc), time.monotonic() - t0
+    return "none", "", time.monotonic() - t0
+
+
+@pytest.mark.timeout(60)
+def test_peer_killed_mid_transfer_fails_survivors_quickly() -> None:
+    results = run_world(3, worker_kill, timeout=50)
+    assert results[2].exitcode == -signal.SIGKILL
+    for res in results[:2]:
+        kind, msg, elapsed = res.unwrap()
+        assert kind in ("PeerLostError", "CommTimeoutError"), msg
+        assert "rank 2" in msg
+        assert elapsed < 5.0
+
+
+def worker_abort(t: TCPTransport) -> tuple[str, str, float, str]:
+    """Rank 1 aborts while its 32 MiB frame to rank 0 is stuck mid-way."""
+    deadline = time.monotonic() + 30.0
+    big = 32 * MiB
+    if t.rank == 1:
+        src = np.ones(big, dtype=np.uint8)
+        req = t.isend(0, _view(src), FrameHeader(seq=1, step=0, signature=SIG, length=big))
+        time.sleep(0.3)
+        t.abort("boom")
+        try:
+            req.wait(deadline)
+        except CommError as exc:
+            failure = t.failure
+            return type(exc).__name__, str(exc), 0.0, type(failure).__name__
+        return "none", "", 0.0, ""
+    t0 = time.monotonic()
+    try:
+        if t.rank == 0:
+            time.sleep(0.6)
+            t0 = time.monotonic()
+            dst = np.zeros(big, dtype=np.uint8)
+            t.irecv(1, _view(dst), FrameHeader(seq=1, step=0, signature=SIG, length=big)).wait(
+                deadline)
+        else:
+            buf = np.zeros(4, dtype=np.uint8)
+            t.irecv(0, _view(buf), FrameHeader(seq=1, step=0, signature=SIG, length=4)).wait(
+                deadline)
+    except CommError as exc:
+        return type(exc).__name__, str(exc), time.monotonic() - t0, type(t.failure).__name__
+    return "none", "", time.monotonic() - t0, ""
+
+
+@pytest.mark.timeout(60)
+def test_abort_reaches_every_peer_with_its_reason() -> None:
+    results = [r.unwrap() for r in run_world(3, worker_abort, timeout=50)]
+    kind1, msg1, _, failure1 = results[1]
+    assert kind1 == "CommError" and failure1 == "CommError"
+    assert msg1 == "rank 1 aborted: boom"
+    for kind, msg, elapsed, failure in (results[0], results[2]):
+        assert kind == "PeerLostError" and failure == "PeerLostError"
+        assert "rank 1 aborted: boom" in msg
+        assert elapsed < 3.0
+
+
+def worker_timeout(t: TCPTransport) -> tuple[str, float, bool]:
+    buf = np.zeros(8, dtype=np.uint8)
+    if t.rank == 0:
+        t0 = time.monotonic()
+        req = t.irecv(1, _view(buf), FrameHeader(seq=1, step=0, signature=SIG, length=8))
+        try:
+            req.wait(t0 + 0.5)
+        except CommTimeoutError as exc:
+            return str(exc), time.monotonic() - t0, t.failure is None and not req.done()
+        return "no timeout", time.monotonic() - t0, False
+    time.sleep(1.0)
+    return "", 0.0, True
+
+
+@pytest.mark.timeout(60)
+def test_receive_nobody_sends_times_out_at_the_deadline() -> None:
+    msg, elapsed, healthy = run_world(2, worker_timeout, timeout=50)[0].unwrap()
+    assert "receive from rank 1" in msg and "deadline" in msg
+    assert 0.5 <= elapsed < 1.5
+    assert healthy
+
+
+# --------------------------------------------------------------------------------------------
+# Single-process tests (ranks as threads, or a hand-made peer)
+# --------------------------------------------------------------------------------------------
+
+
+def _create_in_threads(size: int, ranks: list[int], port: int,
+                       timeout: float) -> dict[int, TCPTransport | BaseException]:
+    out: dict[int, TCPTransport | BaseException] = {}
+
+    def run(r: int) -> None:
+        try:
+            out[r] = TCPTransport.create(r, size, "127.0.0.1", port, timeout=timeout)
+        except BaseException as exc:
+            out[r] = exc
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in ranks]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout + 10)
+    return out
+
+
+@pytest.mark.timeout(30)
+def test_create_with_a_missing_rank_times_out_naming_it() -> None:
+    t0 = time.monotonic()
+    out = _create_in_threads(3, [0, 1], free_port(), timeout=1.5)
+    assert time.monotonic() - t0 < 8.0
+    for r in (0, 1):
+        err = out[r]
+        assert isinstance(err, CommTimeoutError), repr(err)
+        assert "rank 2 never showed up" in str(err)
+
+
+@pytest.mark.timeout(30)
+def test_create_without_rank_0_times_out_naming_it() -> None:
+    t0 = time.monotonic()
+    out = _create_in_threads(2, [1], free_port(), timeout=1.0)
+    assert time.monotonic() - t0 < 5.0
+    assert isinstance(out[1], CommTimeoutError)
+    assert "rank 0 never showed up" in str(out[1])
+
+
+def test_world_of_one_needs_no_socket() -> None:
+    t = TCPTransport.create(0, 1, "no-such-host.invalid", 0)
+    assert (t.rank, t.size, t.failure) == (0, 1, None)
+    with pytest.raises(UsageError):
+        t.isend(0, memoryview(b""), FrameHeader(0, 0, 0, 0))
+    t.close()
+    t.close()
+
+
+@pytest.mark.parametrize("args", [(2, 2, 5000), (-1, 2, 5000), (0, 0, 5000), (1, 2, 0)])
+def test_create_rejects_bad_arguments(args: tuple[int, int, int]) -> None:
+    rank, size, port = args
+    with pytest.raises(UsageError):
+        TCPTransport.create(rank, size, "127.0.0.1", port, timeout=1.0)
+
+
+_HELLO = struct.Struct("<IHHIIQ")
+
+
+def _start_rank1(port: int, size: int, job: int) -> tuple[StoreServer, StoreClient,
+                                                          dict[str, Any], threading.Thread]:
+    """A store playing rank 0's part, and rank 1 creating its transport in a thread."""
+    server = StoreServer("127.0.0.1", port)
+    client = StoreClient.connect("127.0.0.1", port, time.monotonic() + 5)
+    client.set(KEY_SIZE, b"2")
+    client.set(KEY_JOB, str(job).encode())
+    client.set(KEY_ADDR.format(0), b"1 127.0.0.1")  # never used: rank 0 connects to rank 1
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["t"] = TCPTransport.create(1, size, "127.0.0.1", port, timeout=5.0)
+        except BaseException as exc:
+            box["err"] = exc
+
+    th = threading.Thread(target=run)
+    th.start()
+    return server, client, box, th
+
+
+@pytest.mark.timeout(30)
+def test_handshake_rejects_stale_peers_and_frames_follow_the_wire_format() -> None:
+    port, job = free_port(), 0x1234_5678_9ABC
+    server, client, box, th = _start_rank1(port, 2, job)
+    try:
+        port_s, host = client.get(KEY_ADDR.format(1), time.monotonic() + 5).decode().split()
+        addr = (host, int(port_s))
+        # A process of another job is dropped without an answer.
+        with socket.create_connection(addr, timeout=5) as stale:
+            stale.sendall(_HELLO.pack(MAGIC, PROTOCOL_VERSION, 0, 0, 2, job + 1))
+            assert stale.recv(64) == b""
+        # The real rank 0 gets rank 1's hello back.
+        peer = socket.create_connection(addr, timeout=5)
+        peer.sendall(_HELLO.pack(MAGIC, PROTOCOL_VERSION, 0, 0, 2, job))
+        ack = b""
+        while len(ack) < _HELLO.size:
+            chunk = peer.recv(_HELLO.size - len(ack))
+            assert chunk
+            ack += chunk
+        assert _HELLO.unpack(ack) == (MAGIC, PROTOCOL_VERSION, 0, 1, 2, job)
+        th.join(10)
+        t = box["t"]
+        assert isinstance(t, TCPTransport) and t.job_id == job
+        # A frame is the 32-byte header then the payload, nothing else.
+        payload = bytes(range(200))
+        peer.sendall(FrameHeader(seq=9, step=0, signature=SIG, length=200).pack() + payload)
+        got = bytearray(200)
+        t.irecv(0, memoryview(got), FrameHeader(seq=9, step=0, signature=SIG, length=200)).wait(
+            time.monotonic() + 5)
+        assert bytes(got) == payload
+        t.isend(0, memoryview(b"xyz"), FrameHeader(seq=9, step=0, signature=SIG, length=3)).wait(
+            time.monotonic() + 5)
+        raw = b""
+        while len(raw) < HEADER_SIZE + 3:
+            raw += peer.recv(HEADER_SIZE + 3 - len(raw))
+        assert FrameHeader.unpack(raw[:HEADER_SIZE]) == FrameHeader(seq=9, step=0,
+                                                                  signature=SIG, length=3)
+        assert raw[HEADER_SIZE:] == b"xyz"
+        assert t.stats.snapshot() == {"bytes_sent": HEADER_SIZE + 3,
+                                      "bytes_received": HEADER_SIZE + 200,
+                                      "messages_sent": 1, "messages_received": 1}
+        # A clean close between frames is not a failure by itself ...
+        peer.close()
+        time.sleep(0.2)
+        failure_before = t.failure
+        assert failure_before is None
+        # ... but the next call involving the peer is.
+        with pytest.raises(PeerLostError, match="rank 0"):
+            t.irecv(0, memoryview(got), FrameHeader(seq=10, step=0, signature=SIG, length=200))
+        assert isinstance(t.failure, PeerLostError)
+        t.close()
+        with pytest.raises(UsageError):
+            t.isend(0, memoryview(b""), FrameHeader(0, 0, 0, 0))
+    finally:
+        th.join(10)
+        client.close()
+        server.close()
+
+
+@pytest.mark.timeout(30)
+def test_world_size_disagreement_is_a_usage_error() -> None:
+    server, client, box, th = _start_rank1(free_port(), 3, 1)
+    try:
+        th.join(10)
+        assert isinstance(box.get("err"), UsageError)
+        assert "world size 3" in str(box["err"])
+    finally:
+        client.close()
+        server.close()
+
+
+@pytest.mark.timeout(30)
+def test_threads_world_garbage_header_is_protocol_error() -> None:
+    """A peer writing a frame with a bad magic number fails the receiver with ProtocolError."""
+    port, job = free_port(), 77
+    server, client, box, th = _start_rank1(port, 2, job)
+    try:
+        port_s, host = client.get(KEY_ADDR.format(1), time.monotonic() + 5).decode().split()
+        peer = socket.create_connection((host, int(port_s)), timeout=5)
+        peer.sendall(_HELLO.pack(MAGIC, PROTOCOL_VERSION, 0, 0, 2, job))
+        th.join(10)
+        t = box["t"]
+        peer.recv(_HELLO.size, socket.MSG_WAITALL)
+        buf = bytearray(4)
+        req = t.irecv(0, memoryview(buf), FrameHeader(seq=1, step=0, signature=SIG, length=4))
+        peer.sendall(b"\x00" * HEADER_SIZE)
+        with pytest.raises(ProtocolError, match="magic"):
+            req.wait(time.monotonic() + 5)
+        # The aborting rank told the peer why, with an ABORT frame.
+        peer.settimeout(5)
+        head = peer.recv(HEADER_SIZE, socket.MSG_WAITALL)
+        h = FrameHeader.unpack(head)
+        reason = peer.recv(h.length, socket.MSG_WAITALL).decode()
+        assert h.kind == 2 and "magic" in reason
+        peer.close()
+        t.close()
+    finally:
+        th.join(10)
+        client.close()
+        server.close()
+
+
+@pytest.mark.timeout(30)
+def test_rank_0_keeps_the_store_until_the_others_close() -> None:
+    out = _create_in_threads(2, [0, 1], free_port(), timeout=10)
+    t0, t1 = out[0], out[1]
+    assert isinstance(t0, TCPTransport) and isinstance(t1, TCPTransport)
+    closer = threading.Thread(target=t0.close)
+    closer.start()
+    time.sleep(0.3)
+    assert closer.is_alive()  # waiting for rank 1 to leave the store
+    store = t1._store
+    assert store is not None and store.try_get(KEY_JOB) == str(t1.job_id).encode()
+    start = time.monotonic()
+    t1.close()
+    closer.join(5)
+    assert not closer.is_alive() and time.monotonic() - start < 2
+    t0.close()  # idempotent
