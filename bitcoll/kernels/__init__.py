@@ -1,0 +1,463 @@
+"""Packed-bit kernels: signs, votes, majorities and fixed-width integer fields.
+
+Everything here works on 1-D C-contiguous numpy arrays (``count_votes`` and ``majority`` take
+one 2-D C-contiguous ``uint8[p, nbytes]`` array, one packed vote vector per row) and returns
+numpy arrays. The work is done by numba kernels (:mod:`bitcoll.kernels.bits`) that are compiled
+on first use, cached on disk and run without the GIL, so a caller thread can pack or count
+while another thread moves bytes. Plain numpy twins live in :mod:`bitcoll.kernels.reference`.
+
+Layout
+------
+* **Bits.** Bit ``i`` of a packed vector is element ``i``; bits are little-endian within each
+  byte (bit ``i`` is ``(buf[i // 8] >> (i % 8)) & 1``), exactly
+  ``numpy.packbits(bits, bitorder="little")``. ``n`` bits take ``ceil(n / 8)`` bytes.
+* **Fields.** A ``w``-bit field stream puts element ``i`` at stream bits ``[i*w, (i+1)*w)``,
+  stream bit ``j`` being bit ``j % 8`` of byte ``j // 8``, the field's least significant bit
+  first. ``n`` fields take ``packed_nbytes(n, w) = ceil(n * w / 8)`` bytes.
+* **Padding** bits after the last element are always written as 0, and padding bits of inputs
+  are ignored.
+
+Votes
+-----
+``x > 0``, ``x == +0.0`` and ``x == -0.0`` vote +1 (bit 1), ``x < 0`` votes -1 (bit 0). A NaN
+raises :class:`~bitcoll.errors.UsageError` ``"NaN in vote input at index i"`` (``i`` the first
+NaN), found in the packing pass itself; ``out`` may then be partly written.
+
+Common rules
+------------
+* ``out=`` is an optional preallocated result: a writeable 1-D C-contiguous array with exactly
+  the documented dtype and length, otherwise :class:`~bitcoll.errors.UsageError`. Every
+  function returns its result array (``out`` when given).
+* Inputs of the wrong type, dtype, dimension, length or layout raise
+  :class:`~bitcoll.errors.UsageError`; inputs are never copied or converted silently.
+* Inputs of at least :data:`PARALLEL_MIN_ELEMENTS` elements run on numba's thread pool when it
+  has more than one thread (see :func:`set_num_threads`; ``NUMBA_NUM_THREADS`` sets the pool
+  size) and no other thread is using it; the result is identical either way.
+"""
+
+from __future__ import annotations
+
+import operator
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+from numba import get_num_threads as _nb_get_num_threads
+from numba import set_num_threads as _nb_set_num_threads
+
+from ..errors import UsageError
+from . import bits as _k
+
+__all__ = [
+    "TIE_POSITIVE",
+    "TIE_NEGATIVE",
+    "TIE_ALTERNATE",
+    "PARALLEL_MIN_ELEMENTS",
+    "MAX_FIELD_WIDTH",
+    "packed_nbytes",
+    "pack_signs",
+    "unpack_signs",
+    "count_votes",
+    "majority",
+    "pack_fields",
+    "unpack_fields",
+    "add_fields",
+    "pack_ternary",
+    "get_num_threads",
+    "set_num_threads",
+]
+
+TIE_POSITIVE = 0
+"""Tie rule: a tied element (2c == p) becomes +1 (bit 1)."""
+TIE_NEGATIVE = 1
+"""Tie rule: a tied element becomes -1 (bit 0)."""
+TIE_ALTERNATE = 2
+"""Tie rule: a tied element ``i`` becomes +1 if ``i + tie_offset`` is even, else -1."""
+
+PARALLEL_MIN_ELEMENTS = 1 << 20
+"""Inputs with at least this many elements may use the parallel kernels."""
+
+MAX_FIELD_WIDTH = 16
+"""The widest field :func:`pack_fields` and friends support, in bits."""
+
+_CHUNK_ELEMENTS = 1 << 18  # elements per parallel work item
+
+_FLOAT_BITS: dict[np.dtype[Any], tuple[type[np.unsignedinteger[Any]], int, int, int]] = {
+    # float dtype -> (unsigned view, sign bit, all bits but sign, bits of +inf)
+    np.dtype(np.float16): (np.uint16, 0x8000, 0x7FFF, 0x7C00),
+    np.dtype(np.float32): (np.uint32, 0x8000_0000, 0x7FFF_FFFF, 0x7F80_0000),
+    np.dtype(np.float64): (np.uint64, 1 << 63, (1 << 63) - 1, 0x7FF0_0000_0000_0000),
+}
+
+_UNSIGNED_OF_SIZE: dict[int, type[np.unsignedinteger[Any]]] = {
+    1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64,
+}
+
+_INT_DTYPES = tuple(np.dtype(t) for t in (np.int8, np.int16, np.int32, np.int64,
+                                          np.uint8, np.uint16, np.uint32, np.uint64))
+_SIGN_OUT_DTYPES = tuple(np.dtype(t) for t in (np.int8, np.int16, np.int32, np.int64,
+                                               np.float16, np.float32, np.float64))
+_FIELD_OUT_DTYPES = (*_INT_DTYPES, np.dtype(np.float32), np.dtype(np.float64))
+_ACC_DTYPES = tuple(np.dtype(t) for t in (np.int16, np.int32, np.int64))
+
+_ALL64 = (1 << 64) - 1
+_EVEN_BITS = 0x5555_5555_5555_5555
+
+_pool_lock = threading.Lock()
+
+
+# --------------------------------------------------------------------------------------------
+# Threads and dispatch
+# --------------------------------------------------------------------------------------------
+
+
+def get_num_threads() -> int:
+    """The number of threads the parallel kernels use from the calling thread."""
+    return int(_nb_get_num_threads())
+
+
+def set_num_threads(n: int) -> None:
+    """Use ``n`` threads for parallel kernels called from this thread (1 = always serial).
+
+    ``n`` must lie in ``[1, NUMBA_NUM_THREADS]``, else :class:`UsageError`.
+    """
+    try:
+        _nb_set_num_threads(_as_int(n, "n"))
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+
+
+def _dispatch(n: int, serial: Callable[..., int], parallel: Callable[..., int],
+              args: tuple[Any, ...], chunk: int) -> int:
+    """Run ``serial(*args)`` or, for large inputs with a free thread pool,
+    ``parallel(*args, chunk)``."""
+    if (n >= PARALLEL_MIN_ELEMENTS and _nb_get_num_threads() > 1
+            and _pool_lock.acquire(blocking=False)):
+        try:
+            return int(parallel(*args, max(1, chunk)))
+        finally:
+            _pool_lock.release()
+    return int(serial(*args))
+
+
+# --------------------------------------------------------------------------------------------
+# Argument checks
+# --------------------------------------------------------------------------------------------
+
+
+def _as_int(v: object, name: str) -> int:
+    if isinstance(v, (bool, np.bool_)):
+        raise UsageError(f"{name} must be an integer, got {v!r}")
+    try:
+        return operator.index(v)  # type: ignore[arg-type]
+    except TypeError:
+        raise UsageError(f"{name} must be an integer, got {v!r}") from None
+
+
+def _length(n: object) -> int:
+    k = _as_int(n, "n")
+    if k < 0:
+        raise UsageError(f"n must be >= 0, got {k}")
+    return k
+
+
+def _width(width: object) -> int:
+    w = _as_int(width, "width")
+    if not 1 <= w <= MAX_FIELD_WIDTH:
+        raise UsageError(f"width must be in [1, {MAX_FIELD_WIDTH}], got {w}")
+    return w
+
+
+def _vector(a: object, name: str, dtypes: tuple[np.dtype[Any], ...],
+            ndim: int = 1) -> npt.NDArray[Any]:
+    if not isinstance(a, np.ndarray):
+        raise UsageError(f"{name} must be a numpy array, got {type(a).__name__}")
+    if a.ndim != ndim:
+        raise UsageError(f"{name} must be {ndim}-D, got shape {a.shape}")
+    if a.dtype not in dtypes:
+        allowed = ", ".join(str(d) for d in dtypes)
+        raise UsageError(f"{name} has dtype {a.dtype}; expected one of: {allowed}")
+    if not a.flags.c_contiguous:
+        raise UsageError(f"{name} must be C-contiguous")
+    return a
+
+
+def _out(out: object, dtype: np.dtype[Any], size: int, name: str = "out") -> npt.NDArray[Any]:
+    """A fresh result array, or ``out`` checked to be exactly ``dtype[size]``."""
+    if out is None:
+        return np.empty(size, dtype=dtype)
+    if not isinstance(out, np.ndarray):
+        raise UsageError(f"{name} must be a numpy array, got {type(out).__name__}")
+    if out.dtype != dtype or out.shape != (size,):
+        raise UsageError(f"{name} must be {dtype}[{size}], got {out.dtype}{list(out.shape)}")
+    if not out.flags.c_contiguous or not out.flags.writeable:
+        raise UsageError(f"{name} must be writeable and C-contiguous")
+    return out
+
+
+def _bits_input(bits: object, nbytes: int, name: str) -> npt.NDArray[np.uint8]:
+    b = _vector(bits, name, (np.dtype(np.uint8),))
+    if b.size != nbytes:
+        raise UsageError(f"{name} must hold exactly {nbytes} bytes, got {b.size}")
+    return b
+
+
+def _votes_input(packed: object, n: int) -> npt.NDArray[np.uint8]:
+    a = _vector(packed, "packed", (np.dtype(np.uint8),), ndim=2)
+    if a.shape[1] != packed_nbytes(n):
+        raise UsageError(f"packed must have {packed_nbytes(n)} bytes per row for n={n}, "
+                         f"got shape {a.shape}")
+    return a
+
+
+def _float_input(x: object) -> tuple[npt.NDArray[Any], tuple[Any, Any, Any]]:
+    """The unsigned view of a float vote vector and its (sign, absm, inf) masks."""
+    a = _vector(x, "x", tuple(_FLOAT_BITS))
+    ut, sign, absm, inf = _FLOAT_BITS[a.dtype]
+    return a.view(ut), (ut(sign), ut(absm), ut(inf))
+
+
+# --------------------------------------------------------------------------------------------
+# Public API
+# --------------------------------------------------------------------------------------------
+
+
+def packed_nbytes(n: int, width: int = 1) -> int:
+    """Bytes taken by ``n`` packed elements of ``width`` bits: ``ceil(n * width / 8)``.
+
+    ``n >= 0`` and ``width >= 1`` (any width: this is also used to size wider fields),
+    else :class:`UsageError`.
+    """
+    k = _length(n)
+    w = _as_int(width, "width")
+    if w < 1:
+        raise UsageError(f"width must be >= 1, got {w}")
+    return (k * w + 7) // 8
+
+
+def pack_signs(x: npt.NDArray[np.floating[Any]],
+               out: npt.NDArray[np.uint8] | None = None) -> npt.NDArray[np.uint8]:
+    """Pack the sign votes of ``x`` (float16/32/64 of length n) into ``uint8[ceil(n/8)]``.
+
+    Bit i is 1 iff ``x[i] >= 0`` (``+0.0`` and ``-0.0`` vote +1), 0 iff ``x[i] < 0``.
+    Raises :class:`UsageError` on a NaN (naming the first NaN's index) or bad arguments.
+    """
+    u, masks = _float_input(x)
+    n = u.size
+    res = _out(out, np.dtype(np.uint8), packed_nbytes(n))
+    err = _dispatch(n, _k.pack_signs_serial, _k.pack_signs_parallel, (u, res, *masks),
+                    _CHUNK_ELEMENTS // _k.BLOCK)
+    if err >= 0:
+        raise UsageError(f"NaN in vote input at index {err}")
+    return res
+
+
+def pack_ternary(x: npt.NDArray[np.floating[Any]],
+                 out: npt.NDArray[np.uint8] | None = None) -> npt.NDArray[np.uint8]:
+    """Pack ``sign(x) + 1`` as 2-bit fields (the field layout, width 2, bias 1).
+
+    Field i is 0 for ``x[i] < 0``, 1 for ``x[i] == 0`` (either sign of zero), 2 for
+    ``x[i] > 0``; the result is ``uint8[ceil(n/4)]``, readable with
+    ``unpack_fields(..., width=2, bias=1)``. Raises :class:`UsageError` on a NaN (naming the
+    first NaN's index) or bad arguments.
+    """
+    u, masks = _float_input(x)
+    n = u.size
+    res = _out(out, np.dtype(np.uint8), packed_nbytes(n, 2))
+    err = _dispatch(n, _k.pack_ternary_serial, _k.pack_ternary_parallel, (u, res, *masks),
+                    _CHUNK_ELEMENTS // _k.BLOCK)
+    if err >= 0:
+        raise UsageError(f"NaN in vote input at index {err}")
+    return res
+
+
+def unpack_signs(bits: npt.NDArray[np.uint8], n: int, out: npt.NDArray[Any] | None = None,
+                 dtype: npt.DTypeLike = np.int8, scale: float = 1.0) -> npt.NDArray[Any]:
+    """Expand ``n`` packed sign bits: element i = ``+scale`` if bit i else ``-scale``.
+
+    ``bits`` is ``uint8[ceil(n/8)]``. ``dtype`` is one of int8/16/32/64, float16/32/64 and
+    ``out``, when given, must be exactly ``dtype[n]``. ``scale`` may be negative (e.g.
+    ``-lr`` writes ``-lr * sign`` directly); for integer dtypes it must be an integer with
+    ``+scale`` and ``-scale`` both representable, for float dtypes it must be finite in
+    ``dtype``. Violations raise :class:`UsageError`.
+    """
+    n = _length(n)
+    b = _bits_input(bits, packed_nbytes(n), "bits")
+    try:
+        dt = np.dtype(dtype)
+    except TypeError as exc:
+        raise UsageError(f"invalid dtype {dtype!r}") from exc
+    if dt not in _SIGN_OUT_DTYPES:
+        allowed = ", ".join(str(d) for d in _SIGN_OUT_DTYPES)
+        raise UsageError(f"dtype {dt} not supported; expected one of: {allowed}")
+    pos, neg = _sign_values(dt, scale)
+    res = _out(out, dt, n)
+    ut = _UNSIGNED_OF_SIZE[dt.itemsize]
+    _dispatch(n, _k.unpack_signs_serial, _k.unpack_signs_parallel,
+              (b, res.view(ut), ut(pos), ut(neg)), _CHUNK_ELEMENTS // 8)
+    return res
+
+
+def _sign_values(dt: np.dtype[Any], scale: object) -> tuple[int, int]:
+    """The raw bits of ``+scale`` and ``-scale`` in ``dt``."""
+    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.number)):
+        raise UsageError(f"scale must be a real number, got {scale!r}")
+    ut = _UNSIGNED_OF_SIZE[dt.itemsize]
+    if dt.kind == "i":
+        if isinstance(scale, (float, np.floating)) and not float(scale).is_integer():
+            raise UsageError(f"scale must be an integer for dtype {dt}, got {scale!r}")
+        s = int(scale)
+        info = np.iinfo(dt)
+        if abs(s) > info.max:
+            raise UsageError(f"scale {s} and -scale are not both representable in {dt}")
+        vals = np.array([s, -s], dtype=dt)
+    else:
+        if isinstance(scale, (complex, np.complexfloating)):
+            raise UsageError(f"scale must be a real number, got {scale!r}")
+        with np.errstate(over="ignore"):
+            vals = np.array([scale, -float(scale)], dtype=np.float64).astype(dt)
+        if not np.isfinite(vals).all():
+            raise UsageError(f"scale {scale!r} is not finite in {dt}")
+    raw = vals.view(ut)
+    return int(raw[0]), int(raw[1])
+
+
+def count_votes(packed: npt.NDArray[np.uint8], n: int,
+                out: npt.NDArray[np.int32] | None = None) -> npt.NDArray[np.int32]:
+    """Count the +1 votes per element: ``out[i]`` = number of rows with bit i set.
+
+    ``packed`` is ``uint8[p, ceil(n/8)]`` (p >= 0 vote vectors, one per row); the result is
+    ``int32[n]``. Bad arguments raise :class:`UsageError`.
+    """
+    n = _length(n)
+    a = _votes_input(packed, n)
+    res = _out(out, np.dtype(np.int32), n)
+    _dispatch(n, _k.count_votes_serial, _k.count_votes_parallel, (a, res),
+              _CHUNK_ELEMENTS // 8)
+    return res
+
+
+def majority(packed: npt.NDArray[np.uint8], n: int, tie: int, tie_offset: int = 0,
+             out: npt.NDArray[np.uint8] | None = None) -> npt.NDArray[np.uint8]:
+    """The majority vote of ``p`` packed sign vectors, as packed bits ``uint8[ceil(n/8)]``.
+
+    ``packed`` is ``uint8[p, ceil(n/8)]`` with ``p >= 1``. With ``c`` the number of +1 votes
+    at element ``i``: bit i is 1 if ``2c > p``, 0 if ``2c < p``; a tie (``2c == p``, even
+    ``p`` only) follows ``tie``: :data:`TIE_POSITIVE` -> 1, :data:`TIE_NEGATIVE` -> 0,
+    :data:`TIE_ALTERNATE` -> 1 if ``i + tie_offset`` is even else 0 (``i`` counts from 0 in
+    this call). Bad arguments raise :class:`UsageError`.
+    """
+    n = _length(n)
+    a = _votes_input(packed, n)
+    p = a.shape[0]
+    if p < 1:
+        raise UsageError("majority needs at least one vote vector (packed has 0 rows)")
+    tie = _as_int(tie, "tie")
+    offset = _as_int(tie_offset, "tie_offset")
+    if tie not in (TIE_POSITIVE, TIE_NEGATIVE, TIE_ALTERNATE):
+        raise UsageError(f"tie must be TIE_POSITIVE (0), TIE_NEGATIVE (1) or TIE_ALTERNATE "
+                         f"(2), got {tie}")
+    if p % 2 == 1 or tie == TIE_NEGATIVE:
+        tie_mask = 0
+    elif tie == TIE_POSITIVE:
+        tie_mask = _ALL64
+    else:
+        tie_mask = _EVEN_BITS if offset % 2 == 0 else _EVEN_BITS << 1
+    planes = p.bit_length()  # 2**planes > p
+    init = (1 << planes) - (p // 2 + 1)
+    res = _out(out, np.dtype(np.uint8), packed_nbytes(n))
+    _dispatch(n, _k.majority_serial, _k.majority_parallel,
+              (a, res, n, planes + 1, init, np.uint64(tie_mask)), _CHUNK_ELEMENTS // 64)
+    return res
+
+
+def _field_range(width: int, bias: object) -> tuple[int, int, int]:
+    """``(bias, lo, hi)``: values in ``[lo, hi]`` make fields in ``[0, 2**width)``."""
+    b = _as_int(bias, "bias")
+    if not -(1 << 63) <= b < (1 << 63):
+        raise UsageError(f"bias must fit in int64, got {b}")
+    return b, -b, (1 << width) - 1 - b
+
+
+def pack_fields(values: npt.NDArray[np.integer[Any]], width: int, bias: int,
+                out: npt.NDArray[np.uint8] | None = None) -> npt.NDArray[np.uint8]:
+    """Pack ``values[i] + bias`` as ``width``-bit fields into ``uint8[ceil(n*width/8)]``.
+
+    ``values`` is any 1-D integer array (int8..int64, uint8..uint64), ``1 <= width <= 16``.
+    Every field must lie in ``[0, 2**width - 1]``; the first element that does not raises
+    :class:`UsageError` naming its index and value (found in the packing pass; ``out`` may
+    then be partly written).
+    """
+    v = _vector(values, "values", _INT_DTYPES)
+    w = _width(width)
+    b, lo, hi = _field_range(w, bias)
+    n = v.size
+    res = _out(out, np.dtype(np.uint8), packed_nbytes(n, w))
+    info = np.iinfo(v.dtype)
+    lo_c, hi_c = max(lo, int(info.min)), min(hi, int(info.max))
+    if lo_c > hi_c:  # no value of this dtype is valid
+        err = 0 if n else -1
+    else:
+        kern = _k.field_kernels(w)
+        args = (v, res, np.uint64(lo_c & _ALL64), np.uint64(hi_c - lo_c), np.uint64(lo_c + b))
+        err = _dispatch(n, kern.pack_serial, kern.pack_parallel, args,
+                        _CHUNK_ELEMENTS // _k.GROUP)
+    if err >= 0:
+        raise UsageError(f"value {int(v[err])} at index {err} does not fit in a {w}-bit field "
+                         f"with bias {b} (values must lie in [{lo}, {hi}])")
+    return res
+
+
+def unpack_fields(packed: npt.NDArray[np.uint8], n: int, width: int, bias: int,
+                  out: npt.NDArray[Any] | None = None,
+                  dtype: npt.DTypeLike = np.int32) -> npt.NDArray[Any]:
+    """Unpack ``n`` ``width``-bit fields: element i = ``field i - bias``, as ``dtype``.
+
+    ``packed`` is ``uint8[ceil(n*width/8)]``; ``dtype`` is an integer dtype or
+    float32/float64, and must hold every value ``[-bias, 2**width - 1 - bias]`` can take
+    (else :class:`UsageError`); ``out``, when given, must be exactly ``dtype[n]``.
+    """
+    n = _length(n)
+    w = _width(width)
+    b, lo, hi = _field_range(w, bias)
+    a = _bits_input(packed, packed_nbytes(n, w), "packed")
+    try:
+        dt = np.dtype(dtype)
+    except TypeError as exc:
+        raise UsageError(f"invalid dtype {dtype!r}") from exc
+    if dt not in _FIELD_OUT_DTYPES:
+        allowed = ", ".join(str(d) for d in _FIELD_OUT_DTYPES)
+        raise UsageError(f"dtype {dt} not supported; expected one of: {allowed}")
+    if dt.kind in "iu":
+        info = np.iinfo(dt)
+        if lo < info.min or hi > info.max:
+            raise UsageError(f"{w}-bit fields with bias {b} give values in [{lo}, {hi}], "
+                             f"which do not fit in {dt}")
+    res = _out(out, dt, n)
+    kern = _k.field_kernels(w)
+    _dispatch(n, kern.unpack_serial, kern.unpack_parallel, (a, res, np.int64(b), False),
+              _CHUNK_ELEMENTS // _k.GROUP)
+    return res
+
+
+def add_fields(packed: npt.NDArray[np.uint8], n: int, width: int, bias: int,
+               acc: npt.NDArray[np.signedinteger[Any]]) -> npt.NDArray[np.signedinteger[Any]]:
+    """Accumulate ``n`` fields in place: ``acc[i] += field i - bias``; returns ``acc``.
+
+    ``packed`` is ``uint8[ceil(n*width/8)]``; ``acc`` is a writeable C-contiguous
+    int16/int32/int64 array of length ``n``. The sum wraps around on overflow of ``acc``'s
+    dtype (size ``acc`` for the number of contributions). Bad arguments raise
+    :class:`UsageError`.
+    """
+    n = _length(n)
+    w = _width(width)
+    b, _, _ = _field_range(w, bias)
+    a = _bits_input(packed, packed_nbytes(n, w), "packed")
+    target = _vector(acc, "acc", _ACC_DTYPES)
+    _out(target, target.dtype, n, name="acc")
+    kern = _k.field_kernels(w)
+    _dispatch(n, kern.unpack_serial, kern.unpack_parallel, (a, target, np.int64(b), True),
+              _CHUNK_ELEMENTS // _k.GROUP)
+    return target

@@ -1,0 +1,710 @@
+"""The numba kernels behind :mod:`bitcoll.kernels`.
+
+These functions do no argument checking: :mod:`bitcoll.kernels` validates shapes, dtypes and
+ranges and then calls them. Every kernel is compiled lazily on its first call, cached on disk
+(``cache=True``) and releases the GIL (``nogil=True``), so a caller thread can overlap it with
+socket I/O. Kernels whose name ends in ``_parallel`` split the work with ``prange`` into
+independent chunks (``chunk`` is counted in the kernel's own unit: 64-element blocks, bytes,
+words or 8-element groups); they give the same results as their serial twins for any chunk size.
+
+Layout (see :mod:`bitcoll.kernels`): bit ``i`` of a packed vector is element ``i``, little-endian
+within each byte; a ``w``-bit field stream puts element ``i`` at stream bits
+``[i*w, (i+1)*w)``, least significant bit first. Eight ``w``-bit fields are exactly ``w`` bytes,
+which is the unit (a *group*) the field kernels work in. Padding bits are always written as 0.
+
+Floating-point inputs are processed through an unsigned integer view of their bits (``uint16``
+for float16, ``uint32`` for float32, ``uint64`` for float64); the caller passes the masks:
+``sign`` (only the sign bit set), ``absm`` (every bit but the sign) and ``inf`` (the bits of
++inf). For a raw value ``u``: ``u <= sign`` votes +1 (x >= 0, including -0.0), ``u & absm == 0``
+is a zero, ``u & absm > inf`` is a NaN.
+
+Error reporting: a kernel that validates its input returns the index of the first offending
+element, or -1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import cache
+from typing import Any, NamedTuple, TypeVar, cast
+
+import numpy as np
+from llvmlite import ir  # type: ignore[import-untyped]  # llvmlite ships no types
+from numba import njit, prange, types
+from numba.extending import intrinsic
+
+__all__ = [
+    "pack_signs_serial",
+    "pack_signs_parallel",
+    "pack_ternary_serial",
+    "pack_ternary_parallel",
+    "unpack_signs_serial",
+    "unpack_signs_parallel",
+    "count_votes_serial",
+    "count_votes_parallel",
+    "majority_serial",
+    "majority_parallel",
+    "FieldKernels",
+    "field_kernels",
+    "BLOCK",
+    "GROUP",
+]
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+BLOCK = 64
+"""Elements per block of the sign kernels (one uint64 word of packed bits)."""
+
+GROUP = 8
+"""Elements per group of the field kernels (``width`` bytes of packed fields)."""
+
+_ALL = np.uint64(0xFFFFFFFFFFFFFFFF)
+_B8 = np.uint64(0xFF)
+
+
+def _kernel(parallel: bool = False) -> Callable[[_F], _F]:
+    """``numba.njit`` with the options every kernel uses, typed for mypy."""
+    return cast(Callable[[_F], _F], njit(cache=True, nogil=True, parallel=parallel))
+
+
+def _helper() -> Callable[[_F], _F]:
+    """A helper called by kernels (LLVM inlines the small ones)."""
+    return cast(Callable[[_F], _F], njit(cache=True, nogil=True))
+
+
+def _inline_ir() -> Callable[[_F], _F]:
+    """A helper inlined into its caller by numba itself, before typing.
+
+    The field kernels pass their width as a closure constant to such helpers, so that after
+    inlining every shift and byte offset is a compile-time constant.
+    """
+    return cast(Callable[[_F], _F], njit(cache=True, nogil=True, inline="always"))
+
+
+# --------------------------------------------------------------------------------------------
+# Vector compare to a bit mask (the core of the sign kernels).
+#
+# LLVM turns "compare 64 lanes, then bitcast <64 x i1> to i64" into vector compares followed
+# by movemask instructions (or the equivalent on other targets), which is several times fewer
+# instructions than any scalar formulation numba can vectorize.
+# --------------------------------------------------------------------------------------------
+
+
+def _le_bits64_typer(typingctx: Any, arr: Any, idx: Any, mask: Any, bound: Any) -> Any:
+    if not (isinstance(arr, types.Array) and isinstance(arr.dtype, types.Integer)
+            and not getattr(arr.dtype, "signed", True) and isinstance(idx, types.Integer)
+            and isinstance(mask, types.Integer) and isinstance(bound, types.Integer)):
+        return None
+    sig = types.uint64(arr, idx, mask, bound)
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        aty, _, mty, bty = signature.args
+        elem = aty.dtype
+        lty = ir.IntType(elem.bitwidth)
+        vty = ir.VectorType(lty, 64)
+        ary = context.make_array(aty)(context, builder, args[0])
+        ptr = builder.gep(ary.data, [args[1]])
+        vptr = builder.bitcast(ptr, vty.as_pointer())
+        vals = builder.load(vptr, align=1)
+
+        def splat(value: Any, fromty: Any) -> Any:
+            scalar = context.cast(builder, value, fromty, elem)
+            undef = ir.Constant(vty, ir.Undefined)
+            one = builder.insert_element(undef, scalar, ir.Constant(ir.IntType(32), 0))
+            zeros = ir.Constant(ir.VectorType(ir.IntType(32), 64), [0] * 64)
+            return builder.shuffle_vector(one, undef, zeros)
+
+        masked = builder.and_(vals, splat(args[2], mty))
+        hit = builder.icmp_unsigned("<=", masked, splat(args[3], bty))
+        return builder.bitcast(hit, ir.IntType(64))
+
+    return sig, codegen
+
+
+_le_bits64: Callable[..., Any] = intrinsic(_le_bits64_typer)
+"""``_le_bits64(a, i, mask, bound)`` -> uint64 whose bit k is ``(a[i + k] & mask) <= bound``.
+
+``a`` is a 1-D unsigned integer array with at least ``i + 64`` elements (not checked); ``mask``
+and ``bound`` are converted to ``a``'s dtype.
+"""
+
+
+# --------------------------------------------------------------------------------------------
+# Small helpers
+# --------------------------------------------------------------------------------------------
+
+
+@_helper()
+def _ctz64(x: np.uint64) -> int:
+    """Index of the lowest set bit of a non-zero word (error paths only)."""
+    k = 0
+    while (x >> np.uint64(k)) & np.uint64(1) == 0:
+        k += 1
+    return k
+
+
+@_helper()
+def _st64(out: Any, j: int, v: np.uint64) -> None:
+    """Store the 8 little-endian bytes of ``v`` at ``out[j:j+8]`` (LLVM merges the stores)."""
+    for k in range(8):
+        out[j + k] = np.uint8((v >> np.uint64(8 * k)) & _B8)
+
+
+@_helper()
+def _st_partial(out: Any, j: int, v: np.uint64, nb: int) -> None:
+    """Store the low ``nb`` bytes of ``v`` at ``out[j:j+nb]``."""
+    for k in range(nb):
+        out[j + k] = np.uint8((v >> np.uint64(8 * k)) & _B8)
+
+
+@_helper()
+def _ld64(a: Any, j: int) -> np.uint64:
+    """Load ``a[j:j+8]`` as a little-endian word (LLVM merges the loads)."""
+    v = np.uint64(0)
+    for k in range(8):
+        v |= np.uint64(a[j + k]) << np.uint64(8 * k)
+    return v
+
+
+@_helper()
+def _ld_partial(a: Any, j: int, nb: int) -> np.uint64:
+    """Load ``nb`` <= 8 bytes at ``a[j:j+nb]`` as a little-endian word, zero-padded."""
+    v = np.uint64(0)
+    for k in range(nb):
+        v |= np.uint64(a[j + k]) << np.uint64(8 * k)
+    return v
+
+
+@_helper()
+def _ld64_row(a: Any, r: int, j: int) -> np.uint64:
+    """Load ``a[r, j:j+8]`` as a little-endian word."""
+    v = np.uint64(0)
+    for k in range(8):
+        v |= np.uint64(a[r, j + k]) << np.uint64(8 * k)
+    return v
+
+
+@_helper()
+def _ld_row_partial(a: Any, r: int, j: int, nb: int) -> np.uint64:
+    v = np.uint64(0)
+    for k in range(nb):
+        v |= np.uint64(a[r, j + k]) << np.uint64(8 * k)
+    return v
+
+
+@_helper()
+def _spread32(x: np.uint64) -> np.uint64:
+    """Move bit k of the low 32 bits of ``x`` to bit 2k (the others become 0)."""
+    x &= np.uint64(0x00000000FFFFFFFF)
+    x = (x | (x << np.uint64(16))) & np.uint64(0x0000FFFF0000FFFF)
+    x = (x | (x << np.uint64(8))) & np.uint64(0x00FF00FF00FF00FF)
+    x = (x | (x << np.uint64(4))) & np.uint64(0x0F0F0F0F0F0F0F0F)
+    x = (x | (x << np.uint64(2))) & np.uint64(0x3333333333333333)
+    x = (x | (x << np.uint64(1))) & np.uint64(0x5555555555555555)
+    return x
+
+
+@_helper()
+def _spread8(b: Any) -> np.uint64:
+    """Move bit k of the byte ``b`` to bit 8k (one 0/1 count per byte lane)."""
+    x = (np.uint64(b) * np.uint64(0x0101010101010101)) & np.uint64(0x8040201008040201)
+    return ((x + np.uint64(0x7F7F7F7F7F7F7F7F)) >> np.uint64(7)) & np.uint64(0x0101010101010101)
+
+
+@_helper()
+def _first_error(errs: Any) -> int:
+    """The smallest non-negative entry of ``errs``, or -1."""
+    best = -1
+    for e in errs:
+        if e >= 0 and (best < 0 or e < best):
+            best = e
+    return best
+
+
+# --------------------------------------------------------------------------------------------
+# pack_signs: float bits (uintN view) -> 1 bit per element, NaN check in the same pass
+# --------------------------------------------------------------------------------------------
+
+
+@_helper()
+def _pack_signs_blocks(u: Any, out: Any, b0: int, b1: int, sign: Any, absm: Any,
+                       inf: Any) -> int:
+    for b in range(b0, b1):
+        i = b * 64
+        votes = _le_bits64(u, i, _ALL, sign)
+        ok = _le_bits64(u, i, absm, inf)
+        if ok != _ALL:
+            return i + _ctz64(~ok)
+        _st64(out, b * 8, votes)
+    return -1
+
+
+@_helper()
+def _pack_signs_tail(u: Any, out: Any, sign: Any, absm: Any, inf: Any) -> int:
+    n: int = u.size
+    i0 = (n // 64) * 64
+    j = i0 // 8
+    while j * 8 < n:
+        byte = 0
+        for k in range(min(8, n - j * 8)):
+            v = u[j * 8 + k]
+            if (v & absm) > inf:
+                return j * 8 + k
+            if v <= sign:
+                byte |= 1 << k
+        out[j] = np.uint8(byte)
+        j += 1
+    return -1
+
+
+@_kernel()
+def pack_signs_serial(u: Any, out: Any, sign: Any, absm: Any, inf: Any) -> int:
+    """Pack the +1 votes of the raw float bits ``u`` into ``out`` (``ceil(n/8)`` bytes).
+
+    Returns the index of the first NaN, or -1 (``out`` is then partly written).
+    """
+    e = _pack_signs_blocks(u, out, 0, u.size // 64, sign, absm, inf)
+    if e >= 0:
+        return e
+    return _pack_signs_tail(u, out, sign, absm, inf)
+
+
+@_kernel(parallel=True)
+def pack_signs_parallel(u: Any, out: Any, sign: Any, absm: Any, inf: Any, chunk: int) -> int:
+    """:func:`pack_signs_serial` split into chunks of ``chunk`` 64-element blocks."""
+    nblocks = u.size // 64
+    nchunks = (nblocks + chunk - 1) // chunk
+    errs = np.empty(nchunks + 1, np.int64)
+    for c in prange(nchunks):
+        errs[c] = _pack_signs_blocks(u, out, c * chunk, min(nblocks, (c + 1) * chunk),
+                                     sign, absm, inf)
+    errs[nchunks] = _pack_signs_tail(u, out, sign, absm, inf)
+    return _first_error(errs)
+
+
+# --------------------------------------------------------------------------------------------
+# pack_ternary: float bits -> 2-bit fields sign(x) + 1 (0: x < 0, 1: x == 0, 2: x > 0)
+# --------------------------------------------------------------------------------------------
+
+
+@_helper()
+def _pack_ternary_blocks(u: Any, out: Any, b0: int, b1: int, sign: Any, absm: Any,
+                         inf: Any) -> int:
+    for b in range(b0, b1):
+        i = b * 64
+        nonneg = _le_bits64(u, i, _ALL, sign)
+        zero = _le_bits64(u, i, absm, 0)
+        ok = _le_bits64(u, i, absm, inf)
+        if ok != _ALL:
+            return i + _ctz64(~ok)
+        pos = nonneg & ~zero
+        lo = _spread32(zero) | (_spread32(pos) << np.uint64(1))
+        hi = (_spread32(zero >> np.uint64(32))
+              | (_spread32(pos >> np.uint64(32)) << np.uint64(1)))
+        _st64(out, b * 16, lo)
+        _st64(out, b * 16 + 8, hi)
+    return -1
+
+
+@_helper()
+def _pack_ternary_tail(u: Any, out: Any, sign: Any, absm: Any, inf: Any) -> int:
+    n: int = u.size
+    j = (n // 64) * 16
+    while j * 4 < n:
+        byte = 0
+        for k in range(min(4, n - j * 4)):
+            v = u[j * 4 + k]
+            m = v & absm
+            if m > inf:
+                return j * 4 + k
+            if m == 0:
+                byte |= 1 << (2 * k)
+            elif v <= sign:
+                byte |= 2 << (2 * k)
+        out[j] = np.uint8(byte)
+        j += 1
+    return -1
+
+
+@_kernel()
+def pack_ternary_serial(u: Any, out: Any, sign: Any, absm: Any, inf: Any) -> int:
+    """Pack sign(x) + 1 of the raw float bits ``u`` as 2-bit fields (``ceil(n/4)`` bytes).
+
+    Returns the index of the first NaN, or -1.
+    """
+    e = _pack_ternary_blocks(u, out, 0, u.size // 64, sign, absm, inf)
+    if e >= 0:
+        return e
+    return _pack_ternary_tail(u, out, sign, absm, inf)
+
+
+@_kernel(parallel=True)
+def pack_ternary_parallel(u: Any, out: Any, sign: Any, absm: Any, inf: Any,
+                          chunk: int) -> int:
+    """:func:`pack_ternary_serial` split into chunks of ``chunk`` 64-element blocks."""
+    nblocks = u.size // 64
+    nchunks = (nblocks + chunk - 1) // chunk
+    errs = np.empty(nchunks + 1, np.int64)
+    for c in prange(nchunks):
+        errs[c] = _pack_ternary_blocks(u, out, c * chunk, min(nblocks, (c + 1) * chunk),
+                                       sign, absm, inf)
+    errs[nchunks] = _pack_ternary_tail(u, out, sign, absm, inf)
+    return _first_error(errs)
+
+
+# --------------------------------------------------------------------------------------------
+# unpack_signs: bits -> out[i] = pos if bit i else neg (out is an unsigned view of the result)
+# --------------------------------------------------------------------------------------------
+
+
+@_helper()
+def _unpack_signs_bytes(bits: Any, out: Any, j0: int, j1: int, pos: Any, neg: Any) -> None:
+    n = out.size
+    full = min(j1, n // 8)
+    for j in range(j0, full):
+        b = bits[j]
+        for k in range(8):
+            out[8 * j + k] = pos if (b >> k) & 1 else neg
+    for j in range(max(j0, full), j1):
+        b = bits[j]
+        for k in range(n - 8 * j):
+            out[8 * j + k] = pos if (b >> k) & 1 else neg
+
+
+@_kernel()
+def unpack_signs_serial(bits: Any, out: Any, pos: Any, neg: Any) -> int:
+    """``out[i] = pos if bit i of bits else neg`` for ``i < out.size``; returns 0."""
+    _unpack_signs_bytes(bits, out, 0, (out.size + 7) // 8, pos, neg)
+    return 0
+
+
+@_kernel(parallel=True)
+def unpack_signs_parallel(bits: Any, out: Any, pos: Any, neg: Any, chunk: int) -> int:
+    """:func:`unpack_signs_serial` split into chunks of ``chunk`` bytes."""
+    nbytes = (out.size + 7) // 8
+    nchunks = (nbytes + chunk - 1) // chunk
+    for c in prange(nchunks):
+        _unpack_signs_bytes(bits, out, c * chunk, min(nbytes, (c + 1) * chunk), pos, neg)
+    return 0
+
+
+# --------------------------------------------------------------------------------------------
+# count_votes: packed[p, nbytes] -> int32 counts, SWAR: 8 byte-lane counters per input byte
+# --------------------------------------------------------------------------------------------
+
+_COUNT_TILE = 256  # bytes of each row processed together (the counters stay in L1)
+
+
+@_helper()
+def _count_bytes(packed: Any, out: Any, j0: int, j1: int) -> None:
+    p = packed.shape[0]
+    n = out.size
+    acc = np.empty(_COUNT_TILE, np.uint64)
+    for t0 in range(j0, j1, _COUNT_TILE):
+        m = min(_COUNT_TILE, j1 - t0)
+        if p == 0:
+            for i in range(t0 * 8, min(n, (t0 + m) * 8)):
+                out[i] = 0
+        for r0 in range(0, p, 255):  # byte lanes hold counts up to 255
+            for j in range(m):
+                acc[j] = 0
+            for r in range(r0, min(p, r0 + 255)):
+                for j in range(m):
+                    acc[j] += _spread8(packed[r, t0 + j])
+            for j in range(m):
+                a = acc[j]
+                base = (t0 + j) * 8
+                cnt = min(8, n - base)
+                if r0 == 0:
+                    for k in range(cnt):
+                        out[base + k] = np.int32((a >> np.uint64(8 * k)) & _B8)
+                else:
+                    for k in range(cnt):
+                        out[base + k] += np.int32((a >> np.uint64(8 * k)) & _B8)
+
+
+@_kernel()
+def count_votes_serial(packed: Any, out: Any) -> int:
+    """``out[i]`` = number of rows of ``packed`` whose bit ``i`` is 1; returns 0."""
+    _count_bytes(packed, out, 0, (out.size + 7) // 8)
+    return 0
+
+
+@_kernel(parallel=True)
+def count_votes_parallel(packed: Any, out: Any, chunk: int) -> int:
+    """:func:`count_votes_serial` split into chunks of ``chunk`` bytes."""
+    nbytes = (out.size + 7) // 8
+    nchunks = (nbytes + chunk - 1) // chunk
+    for c in prange(nchunks):
+        _count_bytes(packed, out, c * chunk, min(nbytes, (c + 1) * chunk))
+    return 0
+
+
+# --------------------------------------------------------------------------------------------
+# majority: bit-sliced counting.
+#
+# For every 64-element word a vertical counter of S + 1 bit planes (2**S > p) starts at
+# 2**S - T in every lane, T = p // 2 + 1 the smallest winning count, and each of the p rows is
+# added to it with a ripple-carry chain of AND/XOR. Afterwards plane S is set exactly where
+# count >= T (2c > p), and planes 0..S-1 are all set exactly where count == T - 1, which for an
+# even p is a tie (2c == p). The caller passes tie_mask = 0 for odd p.
+# --------------------------------------------------------------------------------------------
+
+_MAJ_TILE = 256  # words processed together (the planes stay in L1)
+
+
+@_helper()
+def _majority_words(packed: Any, out: Any, n: int, w0: int, w1: int, nplanes: int,
+                    init: int, tie_mask: np.uint64) -> None:
+    p = packed.shape[0]
+    nbytes = packed.shape[1]
+    top = nplanes - 1
+    planes = np.empty((nplanes, _MAJ_TILE), np.uint64)
+    carry = np.empty(_MAJ_TILE, np.uint64)
+    for t0 in range(w0, w1, _MAJ_TILE):
+        m = min(_MAJ_TILE, w1 - t0)
+        full = min(m, nbytes // 8 - t0)  # words of the tile with all 8 bytes present
+        for s in range(nplanes):
+            v = _ALL if (init >> s) & 1 else np.uint64(0)
+            for w in range(m):
+                planes[s, w] = v
+        for r in range(p):
+            for w in range(full):
+                carry[w] = _ld64_row(packed, r, (t0 + w) * 8)
+            for w in range(max(full, 0), m):
+                j = (t0 + w) * 8
+                carry[w] = _ld_row_partial(packed, r, j, nbytes - j)
+            for s in range(nplanes):
+                for w in range(m):
+                    c = carry[w]
+                    x = planes[s, w]
+                    planes[s, w] = x ^ c
+                    carry[w] = x & c
+        for w in range(m):
+            tie = _ALL
+            for s in range(top):
+                tie &= planes[s, w]
+            res = planes[top, w] | (tie & tie_mask)
+            j = (t0 + w) * 8
+            valid = n - (t0 + w) * 64
+            if valid >= 64:
+                _st64(out, j, res)
+            else:
+                res &= (np.uint64(1) << np.uint64(valid)) - np.uint64(1)
+                _st_partial(out, j, res, nbytes - j)
+
+
+@_kernel()
+def majority_serial(packed: Any, out: Any, n: int, nplanes: int, init: int,
+                    tie_mask: np.uint64) -> int:
+    """Majority of the rows of ``packed`` into ``out`` (see the section comment); returns 0."""
+    _majority_words(packed, out, n, 0, (packed.shape[1] + 7) // 8, nplanes, init, tie_mask)
+    return 0
+
+
+@_kernel(parallel=True)
+def majority_parallel(packed: Any, out: Any, n: int, nplanes: int, init: int,
+                      tie_mask: np.uint64, chunk: int) -> int:
+    """:func:`majority_serial` split into chunks of ``chunk`` 64-element words."""
+    nwords = (packed.shape[1] + 7) // 8
+    nchunks = (nwords + chunk - 1) // chunk
+    for c in prange(nchunks):
+        _majority_words(packed, out, n, c * chunk, min(nwords, (c + 1) * chunk), nplanes,
+                        init, tie_mask)
+    return 0
+
+
+# --------------------------------------------------------------------------------------------
+# Fields: one set of kernels per width, so that every shift is a compile-time constant.
+#
+# The helpers take the width ``W`` as an argument and are inlined (by numba) into the per-width
+# kernels built by ``_make_field_kernels``, which pass their closure constant. Eight W-bit
+# fields are one group of W bytes, held in two words: ``lw`` (bytes 0..7) and ``hw`` (8..15).
+# --------------------------------------------------------------------------------------------
+
+
+@_inline_ir()
+def _put_field(lw: np.uint64, hw: np.uint64, f: np.uint64, k: int,
+               W: int) -> tuple[np.uint64, np.uint64]:
+    pos = k * W
+    if pos < 64:
+        lw |= f << np.uint64(pos)
+        if pos + W > 64:
+            hw |= f >> np.uint64(64 - pos)
+    else:
+        hw |= f << np.uint64(pos - 64)
+    return lw, hw
+
+
+@_inline_ir()
+def _get_field(lw: np.uint64, hw: np.uint64, k: int, W: int) -> np.int64:
+    pos = k * W
+    fmask = (np.uint64(1) << np.uint64(W)) - np.uint64(1)
+    if pos + W <= 64:
+        f = (lw >> np.uint64(pos)) & fmask
+    elif pos < 64:
+        f = ((lw >> np.uint64(pos)) | (hw << np.uint64(64 - pos))) & fmask
+    else:
+        f = (hw >> np.uint64(pos - 64)) & fmask
+    return np.int64(f)
+
+
+@_helper()
+def _first_bad(values: Any, i0: int, i1: int, lo: np.uint64, span: np.uint64) -> int:
+    for i in range(i0, i1):
+        if np.uint64(values[i]) - lo > span:
+            return i
+    return -1
+
+
+@_inline_ir()
+def _pack_groups(values: Any, out: Any, g0: int, g1: int, lo: np.uint64, span: np.uint64,
+                 off: np.uint64, W: int) -> int:
+    for g in range(g0, g1):
+        lw = np.uint64(0)
+        hw = np.uint64(0)
+        bad: Any = False
+        for k in range(8):
+            d = np.uint64(values[8 * g + k]) - lo
+            bad |= d > span
+            lw, hw = _put_field(lw, hw, d + off, k, W)
+        if bad:
+            return _first_bad(values, 8 * g, 8 * g + 8, lo, span)
+        o = g * W
+        for b in range(min(W, 8)):
+            out[o + b] = np.uint8((lw >> np.uint64(8 * b)) & _B8)
+        for b in range(8, W):
+            out[o + b] = np.uint8((hw >> np.uint64(8 * (b - 8))) & _B8)
+    return -1
+
+
+@_inline_ir()
+def _pack_tail(values: Any, out: Any, lo: np.uint64, span: np.uint64, off: np.uint64,
+               W: int) -> int:
+    n = values.size
+    g = n // 8
+    count = n - 8 * g
+    if count == 0:
+        return -1
+    e = _first_bad(values, 8 * g, n, lo, span)
+    if e >= 0:
+        return e
+    lw = np.uint64(0)
+    hw = np.uint64(0)
+    for k in range(count):
+        lw, hw = _put_field(lw, hw, (np.uint64(values[8 * g + k]) - lo) + off, k, W)
+    o = g * W
+    nb = (count * W + 7) // 8
+    for b in range(min(nb, 8)):
+        out[o + b] = np.uint8((lw >> np.uint64(8 * b)) & _B8)
+    for b in range(8, nb):
+        out[o + b] = np.uint8((hw >> np.uint64(8 * (b - 8))) & _B8)
+    return -1
+
+
+@_inline_ir()
+def _unpack_groups(packed: Any, out: Any, g0: int, g1: int, bias: np.int64, accumulate: bool,
+                   W: int) -> None:
+    for g in range(g0, g1):
+        o = g * W
+        lw = np.uint64(0)
+        hw = np.uint64(0)
+        for b in range(min(W, 8)):
+            lw |= np.uint64(packed[o + b]) << np.uint64(8 * b)
+        for b in range(8, W):
+            hw |= np.uint64(packed[o + b]) << np.uint64(8 * (b - 8))
+        if accumulate:
+            for k in range(8):
+                out[8 * g + k] += _get_field(lw, hw, k, W) - bias
+        else:
+            for k in range(8):
+                out[8 * g + k] = _get_field(lw, hw, k, W) - bias
+
+
+@_inline_ir()
+def _unpack_tail(packed: Any, out: Any, bias: np.int64, accumulate: bool, W: int) -> None:
+    n = out.size
+    g = n // 8
+    count = n - 8 * g
+    if count:
+        o = g * W
+        nb = (count * W + 7) // 8
+        lw = np.uint64(0)
+        hw = np.uint64(0)
+        for b in range(min(nb, 8)):
+            lw |= np.uint64(packed[o + b]) << np.uint64(8 * b)
+        for b in range(8, nb):
+            hw |= np.uint64(packed[o + b]) << np.uint64(8 * (b - 8))
+        for k in range(count):
+            if accumulate:
+                out[8 * g + k] += _get_field(lw, hw, k, W) - bias
+            else:
+                out[8 * g + k] = _get_field(lw, hw, k, W) - bias
+
+
+class FieldKernels(NamedTuple):
+    """The field kernels of one width (see :func:`field_kernels`)."""
+
+    pack_serial: Callable[..., int]
+    pack_parallel: Callable[..., int]
+    unpack_serial: Callable[..., int]
+    unpack_parallel: Callable[..., int]
+
+
+@cache
+def field_kernels(width: int) -> FieldKernels:
+    """Build (not compile) the field kernels of ``width`` bits, 1 <= width <= 16.
+
+    ``pack_*(values, out, lo, span, off[, chunk])``: field i = ``(values[i] - lo) + off``
+    computed modulo 2**64 (``lo``, ``span``, ``off`` are uint64); an element is valid iff
+    ``values[i] - lo`` (mod 2**64) <= ``span``. Returns the first invalid index or -1.
+    ``unpack_*(packed, out, bias, accumulate[, chunk])``: ``out[i] = field i - bias`` (cast to
+    out's dtype), or ``out[i] += field i - bias`` (wrapping in out's dtype) when ``accumulate``.
+    Chunks are counted in groups of 8 elements.
+    """
+    return _make_field_kernels(width)
+
+
+def _make_field_kernels(width: int) -> FieldKernels:
+    # The kernels' only closure variable is this int: numba compiles it in as a constant and
+    # keys its on-disk cache on it, so each width is compiled once per machine.
+    W = width
+
+    @_kernel()
+    def pack_serial(values: Any, out: Any, lo: np.uint64, span: np.uint64,
+                    off: np.uint64) -> int:
+        e = _pack_groups(values, out, 0, values.size // 8, lo, span, off, W)
+        if e >= 0:
+            return e
+        return _pack_tail(values, out, lo, span, off, W)
+
+    @_kernel(parallel=True)
+    def pack_parallel(values: Any, out: Any, lo: np.uint64, span: np.uint64, off: np.uint64,
+                      chunk: int) -> int:
+        ngroups = values.size // 8
+        nchunks = (ngroups + chunk - 1) // chunk
+        errs = np.empty(nchunks + 1, np.int64)
+        for c in prange(nchunks):
+            errs[c] = _pack_groups(values, out, c * chunk, min(ngroups, (c + 1) * chunk),
+                                   lo, span, off, W)
+        errs[nchunks] = _pack_tail(values, out, lo, span, off, W)
+        return _first_error(errs)
+
+    @_kernel()
+    def unpack_serial(packed: Any, out: Any, bias: np.int64, accumulate: bool) -> int:
+        _unpack_groups(packed, out, 0, out.size // 8, bias, accumulate, W)
+        _unpack_tail(packed, out, bias, accumulate, W)
+        return 0
+
+    @_kernel(parallel=True)
+    def unpack_parallel(packed: Any, out: Any, bias: np.int64, accumulate: bool,
+                        chunk: int) -> int:
+        ngroups = out.size // 8
+        nchunks = (ngroups + chunk - 1) // chunk
+        for c in prange(nchunks):
+            _unpack_groups(packed, out, c * chunk, min(ngroups, (c + 1) * chunk), bias,
+                           accumulate, W)
+        _unpack_tail(packed, out, bias, accumulate, W)
+        return 0
+
+    return FieldKernels(pack_serial, pack_parallel, unpack_serial, unpack_parallel)

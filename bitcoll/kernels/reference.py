@@ -1,0 +1,131 @@
+"""Plain numpy versions of every kernel in :mod:`bitcoll.kernels`, for tests and benchmarks.
+
+They follow the same contracts (layouts, tie rules, error messages for NaN and out-of-range
+values) but are written for clarity, not speed, allocate freely and do not accept ``out=``.
+Argument validation is limited to what the contracts need; the fast API is the one that
+checks dtypes and shapes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from ..errors import UsageError
+
+__all__ = [
+    "TIE_POSITIVE",
+    "TIE_NEGATIVE",
+    "TIE_ALTERNATE",
+    "packed_nbytes",
+    "pack_signs",
+    "unpack_signs",
+    "count_votes",
+    "majority",
+    "pack_fields",
+    "unpack_fields",
+    "add_fields",
+    "pack_ternary",
+]
+
+TIE_POSITIVE = 0
+TIE_NEGATIVE = 1
+TIE_ALTERNATE = 2
+
+U8 = npt.NDArray[np.uint8]
+
+
+def packed_nbytes(n: int, width: int = 1) -> int:
+    """``ceil(n * width / 8)``."""
+    return (n * width + 7) // 8
+
+
+def _check_nan(x: npt.NDArray[Any]) -> None:
+    bad = np.flatnonzero(np.isnan(x))
+    if bad.size:
+        raise UsageError(f"NaN in vote input at index {int(bad[0])}")
+
+
+def _bits_to_fields(fields: npt.NDArray[np.int64], width: int) -> U8:
+    """Pack non-negative ``fields`` as ``width``-bit fields, least significant bit first."""
+    bits = np.empty((fields.size, width), dtype=np.uint8)
+    for k in range(width):
+        bits[:, k] = (fields >> k) & 1
+    return np.packbits(bits.ravel(), bitorder="little")
+
+
+def _fields_of(packed: U8, n: int, width: int) -> npt.NDArray[np.int64]:
+    """The first ``n`` ``width``-bit fields of ``packed``."""
+    bits = np.unpackbits(packed, count=n * width, bitorder="little")
+    fields = np.zeros(n, dtype=np.int64)
+    for k in range(width):
+        fields |= bits[k::width].astype(np.int64) << k
+    return fields
+
+
+def pack_signs(x: npt.NDArray[np.floating[Any]]) -> U8:
+    """Bit i = 1 iff x[i] >= 0 (so +0.0 and -0.0 give 1); NaN raises UsageError."""
+    _check_nan(x)
+    return np.packbits(x >= 0, bitorder="little")
+
+
+def unpack_signs(bits: U8, n: int, dtype: npt.DTypeLike = np.int8,
+                 scale: float = 1.0) -> npt.NDArray[Any]:
+    """Element i = +scale if bit i else -scale, as ``dtype``."""
+    b = np.unpackbits(bits, count=n, bitorder="little").astype(bool)
+    dt = np.dtype(dtype)
+    s = np.array(scale).astype(dt)
+    return np.where(b, s, -s).astype(dt)
+
+
+def count_votes(packed: U8, n: int) -> npt.NDArray[np.int32]:
+    """Number of rows of ``packed`` (uint8[p, nbytes]) whose bit i is 1, as int32[n]."""
+    counts = np.zeros(n, dtype=np.int32)
+    for row in packed:
+        counts += np.unpackbits(row, count=n, bitorder="little")
+    return counts
+
+
+def majority(packed: U8, n: int, tie: int, tie_offset: int = 0) -> U8:
+    """Bit i = 1 if more than half of the rows vote +1 at i; ties follow ``tie``."""
+    p = packed.shape[0]
+    c = count_votes(packed, n).astype(np.int64)
+    res = 2 * c > p
+    tied = 2 * c == p
+    if tie == TIE_POSITIVE:
+        res |= tied
+    elif tie == TIE_ALTERNATE:
+        res |= tied & ((np.arange(n) + tie_offset) % 2 == 0)
+    return np.packbits(res, bitorder="little")
+
+
+def pack_fields(values: npt.NDArray[np.integer[Any]], width: int, bias: int) -> U8:
+    """Field i = values[i] + bias as ``width`` bits; out of [0, 2**width) raises UsageError."""
+    lo, hi = -bias, (1 << width) - 1 - bias
+    bad = np.flatnonzero((values < lo) | (values > hi))
+    if bad.size:
+        i = int(bad[0])
+        raise UsageError(f"value {int(values[i])} at index {i} does not fit in a {width}-bit "
+                         f"field with bias {bias} (values must lie in [{lo}, {hi}])")
+    return _bits_to_fields(values.astype(np.int64) + np.int64(bias), width)
+
+
+def unpack_fields(packed: U8, n: int, width: int, bias: int,
+                  dtype: npt.DTypeLike = np.int32) -> npt.NDArray[Any]:
+    """Value i = field i - bias, as ``dtype``."""
+    return (_fields_of(packed, n, width) - bias).astype(dtype)
+
+
+def add_fields(packed: U8, n: int, width: int, bias: int,
+               acc: npt.NDArray[np.signedinteger[Any]]) -> npt.NDArray[np.signedinteger[Any]]:
+    """``acc += field - bias`` in place (wrapping in acc's dtype); returns acc."""
+    acc += (_fields_of(packed, n, width) - bias).astype(acc.dtype)
+    return acc
+
+
+def pack_ternary(x: npt.NDArray[np.floating[Any]]) -> U8:
+    """sign(x) + 1 (0 for x < 0, 1 for x == 0 or -0.0, 2 for x > 0) as 2-bit fields."""
+    _check_nan(x)
+    return _bits_to_fields(np.sign(x).astype(np.int64) + 1, 2)
