@@ -27,7 +27,7 @@ from typing import Any
 
 from bitcoll.transport.tcp import TCPTransport
 
-__all__ = ["RankResult", "free_port", "run_world"]
+__all__ = ["RankResult", "free_port", "make_event", "run_world"]
 
 
 @dataclass
@@ -55,6 +55,11 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def make_event(start_method: str = "forkserver") -> Any:
+    """A multiprocessing Event that can be passed to the ranks of :func:`run_world`."""
+    return mp.get_context(start_method).Event()
 
 
 def _rank_main(q: Any, rank: int, size: int, port: int, create_timeout: float,

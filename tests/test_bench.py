@@ -1,0 +1,327 @@
+"""Smoke tests of the OSU-style benchmark tools (bench/): the harness's parsing, iteration
+schedule and table format, and one run of every tool at tiny sizes on one rank and on two TCP
+ranks under the launcher, with ``--check`` (results validated) and the output parsed back."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+
+import osu  # noqa: E402 (bench/ is not a package: its modules are found through sys.path)
+
+PY = sys.executable
+SMALL = ["-i", "3", "-x", "1", "--min-iterations", "1", "--timeout", "30"]
+
+
+def run(cmd: list[str], timeout: float = 60.0, expect: int = 0) -> str:
+    """Run ``cmd`` in the project root; check its exit status; return its stdout."""
+    env = dict(os.environ, NUMBA_NUM_THREADS="1", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout, check=False)
+    assert proc.returncode == expect, (f"{cmd} exited {proc.returncode}\nstdout:\n"
+                                       f"{proc.stdout}\nstderr:\n{proc.stderr}")
+    return proc.stdout
+
+
+def tool(name: str, *args: str) -> list[str]:
+    return [PY, f"bench/{name}", *args]
+
+
+def launch(n: int, name: str, *args: str) -> list[str]:
+    return [PY, "-m", "launch", "-n", str(n), f"bench/{name}", *args]
+
+
+def one_table(text: str) -> osu.Table:
+    tables = osu.parse_tables(text)
+    assert len(tables) == 1, text
+    return tables[0]
+
+
+# ------------------------------------------------------------------------------ the harness
+
+
+def test_parse_sizes() -> None:
+    assert osu.parse_sizes("1K:8K") == [1024, 2048, 4096, 8192]
+    assert osu.parse_sizes("1K:256M:4") == [1 << k for k in range(10, 29, 2)]
+    assert osu.parse_sizes("64, 1k,1KiB,3M") == [64, 1024, 3 << 20]
+    assert osu.parse_sizes("1G") == [1 << 30]
+    for bad in ("", "0:1K", "8K:1K", "1K:2K:1", "abc", "1K:2K:3:4", "-1"):
+        with pytest.raises(ValueError):
+            osu.parse_sizes(bad)
+
+
+def test_schedule_shrinks_with_size() -> None:
+    s = osu.Schedule(iterations=100, warmup=10, min_iterations=3, iter_bytes=1 << 30)
+    assert s.for_bytes(1024) == (100, 10)
+    assert s.for_bytes(16 << 20) == (64, 7)
+    assert s.for_bytes(256 << 20) == (4, 1)
+    assert s.for_bytes(1 << 40) == (3, 1)
+    assert osu.Schedule(warmup=0).for_bytes(1) == (100, 0)
+    with pytest.raises(ValueError):
+        osu.Schedule(iterations=0)
+
+
+def test_bandwidth_definitions() -> None:
+    assert osu.bus_factor("allreduce", 4) == 1.5
+    assert osu.bus_factor("reduce_scatter", 4) == 0.75
+    assert osu.bus_factor("allgather", 2) == 0.5
+    assert osu.bus_factor("broadcast", 8) == 1.0
+    assert osu.data_bytes("allgather", 100, 4) == 400
+    assert osu.data_bytes("alltoall", 100, 4) == 100
+    assert osu.gbps(2e9, 2.0) == 1.0
+
+
+def test_report_round_trip(tmp_path: Path) -> None:
+    lines: list[str] = []
+    path = tmp_path / "t.json"
+    rep = osu.Report(0, str(path), print_fn=lines.append)
+    cols = [osu.Column("Size", 10, "d"), osu.Column("Avg Latency(us)", 8, ".2f"),
+            osu.Column("Name", 4, "s"), osu.Column("BW(GB/s)", 10, ".3f")]
+    rep.start("a title, 2 ranks", ["first comment"], cols, ranks=2)
+    rep.row(1024, 12345678.125, "a-very-long-name", None)
+    rep.row(2048, 1.5, "x", 0.25)
+    rep.note("a note")
+    rep.start("second", [], cols[:2])
+    rep.row(1, 2.0)
+    rep.finish()
+    text = "\n".join(f"[rank 0] {line}" for line in lines)
+    first, second = osu.parse_tables(text)
+    assert first.title == "a title, 2 ranks"
+    assert first.columns == ["Size", "Avg Latency(us)", "Name", "BW(GB/s)"]
+    assert first.rows == [
+        {"Size": 1024, "Avg Latency(us)": 12345678.12, "Name": "a-very-long-name",
+         "BW(GB/s)": None},
+        {"Size": 2048, "Avg Latency(us)": 1.5, "Name": "x", "BW(GB/s)": 0.25}]
+    assert first.comments == ["first comment", "a note"]
+    assert second.rows == [{"Size": 1, "Avg Latency(us)": 2.0}]
+    doc = json.loads(path.read_text())
+    assert [t["title"] for t in doc] == ["a title, 2 ranks", "second"]
+    assert doc[0]["meta"] == {"ranks": 2}
+    assert doc[0]["rows"][0]["Avg Latency(us)"] == 12345678.125
+    with pytest.raises(ValueError):
+        osu.parse_tables("# t\n# A  B\n1 2 3\n")
+    other = osu.Report(1, print_fn=lines.append)
+    n = len(lines)
+    other.start("hidden", [], cols[:1])
+    other.row(5)
+    assert len(lines) == n  # only rank 0 prints
+
+
+class FakeRuntime(osu.Runtime):
+    """A runtime whose peers' gathered rows are given; records barrier/abort/close calls."""
+
+    def __init__(self, rows: list[list[float]], rank: int = 0) -> None:
+        self.rows, self.rank, self.size = rows, rank, len(rows)
+        self.calls: list[str] = []
+
+    def barrier(self) -> None:
+        self.calls.append("barrier")
+
+    def gather(self, values: Sequence[float]) -> Any:
+        import numpy as np
+
+        table = np.array(self.rows, dtype=np.float64)
+        table[self.rank] = values
+        return table
+
+    def abort(self, reason: str) -> None:
+        self.calls.append(f"abort: {reason}")
+
+    def close(self) -> None:
+        self.calls.append("close")
+
+
+def test_timing_reduction_and_check_verdict() -> None:
+    rt = FakeRuntime([[0.0, 0.0], [10.0, 0.0], [40.0, 0.0]])
+    t = osu.time_loop(rt, lambda: None, iterations=2, warmup=1)
+    assert rt.calls == ["barrier"]
+    # rank 0 measured its own (tiny) latency; ranks 1 and 2 reported 10 and 40 us
+    assert 0.0 <= t.min_us < 10.0
+    assert (t.max_us, t.iterations, t.wire_bytes) == (40.0, 2, None)
+    assert t.avg_us == pytest.approx((t.min_us + 10.0 + 40.0) / 3)
+    osu.agree(FakeRuntime([[1.0], [1.0]]), True, "fine")
+    with pytest.raises(osu.CheckError, match=r"wrong result on ranks \[1, 2\]"):
+        osu.agree(FakeRuntime([[1.0], [0.0], [0.0]]), True, "x")
+    with pytest.raises(osu.CheckError, match=r"ranks \[0\]"):
+        osu.agree(FakeRuntime([[1.0], [1.0]]), False, "x")
+
+
+def test_run_tool_exit_status_and_abort() -> None:
+    rt = FakeRuntime([[0.0]])
+    assert osu.run_tool(lambda: rt, lambda r: None) == 0
+    assert rt.calls == ["close"]
+
+    def fail_check(r: osu.Runtime) -> None:
+        raise osu.CheckError("bad")
+
+    rt = FakeRuntime([[0.0]])
+    assert osu.run_tool(lambda: rt, fail_check) == 1
+    assert rt.calls == ["close"]  # a collective verdict: no abort
+
+    def crash(r: osu.Runtime) -> None:
+        raise MemoryError("boom")
+
+    rt = FakeRuntime([[0.0]])
+    assert osu.run_tool(lambda: rt, crash) == 1
+    assert rt.calls == ["abort: MemoryError: boom", "close"]
+
+
+# ------------------------------------------------------------------------------ the tools
+
+
+def check_rows(table: osu.Table, sizes: list[int], iterations: int = 3,
+               data_factor: int = 1) -> None:
+    """Sizes, iterations, latency order and AlgBW = data_factor * Size / Avg (3 decimals)."""
+    assert [r["Size"] for r in table.rows] == sizes
+    for r in table.rows:
+        assert r["Iterations"] == iterations
+        assert 0 < r["Min Latency(us)"] <= r["Avg Latency(us)"] <= r["Max Latency(us)"]
+        assert r["AlgBW(GB/s)"] == pytest.approx(
+            osu.gbps(data_factor * r["Size"], r["Avg Latency(us)"] * 1e-6), abs=6e-4)
+
+
+@pytest.mark.timeout(90)
+def test_single_rank_runs(tmp_path: Path) -> None:
+    out = run(tool("osu_allreduce.py", "-m", "1K:4K", "--check", "--json",
+                   str(tmp_path / "a.json"), *SMALL))
+    table = one_table(out)
+    assert table.title == "bitcoll OSU-style Allreduce Test, backend local, 1 rank"
+    assert table.columns == ["Size", "Avg Latency(us)", "Min Latency(us)", "Max Latency(us)",
+                             "Iterations", "AlgBW(GB/s)", "BusBW(GB/s)"]
+    check_rows(table, [1024, 2048, 4096])
+    assert all(r["BusBW(GB/s)"] == 0 for r in table.rows)  # 2(p-1)/p = 0 for one rank
+    doc = json.loads((tmp_path / "a.json").read_text())
+    assert [r["Size"] for r in doc[0]["rows"]] == [1024, 2048, 4096]
+
+    out = run(tool("osu_collectives.py", "--collective", "allgather,barrier", "-m", "1K",
+                   "--check", *SMALL))
+    ag, barrier = osu.parse_tables(out)
+    assert ag.title.startswith("bitcoll OSU-style Allgather Test, backend local")
+    check_rows(ag, [1024])
+    assert barrier.rows[0]["Size"] == 0 and barrier.rows[0]["BusBW(GB/s)"] is None
+
+    out = run(tool("osu_sign_allreduce.py", "-m", "1001", "--algorithm", "default,ring",
+                   "--compare-float32", "--check", *SMALL))
+    table = one_table(out)
+    assert [r["Variant"] for r in table.rows] == ["float32/allreduce", "majority/default",
+                                                  "majority/ring"]
+    assert all(r["Wire(B/rank)"] == 0 for r in table.rows)  # nothing to send alone
+
+
+@pytest.mark.timeout(90)
+def test_allreduce_two_tcp_ranks_and_gloo() -> None:
+    out = run(launch(2, "osu_allreduce.py", "-m", "1K,64K,256K", "--check", *SMALL))
+    table = one_table(out)
+    assert table.title == "bitcoll OSU-style Allreduce Test, backend tcp, 2 ranks"
+    check_rows(table, [1024, 65536, 262144])
+    for r in table.rows:  # 2 (p - 1) / p = 1
+        assert r["BusBW(GB/s)"] == pytest.approx(r["AlgBW(GB/s)"], abs=1e-3)
+    out = run(launch(2, "osu_allreduce.py", "--impl", "gloo", "-m", "1K,8K", "--check",
+                     *SMALL))
+    table = one_table(out)
+    assert table.title == "bitcoll OSU-style Allreduce Test, backend gloo, 2 ranks"
+    check_rows(table, [1024, 8192])
+
+
+@pytest.mark.timeout(90)
+def test_collectives_two_tcp_ranks() -> None:
+    out = run(launch(2, "osu_collectives.py", "--collective", "all", "-m", "1K,16K",
+                     "--check", *SMALL))
+    tables = osu.parse_tables(out)
+    names = [t.title.split(" Test")[0].split()[-1] for t in tables]
+    assert names == ["Reduce_scatter", "Allgather", "Broadcast", "Alltoall", "Barrier"]
+    for t, factor in zip(tables[:-1], (1, 2, 1, 1), strict=True):
+        assert "2 ranks" in t.title
+        check_rows(t, [1024, 16384], data_factor=factor)  # allgather: S = p * Size
+
+
+@pytest.mark.timeout(120)
+def test_sign_two_tcp_ranks() -> None:
+    # levels 1: the quantized and the sign-sum variants share their field widths (2 bits in,
+    # 3 bits out at p = 2), which keeps the kernels compiled for this run to one set
+    out = run(launch(2, "osu_sign_allreduce.py", "-m", "1001,4096", "--op",
+                     "majority,sum,quantized", "--algorithm", "default,allgather",
+                     "--compare-float32", "--check", "--levels", "1", *SMALL), timeout=110)
+    table = one_table(out)
+    assert "backend tcp, 2 ranks" in table.title
+    variants = ["float32/allreduce"] + [f"{op}/{a}" for op in ("majority", "sum", "quantized1")
+                                        for a in ("default", "allgather")]
+    assert [(r["Elements"], r["Variant"]) for r in table.rows] == \
+        [(n, v) for n in (1001, 4096) for v in variants]
+    rows: dict[tuple[int, str], dict[str, Any]] = {
+        (r["Elements"], r["Variant"]): r for r in table.rows}
+    for (n, _), r in rows.items():
+        assert r["Bytes(f32)"] == 4 * n
+        assert r["Speedup"] == pytest.approx(
+            rows[(n, "float32/allreduce")]["Avg Latency(us)"] / r["Avg Latency(us)"],
+            abs=6e-3)
+    # Counted wire bytes: a float32 ring sends the whole vector once (p = 2) plus headers;
+    # the 1-bit majority sends an eighth of that order.
+    f32 = rows[(4096, "float32/allreduce")]["Wire(B/rank)"]
+    maj = rows[(4096, "majority/default")]["Wire(B/rank)"]
+    assert 4 * 4096 <= f32 < 4 * 4096 + 4096
+    assert 4096 // 8 <= maj < 4096 // 8 + 1024
+
+
+def test_bad_arguments_exit_2() -> None:
+    run(tool("osu_allreduce.py", "-m", "8K:1K"), expect=2)
+    run(tool("osu_allreduce.py", "--impl", "mpi4py", "--algorithm", "ring"), expect=2)
+    run(tool("osu_collectives.py", "--collective", "gather"), expect=2)
+    run(tool("osu_sign_allreduce.py", "--op", "mean"), expect=2)
+
+
+@pytest.mark.timeout(60)
+def test_run_all_dry_run_lists_the_matrix(tmp_path: Path) -> None:
+    out = run([PY, "bench/run_all.py", "--dry-run", "--quick", "--out", str(tmp_path)])
+    cmds = [line[2:] for line in out.splitlines() if line.startswith("+ ")]
+    assert len(cmds) == 2 * 5 + 1
+    assert sum("-m launch -n 4 bench/osu_allreduce.py --impl gloo" in c for c in cmds) == 1
+    assert sum("mpiexec -n 2" in c and "--impl mpi4py" in c for c in cmds) == 1
+    assert "osu_sign_allreduce.py --compare-float32 --algorithm default,allgather -m 64M" \
+        in cmds[-1]
+
+
+def test_run_all_summary_from_tables() -> None:
+    import run_all
+
+    def table(rows: list[tuple[int, float]], p: int) -> list[osu.Table]:
+        lines: list[str] = []
+        rep = osu.Report(0, print_fn=lines.append)
+        rep.start("t", [], [osu.Column("Size", 10, "d"), osu.Column("Avg Latency(us)", 18, ".2f"),
+                            osu.Column("BusBW(GB/s)", 14, ".3f")])
+        for size, lat in rows:
+            rep.row(size, lat, osu.gbps(size, lat * 1e-6) * 2 * (p - 1) / p)
+        return osu.parse_tables("\n".join(lines))
+
+    by_p = {2: {"bitcoll-tcp": table([(1024, 10.0), (1 << 20, 1000.0)], 2)
+                + table([(1024, 20.0), (1 << 20, 800.0)], 2),  # a second round
+                "mpi4py": table([(1024, 5.0), (1 << 20, 1600.0)], 2),
+                "gloo": table([(1 << 20, 400.0)], 2)}}
+    sign_lines: list[str] = []
+    rep = osu.Report(0, print_fn=sign_lines.append)
+    rep.start("s", [], [osu.Column("Elements", 10, "d"), osu.Column("Variant", 20, "s"),
+                        osu.Column("Avg Latency(us)", 18, ".2f")])
+    rep.row(64, "float32/allreduce", 900.0)
+    rep.row(64, "majority/default", 100.0)
+    rep.row(64, "majority/allgather", 150.0)
+    text = run_all.summarize(by_p, {4: osu.parse_tables("\n".join(sign_lines))}, rounds=2)
+    lat, bw, sign = osu.parse_tables(text)
+    assert lat.columns == ["Size", "bitcoll-tcp(us)", "mpi4py(us)", "gloo(us)"]
+    assert lat.rows[1] == {"Size": 1 << 20, "bitcoll-tcp(us)": 800.0, "mpi4py(us)": 1600.0,
+                           "gloo(us)": 400.0}  # best round per implementation
+    assert bw.columns[-2:] == ["bitcoll-tcp/mpi4py", "bitcoll-tcp/gloo"]
+    assert bw.rows[0]["bitcoll-tcp/gloo"] is None  # gloo has no 1K row
+    assert bw.rows[1]["bitcoll-tcp/mpi4py"] == 2.0 and bw.rows[1]["bitcoll-tcp/gloo"] == 0.5
+    assert bw.rows[1]["bitcoll-tcp(GB/s)"] == pytest.approx((1 << 20) / 800e-6 / 1e9, abs=1e-3)
+    assert sign.rows == [{"Elements": 64, "float32(us)": 900.0, "majority(us)": 100.0,
+                          "allgather(us)": 150.0, "vs-float32": 9.0, "vs-allgather": 1.5}]

@@ -1,0 +1,162 @@
+"""End-to-end tests of ``train.py`` (and of the loss-curve plot built from its logs).
+
+A tiny model trains for 30 steps on one rank in this process and on two ranks started by
+``python -m launch -n 2 train.py``; the JSON logs must be complete, the losses finite and
+clearly lower at the end than at the start, and the replicas identical after training.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["--d-model", "32", "--layers", "1", "--heads", "2", "--seq-len", "32",
+        "--batch-size", "8", "--corpus-mb", "0.3", "--eval-every", "10", "--eval-batches", "2",
+        "--lr", "3e-3", "--threads", "1", "--no-progress", "--comm-timeout", "30"]
+STEPS = 30
+
+
+def _load(name: str, path: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def train() -> ModuleType:
+    return _load("train", ROOT / "train.py")
+
+
+@pytest.fixture(scope="module")
+def plot_curves() -> ModuleType:
+    return _load("plot_curves", ROOT / "bench" / "plot_curves.py")
+
+
+def _check_log(log: dict[str, Any], optimizer: str, world_size: int) -> None:
+    assert log["format"] == "lioncub-train-log/1"
+    assert log["config"]["optimizer"] == optimizer
+    assert log["config"]["steps"] == STEPS
+    assert log["run"]["world_size"] == world_size
+    steps = log["steps"]
+    assert [s["step"] for s in steps] == list(range(1, STEPS + 1))
+    for s in steps:
+        for key in ("loss", "lr", "time", "compute", "comm", "bytes_sent", "bytes_received"):
+            assert math.isfinite(s[key]), (key, s)
+        assert s["time"] > 0 and s["compute"] > 0 and s["comm"] >= 0
+    assert [e["step"] for e in log["evals"]] == [0, 10, 20, 30]
+    assert all(math.isfinite(e["val_loss"]) for e in log["evals"])
+    # ln(97) = 4.57 at initialisation; 30 Lion steps must clearly lower both losses.
+    first = sum(s["loss"] for s in steps[:5]) / 5
+    last = sum(s["loss"] for s in steps[-5:]) / 5
+    assert 4.0 < first < 5.0
+    assert last < first - 0.5, (first, last)
+    assert log["evals"][-1]["val_loss"] < log["evals"][0]["val_loss"] - 0.5
+    summary = log["summary"]
+    assert summary["world_size"] == world_size
+    assert summary["final_val_loss"] == log["evals"][-1]["val_loss"]
+    assert summary["replicas_identical"] is True
+    assert 0 <= summary["mean_comm_time"] <= summary["mean_step_time"]
+
+
+@pytest.fixture(scope="module")
+def one_rank_log(train: ModuleType, tmp_path_factory: pytest.TempPathFactory
+                 ) -> dict[str, Any]:
+    path = tmp_path_factory.mktemp("one") / "log.json"
+    assert train.main([*TINY, "--steps", str(STEPS), "--optimizer", "global",
+                       "--json-log", str(path)]) == 0
+    log: dict[str, Any] = json.loads(path.read_text())
+    return log
+
+
+@pytest.mark.timeout(150)
+def test_one_rank_in_process(one_rank_log: dict[str, Any]) -> None:
+    _check_log(one_rank_log, "global", 1)
+    assert one_rank_log["run"]["backend"] == "local"
+    assert all(s["bytes_sent"] == 0 for s in one_rank_log["steps"])
+
+
+@pytest.mark.timeout(200)
+def test_two_ranks_with_launcher(tmp_path: Path) -> None:
+    log_path = tmp_path / "log.json"
+    env = dict(os.environ, NUMBA_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "launch", "-n", "2", str(ROOT / "train.py"), *TINY,
+         "--steps", str(STEPS), "--optimizer", "lioncub-l1", "--json-log", str(log_path)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    log = json.loads(log_path.read_text())
+    _check_log(log, "lioncub-l1", 2)
+    assert log["run"]["backend"] == "tcp"
+    assert all(s["bytes_sent"] > 0 for s in log["steps"])
+    # Rank 0 alone prints, and it prints the summary table.
+    assert proc.stdout.count("| final val loss") == 1
+    assert f"{log['summary']['final_val_loss']:.4f}" in proc.stdout
+
+
+def test_bad_options_exit_2(train: ModuleType, capsys: pytest.CaptureFixture[str]) -> None:
+    for argv, needle in ((["--optimizer", "adam"], "invalid choice"),
+                         (["--steps", "0"], "must be >= 1"),
+                         (["--d-model", "30", "--heads", "4"], "multiple of --heads"),
+                         (["--lr", "-1"], "must be in"),
+                         (["--warmup", "5", "--steps", "5"], "smaller than --steps")):
+        with pytest.raises(SystemExit) as exc:
+            train.parse_args(argv)
+        assert exc.value.code == 2
+        assert needle in capsys.readouterr().err
+
+
+def test_corpus_and_schedule(train: ModuleType) -> None:
+    a = train.load_corpus(0.3)
+    b = train.load_corpus(0.3)
+    assert a.digest == b.digest and a.val_files >= 1 and a.train_files >= 9
+    assert a.train.size + a.val.size >= 0.3e6
+    assert int(max(a.train.max(), a.val.max())) < train.VOCAB_SIZE
+    text = "def f(x):\n    return x + 1\n"
+    assert train.decode(train.encode(text.encode())) == text
+    assert train.decode(train.encode("é".encode())) == "\ufffd\ufffd"
+    # Different ranks draw different windows, the same rank the same ones.
+    s0 = train.BatchSampler(a.train, 4, 16, seed=1, rank=0).next()[0]
+    s0b = train.BatchSampler(a.train, 4, 16, seed=1, rank=0).next()[0]
+    s1 = train.BatchSampler(a.train, 4, 16, seed=1, rank=1).next()[0]
+    assert bool((s0 == s0b).all()) and not bool((s0 == s1).all())
+    assert train.lr_at(1, 100, 1.0, 10, "cosine") == pytest.approx(0.1)
+    assert train.lr_at(10, 100, 1.0, 10, "cosine") == pytest.approx(1.0)
+    assert train.lr_at(100, 100, 1.0, 10, "cosine") == pytest.approx(0.1)
+    assert train.lr_at(55, 100, 1.0, 10, "cosine") == pytest.approx(0.55)
+    assert train.lr_at(100, 100, 1.0, 10, "constant") == 1.0
+
+
+@pytest.mark.timeout(150)
+def test_plot_from_log(plot_curves: ModuleType, one_rank_log: dict[str, Any],
+                       tmp_path: Path) -> None:
+    second = json.loads(json.dumps(one_rank_log))
+    second["config"]["optimizer"] = "lioncub-l1"
+    paths = []
+    for i, rec in enumerate((one_rank_log, second)):
+        paths.append(tmp_path / f"{i}.json")
+        paths[-1].write_text(json.dumps(rec))
+    out = tmp_path / "curves.svg"
+    assert plot_curves.main([*map(str, paths), "-o", str(out), "--title", "T & t"]) == 0
+    root = ET.fromstring(out.read_text())  # well-formed XML, title escaped
+    ns = "{http://www.w3.org/2000/svg}"
+    assert root.tag == f"{ns}svg"
+    texts = " ".join("".join(t.itertext()) for t in root.iter(f"{ns}text"))
+    assert "T & t" in texts and "global" in texts and "lioncub-l1" in texts
+    assert "Validation loss" in texts and "step" in texts
+    # Two curves in each panel.
+    assert len(list(root.iter(f"{ns}polyline"))) == 4
+    assert plot_curves.nice_ticks(0, 400) == [0, 100, 200, 300, 400]
