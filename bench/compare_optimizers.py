@@ -1,0 +1,329 @@
+#!/usr/bin/env python3
+"""Run ``train.py`` with several optimizers on identical seeds and steps, then tabulate and plot.
+
+Usage::
+
+    python bench/compare_optimizers.py                       # 5 optimizers, 4 ranks, TCP
+    python bench/compare_optimizers.py --seeds 0 1 2 --steps 600
+    python bench/compare_optimizers.py --optimizers global lioncub-l1 \\
+        --run "l1, 3 levels" "--optimizer lioncub-l1 --levels 3" -- --lr 5e-4
+
+Every run is ``python -m launch -n N train.py --optimizer X --seed S --steps T --json-log ...``
+(``--launcher mpi``: ``mpiexec -n N python train.py ...``); arguments after ``--`` go to every
+run. ``--run LABEL ARGS`` adds a run with its own train.py arguments (e.g. another
+``--levels``; ARGS is one shell-quoted string).
+Runs happen one after another (they share the machine). Written to ``--out``
+(default ``results/optimizers``):
+
+* ``logs/<label>-seed<S>.json`` and ``.txt``: each run's JSON log and its console output;
+* ``loss_curves.svg`` (against steps) and ``loss_curves_time.svg`` (against training time);
+* ``results.md``: the command, the set-up and a table of final validation / training loss,
+  the gap to Global Lion, step time split into compute and communication, and bytes sent per
+  step and rank (means over seeds; per-seed values below the main table).
+
+``--reuse`` keeps the logs of runs already in ``--out`` whose train.py command line is unchanged,
+so a comparison can be extended or resumed without running everything again.
+
+Exit status 0 when every run succeeded, 1 otherwise (the others are still tabulated).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import plot_curves  # a sibling script, not a package
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAIN = ROOT / "train.py"
+DEFAULT_OPTIMIZERS = ("global", "dlion-mavo", "dlion-avg", "lioncub-mavo", "lioncub-l1")
+BASELINE = "global"
+LION_CUB = "lioncub-l1"
+MAJORITY = "dlion-mavo"
+TARGET_GAP = 3.0  # percent: Lion Cub's final validation loss vs Global Lion's
+
+
+@dataclass
+class Spec:
+    """One configuration to run: a label and its train.py arguments (seed/steps/log added)."""
+
+    label: str
+    args: list[str]
+
+
+@dataclass
+class Outcome:
+    spec: Spec
+    seed: int
+    log: Path
+    returncode: int
+    seconds: float
+    record: dict[str, Any] | None
+
+
+def _slug(label: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", label).strip("_") or "run"
+
+
+def launch_command(launcher: str, ranks: int, train_args: Sequence[str]) -> list[str]:
+    """The command that starts ``train.py`` with ``train_args`` on ``ranks`` ranks."""
+    py = sys.executable
+    if launcher == "tcp":
+        return [py, "-m", "launch", "-n", str(ranks), str(TRAIN), *train_args]
+    mpiexec = Path(py).with_name("mpiexec")
+    exe = str(mpiexec) if mpiexec.exists() else shutil.which("mpiexec") or "mpiexec"
+    return [exe, "-n", str(ranks), py, str(TRAIN), *train_args]
+
+
+def run_one(spec: Spec, seed: int, steps: int, ranks: int, launcher: str, extra: list[str],
+            logdir: Path, timeout: float, reuse: bool = False) -> Outcome:
+    """Run one configuration; its console output goes to ``logdir/<slug>-seed<S>.txt``.
+
+    ``reuse``: when the JSON log of an earlier run with the same command line exists, load it
+    instead of running again.
+    """
+    stem = f"{_slug(spec.label)}-seed{seed}"
+    log = logdir / f"{stem}.json"
+    train_args = [*spec.args, "--seed", str(seed), "--steps", str(steps), "--json-log",
+                  str(log), "--no-progress", *extra]
+    cmd = launch_command(launcher, ranks, train_args)
+    if reuse and log.exists():
+        try:
+            record = plot_curves.load_log(log)
+        except ValueError:
+            record = None
+        if record is not None and record.get("command") == train_args:
+            return Outcome(spec, seed, log, 0, 0.0, record)
+    log.unlink(missing_ok=True)
+    env = dict(os.environ)
+    env.setdefault("NUMBA_NUM_THREADS", "1")
+    env["PYTHONUNBUFFERED"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    t0 = time.perf_counter()
+    with (logdir / f"{stem}.txt").open("w") as console:
+        console.write("$ " + shlex.join(cmd) + "\n")
+        console.flush()
+        try:
+            rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=console,
+                                stderr=subprocess.STDOUT, timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            console.write(f"\ncompare_optimizers.py: timed out after {timeout:.0f} s\n")
+            rc = 124
+    seconds = time.perf_counter() - t0
+    record = plot_curves.load_log(log) if rc == 0 and log.exists() else None
+    if record is not None and record.get("run", {}).get("world_size") == ranks:
+        record["command"] = train_args  # remembered for --reuse
+        log.write_text(json.dumps(record, indent=1) + "\n")
+    elif record is not None:
+        record = None
+        rc = rc or 1
+    return Outcome(spec, seed, log, rc, seconds, record)
+
+
+def _mean(xs: Sequence[float]) -> float:
+    return statistics.fmean(xs) if xs else math.nan
+
+
+def _pm(xs: Sequence[float], fmt: str) -> str:
+    if not xs:
+        return "failed"
+    if len(xs) == 1:
+        return format(xs[0], fmt)
+    return f"{format(_mean(xs), fmt)} ± {format(statistics.stdev(xs), fmt)}"
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "kB", "MB", "GB"):
+        if abs(n) < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    raise AssertionError("unreachable")
+
+
+def _gap(value: float, base: float) -> str:
+    if not (math.isfinite(value) and math.isfinite(base)) or base == 0:
+        return "-"
+    return f"{100 * (value / base - 1):+.2f}%"
+
+
+def summarize(outcomes: Sequence[Outcome], specs: Sequence[Spec], command: str,
+              ranks: int, launcher: str, steps: int, seeds: Sequence[int]) -> str:
+    """The markdown report: set-up, main table, verdicts, per-seed table."""
+    by_label: dict[str, list[dict[str, Any]]] = {s.label: [] for s in specs}
+    for o in outcomes:
+        if o.record is not None:
+            by_label[o.spec.label].append(o.record["summary"])
+    val = {k: [s["final_val_loss"] for s in v] for k, v in by_label.items()}
+    base = _mean(val.get(BASELINE, []))
+    first = next((o.record for o in outcomes if o.record is not None), None)
+    lines = ["# Lion Cub vs. baselines: final losses", "",
+             f"Command: `{command}`", ""]
+    if first is not None:
+        cfg, run = first["config"], first["run"]
+        corpus = run.get("corpus", {})
+        lines += [
+            f"- {ranks} ranks, {'TCP launcher' if launcher == 'tcp' else 'MPI'} "
+            f"(backend `{run.get('backend')}`), {run.get('threads_per_rank')} torch thread(s) "
+            "per rank, all ranks on this machine",
+            f"- model: {run.get('n_params', 0) / 1e6:.2f}M-parameter character transformer "
+            f"(d_model {cfg.get('d_model')}, {cfg.get('layers')} layers, {cfg.get('heads')} "
+            f"heads), batch {cfg.get('batch_size')} x {cfg.get('seq_len')} per rank",
+            f"- data: {corpus.get('train_tokens', 0) / 1e6:.2f}M training / "
+            f"{corpus.get('val_tokens', 0) / 1e6:.2f}M validation characters of the Python "
+            "standard library (validation = held-out files)",
+            f"- {steps} steps, lr {cfg.get('lr')} ({cfg.get('schedule')}, warm-up "
+            f"{cfg.get('warmup')}), weight decay {cfg.get('weight_decay')}, seeds "
+            f"{', '.join(map(str, seeds))}",
+            ""]
+    lines += ["| optimizer | final val loss | vs global | final train loss | step time | "
+              "compute | comm | sent / step / rank | train.py wall time |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for spec in specs:
+        sums = by_label[spec.label]
+        n_fail = sum(1 for o in outcomes if o.spec.label == spec.label and o.record is None)
+        fail = f" ({n_fail} failed)" if n_fail else ""
+        if not sums:
+            lines.append(f"| {spec.label} | failed{fail} | | | | | | | |")
+            continue
+        lines.append(
+            f"| {spec.label}{fail} | {_pm(val[spec.label], '.4f')} | "
+            f"{_gap(_mean(val[spec.label]), base)} | "
+            f"{_pm([s['final_train_loss'] for s in sums], '.4f')} | "
+            f"{1e3 * _mean([s['mean_step_time'] for s in sums]):.0f} ms | "
+            f"{1e3 * _mean([s['mean_compute_time'] for s in sums]):.0f} ms | "
+            f"{1e3 * _mean([s['mean_comm_time'] for s in sums]):.1f} ms | "
+            f"{_bytes(_mean([s['bytes_sent_per_step'] for s in sums]))} | "
+            f"{_mean([s['wall_time'] for s in sums]):.0f} s |")
+    lines += ["", "Final losses are nats per character; the training loss is the mean over "
+              "ranks of the last steps, the validation loss the last evaluation. Step time is "
+              "averaged over ranks and steps; comm is the time the optimizer spent in its "
+              "collectives.", ""]
+    cub, maj = _mean(val.get(LION_CUB, [])), _mean(val.get(MAJORITY, []))
+    if math.isfinite(base) and math.isfinite(cub):
+        gap = 100 * (cub / base - 1)
+        verdict = "met" if gap <= TARGET_GAP else "NOT met"
+        lines.append(f"- Lion Cub ({LION_CUB}) vs Global Lion: {gap:+.2f}% final validation "
+                     f"loss (target: within {TARGET_GAP:g}%: {verdict}).")
+    if math.isfinite(maj) and math.isfinite(cub):
+        worse = "worse" if maj > cub else "not worse"
+        lines.append(f"- Distributed Lion majority vote ({MAJORITY}) vs Lion Cub: "
+                     f"{_gap(maj, cub)} ({worse} than Lion Cub).")
+    if val.get("dlion-mavo") and val.get("dlion-mavo") == val.get("lioncub-mavo"):
+        lines.append("- dlion-mavo and lioncub-mavo compute the same majority vote with the same "
+                     "tie rule, so their losses coincide; they differ in the collective "
+                     "(all-gather of sign bits vs. bandwidth-optimal 1-bit all-reduce), hence "
+                     "in bytes and time.")
+    if len(seeds) > 1 or any(o.record is None for o in outcomes):
+        lines += ["", "Per run:", "", "| optimizer | seed | final val loss | final train loss "
+                  "| exit | log |", "|---|---|---|---|---|---|"]
+        for o in outcomes:
+            s = o.record["summary"] if o.record is not None else None
+            v = f"{s['final_val_loss']:.4f}" if s else "-"
+            t = f"{s['final_train_loss']:.4f}" if s else "-"
+            lines.append(f"| {o.spec.label} | {o.seed} | {v} | {t} | {o.returncode} | "
+                         f"`logs/{o.log.name}` |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    raw = list(sys.argv[1:] if argv is None else argv)
+    extra: list[str] = []
+    if "--" in raw:
+        cut = raw.index("--")
+        raw, extra = raw[:cut], raw[cut + 1:]
+    parser = argparse.ArgumentParser(
+        prog="compare_optimizers.py",
+        description="Run train.py for several optimizers with identical seeds and steps; "
+                    "write JSON logs, loss-curve SVGs and a markdown table. Arguments after "
+                    "`--` are passed to every train.py run.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--optimizers", nargs="*", default=list(DEFAULT_OPTIMIZERS),
+                        metavar="NAME", help="train.py --optimizer values")
+    parser.add_argument("--run", action="append", nargs=2, default=[],
+                        metavar=("LABEL", "ARGS"),
+                        help="an extra run labelled LABEL with the train.py arguments ARGS "
+                             "(one quoted string; repeatable)")
+    parser.add_argument("-n", "--ranks", type=int, default=4, help="ranks per run")
+    parser.add_argument("--launcher", choices=("tcp", "mpi"), default="tcp",
+                        help="python -m launch (TCP backend) or mpiexec (MPI backend)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0])
+    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--out", type=Path, default=ROOT / "results" / "optimizers")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per run")
+    parser.add_argument("--title", default="Lion Cub vs. Global Lion and Distributed Lion")
+    parser.add_argument("--reuse", action="store_true",
+                        help="keep the results of runs already in --out/logs whose train.py "
+                             "command line is unchanged instead of running them again")
+    args = parser.parse_args(raw)
+    if args.ranks < 1 or args.steps < 1:
+        parser.error("--ranks and --steps must be >= 1")
+    specs = [Spec(name, ["--optimizer", name]) for name in args.optimizers]
+    for label, rest in args.run:
+        if not label.strip():
+            parser.error("--run: empty label")
+        specs.append(Spec(label.strip(), shlex.split(rest)))
+    if not specs:
+        parser.error("nothing to run")
+    if len({s.label for s in specs}) != len(specs):
+        parser.error("run labels must be distinct")
+
+    logdir = args.out / "logs"
+    logdir.mkdir(parents=True, exist_ok=True)
+    command = shlex.join(["python", "bench/compare_optimizers.py", *raw,
+                          *(["--", *extra] if extra else [])])
+    outcomes: list[Outcome] = []
+    total = len(specs) * len(args.seeds)
+    for seed in args.seeds:
+        for spec in specs:
+            print(f"[{len(outcomes) + 1}/{total}] {spec.label}, seed {seed} ...", end=" ",
+                  flush=True)
+            o = run_one(spec, seed, args.steps, args.ranks, args.launcher, extra, logdir,
+                        args.timeout, args.reuse)
+            outcomes.append(o)
+            if o.record is not None:
+                s = o.record["summary"]
+                when = f"{o.seconds:.0f} s" if o.seconds else "reused"
+                print(f"val {s['final_val_loss']:.4f}, train {s['final_train_loss']:.4f}, "
+                      f"{1e3 * s['mean_step_time']:.0f} ms/step, {when}", flush=True)
+            else:
+                print(f"FAILED (exit {o.returncode}; see {o.log.with_suffix('.txt')})",
+                      flush=True)
+
+    done = [o for o in outcomes if o.record is not None]
+    if done:
+        records = [o.record for o in done if o.record is not None]
+        labels = [o.spec.label for o in done]
+        subtitle = plot_curves.subtitle_of(records)
+        for xaxis, name in (("step", "loss_curves.svg"), ("time", "loss_curves_time.svg")):
+            runs = plot_curves.group_runs(records, labels, xaxis)
+            (args.out / name).write_text(plot_curves.render_svg(runs, args.title, subtitle,
+                                                                xaxis))
+    report = summarize(outcomes, specs, command, args.ranks, args.launcher, args.steps,
+                       args.seeds)
+    (args.out / "results.md").write_text(report)
+    (args.out / "outcomes.json").write_text(json.dumps(
+        [{"label": o.spec.label, "args": o.spec.args, "seed": o.seed, "returncode": o.returncode,
+          "seconds": o.seconds, "log": str(o.log.relative_to(args.out))} for o in outcomes],
+        indent=1) + "\n")
+    print()
+    print(report)
+    print(f"written to {args.out}/ (results.md, loss_curves.svg, loss_curves_time.svg, logs/)")
+    return 0 if len(done) == len(outcomes) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

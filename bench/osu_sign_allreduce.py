@@ -1,0 +1,294 @@
+"""OSU-style benchmark of bitcoll's packed-bit all-reduces: ``sign_allreduce`` (majority vote
+and exact sign sum) and ``quantized_allreduce``, optionally against the float32 all-reduce of
+the same vector on the same transport.
+
+Usage::
+
+    python -m launch -n 4 bench/osu_sign_allreduce.py -m 64M --compare-float32 \\
+        --algorithm default,allgather
+    mpiexec -n 4 python bench/osu_sign_allreduce.py --op majority,sum,quantized -m 1K:16M
+    python bench/osu_sign_allreduce.py -m 1M --check            # one rank
+
+Sizes are element counts ``n`` (``-m``, same syntax as byte sizes, default 1K:64M); the table
+also shows the bytes of the float32 input, ``4 n``. Variants, measured one after another at
+each size in the same run:
+
+* ``majority/<algo>``: ``comm.sign_allreduce(x, op="majority", tie=--tie)`` (int8 output),
+* ``sum/<algo>``: ``comm.sign_allreduce(x, op="sum")`` (int32 output),
+* ``quantized<L>/<algo>``: ``comm.quantized_allreduce(q, L)`` with int8 ``q`` in
+  ``[-L, L]`` (``--levels L``; its effective bandwidth still counts the 4 n bytes of the
+  float32 vector that ``q`` stands for),
+* ``float32/allreduce``: ``comm.allreduce(x)`` of the float32 vector (``--compare-float32``),
+
+for every ``<algo>`` of ``--algorithm`` (``default`` is the library's choice, or ``direct``,
+``ring``, ``allgather``). Columns: latency over ranks (avg, min, max), iterations,
+``EffBW = 4 n / Avg`` (GB/s = 1e9 B/s), ``Wire(B/rank)``: bytes each rank handed to the
+transport per call (headers included, from ``comm.stats``; averaged over ranks), and with
+``--compare-float32`` the ``Speedup`` = float32 average latency / this variant's.
+
+Inputs are a fixed hash of (element index, rank): floats are integers in ``[-1000, 1000]``
+(a few exact zeros), ``q`` is uniform in ``[-L, L]``. ``--check`` makes one extra call per
+variant and size (not timed) and compares it with the exact result computed locally, in
+chunks, from every rank's inputs.
+
+Exit status 0, or 1 after an error or a failed check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import osu
+
+OPS = ("majority", "sum", "quantized")
+ALGORITHMS = ("default", "direct", "ring", "allgather")
+TIES = ("positive", "negative", "alternate")
+CHECK_CHUNK = 1 << 22
+COLUMNS = [osu.Column("Elements", 11, "d"), osu.Column("Bytes(f32)", 12, "d"),
+           osu.Column("Variant", 22, "s"), osu.Column("Avg Latency(us)", 18, ".2f"),
+           osu.Column("Min Latency(us)", 18, ".2f"), osu.Column("Max Latency(us)", 18, ".2f"),
+           osu.Column("Iterations", 12, "d"), osu.Column("EffBW(GB/s)", 13, ".3f"),
+           osu.Column("Wire(B/rank)", 15, ".0f"), osu.Column("Speedup", 10, ".2f")]
+
+
+# ----------------------------------------------------------------------------------- inputs
+
+
+def _hash(rank: int, start: int, stop: int) -> npt.NDArray[np.uint64]:
+    """32-bit mixing hash of (element index, rank) for indices ``[start, stop)``."""
+    h = np.arange(start, stop, dtype=np.uint64)
+    h *= np.uint64(0x9E3779B1)
+    h += np.uint64((rank + 1) * 0x85EBCA77)
+    h &= np.uint64(0xFFFFFFFF)
+    h ^= h >> np.uint64(15)
+    h *= np.uint64(0x2C1B3C6D)
+    h &= np.uint64(0xFFFFFFFF)
+    h ^= h >> np.uint64(12)
+    return h
+
+
+def float_votes(rank: int, start: int, stop: int) -> npt.NDArray[np.float32]:
+    """Rank ``rank``'s float32 input at indices ``[start, stop)``: integers in
+    ``[-1000, 1000]``."""
+    return ((_hash(rank, start, stop) % np.uint64(2001)).astype(np.int32) - 1000) \
+        .astype(np.float32)
+
+
+def int_votes(rank: int, start: int, stop: int, levels: int) -> npt.NDArray[np.int8]:
+    """Rank ``rank``'s quantized input at ``[start, stop)``: int8 uniform in
+    ``[-levels, levels]`` (``levels <= 127``)."""
+    q = (_hash(rank, start, stop) % np.uint64(2 * levels + 1)).astype(np.int16) - levels
+    return q.astype(np.int8)
+
+
+def fill(out: npt.NDArray[Any], make: Callable[[int, int], npt.NDArray[Any]]) -> None:
+    """Fill ``out`` chunk by chunk with ``make(start, stop)``."""
+    for a in range(0, out.size, CHECK_CHUNK):
+        b = min(out.size, a + CHECK_CHUNK)
+        out[a:b] = make(a, b)
+
+
+# --------------------------------------------------------------------------------- variants
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One measured call: ``op`` in majority/sum/quantized/float32 and the algorithm."""
+
+    op: str
+    algorithm: str
+    levels: int = 0
+
+    @property
+    def name(self) -> str:
+        if self.op == "float32":
+            return "float32/allreduce"
+        head = f"quantized{self.levels}" if self.op == "quantized" else self.op
+        return f"{head}/{self.algorithm}"
+
+
+def expected(v: Variant, p: int, start: int, stop: int, tie: str, call: int
+             ) -> npt.NDArray[Any]:
+    """Exact result of ``v`` at ``[start, stop)``; ``call`` is the communicator's count of
+    earlier majority calls (for the alternate tie rule)."""
+    if v.op == "quantized":
+        acc = np.zeros(stop - start, dtype=np.int32)
+        for r in range(p):
+            acc += int_votes(r, start, stop, v.levels)
+        return acc
+    if v.op == "float32":
+        acc_f = np.zeros(stop - start, dtype=np.float32)
+        for r in range(p):
+            acc_f += float_votes(r, start, stop)
+        return acc_f
+    acc = np.zeros(stop - start, dtype=np.int32)
+    for r in range(p):
+        x = float_votes(r, start, stop)
+        if v.op == "sum":
+            acc += np.sign(x).astype(np.int32)
+        else:
+            acc += np.where(x >= 0, 1, -1).astype(np.int32)
+    if v.op == "sum":
+        return acc
+    maj = np.sign(acc).astype(np.int8)
+    ties = maj == 0
+    if tie == "positive":
+        maj[ties] = 1
+    elif tie == "negative":
+        maj[ties] = -1
+    else:
+        idx = np.arange(start, stop, dtype=np.int64)
+        maj[ties] = np.where((idx[ties] + call) % 2 == 0, 1, -1).astype(np.int8)
+    return maj
+
+
+class Bench:
+    """The buffers and calls of one size; counts majority calls for the tie rule."""
+
+    def __init__(self, rt: osu.BitcollRuntime, n: int, tie: str, ops: list[str],
+                 levels: int) -> None:
+        self.comm = rt.comm
+        self.n, self.tie = n, tie
+        self.x = np.empty(n, dtype=np.float32)
+        fill(self.x, lambda a, b: float_votes(rt.rank, a, b))
+        self.q = np.empty(n if "quantized" in ops else 0, dtype=np.int8)
+        fill(self.q, lambda a, b: int_votes(rt.rank, a, b, levels))
+        self.out_i8 = np.zeros(n if "majority" in ops else 0, dtype=np.int8)
+        need_i32 = "sum" in ops or "quantized" in ops
+        self.out_i32 = np.zeros(n if need_i32 else 0, dtype=np.int32)
+        self.out_f32 = np.zeros(0, dtype=np.float32)
+
+    def want_float32(self) -> None:
+        self.out_f32 = np.zeros(self.n, dtype=np.float32)
+
+    def op(self, v: Variant) -> tuple[Callable[[], object], npt.NDArray[Any]]:
+        """Return ``(call, result array)`` of variant ``v``."""
+        comm = self.comm
+        algo = None if v.algorithm == "default" else v.algorithm
+        x = self.x
+        if v.op == "majority":
+            o8, tie = self.out_i8, self.tie
+            return (lambda: comm.sign_allreduce(x, op="majority", tie=tie, out=o8,
+                                                algorithm=algo)), o8
+        if v.op == "sum":
+            o32 = self.out_i32
+            return (lambda: comm.sign_allreduce(x, op="sum", out=o32, algorithm=algo)), o32
+        if v.op == "quantized":
+            q, o32, lv = self.q, self.out_i32, v.levels
+            return (lambda: comm.quantized_allreduce(q, lv, out=o32, algorithm=algo)), o32
+        of = self.out_f32
+        return (lambda: comm.allreduce(x, out=of)), of
+
+
+# ------------------------------------------------------------------------------------- main
+
+
+def _list(choices: tuple[str, ...]) -> Callable[[str], list[str]]:
+    def parse(spec: str) -> list[str]:
+        names = [s.strip() for s in spec.split(",") if s.strip()]
+        bad = [s for s in names if s not in choices]
+        if bad or not names:
+            raise argparse.ArgumentTypeError(
+                f"expected a comma list of {', '.join(choices)}, got {spec!r}")
+        return list(dict.fromkeys(names))
+    return parse
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        description="OSU-style latency, effective bandwidth and wire bytes of bitcoll's "
+                    "sign_allreduce and quantized_allreduce.")
+    p.add_argument("--op", type=_list(OPS), default=["majority"], metavar="OPS",
+                   help="comma list of majority, sum, quantized (default majority)")
+    p.add_argument("--algorithm", type=_list(ALGORITHMS), default=["default"],
+                   metavar="ALGOS",
+                   help="comma list of default, direct, ring, allgather (default: default)")
+    p.add_argument("--levels", type=int, default=7,
+                   help="quantized_allreduce levels L, inputs in [-L, L] (default 7)")
+    p.add_argument("--tie", choices=TIES, default="alternate",
+                   help="majority tie rule (default alternate)")
+    p.add_argument("--compare-float32", action="store_true",
+                   help="also time comm.allreduce of the float32 vector, print the speedup")
+    p.add_argument("--backend", choices=("auto", "tcp", "mpi", "local"), default="auto",
+                   help="bitcoll backend (default: from the environment)")
+    osu.add_common_args(p, "1K:64M", size_unit="elements")
+    return p
+
+
+def run(args: argparse.Namespace, rt: osu.BitcollRuntime) -> None:
+    """Measure every variant at every size; print the table on rank 0."""
+    schedule = osu.schedule_from_args(args)
+    p = rt.size
+    variants = [Variant(op, algo, args.levels if op == "quantized" else 0)
+                for op in args.op for algo in args.algorithm]
+    if args.compare_float32:
+        variants.insert(0, Variant("float32", "allreduce"))
+    report = osu.Report(rt.rank, args.json)
+    report.start(f"bitcoll OSU-style Sign Allreduce Test, backend {rt.backend}, "
+                 f"{osu.ranks(p)}",
+                 [f"variants {', '.join(v.name for v in variants)}; tie {args.tie}; "
+                  f"{rt.describe()}",
+                  "Elements: vector length; Bytes(f32) = 4 * Elements; EffBW = Bytes(f32) / "
+                  "Avg (GB/s = 1e9 B/s); Wire: bytes sent per rank per call (headers "
+                  "included); Speedup = float32 Avg / Avg"],
+                 COLUMNS, backend=rt.backend, ranks=p, tie=args.tie,
+                 collective="sign_allreduce", variants=[v.name for v in variants])
+    majority_calls = 0
+    for n in args.sizes:
+        bench = Bench(rt, n, args.tie, args.op, args.levels)
+        if args.compare_float32:
+            bench.want_float32()
+        iters, warm = schedule.for_bytes(4 * n)
+        f32_us: float | None = None
+        for v in variants:
+            op, result = bench.op(v)
+            if args.check:
+                op()
+                ok = True
+                for a in range(0, n, CHECK_CHUNK):
+                    b = min(n, a + CHECK_CHUNK)
+                    want = expected(v, p, a, b, args.tie, majority_calls)
+                    ok = ok and bool(np.array_equal(result[a:b], want))
+                if v.op == "majority":
+                    majority_calls += 1
+                osu.agree(rt, ok, f"{v.name} of {n} elements")
+            t = osu.time_loop(rt, op, iters, warm)
+            if v.op == "majority":
+                majority_calls += iters + warm
+            if v.op == "float32":
+                f32_us = t.avg_us
+            speedup = None if f32_us is None else f32_us / t.avg_us
+            report.row(n, 4 * n, v.name, t.avg_us, t.min_us, t.max_us, t.iterations,
+                       osu.gbps(4 * n, t.avg_us * 1e-6), t.wire_bytes, speedup)
+        del bench
+    report.finish()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = parser()
+    args = ap.parse_args(argv)
+    try:
+        osu.schedule_from_args(args)
+    except ValueError as exc:
+        ap.error(str(exc))
+    if not 1 <= args.levels <= 127:
+        ap.error("--levels must be in [1, 127] (int8 inputs)")
+
+    def open_rt() -> osu.Runtime:
+        return osu.BitcollRuntime(backend=args.backend, timeout=args.timeout)
+
+    def body(rt: osu.Runtime) -> None:
+        assert isinstance(rt, osu.BitcollRuntime)
+        run(args, rt)
+
+    return osu.run_tool(open_rt, body)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
