@@ -16,7 +16,8 @@ Runs happen one after another (they share the machine). Written to ``--out``
 (default ``results/optimizers``):
 
 * ``logs/<label>-seed<S>.json`` and ``.txt``: each run's JSON log and its console output;
-* ``loss_curves.svg`` (against steps) and ``loss_curves_time.svg`` (against training time);
+* ``loss_curves.svg`` (against steps), ``loss_curves_zoom.svg`` (y range fitted to the second
+  half of the run) and ``loss_curves_time.svg`` (against training time);
 * ``results.md``: the command, the set-up and a table of final validation / training loss,
   the gap to Global Lion, step time split into compute and communication, and bytes sent per
   step and rank (means over seeds; per-seed values below the main table).
@@ -227,6 +228,10 @@ def summarize(outcomes: Sequence[Outcome], specs: Sequence[Spec], command: str,
                      "tie rule, so their losses coincide; they differ in the collective "
                      "(all-gather of sign bits vs. bandwidth-optimal 1-bit all-reduce), hence "
                      "in bytes and time.")
+    if first is not None:
+        lines += ["", "![loss curves against steps](loss_curves.svg)", "",
+                  "![the second half, zoomed](loss_curves_zoom.svg)", "",
+                  "![loss curves against training time](loss_curves_time.svg)"]
     if len(seeds) > 1 or any(o.record is None for o in outcomes):
         lines += ["", "Per run:", "", "| optimizer | seed | final val loss | final train loss "
                   "| exit | log |", "|---|---|---|---|---|---|"]
@@ -308,10 +313,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         records = [o.record for o in done if o.record is not None]
         labels = [o.spec.label for o in done]
         subtitle = plot_curves.subtitle_of(records)
-        for xaxis, name in (("step", "loss_curves.svg"), ("time", "loss_curves_time.svg")):
+        for xaxis, skip, name in (("step", 0.1, "loss_curves.svg"),
+                                  ("step", 0.5, "loss_curves_zoom.svg"),
+                                  ("time", 0.1, "loss_curves_time.svg")):
             runs = plot_curves.group_runs(records, labels, xaxis)
-            (args.out / name).write_text(plot_curves.render_svg(runs, args.title, subtitle,
-                                                                xaxis))
+            (args.out / name).write_text(plot_curves.render_svg(
+                runs, args.title, subtitle, xaxis, skip=skip))
     report = summarize(outcomes, specs, command, args.ranks, args.launcher, args.steps,
                        args.seeds)
     (args.out / "results.md").write_text(report)
@@ -321,7 +328,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         indent=1) + "\n")
     print()
     print(report)
-    print(f"written to {args.out}/ (results.md, loss_curves.svg, loss_curves_time.svg, logs/)")
+    print(f"written to {args.out}/ (results.md, loss_curves*.svg, logs/)")
     return 0 if len(done) == len(outcomes) else 1
 
 

@@ -14,7 +14,9 @@ what they share:
 * **Timing** (:func:`time_loop`): warm-up calls, a barrier, then one timed loop of
   ``iterations`` calls. A rank's latency is its loop time divided by the iteration count;
   the table shows the average, minimum and maximum of that latency over the ranks (gathered
-  after the loop, outside the timed region).
+  after the loop, outside the timed region), and ``CPU(us)``: the process CPU time (all
+  threads, user + system) per call averaged over ranks, a figure that other load on the
+  machine hardly changes.
 * **Bandwidth**, as nccl-tests defines it: ``AlgBW = S / t`` with ``S`` the collective's data
   size (:func:`data_bytes`) and ``t`` the average latency, and ``BusBW = AlgBW * factor``
   (:func:`bus_factor`: ``2 (p - 1) / p`` for all-reduce, ``(p - 1) / p`` for reduce-scatter,
@@ -420,13 +422,16 @@ def agree(rt: Runtime, ok: bool, what: str) -> None:
 
 @dataclass(frozen=True)
 class Timing:
-    """Latencies of one measured loop in microseconds, reduced over ranks, and the average
-    over ranks of the bytes each rank sent per call (None when the runtime does not count)."""
+    """Latencies of one measured loop in microseconds, reduced over ranks; the average over
+    ranks of the process CPU time (user + system, all threads) per call in microseconds; and
+    the average over ranks of the bytes each rank sent per call (None when the runtime does
+    not count)."""
 
     avg_us: float
     min_us: float
     max_us: float
     iterations: int
+    cpu_us: float = 0.0
     wire_bytes: float | None = None
 
 
@@ -434,23 +439,29 @@ def time_loop(rt: Runtime, op: Callable[[], object], iterations: int, warmup: in
     """Run ``op`` ``warmup`` times, then a barrier, then time ``iterations`` calls.
 
     Each rank's latency is its loop time / ``iterations``; the returned figures are the mean,
-    minimum and maximum of that over the ranks. Wire bytes: the growth of
+    minimum and maximum of that over the ranks. CPU: the process's CPU time
+    (``time.process_time``: every thread, user and system) during the loop per call, averaged
+    over ranks; it includes busy-polling (MPICH spins while it waits) and, unlike latency, it
+    hardly depends on other load on the machine. Wire bytes: the growth of
     :meth:`Runtime.bytes_sent` during the timed loop per call, averaged over ranks.
     """
     for _ in range(warmup):
         op()
     rt.barrier()
     sent0 = rt.bytes_sent()
+    c0 = time.process_time()
     t0 = time.perf_counter()
     for _ in range(iterations):
         op()
     elapsed = time.perf_counter() - t0
+    cpu = time.process_time() - c0
     sent1 = rt.bytes_sent()
     wire = float("nan") if sent0 is None or sent1 is None else (sent1 - sent0) / iterations
-    stats = rt.gather([elapsed / iterations * 1e6, wire])
+    stats = rt.gather([elapsed / iterations * 1e6, cpu / iterations * 1e6, wire])
     lat = stats[:, 0]
-    wire_avg = None if sent0 is None else float(stats[:, 1].mean())
-    return Timing(float(lat.mean()), float(lat.min()), float(lat.max()), iterations, wire_avg)
+    wire_avg = None if sent0 is None else float(stats[:, 2].mean())
+    return Timing(float(lat.mean()), float(lat.min()), float(lat.max()), iterations,
+                  float(stats[:, 1].mean()), wire_avg)
 
 
 def bus_factor(collective: str, p: int) -> float:

@@ -10,7 +10,8 @@ Run the same loop on three implementations, each under its own launcher::
 
 Each size (bytes of the float32 vector per rank, default 1K:256M) is timed as described in
 :mod:`osu`: warm-up, barrier, one timed loop; latency averaged, minimised and maximised over
-ranks; ``AlgBW = Size / Avg``, ``BusBW = AlgBW * 2 (p - 1) / p``. The timed input is a vector
+ranks; ``AlgBW = Size / Avg``, ``BusBW = AlgBW * 2 (p - 1) / p``; ``CPU(us)`` is the process
+CPU time (all threads) per call averaged over ranks. The timed input is a vector
 of zeros (the fixed point of an in-place sum, so gloo's in-place all-reduce cannot overflow);
 ``--check`` runs one extra call per size on the input ``(i mod 13) + rank`` and compares the
 result with the exact sum. bitcoll and mpi4py reduce out of place unless ``--inplace``; gloo
@@ -36,7 +37,8 @@ ALGORITHMS = ("auto", "ring", "recursive_doubling", "native")
 COLUMNS = [osu.Column("Size", 10, "d"), osu.Column("Avg Latency(us)", 18, ".2f"),
            osu.Column("Min Latency(us)", 18, ".2f"), osu.Column("Max Latency(us)", 18, ".2f"),
            osu.Column("Iterations", 12, "d"), osu.Column("AlgBW(GB/s)", 14, ".3f"),
-           osu.Column("BusBW(GB/s)", 14, ".3f")]
+           osu.Column("BusBW(GB/s)", 14, ".3f"),
+           osu.Column("CPU(us)", 14, ".0f")]
 
 
 def check_input(n: int, rank: int) -> F32:
@@ -105,7 +107,7 @@ def run(args: argparse.Namespace, rt: osu.Runtime) -> None:
                  [f"impl {args.impl}, algorithm {algo}, float32 sum, {placement}"
                   + (f", {info}" if info else ""),
                   "Size: bytes per rank; latency over ranks; AlgBW = Size / Avg; "
-                  "BusBW = AlgBW * 2(p-1)/p; GB/s = 1e9 B/s"],
+                  "BusBW = AlgBW * 2(p-1)/p; GB/s = 1e9 B/s; CPU: process CPU time per call"],
                  COLUMNS, impl=args.impl, backend=rt.backend, ranks=p, algorithm=algo,
                  collective="allreduce", inplace=placement == "in place")
     sizes = sorted({max(4, s - s % 4) for s in args.sizes})
@@ -125,7 +127,7 @@ def run(args: argparse.Namespace, rt: osu.Runtime) -> None:
         t = osu.time_loop(rt, op, iters, warm)
         alg = osu.gbps(nbytes, t.avg_us * 1e-6)
         report.row(nbytes, t.avg_us, t.min_us, t.max_us, t.iterations, alg,
-                   alg * osu.bus_factor("allreduce", p))
+                   alg * osu.bus_factor("allreduce", p), t.cpu_us)
         del op, result, x, y
     report.finish()
 

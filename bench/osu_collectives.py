@@ -43,7 +43,8 @@ ALGORITHMS = ("auto", "ring", "tree", "direct", "dissemination", "native")
 COLUMNS = [osu.Column("Size", 10, "d"), osu.Column("Avg Latency(us)", 18, ".2f"),
            osu.Column("Min Latency(us)", 18, ".2f"), osu.Column("Max Latency(us)", 18, ".2f"),
            osu.Column("Iterations", 12, "d"), osu.Column("AlgBW(GB/s)", 14, ".3f"),
-           osu.Column("BusBW(GB/s)", 14, ".3f")]
+           osu.Column("BusBW(GB/s)", 14, ".3f"),
+           osu.Column("CPU(us)", 14, ".0f")]
 ROOT = 0
 
 
@@ -171,7 +172,8 @@ def run(args: argparse.Namespace, rt: osu.Runtime) -> None:
                 "broadcast": f"float32, root {ROOT}"}.get(coll, "float32")
         legend = ("Size 0: a barrier moves no data (no bandwidth)" if coll == "barrier" else
                   "Size: bytes of each rank's input; latency over ranks; AlgBW = S / Avg "
-                  f"(nccl-tests' S); BusBW = AlgBW * {_factor_text(coll)}; GB/s = 1e9 B/s")
+                  f"(nccl-tests' S); BusBW = AlgBW * {_factor_text(coll)}; GB/s = 1e9 B/s; "
+                  "CPU: process CPU time per call")
         report.start(f"bitcoll OSU-style {TITLES[coll]} Test, backend {rt.backend}, "
                      f"{osu.ranks(p)}",
                      [f"impl {args.impl}, algorithm {algo}, {what}"
@@ -183,7 +185,7 @@ def run(args: argparse.Namespace, rt: osu.Runtime) -> None:
             op, _ = make_op(rt, coll, np.empty(0, np.float32), np.empty(0, np.float32),
                             args.algorithm)
             t = osu.time_loop(rt, op, iters, warm)
-            report.row(0, t.avg_us, t.min_us, t.max_us, t.iterations, None, None)
+            report.row(0, t.avg_us, t.min_us, t.max_us, t.iterations, None, None, t.cpu_us)
             continue
         for n in sorted({elements(coll, s, p) for s in args.sizes}):
             x: F32 = np.empty(n, dtype=np.float32)
@@ -201,7 +203,7 @@ def run(args: argparse.Namespace, rt: osu.Runtime) -> None:
             t = osu.time_loop(rt, op, iters, warm)
             alg = osu.gbps(osu.data_bytes(coll, nbytes, p), t.avg_us * 1e-6)
             report.row(nbytes, t.avg_us, t.min_us, t.max_us, t.iterations, alg,
-                       alg * osu.bus_factor(coll, p))
+                       alg * osu.bus_factor(coll, p), t.cpu_us)
             del op, result, x, y
     report.finish()
 

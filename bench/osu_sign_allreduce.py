@@ -23,7 +23,8 @@ each size in the same run:
 for every ``<algo>`` of ``--algorithm`` (``default`` is the library's choice, or ``direct``,
 ``ring``, ``allgather``). Columns: latency over ranks (avg, min, max), iterations,
 ``EffBW = 4 n / Avg`` (GB/s = 1e9 B/s), ``Wire(B/rank)``: bytes each rank handed to the
-transport per call (headers included, from ``comm.stats``; averaged over ranks), and with
+transport per call (headers included, from ``comm.stats``; averaged over ranks), ``CPU(us)``:
+process CPU time (all threads) per call averaged over ranks, and with
 ``--compare-float32`` the ``Speedup`` = float32 average latency / this variant's.
 
 Inputs are a fixed hash of (element index, rank): floats are integers in ``[-1000, 1000]``
@@ -54,7 +55,8 @@ COLUMNS = [osu.Column("Elements", 11, "d"), osu.Column("Bytes(f32)", 12, "d"),
            osu.Column("Variant", 22, "s"), osu.Column("Avg Latency(us)", 18, ".2f"),
            osu.Column("Min Latency(us)", 18, ".2f"), osu.Column("Max Latency(us)", 18, ".2f"),
            osu.Column("Iterations", 12, "d"), osu.Column("EffBW(GB/s)", 13, ".3f"),
-           osu.Column("Wire(B/rank)", 15, ".0f"), osu.Column("Speedup", 10, ".2f")]
+           osu.Column("Wire(B/rank)", 15, ".0f"), osu.Column("CPU(us)", 14, ".0f"),
+           osu.Column("Speedup", 10, ".2f")]
 
 
 # ----------------------------------------------------------------------------------- inputs
@@ -236,7 +238,7 @@ def run(args: argparse.Namespace, rt: osu.BitcollRuntime) -> None:
                   f"{rt.describe()}",
                   "Elements: vector length; Bytes(f32) = 4 * Elements; EffBW = Bytes(f32) / "
                   "Avg (GB/s = 1e9 B/s); Wire: bytes sent per rank per call (headers "
-                  "included); Speedup = float32 Avg / Avg"],
+                  "included); CPU: process CPU time per call; Speedup = float32 Avg / Avg"],
                  COLUMNS, backend=rt.backend, ranks=p, tie=args.tie,
                  collective="sign_allreduce", variants=[v.name for v in variants])
     majority_calls = 0
@@ -265,7 +267,7 @@ def run(args: argparse.Namespace, rt: osu.BitcollRuntime) -> None:
                 f32_us = t.avg_us
             speedup = None if f32_us is None else f32_us / t.avg_us
             report.row(n, 4 * n, v.name, t.avg_us, t.min_us, t.max_us, t.iterations,
-                       osu.gbps(4 * n, t.avg_us * 1e-6), t.wire_bytes, speedup)
+                       osu.gbps(4 * n, t.avg_us * 1e-6), t.wire_bytes, t.cpu_us, speedup)
         del bench
     report.finish()
 

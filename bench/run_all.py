@@ -26,7 +26,8 @@ With ``--repeat R`` the whole matrix runs R times (rounds alternate the implemen
 that background load spreads over all of them). Files written to ``--out`` (default
 ``results``): ``allreduce_<impl>_np<P>.txt`` (one table per round, each preceded by its
 command line), ``sign_np<P>.txt`` and ``summary.txt``: per rank count the best (lowest over
-rounds) average latency of each implementation at each size, then the BusBW of those rounds
+rounds) average latency of each implementation at each size, the CPU time per call and the
+BusBW of those rounds
 with the speed ratios bitcoll-tcp / mpi4py, bitcoll-tcp-inplace / gloo and bitcoll-tcp / gloo,
 then the sign run's speedups (majority with the default algorithm vs the float32 all-reduce and
 vs the all-gather algorithm). ``--nice N`` runs every job under ``nice -n N``. Exit status 0,
@@ -155,6 +156,14 @@ def summarize(by_p: dict[int, dict[str, list[osu.Table]]], sign: dict[int, list[
                    f"over {rounds} round(s)"], lat_cols, ranks=p)
         for s in sizes:
             rep.row(s, *[_value(best[i].get(s), "Avg Latency(us)") for i in impls])
+        cpu_cols = [osu.Column("Size", 10, "d")]
+        cpu_cols += [osu.Column(f"{i}(us)", 18, ".0f") for i in impls]
+        rep.start(f"bitcoll loopback all-reduce CPU time per call, {osu.ranks(p)}",
+                  ["process CPU time (all threads, user + system) per call and rank, of the "
+                   "rounds above; it includes busy-polling (MPICH spins while it waits) and "
+                   "hardly depends on other load"], cpu_cols, ranks=p)
+        for s in sizes:
+            rep.row(s, *[_value(best[i].get(s), "CPU(us)") for i in impls])
         cols = [osu.Column("Size", 10, "d")]
         cols += [osu.Column(f"{i}(GB/s)", 18, ".3f") for i in impls]
         cols += [osu.Column(f"{a}/{b}", 20, ".2f") for a, b in ratios]

@@ -142,13 +142,15 @@ class FakeRuntime(osu.Runtime):
 
 
 def test_timing_reduction_and_check_verdict() -> None:
-    rt = FakeRuntime([[0.0, 0.0], [10.0, 0.0], [40.0, 0.0]])
+    # rank 0 measures its own latency and CPU (microseconds: tiny next to the figures that
+    # ranks 1 and 2 report); columns are latency, CPU and wire bytes per call
+    rt = FakeRuntime([[0.0, 0.0, 0.0], [1e6, 3e6, 0.0], [4e6, 6e6, 0.0]])
     t = osu.time_loop(rt, lambda: None, iterations=2, warmup=1)
     assert rt.calls == ["barrier"]
-    # rank 0 measured its own (tiny) latency; ranks 1 and 2 reported 10 and 40 us
-    assert 0.0 <= t.min_us < 10.0
-    assert (t.max_us, t.iterations, t.wire_bytes) == (40.0, 2, None)
-    assert t.avg_us == pytest.approx((t.min_us + 10.0 + 40.0) / 3)
+    assert 0.0 <= t.min_us < 1e5
+    assert (t.max_us, t.iterations, t.wire_bytes) == (4e6, 2, None)
+    assert t.avg_us == pytest.approx((t.min_us + 1e6 + 4e6) / 3)
+    assert t.cpu_us == pytest.approx(3e6, rel=0.02)
     osu.agree(FakeRuntime([[1.0], [1.0]]), True, "fine")
     with pytest.raises(osu.CheckError, match=r"wrong result on ranks \[1, 2\]"):
         osu.agree(FakeRuntime([[1.0], [0.0], [0.0]]), True, "x")
@@ -186,6 +188,7 @@ def check_rows(table: osu.Table, sizes: list[int], iterations: int = 3,
     for r in table.rows:
         assert r["Iterations"] == iterations
         assert 0 < r["Min Latency(us)"] <= r["Avg Latency(us)"] <= r["Max Latency(us)"]
+        assert r["CPU(us)"] >= 0
         assert r["AlgBW(GB/s)"] == pytest.approx(
             osu.gbps(data_factor * r["Size"], r["Avg Latency(us)"] * 1e-6), abs=6e-4)
 
@@ -197,7 +200,7 @@ def test_single_rank_runs(tmp_path: Path) -> None:
     table = one_table(out)
     assert table.title == "bitcoll OSU-style Allreduce Test, backend local, 1 rank"
     assert table.columns == ["Size", "Avg Latency(us)", "Min Latency(us)", "Max Latency(us)",
-                             "Iterations", "AlgBW(GB/s)", "BusBW(GB/s)"]
+                             "Iterations", "AlgBW(GB/s)", "BusBW(GB/s)", "CPU(us)"]
     check_rows(table, [1024, 2048, 4096])
     assert all(r["BusBW(GB/s)"] == 0 for r in table.rows)  # 2(p-1)/p = 0 for one rank
     doc = json.loads((tmp_path / "a.json").read_text())
@@ -298,9 +301,9 @@ def test_run_all_summary_from_tables() -> None:
         lines: list[str] = []
         rep = osu.Report(0, print_fn=lines.append)
         rep.start("t", [], [osu.Column("Size", 10, "d"), osu.Column("Avg Latency(us)", 18, ".2f"),
-                            osu.Column("BusBW(GB/s)", 14, ".3f")])
+                            osu.Column("BusBW(GB/s)", 14, ".3f"), osu.Column("CPU(us)", 9, ".0f")])
         for size, lat in rows:
-            rep.row(size, lat, osu.gbps(size, lat * 1e-6) * 2 * (p - 1) / p)
+            rep.row(size, lat, osu.gbps(size, lat * 1e-6) * 2 * (p - 1) / p, lat / 2)
         return osu.parse_tables("\n".join(lines))
 
     by_p = {2: {"bitcoll-tcp": table([(1024, 10.0), (1 << 20, 1000.0)], 2)
@@ -315,7 +318,9 @@ def test_run_all_summary_from_tables() -> None:
     rep.row(64, "majority/default", 100.0)
     rep.row(64, "majority/allgather", 150.0)
     text = run_all.summarize(by_p, {4: osu.parse_tables("\n".join(sign_lines))}, rounds=2)
-    lat, bw, sign = osu.parse_tables(text)
+    lat, cpu, bw, sign = osu.parse_tables(text)
+    assert cpu.rows[1] == {"Size": 1 << 20, "bitcoll-tcp(us)": 400, "mpi4py(us)": 800,
+                           "gloo(us)": 200}  # the CPU of the best rounds
     assert lat.columns == ["Size", "bitcoll-tcp(us)", "mpi4py(us)", "gloo(us)"]
     assert lat.rows[1] == {"Size": 1 << 20, "bitcoll-tcp(us)": 800.0, "mpi4py(us)": 1600.0,
                            "gloo(us)": 400.0}  # best round per implementation

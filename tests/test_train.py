@@ -160,3 +160,22 @@ def test_plot_from_log(plot_curves: ModuleType, one_rank_log: dict[str, Any],
     # Two curves in each panel.
     assert len(list(root.iter(f"{ns}polyline"))) == 4
     assert plot_curves.nice_ticks(0, 400) == [0, 100, 200, 300, 400]
+
+
+def test_comparison_report(one_rank_log: dict[str, Any], tmp_path: Path) -> None:
+    compare = _load("compare_optimizers", ROOT / "bench" / "compare_optimizers.py")
+    specs = [compare.Spec(name, ["--optimizer", name])
+             for name in ("global", "dlion-mavo", "lioncub-l1")]
+    outcomes = []
+    for spec, val in zip(specs, (2.0, 2.1, 2.04), strict=True):
+        rec = json.loads(json.dumps(one_rank_log))
+        rec["summary"]["final_val_loss"] = val
+        outcomes.append(compare.Outcome(spec, 0, tmp_path / f"{spec.label}.json", 0, 1.0, rec))
+    outcomes.append(compare.Outcome(specs[1], 1, tmp_path / "x.json", 1, 1.0, None))
+    report = compare.summarize(outcomes, specs, "cmd", 1, "tcp", STEPS, [0, 1])
+    assert "| global | 2.0000 | +0.00% |" in report
+    assert "| dlion-mavo (1 failed) | 2.1000 | +5.00% |" in report
+    assert "| lioncub-l1 | 2.0400 | +2.00% |" in report
+    assert "| dlion-mavo | 1 | - | - | 1 |" in report  # the failed run, per-run table
+    assert "+2.00% final validation loss (target: within 3%: met)" in report
+    assert "vs Lion Cub: +2.94% (worse than Lion Cub)" in report

@@ -24,6 +24,7 @@ element, or -1.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from functools import cache
 from typing import Any, NamedTuple, TypeVar, cast
@@ -49,6 +50,9 @@ __all__ = [
     "BLOCK",
     "GROUP",
 ]
+
+if sys.byteorder != "little":  # _store_u64 writes words in native byte order
+    raise ImportError("bitcoll.kernels supports little-endian machines only")
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -129,6 +133,33 @@ and ``bound`` are converted to ``a``'s dtype.
 """
 
 
+
+def _store_u64_typer(typingctx: Any, arr: Any, idx: Any, value: Any) -> Any:
+    if not (isinstance(arr, types.Array) and arr.dtype == types.uint8
+            and isinstance(idx, types.Integer) and value == types.uint64):
+        return None
+    sig = types.none(arr, idx, value)
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        ary = context.make_array(signature.args[0])(context, builder, args[0])
+        ptr = builder.gep(ary.data, [args[1]])
+        wptr = builder.bitcast(ptr, ir.IntType(64).as_pointer())
+        builder.store(args[2], wptr, align=1)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+_store_u64: Callable[..., Any] = intrinsic(_store_u64_typer)
+"""``_store_u64(out, j, v)``: store the 8 little-endian bytes of ``v`` at ``out[j:j+8]``.
+
+``out`` is a 1-D uint8 array with at least ``j + 8`` elements (not checked). One unaligned
+8-byte store: unlike eight byte stores of shifted values, it keeps LLVM from scalarizing the
+vector compare that produced ``v``. (Little-endian targets only, like every other layout
+assumption here.)
+"""
+
+
 # --------------------------------------------------------------------------------------------
 # Small helpers
 # --------------------------------------------------------------------------------------------
@@ -155,24 +186,6 @@ def _st_partial(out: Any, j: int, v: np.uint64, nb: int) -> None:
     """Store the low ``nb`` bytes of ``v`` at ``out[j:j+nb]``."""
     for k in range(nb):
         out[j + k] = np.uint8((v >> np.uint64(8 * k)) & _B8)
-
-
-@_helper()
-def _ld64(a: Any, j: int) -> np.uint64:
-    """Load ``a[j:j+8]`` as a little-endian word (LLVM merges the loads)."""
-    v = np.uint64(0)
-    for k in range(8):
-        v |= np.uint64(a[j + k]) << np.uint64(8 * k)
-    return v
-
-
-@_helper()
-def _ld_partial(a: Any, j: int, nb: int) -> np.uint64:
-    """Load ``nb`` <= 8 bytes at ``a[j:j+nb]`` as a little-endian word, zero-padded."""
-    v = np.uint64(0)
-    for k in range(nb):
-        v |= np.uint64(a[j + k]) << np.uint64(8 * k)
-    return v
 
 
 @_helper()
@@ -235,7 +248,7 @@ def _pack_signs_blocks(u: Any, out: Any, b0: int, b1: int, sign: Any, absm: Any,
         ok = _le_bits64(u, i, absm, inf)
         if ok != _ALL:
             return i + _ctz64(~ok)
-        _st64(out, b * 8, votes)
+        _store_u64(out, b * 8, votes)
     return -1
 
 
@@ -301,8 +314,8 @@ def _pack_ternary_blocks(u: Any, out: Any, b0: int, b1: int, sign: Any, absm: An
         lo = _spread32(zero) | (_spread32(pos) << np.uint64(1))
         hi = (_spread32(zero >> np.uint64(32))
               | (_spread32(pos >> np.uint64(32)) << np.uint64(1)))
-        _st64(out, b * 16, lo)
-        _st64(out, b * 16 + 8, hi)
+        _store_u64(out, b * 16, lo)
+        _store_u64(out, b * 16 + 8, hi)
     return -1
 
 

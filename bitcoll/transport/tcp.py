@@ -27,14 +27,19 @@ Data path
 Per peer, one *sender* thread takes frames from a FIFO queue and writes header and payload with
 one ``sendmsg`` straight from the caller's buffer (no copy; the GIL is released while the
 kernel copies), so frames to one peer leave in ``isend`` order and any number of them can be
-queued. One *receiver* thread per peer matches frames with posted receives in posting order.
-When a receive is posted it reads the header together with whatever part of the payload has
-arrived (one ``recvmsg_into`` into the header buffer and the caller's buffer), compares the
-header with the expected one, then reads the rest of the payload straight into the caller's
-buffer (``recv_into`` with ``MSG_WAITALL``). When nothing is posted it still reads the next
-header as soon as it arrives, so an abort notice or a lost connection is noticed at once.
-Requests complete by releasing a lock. Nothing is pickled and payloads are never copied in
-user space. Sends to different peers, and sends and receives, all proceed concurrently.
+queued. When nothing is queued or being written to that peer, ``isend`` itself first writes
+what the socket takes without blocking (``MSG_DONTWAIT``) and queues only the rest, so small
+frames leave without waking a thread.
+
+One *receiver* thread per peer matches frames with posted receives in posting order. When a
+receive is posted it reads the header together with whatever part of the payload has arrived
+(one ``recvmsg_into`` into the header buffer and the caller's buffer), compares the header
+with the expected one, then reads the rest of the payload straight into the caller's buffer
+(``recv_into`` with ``MSG_WAITALL``). When nothing is posted it still reads the next header as
+soon as it arrives, so an abort notice or a lost connection is noticed at once.
+
+Requests complete by releasing a lock. Nothing is pickled and payloads are never copied in user
+space. Sends to different peers, and sends and receives, all proceed concurrently.
 
 Traffic counters
 ----------------
@@ -264,6 +269,7 @@ class _Peer:
         self.send_lock = threading.Lock()  # held while a frame is being written
         self.state = threading.Lock()  # guards ``queued``
         self.queued = 0  # sends handed to the sender thread and not finished by it
+        self.partial = False  # isend wrote part of a frame; the sender thread ends it
         self.eof = False  # the peer closed the connection cleanly between frames
         self.current: _TCPRequest | None = None  # the receive whose payload is being read
         self.sender: threading.Thread | None = None
@@ -487,6 +493,7 @@ class TCPTransport(Transport):
             req._finish(None)
             return
         req.sent = sent
+        p.partial = sent > 0
         with p.state:
             p.queued += 1
         p.send_q.put(req)
@@ -517,10 +524,9 @@ class TCPTransport(Transport):
 
     def _peer_gone(self, p: _Peer) -> None:
         """A call involves a peer that closed its connection: fail and raise."""
-        self._fail(PeerLostError(self._lost_message(p.rank, None)))
-        failure = self._failure
-        assert failure is not None
-        raise failure.with_traceback(None)
+        error = PeerLostError(self._lost_message(p.rank, None))
+        self._fail(error)
+        raise (self._failure or error).with_traceback(None)
 
     # ---------------------------------------------------------------- threads
 
@@ -538,6 +544,7 @@ class TCPTransport(Transport):
                 else:
                     try:
                         _send_frame(sock, req.head, req.view, req.sent)
+                        p.partial = False
                         error = None
                     except OSError as exc:
                         if self._failure is None and not self._closing:
@@ -702,7 +709,10 @@ class TCPTransport(Transport):
         frame = FrameHeader(seq=0, step=0, signature=0, length=len(text),
                             kind=FrameKind.ABORT).pack() + text
         for p in self._peers.values():
-            if p.send_lock.acquire(blocking=False):  # not in the middle of a frame
+            if p.send_lock.acquire(blocking=False):
+                if p.partial:  # the connection is in the middle of a frame
+                    p.send_lock.release()
+                    continue
                 try:
                     with contextlib.suppress(OSError):
                         p.sock.send(frame, _DONTWAIT | _NOSIGNAL)
