@@ -30,7 +30,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from ..errors import CommError, ProtocolError
+from ..errors import CommError, ProtocolError, UsageError
 
 __all__ = [
     "MAGIC",
@@ -42,6 +42,7 @@ __all__ = [
     "TrafficStats",
     "Transport",
     "wait_all",
+    "byte_view",
 ]
 
 MAGIC = 0xB17C0110
@@ -205,3 +206,18 @@ def wait_all(requests: Iterable[Request], deadline: float) -> None:
     """Wait for every request; the first failure is raised."""
     for req in requests:
         req.wait(deadline)
+
+
+def byte_view(buf: object, *, writable: bool, what: str) -> memoryview:
+    """Return ``buf`` as a flat unsigned-byte memoryview (no copy); UsageError if impossible."""
+    try:
+        mv = memoryview(buf)  # type: ignore[arg-type]  # any buffer-protocol object
+    except TypeError as exc:
+        raise UsageError(f"{what} must support the buffer protocol, got {type(buf)!r}") from exc
+    if writable and mv.readonly:
+        raise UsageError(f"{what} must be writable")
+    if not mv.c_contiguous:
+        raise UsageError(f"{what} must be C-contiguous")
+    if mv.format != "B" or mv.ndim != 1:
+        mv = mv.cast("B")
+    return mv

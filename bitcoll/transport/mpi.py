@@ -79,7 +79,15 @@ import numpy as np
 import numpy.typing as npt
 
 from ..errors import CommError, CommTimeoutError, PeerLostError, ProtocolError, UsageError
-from .base import HEADER_SIZE, FrameHeader, FrameKind, Request, TrafficStats, Transport
+from .base import (
+    HEADER_SIZE,
+    FrameHeader,
+    FrameKind,
+    Request,
+    TrafficStats,
+    Transport,
+    byte_view,
+)
 
 if TYPE_CHECKING:
     from mpi4py import MPI
@@ -232,21 +240,6 @@ def _mpi() -> Any:
 # --------------------------------------------------------------------------------------------
 # Helpers
 # --------------------------------------------------------------------------------------------
-
-
-def _byte_view(buf: object, *, writable: bool, what: str) -> memoryview:
-    """Return ``buf`` as a flat unsigned-byte memoryview (no copy); UsageError if impossible."""
-    try:
-        mv = memoryview(buf)  # type: ignore[arg-type]  # any buffer-protocol object
-    except TypeError as exc:
-        raise UsageError(f"{what} must support the buffer protocol, got {type(buf)!r}") from exc
-    if writable and mv.readonly:
-        raise UsageError(f"{what} must be writable")
-    if not mv.c_contiguous:
-        raise UsageError(f"{what} must be C-contiguous")
-    if mv.format != "B" or mv.ndim != 1:
-        mv = mv.cast("B")
-    return mv
 
 
 def _mpi_error_class(exc: BaseException) -> int | None:
@@ -684,7 +677,7 @@ class MPITransport(Transport):
         the transport's failure after an abort.
         """
         self._check_peer(peer)
-        mv = _byte_view(payload, writable=False, what="payload")
+        mv = byte_view(payload, writable=False, what="payload")
         n = mv.nbytes
         if header.length != n:
             raise UsageError(f"header.length is {header.length} but the payload has {n} bytes")
@@ -719,7 +712,7 @@ class MPITransport(Transport):
         posted. Raises the transport's failure after an abort.
         """
         self._check_peer(peer)
-        mv = _byte_view(payload, writable=True, what="payload")
+        mv = byte_view(payload, writable=True, what="payload")
         n = mv.nbytes
         if header.length != n:
             raise UsageError(f"header.length is {header.length} but the payload has {n} bytes")

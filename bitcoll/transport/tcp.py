@@ -108,6 +108,7 @@ from .base import (
     Request,
     TrafficStats,
     Transport,
+    byte_view,
 )
 from .store import StoreClient, StoreServer
 
@@ -140,21 +141,6 @@ _WAITALL: Final = getattr(socket, "MSG_WAITALL", 0)
 # --------------------------------------------------------------------------------------------
 # Helpers
 # --------------------------------------------------------------------------------------------
-
-
-def _byte_view(buf: object, *, writable: bool, what: str) -> memoryview:
-    """Return ``buf`` as a flat unsigned-byte memoryview (no copy); UsageError if impossible."""
-    try:
-        mv = memoryview(buf)  # type: ignore[arg-type]  # any buffer-protocol object
-    except TypeError as exc:
-        raise UsageError(f"{what} must support the buffer protocol, got {type(buf)!r}") from exc
-    if writable and mv.readonly:
-        raise UsageError(f"{what} must be writable")
-    if not mv.c_contiguous:
-        raise UsageError(f"{what} must be C-contiguous")
-    if mv.format != "B" or mv.ndim != 1:
-        mv = mv.cast("B")
-    return mv
 
 
 def _recv_exact(sock: socket.socket, view: memoryview) -> int:
@@ -451,7 +437,7 @@ class TCPTransport(Transport):
         peer has closed its connection, UsageError after close or for a bad peer.
         """
         p = self._check_usable(peer)
-        mv = _byte_view(payload, writable=False, what="payload")
+        mv = byte_view(payload, writable=False, what="payload")
         if header.length != mv.nbytes:
             raise UsageError(f"header.length is {header.length} but the payload has "
                              f"{mv.nbytes} bytes")
@@ -507,7 +493,7 @@ class TCPTransport(Transport):
         ``header``. Raises like :meth:`isend`.
         """
         p = self._check_usable(peer)
-        mv = _byte_view(payload, writable=True, what="payload")
+        mv = byte_view(payload, writable=True, what="payload")
         if header.length != mv.nbytes:
             raise UsageError(f"header.length is {header.length} but the payload has "
                              f"{mv.nbytes} bytes")
