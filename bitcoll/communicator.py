@@ -129,6 +129,7 @@ class Communicator:
         self._last: cf.Future[Any] | None = None
         self._closed = False
         self._majority_calls = 0
+        self._scratch: dict[int, npt.NDArray[np.uint8]] = {}
 
     # ------------------------------------------------------------------ properties
     @property
@@ -238,7 +239,7 @@ class Communicator:
         def execute() -> T:
             self._check_usable()
             ctx = OpContext(self._transport, seq, sig, time.monotonic() + limit,
-                            self.segment_bytes)
+                            self.segment_bytes, self._scratch)
             try:
                 return body(ctx)
             except BaseException as exc:

@@ -31,7 +31,8 @@ class OpContext:
     """
 
     def __init__(self, transport: Transport, seq: int, signature: int, deadline: float,
-                 segment_bytes: int) -> None:
+                 segment_bytes: int, scratch: dict[int, npt.NDArray[np.uint8]] | None = None
+                 ) -> None:
         self.transport = transport
         self.rank = transport.rank
         self.size = transport.size
@@ -39,6 +40,7 @@ class OpContext:
         self.signature = signature
         self.deadline = deadline
         self.segment_bytes = max(1, segment_bytes)
+        self._scratch = {} if scratch is None else scratch
         self._send_step = [0] * transport.size
         self._recv_step = [0] * transport.size
 
@@ -64,6 +66,18 @@ class OpContext:
         """Wait for every request within this call's deadline."""
         for req in requests:
             req.wait(self.deadline)
+
+    def scratch(self, slot: int, count: int, dtype: np.dtype[Any]) -> npt.NDArray[Any]:
+        """A reusable work buffer of ``count`` elements of ``dtype`` (slot ``slot``).
+
+        Buffers live as long as the communicator, so large collectives do not fault in fresh
+        pages on every call; a slot's contents are undefined on entry."""
+        nbytes = count * dtype.itemsize
+        buf = self._scratch.get(slot)
+        if buf is None or buf.size < nbytes:
+            buf = np.empty(nbytes, np.uint8)
+            self._scratch[slot] = buf
+        return buf[:nbytes].view(dtype)
 
     def segments(self, start: int, stop: int, itemsize: int) -> list[tuple[int, int]]:
         """Cut ``[start, stop)`` into segments of about ``segment_bytes`` (at least one,

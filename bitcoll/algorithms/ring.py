@@ -55,7 +55,7 @@ def ring_pass(ctx: OpContext, work: npt.NDArray[Any],
     scratch: list[npt.NDArray[Any]] = []
     if reduce is not None:
         longest = max(int(bounds[i + 1] - bounds[i]) for i in range(p))
-        scratch = [np.empty(longest, dtype=work.dtype) for _ in range(2)]
+        scratch = [ctx.scratch(i, longest, work.dtype) for i in range(2)]
 
     def post(s: int) -> list[tuple[Request, int, int, npt.NDArray[Any]]]:
         """Post the receives of step ``s``; return (request, start, stop, landing buffer)."""
