@@ -14,7 +14,10 @@ Running it::
     python train.py --steps 100                         # one rank, no communication
     python -m launch -n 4 train.py --optimizer global --json-log runs/global.json
 
-The backend is detected by ``bitcoll.init()``. Rank 0 prints a progress bar (carriage-return
+The backend is detected by ``bitcoll.init()``. The defaults (a 0.44M-parameter model, 400
+steps of 16 x 128 characters per rank, lr 3e-4 with warm-up and cosine decay) take about two
+minutes with 4 ranks sharing 2 cores, and bring the validation loss from ln(97) = 4.6 to about
+2.26 nats per character. Rank 0 prints a progress bar (carriage-return
 updates on a terminal, a plain line every 5% of the run otherwise), the validation loss every
 ``--eval-every`` steps and a final summary; ``--json-log`` writes every step, every evaluation,
 the configuration and the summary to a JSON file (format below).
@@ -41,7 +44,10 @@ A step's time covers batch sampling, forward, backward and ``opt.step()``. It is
 *compute* (forward, backward and the optimizer's arithmetic) and *communication* (the time the
 optimizer reports for its collectives). Bytes are those the optimizer's collectives sent in the
 step. The per-step figures are averaged over ranks (one small all-reduce per step, excluded from
-the step time and byte counts, which also yields the mean training loss over ranks).
+the step time and byte counts, which also yields the mean training loss over ranks). The
+summary's mean step figures leave out the first three steps (one-time set-up). After training
+the ranks compare a digest of their parameters: replicas that differ are reported and the run
+exits with status 1.
 
 JSON log
 --------
@@ -51,8 +57,8 @@ JSON log
 ``bytes_sent``, ``bytes_received`` (per rank, averaged over ranks), ``synced_tensors`` (how
 many tensors had their momentum averaged after the step) and, for the variants whose
 collective returns exact vote sums, ``agreement`` (the mean over tensors of the optimizer's
-vote-agreement figure, in [0, 1]); ``evals[i]`` has ``step``
-(0 = before training), ``val_loss`` and ``elapsed`` (seconds since the start of training).
+vote-agreement figure, in [0, 1]); ``evals[i]`` has ``step`` (0 = before training),
+``val_loss`` and ``elapsed`` (seconds since the start of training).
 
 Exit status: 0 on success, 1 when a communication or run-time error stopped the run, 2 for bad
 options (argparse), 130 on Ctrl-C.

@@ -90,6 +90,21 @@ def launch_command(launcher: str, ranks: int, train_args: Sequence[str]) -> list
     return [exe, "-n", str(ranks), py, str(TRAIN), *train_args]
 
 
+def _display(cmd: Sequence[str]) -> list[str]:
+    """``cmd`` as a reader would type it: ``python``/``mpiexec`` by name, paths repo-relative."""
+    out = []
+    for arg in cmd:
+        if arg == sys.executable:
+            out.append("python")
+        elif Path(arg).name == "mpiexec":
+            out.append("mpiexec")
+        elif arg.startswith(str(ROOT) + os.sep):
+            out.append(os.path.relpath(arg, ROOT))
+        else:
+            out.append(arg)
+    return out
+
+
 def run_one(spec: Spec, seed: int, steps: int, ranks: int, launcher: str, extra: list[str],
             logdir: Path, timeout: float, reuse: bool = False) -> Outcome:
     """Run one configuration; its console output goes to ``logdir/<slug>-seed<S>.txt``.
@@ -116,7 +131,7 @@ def run_one(spec: Spec, seed: int, steps: int, ranks: int, launcher: str, extra:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     t0 = time.perf_counter()
     with (logdir / f"{stem}.txt").open("w") as console:
-        console.write("$ " + shlex.join(cmd) + "\n")
+        console.write("$ " + shlex.join(_display(cmd)) + "\n")
         console.flush()
         try:
             rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=console,
@@ -155,10 +170,18 @@ def _bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
-def _gap(value: float, base: float) -> str:
-    if not (math.isfinite(value) and math.isfinite(base)) or base == 0:
+def _paired_gaps(vals: dict[int, float], ref: dict[int, float]) -> list[float]:
+    """Per seed present in both: ``100 * (vals / ref - 1)``, percent."""
+    return [100 * (v / ref[seed] - 1) for seed, v in sorted(vals.items())
+            if seed in ref and ref[seed] != 0]
+
+
+def _gap(gaps: Sequence[float]) -> str:
+    if not gaps:
         return "-"
-    return f"{100 * (value / base - 1):+.2f}%"
+    if len(gaps) == 1:
+        return f"{gaps[0]:+.2f}%"
+    return f"{_mean(gaps):+.2f}% ± {statistics.stdev(gaps):.2f}"
 
 
 def summarize(outcomes: Sequence[Outcome], specs: Sequence[Spec], command: str,
@@ -169,7 +192,11 @@ def summarize(outcomes: Sequence[Outcome], specs: Sequence[Spec], command: str,
         if o.record is not None:
             by_label[o.spec.label].append(o.record["summary"])
     val = {k: [s["final_val_loss"] for s in v] for k, v in by_label.items()}
-    base = _mean(val.get(BASELINE, []))
+    val_by_seed: dict[str, dict[int, float]] = {s.label: {} for s in specs}
+    for o in outcomes:
+        if o.record is not None:
+            val_by_seed[o.spec.label][o.seed] = float(o.record["summary"]["final_val_loss"])
+    base = val_by_seed.get(BASELINE, {})
     first = next((o.record for o in outcomes if o.record is not None), None)
     lines = ["# Lion Cub vs. baselines: final losses", "",
              f"Command: `{command}`", ""]
@@ -202,7 +229,7 @@ def summarize(outcomes: Sequence[Outcome], specs: Sequence[Spec], command: str,
             continue
         lines.append(
             f"| {spec.label}{fail} | {_pm(val[spec.label], '.4f')} | "
-            f"{_gap(_mean(val[spec.label]), base)} | "
+            f"{_gap(_paired_gaps(val_by_seed[spec.label], base))} | "
             f"{_pm([s['final_train_loss'] for s in sums], '.4f')} | "
             f"{1e3 * _mean([s['mean_step_time'] for s in sums]):.0f} ms | "
             f"{1e3 * _mean([s['mean_compute_time'] for s in sums]):.0f} ms | "
@@ -212,17 +239,22 @@ def summarize(outcomes: Sequence[Outcome], specs: Sequence[Spec], command: str,
     lines += ["", "Final losses are nats per character; the training loss is the mean over "
               "ranks of the last steps, the validation loss the last evaluation. Step time is "
               "averaged over ranks and steps; comm is the time the optimizer spent in its "
-              "collectives.", ""]
-    cub, maj = _mean(val.get(LION_CUB, [])), _mean(val.get(MAJORITY, []))
-    if math.isfinite(base) and math.isfinite(cub):
-        gap = 100 * (cub / base - 1)
-        verdict = "met" if gap <= TARGET_GAP else "NOT met"
-        lines.append(f"- Lion Cub ({LION_CUB}) vs Global Lion: {gap:+.2f}% final validation "
+              "collectives. \"vs global\" is the relative gap to Global Lion's final "
+              "validation loss with the same seed (mean ± standard deviation over seeds).", ""]
+    cub = val_by_seed.get(LION_CUB, {})
+    maj = val_by_seed.get(MAJORITY, {})
+    gaps = _paired_gaps(cub, base)
+    if gaps:
+        verdict = "met" if _mean(gaps) <= TARGET_GAP else "NOT met"
+        lines.append(f"- Lion Cub ({LION_CUB}) vs Global Lion: {_gap(gaps)} final validation "
                      f"loss (target: within {TARGET_GAP:g}%: {verdict}).")
-    if math.isfinite(maj) and math.isfinite(cub):
-        worse = "worse" if maj > cub else "not worse"
+    gaps = _paired_gaps(maj, cub)
+    if gaps:
+        worse = "worse" if _mean(gaps) > 0 else "not worse"
+        seeds_worse = sum(1 for g in gaps if g > 0)
         lines.append(f"- Distributed Lion majority vote ({MAJORITY}) vs Lion Cub: "
-                     f"{_gap(maj, cub)} ({worse} than Lion Cub).")
+                     f"{_gap(gaps)} ({worse} than Lion Cub; higher loss with "
+                     f"{seeds_worse} of {len(gaps)} seed{'s' if len(gaps) > 1 else ''}).")
     if val.get("dlion-mavo") and val.get("dlion-mavo") == val.get("lioncub-mavo"):
         lines.append("- dlion-mavo and lioncub-mavo compute the same majority vote with the same "
                      "tie rule, so their losses coincide; they differ in the collective "

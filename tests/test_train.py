@@ -178,4 +178,4 @@ def test_comparison_report(one_rank_log: dict[str, Any], tmp_path: Path) -> None
     assert "| lioncub-l1 | 2.0400 | +2.00% |" in report
     assert "| dlion-mavo | 1 | - | - | 1 |" in report  # the failed run, per-run table
     assert "+2.00% final validation loss (target: within 3%: met)" in report
-    assert "vs Lion Cub: +2.94% (worse than Lion Cub)" in report
+    assert "vs Lion Cub: +2.94% (worse than Lion Cub; higher loss with 1 of 1 seed)" in report
