@@ -14,7 +14,7 @@ See the README for the full manual; errors are documented in :mod:`bitcoll.error
 
 from . import errors
 from .bootstrap import detect_backend, init
-from .communicator import Communicator
+from .communicator import DEFAULT_PACKED_SEGMENT_BYTES, DEFAULT_SEGMENT_BYTES, Communicator
 from .errors import (
     BitcollError,
     CommError,
@@ -34,6 +34,8 @@ __all__ = [
     "init",
     "detect_backend",
     "Communicator",
+    "DEFAULT_SEGMENT_BYTES",
+    "DEFAULT_PACKED_SEGMENT_BYTES",
     "Work",
     "ReduceOp",
     "TrafficStats",

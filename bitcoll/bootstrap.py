@@ -16,7 +16,12 @@ from __future__ import annotations
 
 import os
 
-from .communicator import DEFAULT_SEGMENT_BYTES, DEFAULT_TIMEOUT, Communicator
+from .communicator import (
+    DEFAULT_PACKED_SEGMENT_BYTES,
+    DEFAULT_SEGMENT_BYTES,
+    DEFAULT_TIMEOUT,
+    Communicator,
+)
 from .errors import UsageError
 from .transport.base import Transport
 from .transport.local import LocalTransport
@@ -62,12 +67,15 @@ def _tcp_transport(timeout: float) -> Transport:
 
 
 def init(backend: str = "auto", timeout: float = DEFAULT_TIMEOUT,
-         segment_bytes: int = DEFAULT_SEGMENT_BYTES) -> Communicator:
+         segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+         packed_segment_bytes: int = DEFAULT_PACKED_SEGMENT_BYTES) -> Communicator:
     """Create the communicator of this process's world.
 
     ``backend``: "auto", "mpi", "tcp" or "local" (see the module docstring). ``timeout``:
     the default deadline in seconds of every blocking operation, connection set-up included.
-    ``segment_bytes``: the wire segment size of the pipelined algorithms.
+    ``segment_bytes``: the wire segment size of the dense ring algorithms (default 4 MiB);
+    ``packed_segment_bytes``: that of the packed-bit pipelines (default 1 MiB). Every rank
+    must pass the same values.
 
     Raises UsageError for an unknown backend or inconsistent environment, CommTimeoutError
     when the other ranks do not show up before the deadline.
@@ -90,4 +98,5 @@ def init(backend: str = "auto", timeout: float = DEFAULT_TIMEOUT,
         transport = _tcp_transport(timeout)
     else:
         transport = LocalTransport()
-    return Communicator(transport, timeout=timeout, segment_bytes=segment_bytes)
+    return Communicator(transport, timeout=timeout, segment_bytes=segment_bytes,
+                        packed_segment_bytes=packed_segment_bytes)

@@ -62,6 +62,7 @@ _UFUNCS = {
 }
 
 
-def reduce_into(acc: npt.NDArray[Any], other: npt.NDArray[Any], op: ReduceOp) -> None:
-    """``acc = op(acc, other)`` element-wise, in place (avg accumulates a sum)."""
-    _UFUNCS[op](acc, other, out=acc)
+def reduce_into(out: npt.NDArray[Any], a: npt.NDArray[Any], b: npt.NDArray[Any],
+                op: ReduceOp) -> None:
+    """``out = op(a, b)`` element-wise (avg accumulates a sum); ``out`` may be ``a`` or ``b``."""
+    _UFUNCS[op](a, b, out=out)

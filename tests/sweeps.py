@@ -66,6 +66,7 @@ def dense_sweep(comm: Communicator, seed: int = 0, lengths: tuple[int, ...] = LE
                 continue
             xs = all_inputs(seed, p, n, dt)
             mine = xs[r]
+            original = mine.copy()
             for op in OPS:
                 if op == "avg" and dt[0] in "iu":
                     continue
@@ -90,7 +91,8 @@ def dense_sweep(comm: Communicator, seed: int = 0, lengths: tuple[int, ...] = LE
             blk = m // p
             want = np.concatenate([x[r * blk:(r + 1) * blk] for x in xs]) if m else mine[:0]
             _eq(got, want, f"alltoall n={m} {dt} p={p}")
-            checks += 3
+            _eq(mine, original, f"input left untouched n={n} {dt} p={p}")
+            checks += 4
     comm.barrier()
     return checks
 

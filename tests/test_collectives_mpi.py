@@ -28,7 +28,7 @@ def test_dense_collectives_mpi(comm: Communicator) -> None:
     assert dense_sweep(comm) > 100
     comm.segment_bytes = 40
     dense_sweep(comm, lengths=(9, 1000), dtypes=("float32", "int16"))
-    comm.segment_bytes = 1 << 20
+    comm.segment_bytes = bitcoll.DEFAULT_SEGMENT_BYTES
     inplace_and_async(comm)
 
 
@@ -52,9 +52,9 @@ def test_native_mpi_algorithms(comm: Communicator) -> None:
 @pytest.mark.timeout(600)
 def test_packed_collectives_mpi(comm: Communicator) -> None:
     packed_sweep(comm)
-    comm.segment_bytes = 8
+    comm.packed_segment_bytes = 8
     packed_sweep(comm, lengths=(65, 4099))
-    comm.segment_bytes = 1 << 20
+    comm.packed_segment_bytes = bitcoll.DEFAULT_PACKED_SEGMENT_BYTES
     packed_bandwidth(comm)
 
 

@@ -38,9 +38,9 @@ def test_dense_collectives_tcp(size: int) -> None:
 
 def _packed(comm: Communicator) -> dict[str, Any]:
     packed_sweep(comm)
-    comm.segment_bytes = 8  # 64-element segments: the multi-segment pipeline on every block
+    comm.packed_segment_bytes = 8  # 64-element segments: multi-segment pipeline on every block
     packed_sweep(comm, lengths=(65, 4099))
-    comm.segment_bytes = 1 << 20
+    comm.packed_segment_bytes = bitcoll.DEFAULT_PACKED_SEGMENT_BYTES
     return packed_bandwidth(comm)
 
 

@@ -65,6 +65,7 @@ def test_closed_communicator_is_an_error() -> None:
     (lambda c: c.broadcast(np.ones(3), root=1), "root"),
     (lambda c: c.broadcast(np.ones(3)[::2]), "C-contiguous"),
     (lambda c: c.reduce_scatter(np.ones(3), out=np.ones(1)), "expected 3"),
+    (lambda c: (lambda b: c.allreduce(b[:-1], out=b[1:]))(np.ones(5)), "overlaps x"),
 ])
 def test_usage_errors_on_one_rank(call: object, match: str) -> None:
     comm = bitcoll.init("local")
@@ -72,6 +73,18 @@ def test_usage_errors_on_one_rank(call: object, match: str) -> None:
         call(comm)  # type: ignore[operator]
     # one rank: a usage error leaves the communicator usable
     assert comm.allreduce(np.ones(2))[0] == 1.0
+
+
+@pytest.mark.parametrize("attr", ["segment_bytes", "packed_segment_bytes"])
+@pytest.mark.parametrize("value", [0, -5, 1.5, True, "1M"])
+def test_segment_sizes_are_checked(attr: str, value: object) -> None:
+    comm = bitcoll.init("local")
+    with pytest.raises(UsageError, match=attr):
+        setattr(comm, attr, value)
+    with pytest.raises(UsageError, match=attr):
+        bitcoll.init("local", **{attr: value})  # type: ignore[arg-type]
+    setattr(comm, attr, 100)
+    assert getattr(comm, attr) == 100
 
 
 def test_read_only_out_is_an_error() -> None:

@@ -40,7 +40,7 @@ def allreduce_recursive_doubling(ctx: OpContext, work: npt.NDArray[Any], op: Red
             ctx.wait(ctx.irecv(r + 1, work))
             return
         ctx.wait(ctx.irecv(r - 1, tmp))
-        reduce_into(work, tmp, op)
+        reduce_into(work, work, tmp, op)
         vrank = r // 2
     else:
         vrank = r - extra
@@ -55,7 +55,7 @@ def allreduce_recursive_doubling(ctx: OpContext, work: npt.NDArray[Any], op: Red
         recv = ctx.irecv(peer, tmp)
         send = ctx.isend(peer, work)
         ctx.wait(recv, send)
-        reduce_into(work, tmp, op)
+        reduce_into(work, work, tmp, op)
         mask <<= 1
     if op is ReduceOp.AVG:
         np.divide(work, np.asarray(p, dtype=work.dtype), out=work)

@@ -1,6 +1,7 @@
 """Ring all-reduce: a reducing ring pass (reduce-scatter) then an all-gather ring pass.
 
-1. ``work`` (the output buffer) starts as this rank's input.
+1. ``work`` is the output buffer; this rank's input is read from ``src`` (``work`` itself for
+   an in-place call: no copy of the input is made either way).
 2. Reduce-scatter pass (``b0 = r - 1``, ``p - 1`` steps): rank ``r`` ends up owning the fully
    reduced block ``r`` of :func:`bitcoll.partition`.
 3. For ``avg`` the owner divides its block by ``p`` once, so every rank receives the same bits.
@@ -27,24 +28,34 @@ __all__ = ["allreduce_ring", "reduce_scatter_ring"]
 
 
 def _reducer(op: ReduceOp) -> Any:
-    def reduce(acc: npt.NDArray[Any], incoming: npt.NDArray[Any]) -> None:
-        reduce_into(acc, incoming, op)
+    def reduce(out: npt.NDArray[Any], local: npt.NDArray[Any],
+               incoming: npt.NDArray[Any]) -> None:
+        reduce_into(out, local, incoming, op)
     return reduce
 
 
-def reduce_scatter_ring(ctx: OpContext, work: npt.NDArray[Any], op: ReduceOp) -> None:
-    """In place on ``work`` (every rank's full input): afterwards block ``r`` of ``work`` holds
-    the reduction over ranks (divided by ``p`` for avg); other blocks hold partial values."""
+def reduce_scatter_ring(ctx: OpContext, work: npt.NDArray[Any], op: ReduceOp,
+                        src: npt.NDArray[Any] | None = None) -> None:
+    """Reduce every rank's ``src`` (default ``work``, i.e. in place) into ``work`` (same size
+    and dtype): afterwards block ``r`` of ``work`` holds the reduction over ranks (divided by
+    ``p`` for avg); other blocks hold partial values (block ``r - 1`` is not written when
+    ``src`` is separate)."""
     p, r = ctx.size, ctx.rank
     bounds = block_bounds(work.size, p)
-    ring_pass(ctx, work, bounds, b0=r - 1, steps=p - 1, reduce=_reducer(op))
+    if p == 1:
+        if src is not None and src is not work:
+            np.copyto(work, src)
+        return
+    ring_pass(ctx, work, bounds, b0=r - 1, steps=p - 1, reduce=_reducer(op), src=src)
     if op is ReduceOp.AVG:
         own = work[bounds[r]:bounds[r + 1]]
         np.divide(own, np.asarray(p, dtype=work.dtype), out=own)
 
 
-def allreduce_ring(ctx: OpContext, work: npt.NDArray[Any], op: ReduceOp) -> None:
-    """In place on ``work`` (this rank's input on entry, the reduction on exit)."""
+def allreduce_ring(ctx: OpContext, work: npt.NDArray[Any], op: ReduceOp,
+                   src: npt.NDArray[Any] | None = None) -> None:
+    """The reduction over ranks of every rank's ``src`` (default ``work``: in place) lands in
+    ``work`` (1-D, C-contiguous, same size and dtype; must not overlap a separate ``src``)."""
     p, r = ctx.size, ctx.rank
-    reduce_scatter_ring(ctx, work, op)
+    reduce_scatter_ring(ctx, work, op, src)
     ring_pass(ctx, work, block_bounds(work.size, p), b0=r, steps=p - 1, reduce=None)

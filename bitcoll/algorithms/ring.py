@@ -17,6 +17,12 @@ With ``b0 = r - 1`` and ``p - 1`` steps, a reducing pass leaves the fully reduce
 on rank ``r`` (a reduce-scatter in ``bitcoll.partition`` order); with ``b0 = r`` a non-reducing
 pass completes an all-gather of blocks owned by their ranks. Bytes sent per rank:
 ``(p - 1) / p`` of the vector per pass, plus one header per segment.
+
+Out of place without a copy: a reducing pass may read this rank's contribution from a separate
+``src`` array. Step 0 sends block ``b0`` straight from ``src`` and every received segment is
+combined as ``work = src op incoming``; with ``p - 1`` steps every block but ``b0`` is received
+exactly once, so ``work`` never has to be initialised (block ``b0`` of ``work`` is left
+unwritten; the all-gather pass of an all-reduce fills it).
 """
 
 from __future__ import annotations
@@ -32,20 +38,27 @@ from .context import OpContext
 
 __all__ = ["ring_pass"]
 
-Reducer = Callable[[npt.NDArray[Any], npt.NDArray[Any]], None]
+Reducer = Callable[[npt.NDArray[Any], npt.NDArray[Any], npt.NDArray[Any]], None]
 
 
 def ring_pass(ctx: OpContext, work: npt.NDArray[Any],
               bounds: Sequence[int] | npt.NDArray[np.int64], b0: int,
-              steps: int, reduce: Reducer | None) -> None:
+              steps: int, reduce: Reducer | None, src: npt.NDArray[Any] | None = None) -> None:
     """Run one ring pass over ``work`` (1-D, C-contiguous) cut at ``bounds`` (p + 1 offsets).
 
-    ``reduce(acc, incoming)`` combines a received segment into the local one in place; None
-    means received segments overwrite the local block (all-gather).
+    ``reduce(out, local, incoming)`` stores ``local op incoming`` into ``out`` (which may be
+    ``local`` itself); None means received segments overwrite the local block (all-gather).
+    ``src`` (reducing passes only; same shape and dtype as ``work``, not overlapping it unless
+    it is ``work``): where this rank's own values are read; default ``work``. A separate
+    ``src`` needs ``steps == p - 1`` (see the module docstring).
     """
     p, r = ctx.size, ctx.rank
     if p == 1 or steps == 0:
         return
+    if src is None:
+        src = work
+    elif src is not work and (reduce is None or steps != p - 1):
+        raise ValueError("a separate src needs a reducing pass of p - 1 steps")
     right, left = (r + 1) % p, (r - 1) % p
     itemsize = work.itemsize
 
@@ -67,14 +80,14 @@ def ring_pass(ctx: OpContext, work: npt.NDArray[Any],
             out.append((ctx.irecv(left, land), a, z, land))
         return out
 
-    sends: list[Request] = [ctx.isend(right, work[a:z]) for a, z in segs(b0 % p)]
+    sends: list[Request] = [ctx.isend(right, src[a:z]) for a, z in segs(b0 % p)]
     posted = post(0)
     for s in range(steps):
         nxt = post(s + 1) if s + 1 < steps else []
         for req, a, z, land in posted:
             ctx.wait(req)
             if reduce is not None:
-                reduce(work[a:z], land)
+                reduce(work[a:z], src[a:z], land)
             if s + 1 < steps:
                 sends.append(ctx.isend(right, work[a:z]))
         posted = nxt
