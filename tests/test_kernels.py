@@ -569,6 +569,7 @@ def test_kernels_are_nogil_and_cached() -> None:
     fk = B.field_kernels(5)
     kernels = [B.pack_signs_serial, B.pack_signs_parallel, B.pack_ternary_serial,
                B.pack_ternary_parallel, B.unpack_signs_serial, B.unpack_signs_parallel,
+               B.unpack_signs8_serial, B.unpack_signs8_parallel,
                B.count_votes_serial, B.count_votes_parallel, B.majority_serial,
                B.majority_parallel, *fk]
     for kern in kernels:

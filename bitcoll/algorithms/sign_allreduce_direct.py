@@ -13,7 +13,8 @@ every rank sees every frame). For each segment ``k``:
 3. **All-gather of the result** (all-reduce only): the owner sends its packed result to every
    peer; each rank decodes the results into the output.
 
-Pipelining: step 1 of segment ``k + 1`` is packed and sent before segment ``k`` is combined,
+Pipelining: step 1 of segment ``k + 1`` is packed and sent before segment ``k`` is combined
+(two segments' rows are alive at a time, in two reused scratch buffers),
 so packing, counting and decoding (numba kernels that release the GIL) overlap the transport
 threads moving the previous segment's frames. Every rank issues sends and posts receives in
 the same order (P1(0), P1(1), P2(0), P1(2), P2(1), ...), which pairs frames per peer.
@@ -46,6 +47,12 @@ def segment_elements(segment_bytes: int, width: int) -> int:
     return max(64, (segment_bytes * 8 // max(1, width)) // 64 * 64)
 
 
+def _split(buf: Array, sizes: list[int]) -> list[Array]:
+    """Consecutive slices of ``buf`` with the given sizes."""
+    offs = np.cumsum([0, *sizes])
+    return [buf[int(offs[j]):int(offs[j + 1])] for j in range(len(sizes))]
+
+
 def _bytes(lo: int, hi: int, width: int) -> tuple[int, int]:
     return -(-lo * width // 8), -(-hi * width // 8)
 
@@ -68,9 +75,14 @@ def packed_direct(ctx: OpContext, codec: VoteCodec, x: Array, out: Array,
     def local(j: int, k: int) -> tuple[int, int]:
         return min(k * seg, lens[j]), min((k + 1) * seg, lens[j])
 
-    contrib = [np.empty(-(-lens[j] * w_in // 8), np.uint8) for j in range(p)]
-    result = [np.empty(-(-lens[j] * w_out // 8), np.uint8) if gather or j == r else None
-              for j in range(p)]
+    # Work buffers are the communicator's (reused across calls: no page faults per call).
+    contrib = _split(ctx.scratch(3, sum(-(-m * w_in // 8) for m in lens), np.dtype(np.uint8)),
+                     [-(-m * w_in // 8) for m in lens])
+    outlens = [-(-lens[j] * w_out // 8) if gather or j == r else 0 for j in range(p)]
+    result: list[Array | None] = [
+        buf if gather or j == r else None
+        for j, buf in enumerate(_split(ctx.scratch(4, sum(outlens), np.dtype(np.uint8)),
+                                       outlens))]
     peers = [(r + i) % p for i in range(1, p)]
     sends: list[Request] = []
     rows: dict[int, tuple[Array, list[Request]]] = {}
@@ -79,7 +91,7 @@ def packed_direct(ctx: OpContext, codec: VoteCodec, x: Array, out: Array,
     def phase1(k: int) -> None:
         lo, hi = local(r, k)
         b0, b1 = _bytes(lo, hi, w_in)
-        mine = np.empty((p, b1 - b0), np.uint8)
+        mine = ctx.scratch(5 + k % 2, p * (b1 - b0), np.dtype(np.uint8)).reshape(p, b1 - b0)
         rows[k] = (mine, [ctx.irecv(j, mine[j]) for j in peers])
         for j in peers:
             jlo, jhi = local(j, k)

@@ -295,8 +295,10 @@ def unpack_signs(bits: npt.NDArray[np.uint8], n: int, out: npt.NDArray[Any] | No
     pos, neg = _sign_values(dt, scale)
     res = _out(out, dt, n)
     ut = _UNSIGNED_OF_SIZE[dt.itemsize]
-    _dispatch(n, _k.unpack_signs_serial, _k.unpack_signs_parallel,
-              (b, res.view(ut), ut(pos), ut(neg)), _CHUNK_ELEMENTS // 8)
+    serial, parallel = ((_k.unpack_signs8_serial, _k.unpack_signs8_parallel)
+                        if dt.itemsize == 1 else
+                        (_k.unpack_signs_serial, _k.unpack_signs_parallel))
+    _dispatch(n, serial, parallel, (b, res.view(ut), ut(pos), ut(neg)), _CHUNK_ELEMENTS // 8)
     return res
 
 

@@ -41,6 +41,8 @@ __all__ = [
     "pack_ternary_parallel",
     "unpack_signs_serial",
     "unpack_signs_parallel",
+    "unpack_signs8_serial",
+    "unpack_signs8_parallel",
     "count_votes_serial",
     "count_votes_parallel",
     "majority_serial",
@@ -398,6 +400,38 @@ def unpack_signs_parallel(bits: Any, out: Any, pos: Any, neg: Any, chunk: int) -
     nchunks = (nbytes + chunk - 1) // chunk
     for c in prange(nchunks):
         _unpack_signs_bytes(bits, out, c * chunk, min(nbytes, (c + 1) * chunk), pos, neg)
+    return 0
+
+
+@_helper()
+def _unpack_signs8_bytes(bits: Any, out: Any, j0: int, j1: int, pos: Any, neg: Any) -> None:
+    """:func:`_unpack_signs_bytes` for 1-byte outputs: each packed byte becomes one 8-byte
+    word (bit k spread to byte lane k, then selected between ``pos`` and ``neg``)."""
+    n = out.size
+    full = min(j1, n // 8)
+    rep = np.uint64(0x0101010101010101)
+    hi = np.uint64(pos) * rep
+    lo = np.uint64(neg) * rep
+    for j in range(j0, full):
+        m = _spread8(bits[j]) * _B8
+        _store_u64(out, 8 * j, (m & hi) | (~m & lo))
+    _unpack_signs_bytes(bits, out, max(j0, full), j1, pos, neg)
+
+
+@_kernel()
+def unpack_signs8_serial(bits: Any, out: Any, pos: Any, neg: Any) -> int:
+    """:func:`unpack_signs_serial` for a uint8 ``out`` (8 elements per store)."""
+    _unpack_signs8_bytes(bits, out, 0, (out.size + 7) // 8, pos, neg)
+    return 0
+
+
+@_kernel(parallel=True)
+def unpack_signs8_parallel(bits: Any, out: Any, pos: Any, neg: Any, chunk: int) -> int:
+    """:func:`unpack_signs8_serial` split into chunks of ``chunk`` bytes."""
+    nbytes = (out.size + 7) // 8
+    nchunks = (nbytes + chunk - 1) // chunk
+    for c in prange(nchunks):
+        _unpack_signs8_bytes(bits, out, c * chunk, min(nbytes, (c + 1) * chunk), pos, neg)
     return 0
 
 
