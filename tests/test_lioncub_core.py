@@ -135,6 +135,20 @@ def test_kernels_equal_numpy_expressions() -> None:
     assert not kernels.copy_checked(np.array([1.0, np.inf], np.float32), np.empty(2, np.float32))
 
 
+@pytest.mark.parametrize("n", [0, 1, 7, 255, 256, 257, 1000, 100_003])
+@pytest.mark.parametrize("subnormal", [False, True])
+def test_log_abs_sum(n: int, subnormal: bool) -> None:
+    rng = np.random.default_rng(n)
+    x = (rng.standard_normal(n) * rng.uniform(1e-6, 1e3, n)).astype(np.float32)
+    x[::5] = 0.0
+    if subnormal and n:
+        x[n // 2] = -1e-41  # below float32's smallest normal: the exact fallback path
+    total, count = kernels.log_abs_sum(x)
+    nz = np.abs(x[x != 0]).astype(np.float64)
+    assert count == nz.size
+    assert total == pytest.approx(float(np.log(nz).sum()), rel=1e-12, abs=1e-9)
+
+
 # ---------------------------------------------------------------- quantize
 def _expected_q(c: np.ndarray, method: str, levels: int) -> np.ndarray:
     a = np.abs(c.astype(np.float64))
