@@ -47,7 +47,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import plot_curves  # a sibling script, not a package
+import osu  # sibling scripts, not a package
+import plot_curves
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ROOT / "train.py"
@@ -90,21 +91,6 @@ def launch_command(launcher: str, ranks: int, train_args: Sequence[str]) -> list
     return [exe, "-n", str(ranks), py, str(TRAIN), *train_args]
 
 
-def _display(cmd: Sequence[str]) -> list[str]:
-    """``cmd`` as a reader would type it: ``python``/``mpiexec`` by name, paths repo-relative."""
-    out = []
-    for arg in cmd:
-        if arg == sys.executable:
-            out.append("python")
-        elif Path(arg).name == "mpiexec":
-            out.append("mpiexec")
-        elif arg.startswith(str(ROOT) + os.sep):
-            out.append(os.path.relpath(arg, ROOT))
-        else:
-            out.append(arg)
-    return out
-
-
 def run_one(spec: Spec, seed: int, steps: int, ranks: int, launcher: str, extra: list[str],
             logdir: Path, timeout: float, reuse: bool = False) -> Outcome:
     """Run one configuration; its console output goes to ``logdir/<slug>-seed<S>.txt``.
@@ -131,7 +117,7 @@ def run_one(spec: Spec, seed: int, steps: int, ranks: int, launcher: str, extra:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     t0 = time.perf_counter()
     with (logdir / f"{stem}.txt").open("w") as console:
-        console.write("$ " + shlex.join(_display(cmd)) + "\n")
+        console.write("$ " + shlex.join(osu.display_command(cmd)) + "\n")
         console.flush()
         try:
             rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=console,

@@ -51,6 +51,7 @@ import traceback
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -98,6 +99,23 @@ class CheckError(RuntimeError):
 
 
 # ------------------------------------------------------------------------------------ sizes
+
+
+def display_command(cmd: Sequence[str]) -> list[str]:
+    """``cmd`` as a reader would type it in the repository root: this interpreter as
+    ``python``, an ``mpiexec`` by name, paths inside the repository relative to it."""
+    root = str(Path(__file__).resolve().parents[1])
+    out = []
+    for arg in cmd:
+        if arg == sys.executable:
+            out.append("python")
+        elif Path(arg).name == "mpiexec":
+            out.append("mpiexec")
+        elif arg.startswith(root + os.sep):
+            out.append(os.path.relpath(arg, root))
+        else:
+            out.append(arg)
+    return out
 
 
 def parse_size(text: str) -> int:

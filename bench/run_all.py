@@ -261,11 +261,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.nice:
             cmd = ["nice", "-n", str(args.nice), *cmd]
         ok, text, _ = run(cmd, args.timeout, args.dry_run)
-        outputs.setdefault(name, []).append(f"# command: {shlex.join(cmd)}\n\n{text}\n")
+        shown = shlex.join(osu.display_command(cmd))
+        outputs.setdefault(name, []).append(f"# command: {shown}\n\n{text}\n")
         if not args.dry_run:
             (out_dir / f"{name}.txt").write_text("\n".join(outputs[name]))
         if not ok:
-            failed.append(shlex.join(cmd))
+            failed.append(shown)
             return []
         return osu.parse_tables(text)
 
