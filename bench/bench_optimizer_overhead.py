@@ -16,6 +16,10 @@ also show the time blocked in the collective (``last_stats.comm_seconds``, media
 that is bitcoll's local encode / aggregate / decode work) and the ratio of the rest of the
 step (the optimizer's own work) to the torch Lion step.
 
+Both sides get the same number of threads by default (``--threads 1``: the numba kernels run
+single-threaded, as they do in a multi-rank job with one rank per core); ``--threads 0`` lets
+torch use its own default (all cores) while the kernels stay single-threaded.
+
 The target is a ratio of at most 2 (Lion Cub's extra work per step must stay small next to
 the forward and backward passes that any optimizer needs).
 """
@@ -115,8 +119,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--width", type=int, default=512, help="model width (default: %(default)s)")
     p.add_argument("--blocks", type=int, default=3, help="blocks (default: %(default)s)")
     p.add_argument("--vocab", type=int, default=1024, help="embedding rows (default: %(default)s)")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch intra-op threads (default: torch's own choice)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch intra-op threads (default 1, like the single-threaded numba "
+                        "kernels of a rank; 0 = torch's own choice)")
     p.add_argument("--numpy-core", action="store_true",
                    help="also time lioncub.DistributedLion on numpy arrays directly")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results here")
@@ -128,7 +133,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             p.error(f"unknown variant {v!r}; expected one of {', '.join(lioncub.VARIANTS)}")
     if args.steps < 1 or args.warmup < 0:
         p.error("--steps must be >= 1 and --warmup >= 0")
-    if args.threads is not None:
+    if args.threads:
         torch.set_num_threads(args.threads)
 
     with bitcoll.init("local") as comm:

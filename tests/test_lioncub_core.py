@@ -135,6 +135,16 @@ def test_kernels_equal_numpy_expressions() -> None:
     assert not kernels.copy_checked(np.array([1.0, np.inf], np.float32), np.empty(2, np.float32))
 
 
+@pytest.mark.parametrize("n", [0, 1, 3, 4, 5, 6, 7, 1001])
+def test_direction_sum_is_abs_sum(n: int) -> None:
+    rng = np.random.default_rng(n)
+    mom, grad = rng.standard_normal((2, n)).astype(np.float32)
+    out = np.empty(n, np.float32)
+    total = kernels.direction(mom, grad, out, f32(0.9), f32(0.1), f32(0.99), f32(0.01))
+    assert total == kernels.abs_sum(out)  # the same float64 summation order, bit for bit
+    assert total == pytest.approx(float(np.abs(out.astype(np.float64)).sum()), rel=1e-12)
+
+
 @pytest.mark.parametrize("n", [0, 1, 7, 255, 256, 257, 1000, 100_003])
 @pytest.mark.parametrize("subnormal", [False, True])
 def test_log_abs_sum(n: int, subnormal: bool) -> None:
