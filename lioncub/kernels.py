@@ -86,6 +86,20 @@ def lion_step(param: F32, grad: F32 | None, mom: F32, lr: np.float32, decay: np.
 
 
 @_jit
+def _lanes_total(x: F32, n4: int, l0: float, l1: float, l2: float, l3: float) -> float:
+    """Add ``|x[n4:]|`` (at most 3 elements, lanes 0, 1, 2) and combine the four lanes."""
+    for i in range(n4, x.size):
+        v = abs(x[i])
+        if i == n4:
+            l0 += v
+        elif i == n4 + 1:
+            l1 += v
+        else:
+            l2 += v
+    return (l0 + l1) + (l2 + l3)
+
+
+@_jit
 def _direction(mom: F32, grad: F32, has_grad: bool, out: F32, b1: np.float32, a1: np.float32,
                b2: np.float32, a2: np.float32) -> float:
     # sum|c| in four float64 lanes (element i goes to lane i % 4), combined as
@@ -124,16 +138,9 @@ def _direction(mom: F32, grad: F32, has_grad: bool, out: F32, b1: np.float32, a1
     for i in range(n4, n):
         m = mom[i]
         g = grad[i] if has_grad else np.float32(0.0)
-        c = m * b1 + g * a1
-        out[i] = c
-        if i % 4 == 0:
-            l0 += abs(c)
-        elif i % 4 == 1:
-            l1 += abs(c)
-        else:
-            l2 += abs(c)
+        out[i] = m * b1 + g * a1
         mom[i] = m * b2 + g * a2
-    return (l0 + l1) + (l2 + l3)
+    return _lanes_total(out, n4, l0, l1, l2, l3)
 
 
 def direction(mom: F32, grad: F32 | None, out: F32, b1: np.float32, a1: np.float32,
@@ -176,14 +183,7 @@ def _abs_sum(x: F32) -> float:
         l1 += abs(x[i + 1])
         l2 += abs(x[i + 2])
         l3 += abs(x[i + 3])
-    for i in range(n4, n):
-        if i % 4 == 0:
-            l0 += abs(x[i])
-        elif i % 4 == 1:
-            l1 += abs(x[i])
-        else:
-            l2 += abs(x[i])
-    return (l0 + l1) + (l2 + l3)
+    return _lanes_total(x, n4, l0, l1, l2, l3)
 
 
 def abs_sum(x: F32) -> float:
