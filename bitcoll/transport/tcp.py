@@ -115,10 +115,10 @@ from .store import StoreClient, StoreServer
 __all__ = ["TCPTransport", "SOCKET_BUFFER_BYTES"]
 
 #: Requested SO_SNDBUF / SO_RCVBUF of every data connection (the kernel doubles it and may
-#: cap it): 1 MiB of buffering covers the bandwidth-delay product of 40 GbE at 200 us RTT.
-#: Larger buffers let queued data fall out of the CPU caches before the receiver copies it:
-#: on loopback, 2 MiB requests made 4-16 MiB all-reduces 20-40% slower than 512 KiB ones.
-SOCKET_BUFFER_BYTES: Final = 512 << 10
+#: cap it). Enough for the bandwidth-delay product of 10 GbE at sub-millisecond RTT; larger
+#: buffers let queued data fall out of the CPU caches before the receiver copies it, which
+#: measurably slowed 4-rank all-reduces on one host.
+SOCKET_BUFFER_BYTES: Final = 1 << 20
 #: Longest abort reason carried by an ABORT frame or read from one.
 MAX_REASON_BYTES: Final = 16 << 10
 #: How long an abort spends at most writing its reason into the store.
