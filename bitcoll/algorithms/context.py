@@ -8,6 +8,7 @@ call ``isend``, ``irecv`` and ``wait`` here: they never see sockets or MPI.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -61,6 +62,19 @@ class OpContext:
         step = self._recv_step[peer]
         self._recv_step[peer] = step + 1
         return self.transport.irecv(peer, view, self._header(step, view.nbytes))
+
+    @property
+    def consumes_on_receive(self) -> bool:
+        """Whether :meth:`irecv_consume` is available on this transport."""
+        return self.transport.consumes_on_receive
+
+    def irecv_consume(self, peer: int, nbytes: int,
+                      consume: Callable[[int, memoryview], None]) -> Request:
+        """Post a receive of the next frame from ``peer`` (``nbytes`` of payload) handed to
+        ``consume(offset, chunk)`` as it arrives (see ``Transport.irecv_consume``)."""
+        step = self._recv_step[peer]
+        self._recv_step[peer] = step + 1
+        return self.transport.irecv_consume(peer, nbytes, self._header(step, nbytes), consume)
 
     def wait(self, *requests: Request) -> None:
         """Wait for every request within this call's deadline."""

@@ -11,7 +11,10 @@ receives from its left neighbour ``r - 1``:
    directly (all-gather pass); as soon as it is final it is forwarded, so segments stream
    through the ring and reduction overlaps the transfer of the following segments.
 3. Receives are posted one step ahead (two scratch buffers alternate in a reducing pass), so
-   the transport always has somewhere to put the next segment.
+   the transport always has somewhere to put the next segment. Where the transport can hand
+   a payload over piece by piece as it arrives (``consumes_on_receive``, TCP), a reducing pass
+   combines each piece straight into the block instead: no landing buffer, and the received
+   bytes are read while they are still in the CPU cache.
 
 With ``b0 = r - 1`` and ``p - 1`` steps, a reducing pass leaves the fully reduced block ``r``
 on rank ``r`` (a reduce-scatter in ``bitcoll.partition`` order); with ``b0 = r`` a non-reducing
@@ -66,16 +69,33 @@ def ring_pass(ctx: OpContext, work: npt.NDArray[Any],
         return ctx.segments(int(bounds[b]), int(bounds[b + 1]), itemsize)
 
     scratch: list[npt.NDArray[Any]] = []
-    if reduce is not None:
+    on_arrival = reduce is not None and ctx.consumes_on_receive
+    if reduce is not None and not on_arrival:
         longest = max(int(bounds[i + 1] - bounds[i]) for i in range(p))
         scratch = [ctx.scratch(i, longest, work.dtype) for i in range(2)]
 
-    def post(s: int) -> list[tuple[Request, int, int, npt.NDArray[Any]]]:
-        """Post the receives of step ``s``; return (request, start, stop, landing buffer)."""
+    def consumer(a: int) -> Callable[[int, memoryview], None]:
+        """Fold received bytes ``[offset, offset + len(chunk))`` of the segment at ``a``."""
+        assert reduce is not None
+
+        def consume(offset: int, chunk: memoryview) -> None:
+            incoming = np.frombuffer(chunk, dtype=work.dtype)
+            i = a + offset // itemsize
+            j = i + incoming.size
+            reduce(work[i:j], src[i:j], incoming)
+        return consume
+
+    def post(s: int) -> list[tuple[Request, int, int, npt.NDArray[Any] | None]]:
+        """Post the receives of step ``s``; return (request, start, stop, landing buffer or
+        None when the segment is reduced on arrival)."""
         rb = (b0 - s - 1) % p
         base = int(bounds[rb])
-        out = []
+        out: list[tuple[Request, int, int, npt.NDArray[Any] | None]] = []
         for a, z in segs(rb):
+            if on_arrival:
+                out.append((ctx.irecv_consume(left, (z - a) * itemsize, consumer(a)), a, z,
+                            None))
+                continue
             land = scratch[s % 2][a - base:z - base] if reduce is not None else work[a:z]
             out.append((ctx.irecv(left, land), a, z, land))
         return out
@@ -86,7 +106,7 @@ def ring_pass(ctx: OpContext, work: npt.NDArray[Any],
         nxt = post(s + 1) if s + 1 < steps else []
         for req, a, z, land in posted:
             ctx.wait(req)
-            if reduce is not None:
+            if reduce is not None and land is not None:
                 reduce(work[a:z], src[a:z], land)
             if s + 1 < steps:
                 sends.append(ctx.isend(right, work[a:z]))

@@ -27,7 +27,7 @@ from __future__ import annotations
 import struct
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from ..errors import CommError, ProtocolError, UsageError
@@ -39,6 +39,7 @@ __all__ = [
     "FrameKind",
     "FrameHeader",
     "Request",
+    "Consumer",
     "TrafficStats",
     "Transport",
     "wait_all",
@@ -171,6 +172,10 @@ class Request(ABC):
         a ``time.monotonic()`` value)."""
 
 
+Consumer = Callable[[int, memoryview], None]
+"""``consume(offset, chunk)``: a piece of a frame's payload starting at byte ``offset``."""
+
+
 class Transport(ABC):
     """Ordered, header-checked frames between the ``size`` ranks of one job."""
 
@@ -187,6 +192,19 @@ class Transport(ABC):
     def irecv(self, peer: int, payload: memoryview, header: FrameHeader) -> Request:
         """Post a receive of the next frame from ``peer`` into the writable byte view
         ``payload``; ``header`` is the expected header."""
+
+    #: True when :meth:`irecv_consume` is available: the payload is handed to the caller
+    #: piece by piece as it arrives, so a reduction can read it while it is in the CPU cache.
+    consumes_on_receive: bool = False
+
+    def irecv_consume(self, peer: int, nbytes: int, header: FrameHeader,
+                      consume: Consumer) -> Request:
+        """Post a receive of the next frame from ``peer`` (``nbytes`` of payload) whose payload
+        is passed to ``consume(offset, chunk)`` in order, in chunks whose sizes are multiples
+        of 8 bytes except possibly the last (``chunk`` is only valid during the call). Called
+        on a transport thread; an exception from ``consume`` fails the request and aborts the
+        transport. Only when :attr:`consumes_on_receive`."""
+        raise NotImplementedError(f"{self.name} transport has no irecv_consume")
 
     @abstractmethod
     def abort(self, reason: str) -> None:
