@@ -18,7 +18,13 @@ from tcp_world import free_port, make_event, run_world
 from bitcoll.errors import CommError, CommTimeoutError, PeerLostError, ProtocolError, UsageError
 from bitcoll.transport.base import HEADER_SIZE, MAGIC, PROTOCOL_VERSION, FrameHeader
 from bitcoll.transport.store import StoreClient, StoreServer
-from bitcoll.transport.tcp import KEY_ADDR, KEY_JOB, KEY_SIZE, TCPTransport
+from bitcoll.transport.tcp import (
+    CONSUME_CHUNK_BYTES,
+    KEY_ADDR,
+    KEY_JOB,
+    KEY_SIZE,
+    TCPTransport,
+)
 
 pytestmark = pytest.mark.tcp
 
@@ -522,3 +528,70 @@ def test_rank_0_keeps_the_store_until_the_others_close() -> None:
     closer.join(5)
     assert not closer.is_alive() and time.monotonic() - start < 2
     t0.close()  # idempotent
+
+
+def worker_consume(t: TCPTransport, fail: bool) -> tuple[str, str, list[int]]:
+    """Rank 0 sends frames to rank 1, which takes some with irecv_consume: every byte must
+    reach the consumer once, in order, in pieces of at most CONSUME_CHUNK_BYTES that are
+    multiples of 8 bytes except the last; normal receives in between still work. With
+    ``fail``, rank 1's consumer raises on the second piece: both ranks must fail."""
+    deadline = time.monotonic() + 30.0
+    sizes = [0, 5, CONSUME_CHUNK_BYTES, 3 * CONSUME_CHUNK_BYTES + 13, 1000]
+    try:
+        if t.rank == 0:
+            frames = [_data(0, 1, i, n) for i, n in enumerate(sizes)]
+            reqs = [t.isend(1, _view(a), FrameHeader(seq=1, step=i, signature=SIG, length=n))
+                    for i, (a, n) in enumerate(zip(frames, sizes, strict=True))]
+            for r in reqs:
+                r.wait(deadline)
+            t.irecv(1, memoryview(bytearray(1)),
+                    FrameHeader(seq=2, step=0, signature=SIG, length=1)).wait(deadline)
+            return "ok", "", []
+        got: list[bytearray] = [bytearray() for _ in sizes]
+        pieces: list[int] = []
+        calls = 0
+
+        def consumer(i: int) -> Any:
+            def consume(offset: int, chunk: memoryview) -> None:
+                nonlocal calls
+                calls += 1
+                if fail and calls == 2:
+                    raise RuntimeError("consumer broke")
+                assert offset == len(got[i])
+                got[i] += bytes(chunk)
+                pieces.append(len(chunk))
+            return consume
+
+        reqs = []
+        for i, n in enumerate(sizes):
+            hdr = FrameHeader(seq=1, step=i, signature=SIG, length=n)
+            if i == 4:  # an ordinary receive after the consumed ones
+                buf = np.zeros(n, np.uint8)
+                reqs.append(t.irecv(0, _view(buf), hdr))
+            else:
+                reqs.append(t.irecv_consume(0, n, hdr, consumer(i)))
+        for r in reqs:
+            r.wait(deadline)
+        bad = [i for i in range(4) if bytes(got[i]) != _data(0, 1, i, sizes[i]).tobytes()]
+        assert not bad and np.array_equal(buf, _data(0, 1, 4, sizes[4])), bad
+        t.isend(0, memoryview(b"x"), FrameHeader(seq=2, step=0, signature=SIG, length=1)
+                ).wait(deadline)
+        return "ok", "", pieces
+    except CommError as exc:
+        return type(exc).__name__, str(exc), []
+
+
+def test_irecv_consume_hands_over_every_byte_in_order() -> None:
+    (k0, _, _), (k1, _, pieces) = (r.unwrap() for r in run_world(2, worker_consume, False,
+                                                                   timeout=60))
+    assert (k0, k1) == ("ok", "ok")
+    assert sum(pieces) == 5 + CONSUME_CHUNK_BYTES + 3 * CONSUME_CHUNK_BYTES + 13
+    assert max(pieces) <= CONSUME_CHUNK_BYTES
+    assert all(n % 8 == 0 for n in pieces[1:-1])
+
+
+def test_failing_consumer_fails_every_rank() -> None:
+    (k0, m0, _), (k1, m1, _) = (r.unwrap() for r in run_world(2, worker_consume, True,
+                                                                timeout=60))
+    assert k1 == "CommError" and "consumer broke" in m1, (k1, m1)
+    assert k0 == "PeerLostError" and "consumer broke" in m0, (k0, m0)
