@@ -507,12 +507,18 @@ class TCPTransport(Transport):
         """
         p = self._check_usable(peer)
         mv = byte_view(payload, writable=True, what="payload")
-        if header.length != mv.nbytes:
+        return self._post_receive(p, header, mv.nbytes, mv, None)
+
+    def _post_receive(self, p: _Peer, header: FrameHeader, nbytes: int, view: memoryview,
+                      consume: Consumer | None) -> _TCPRequest:
+        """Queue a receive for ``p``'s receiver thread (checks shared by both irecv forms)."""
+        if header.length != nbytes:
             raise UsageError(f"header.length is {header.length} but the payload has "
-                             f"{mv.nbytes} bytes")
+                             f"{nbytes} bytes")
         if p.eof:
             self._peer_gone(p)
-        req = _TCPRequest(self.rank, peer, header, mv, False)
+        req = _TCPRequest(self.rank, p.rank, header, view, False)
+        req.consume = consume
         p.recv_q.put(req)
         if p.eof and self._failure is None:
             # The connection ended while we were posting: the receiver will not see it.
@@ -529,20 +535,8 @@ class TCPTransport(Transport):
         receiver thread reads into a small per-peer buffer, :data:`CONSUME_CHUNK_BYTES` at a
         time, and hands to ``consume(offset, chunk)`` (see :meth:`Transport.irecv_consume`).
         Raises like :meth:`irecv`."""
-        p = self._check_usable(peer)
-        if header.length != nbytes or nbytes < 0:
-            raise UsageError(f"header.length is {header.length} but the payload has "
-                             f"{nbytes} bytes")
-        if p.eof:
-            self._peer_gone(p)
-        req = _TCPRequest(self.rank, peer, header, memoryview(b""), False)
-        req.consume = consume
-        p.recv_q.put(req)
-        if p.eof and self._failure is None:
-            self._fail(PeerLostError(self._lost_message(p.rank, None)))
-        if self._failure is not None:
-            self._drain(p, self._failure)
-        return req
+        return self._post_receive(self._check_usable(peer), header, nbytes, memoryview(b""),
+                                  consume)
 
     def _consume(self, p: _Peer, req: _TCPRequest, n: int) -> bool:
         """Read ``n`` payload bytes and feed them to ``req.consume``; False at end of file.
