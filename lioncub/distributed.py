@@ -355,14 +355,15 @@ class DistributedLion:
                     raise self._non_finite(i)
                 continue
             h = hypers[i]
-            total = kernels.direction(self._mom[i], g, f, h.b1, h.a1, h.b2, h.a2)
+            total, amax = kernels.direction_with_max(self._mom[i], g, f, h.b1, h.a1, h.b2,
+                                                     h.a2)
             if not math.isfinite(total):
                 raise self._non_finite(i)
             if kind == "quantized":
                 assert buf.q is not None and self.spec.method is not None
                 q = buf.q[s.offset:s.stop]
                 method = self.spec.method
-                mult = multiplier(method, self.levels, tensor_scale(method, f, total))
+                mult = multiplier(method, self.levels, tensor_scale(method, f, total, amax))
                 if mult is None:
                     q.fill(0)
                 else:

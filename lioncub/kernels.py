@@ -6,9 +6,13 @@ multiply-add, no reassociation: the kernels are compiled without fast-math), so 
 its numpy expression give identical bits. Scalars must be passed as ``numpy.float32``; callers
 get them from :func:`f32`.
 
-Reductions (sums of absolute values, of logarithms) accumulate sequentially in float64 and are
-therefore deterministic. A returned sum is non-finite exactly when an input element was
-non-finite (NaN or +-inf), which is how callers detect bad gradients without another pass.
+Reductions (sums of absolute values, of logarithms) accumulate in float64 in a fixed order
+(blocks of :data:`BLOCK` elements, added in order) and are therefore deterministic, whatever
+the number of threads. Inputs of at least :data:`PARALLEL_MIN_ELEMENTS` elements run on numba's
+thread pool when it has more than one thread and no other thread of the process is using it
+(``bitcoll.kernels.parallel_slot``); the results are the same bits either way. A returned
+sum is non-finite exactly when an input element was non-finite (NaN or +-inf), which is how
+callers detect bad gradients without another pass.
 
 The kernels release the GIL, so a bucket can be computed while a collective of the
 communicator's worker thread moves another bucket.
@@ -22,6 +26,8 @@ from typing import Any, TypeVar, cast
 import numba
 import numpy as np
 import numpy.typing as npt
+
+from bitcoll.kernels import parallel_slot
 
 __all__ = [
     "f32",
@@ -48,6 +54,19 @@ def _jit(func: _F) -> _F:
     return cast(_F, numba.njit(nogil=True, cache=True, fastmath=False)(func))
 
 
+def _jit_par(func: _F) -> _F:
+    """:func:`_jit` with ``prange`` loops on numba's thread pool."""
+    return cast(_F, numba.njit(nogil=True, cache=True, fastmath=False, parallel=True)(func))
+
+
+#: Elements per block of the blocked reductions: a sum is the in-order float64 sum of its
+#: blocks' sums, each block summed in four fixed lanes, whether the blocks run serially or
+#: on several threads, so results never depend on the thread count.
+BLOCK = 1 << 16
+#: Smallest input that runs on numba's thread pool (when it has more than one thread).
+PARALLEL_MIN_ELEMENTS = 1 << 17
+
+
 def f32(x: float) -> np.float32:
     """``x`` rounded to float32: the only way scalars enter the kernels."""
     return np.float32(x)
@@ -70,6 +89,18 @@ def _lion_step(param: F32, grad: F32, has_grad: bool, mom: F32, lr: np.float32,
         mom[i] = m * b2 + g * a2
 
 
+@_jit_par
+def _lion_step_par(param: F32, grad: F32, has_grad: bool, mom: F32, lr: np.float32,
+                   decay: np.float32, b1: np.float32, a1: np.float32, b2: np.float32,
+                   a2: np.float32) -> None:
+    nb = (param.size + BLOCK - 1) // BLOCK
+    for b in numba.prange(nb):
+        lo = b * BLOCK
+        hi = min(param.size, lo + BLOCK)
+        _lion_step(param[lo:hi], grad[lo:hi] if has_grad else grad, has_grad, mom[lo:hi], lr,
+                   decay, b1, a1, b2, a2)
+
+
 def lion_step(param: F32, grad: F32 | None, mom: F32, lr: np.float32, decay: np.float32,
               b1: np.float32, a1: np.float32, b2: np.float32, a2: np.float32) -> None:
     """One Lion update of ``param`` and ``mom`` in place (``grad=None``: a zero gradient).
@@ -81,8 +112,10 @@ def lion_step(param: F32, grad: F32 | None, mom: F32, lr: np.float32, decay: np.
         param -= lr * sign(c)
         mom[:] = mom * b2 + grad * a2
     """
-    _lion_step(param, _ONE if grad is None else grad, grad is not None, mom, lr, decay,
-               b1, a1, b2, a2)
+    with parallel_slot(param.size, PARALLEL_MIN_ELEMENTS) as par:
+        (_lion_step_par if par else _lion_step)(param, _ONE if grad is None else grad,
+                                                grad is not None, mom, lr, decay, b1, a1, b2,
+                                                a2)
 
 
 @_jit
@@ -101,14 +134,16 @@ def _lanes_total(x: F32, n4: int, l0: float, l1: float, l2: float, l3: float) ->
 
 @_jit
 def _direction(mom: F32, grad: F32, has_grad: bool, out: F32, b1: np.float32, a1: np.float32,
-               b2: np.float32, a2: np.float32) -> float:
+               b2: np.float32, a2: np.float32) -> tuple[float, np.float32]:
     # sum|c| in four float64 lanes (element i goes to lane i % 4), combined as
-    # (l0 + l1) + (l2 + l3): a fixed order that the compiler can vectorize.
+    # (l0 + l1) + (l2 + l3): a fixed order that the compiler can vectorize; max|c| alongside.
     n = mom.size
     l0 = 0.0
     l1 = 0.0
     l2 = 0.0
     l3 = 0.0
+    x0 = np.float32(0.0)
+    x1 = np.float32(0.0)
     n4 = n - n % 4
     for i in range(0, n4, 4):
         g0 = grad[i] if has_grad else np.float32(0.0)
@@ -131,6 +166,8 @@ def _direction(mom: F32, grad: F32, has_grad: bool, out: F32, b1: np.float32, a1
         l1 += abs(c1)
         l2 += abs(c2)
         l3 += abs(c3)
+        x0 = max(x0, max(abs(c0), abs(c1)))
+        x1 = max(x1, max(abs(c2), abs(c3)))
         mom[i] = m0 * b2 + g0 * a2
         mom[i + 1] = m1 * b2 + g1 * a2
         mom[i + 2] = m2 * b2 + g2 * a2
@@ -140,7 +177,45 @@ def _direction(mom: F32, grad: F32, has_grad: bool, out: F32, b1: np.float32, a1
         g = grad[i] if has_grad else np.float32(0.0)
         out[i] = m * b1 + g * a1
         mom[i] = m * b2 + g * a2
-    return _lanes_total(out, n4, l0, l1, l2, l3)
+        x0 = max(x0, abs(out[i]))
+    return _lanes_total(out, n4, l0, l1, l2, l3), max(x0, x1)
+
+
+@_jit
+def _direction_blocks(mom: F32, grad: F32, has_grad: bool, out: F32, b1: np.float32,
+                      a1: np.float32, b2: np.float32,
+                      a2: np.float32) -> tuple[float, np.float32]:
+    nb = (mom.size + BLOCK - 1) // BLOCK
+    total = 0.0
+    amax = np.float32(0.0)
+    for b in range(nb):
+        lo = b * BLOCK
+        hi = min(mom.size, lo + BLOCK)
+        t, m = _direction(mom[lo:hi], grad[lo:hi] if has_grad else grad, has_grad,
+                          out[lo:hi], b1, a1, b2, a2)
+        total += t
+        amax = max(amax, m)
+    return total, amax
+
+
+@_jit_par
+def _direction_blocks_par(mom: F32, grad: F32, has_grad: bool, out: F32, b1: np.float32,
+                          a1: np.float32, b2: np.float32,
+                          a2: np.float32) -> tuple[float, np.float32]:
+    nb = (mom.size + BLOCK - 1) // BLOCK
+    sums = np.empty(nb, np.float64)
+    maxs = np.empty(nb, np.float32)
+    for b in numba.prange(nb):
+        lo = b * BLOCK
+        hi = min(mom.size, lo + BLOCK)
+        sums[b], maxs[b] = _direction(mom[lo:hi], grad[lo:hi] if has_grad else grad,
+                                      has_grad, out[lo:hi], b1, a1, b2, a2)
+    total = 0.0
+    amax = np.float32(0.0)
+    for b in range(nb):  # the serial kernel's order
+        total += sums[b]
+        amax = max(amax, maxs[b])
+    return total, amax
 
 
 def direction(mom: F32, grad: F32 | None, out: F32, b1: np.float32, a1: np.float32,
@@ -151,8 +226,18 @@ def direction(mom: F32, grad: F32 | None, out: F32, b1: np.float32, a1: np.float
     return float(np.abs(out).astype(np.float64).sum())`` (``grad=None``: zeros); the sum is
     accumulated in float64 in the fixed order of :func:`abs_sum`.
     """
-    return float(_direction(mom, _ONE if grad is None else grad, grad is not None, out,
-                            b1, a1, b2, a2))
+    return direction_with_max(mom, grad, out, b1, a1, b2, a2)[0]
+
+
+def direction_with_max(mom: F32, grad: F32 | None, out: F32, b1: np.float32,
+                       a1: np.float32, b2: np.float32,
+                       a2: np.float32) -> tuple[float, float]:
+    """:func:`direction` that also returns ``max|c|`` (the same pass; 0 for an empty ``out``):
+    ``(sum|c|, max|c|)``."""
+    with parallel_slot(mom.size, PARALLEL_MIN_ELEMENTS) as par:
+        total, amax = (_direction_blocks_par if par else _direction_blocks)(
+            mom, _ONE if grad is None else grad, grad is not None, out, b1, a1, b2, a2)
+    return float(total), float(amax)
 
 
 @_jit
@@ -186,10 +271,19 @@ def _abs_sum(x: F32) -> float:
     return _lanes_total(x, n4, l0, l1, l2, l3)
 
 
+@_jit
+def _abs_sum_blocks(x: F32) -> float:
+    total = 0.0
+    for lo in range(0, x.size, BLOCK):
+        total += _abs_sum(x[lo:lo + BLOCK])
+    return total
+
+
 def abs_sum(x: F32) -> float:
-    """``sum(|x|)`` in float64: element ``i`` is added to lane ``i % 4`` in order, the lanes
-    combined as ``(l0 + l1) + (l2 + l3)`` (the order :func:`direction` uses)."""
-    return float(_abs_sum(x))
+    """``sum(|x|)`` in float64, in the order :func:`direction` uses: per block of
+    :data:`BLOCK` elements, element ``i`` goes to lane ``i % 4`` and the lanes combine as
+    ``(l0 + l1) + (l2 + l3)``; the block sums are added in order."""
+    return float(_abs_sum_blocks(x))
 
 
 @_jit
@@ -284,13 +378,22 @@ def _quantize_scaled(c: F32, mult: np.float32, levels: np.int64, out: Int) -> No
         out[i] = np.int8(np.rint(min(max(c[i] * mult, lo), hi)))
 
 
+@_jit_par
+def _quantize_scaled_par(c: F32, mult: np.float32, levels: np.int64, out: Int) -> None:
+    hi = np.float32(levels)
+    lo = -hi
+    for i in numba.prange(c.size):
+        out[i] = np.int8(np.rint(min(max(c[i] * mult, lo), hi)))
+
+
 def quantize_scaled(c: F32, mult: np.float32, levels: int, out: Int) -> None:
     """``out[:] = rint(clip(c * mult, -levels, levels))`` as int8 (round half to even).
 
     Clipping before rounding equals clipping after it because ``levels`` is an integer.
     ``c`` must be finite; ``1 <= levels <= 127``.
     """
-    _quantize_scaled(c, mult, np.int64(levels), out)
+    with parallel_slot(c.size, PARALLEL_MIN_ELEMENTS) as par:
+        (_quantize_scaled_par if par else _quantize_scaled)(c, mult, np.int64(levels), out)
 
 
 @_jit
@@ -326,12 +429,24 @@ def _apply_sign(param: F32, s: Int, lr: np.float32, decay: np.float32) -> int:
     return total
 
 
+@_jit_par
+def _apply_sign_par(param: F32, s: Int, lr: np.float32, decay: np.float32) -> int:
+    total = 0
+    for i in numba.prange(param.size):
+        v = np.int64(s[i])
+        sgn = np.int64(v > 0) - np.int64(v < 0)
+        param[i] = param[i] * decay - lr * np.float32(sgn)
+        total += int(abs(v))
+    return total
+
+
 def apply_sign(param: F32, s: Int, lr: np.float32, decay: np.float32) -> int:
     """``param[:] = param * decay - lr * sign(s)`` for an integer ``s``; return ``sum|s|``.
 
     ``x - lr * (-1)`` and ``x + lr`` round identically, so this equals the numpy expression.
     """
-    return int(_apply_sign(param, s, lr, decay))
+    with parallel_slot(param.size, PARALLEL_MIN_ELEMENTS) as par:
+        return int((_apply_sign_par if par else _apply_sign)(param, s, lr, decay))
 
 
 @_jit

@@ -86,16 +86,18 @@ def multiplier(method: str, levels: int, scale: float) -> np.float32 | None:
     return kernels.f32(mult)
 
 
-def tensor_scale(method: str, c: npt.NDArray[np.float32], abs_sum: float) -> float:
+def tensor_scale(method: str, c: npt.NDArray[np.float32], abs_sum: float,
+                 abs_max: float | None = None) -> float:
     """The scale ``s`` of one tensor (see the module docstring). ``abs_sum`` is ``sum|c|``
-    as :func:`lioncub.kernels.abs_sum` computes it (the optimizer gets it for free from
-    :func:`lioncub.kernels.direction`); "linf" and "l0" read ``c`` once more."""
+    as :func:`lioncub.kernels.abs_sum` computes it and ``abs_max`` is ``max|c|`` when known
+    (the optimizer gets both for free from :func:`lioncub.kernels.direction_with_max`);
+    "l0", and "linf" without ``abs_max``, read ``c`` once more."""
     if c.size == 0:
         return 0.0
     if method == "l1":
         return abs_sum / c.size
     if method == "linf":
-        return kernels.abs_max(c)
+        return kernels.abs_max(c) if abs_max is None else abs_max
     total, count = kernels.log_abs_sum(c)
     return 0.0 if count == 0 else math.exp(total / count)
 

@@ -140,8 +140,14 @@ def test_direction_sum_is_abs_sum(n: int) -> None:
     rng = np.random.default_rng(n)
     mom, grad = rng.standard_normal((2, n)).astype(np.float32)
     out = np.empty(n, np.float32)
+    mom2 = mom.copy()
     total = kernels.direction(mom, grad, out, f32(0.9), f32(0.1), f32(0.99), f32(0.01))
     assert total == kernels.abs_sum(out)  # the same float64 summation order, bit for bit
+    out2 = np.empty(n, np.float32)
+    both = kernels.direction_with_max(mom2, grad, out2, f32(0.9), f32(0.1), f32(0.99),
+                                      f32(0.01))
+    assert np.array_equal(out2, out) and np.array_equal(mom2, mom)
+    assert both == (total, kernels.abs_max(out))
     assert total == pytest.approx(float(np.abs(out.astype(np.float64)).sum()), rel=1e-12)
 
 
@@ -455,3 +461,38 @@ def test_bad_arguments(comm: Any) -> None:
     with pytest.raises(UsageError, match="lr"):
         opt.step(good)
     assert issubclass(UsageError, bitcoll.errors.BitcollError)
+
+
+def test_parallel_kernels_give_the_serial_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Blocked reductions and element-wise kernels on numba's pool (the prange kernels, with
+    however many threads numba has here) equal the serial ones."""
+    import bitcoll.kernels
+
+    n = 3 * kernels.BLOCK + 5
+
+    def run() -> list[Any]:
+        rng = np.random.default_rng(7)
+        m, g, p = rng.standard_normal((3, n)).astype(np.float32)
+        s = rng.integers(-3, 4, n).astype(np.int32)
+        out, q, p2, m2 = np.empty(n, np.float32), np.empty(n, np.int8), p.copy(), m.copy()
+        res: list[Any] = [kernels.direction_with_max(m, g, out, f32(0.9), f32(0.1),
+                                                     f32(0.99), f32(0.01))]
+        kernels.quantize_scaled(out, f32(3.0), 7, q)
+        res.append(kernels.apply_sign(p, s, f32(1e-3), f32(0.999)))
+        kernels.lion_step(p2, g, m2, f32(1e-3), f32(0.999), f32(0.9), f32(0.1), f32(0.99),
+                          f32(0.01))
+        return res + [a.tobytes() for a in (out, q, p, m, p2, m2)]
+
+    monkeypatch.setattr(kernels, "PARALLEL_MIN_ELEMENTS", n + 1)
+    serial = run()
+    monkeypatch.setattr(kernels, "PARALLEL_MIN_ELEMENTS", 0)
+    monkeypatch.setattr(bitcoll.kernels, "_nb_get_num_threads", lambda: 2)
+    calls: list[str] = []
+    for name in ("_direction_blocks_par", "_quantize_scaled_par", "_apply_sign_par",
+                 "_lion_step_par"):
+        kern = getattr(kernels, name)
+        monkeypatch.setattr(kernels, name,
+                            lambda *a, _k=kern, _n=name: calls.append(_n) or _k(*a))
+    parallel = run()
+    assert len(calls) == 4  # every kernel took the parallel path
+    assert serial == parallel

@@ -37,9 +37,10 @@ Common rules
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -55,6 +56,7 @@ __all__ = [
     "TIE_NEGATIVE",
     "TIE_ALTERNATE",
     "PARALLEL_MIN_ELEMENTS",
+    "parallel_slot",
     "MAX_FIELD_WIDTH",
     "packed_nbytes",
     "pack_signs",
@@ -129,17 +131,30 @@ def set_num_threads(n: int) -> None:
         raise UsageError(str(exc)) from exc
 
 
+@contextlib.contextmanager
+def parallel_slot(n: int, min_elements: int | None = None) -> Iterator[bool]:
+    """Yield whether a kernel over ``n`` elements should use numba's thread pool now: True
+    when ``n >= min_elements`` (default :data:`PARALLEL_MIN_ELEMENTS`), more than one thread
+    is configured and no other thread of this process is using the pool (numba's pool must
+    not be entered from two threads at once; the loser runs serially). The pool stays
+    reserved until the ``with`` block ends. For other packages' numba kernels too (lioncub).
+    """
+    limit = PARALLEL_MIN_ELEMENTS if min_elements is None else min_elements
+    if n >= limit and _nb_get_num_threads() > 1 and _pool_lock.acquire(blocking=False):
+        try:
+            yield True
+        finally:
+            _pool_lock.release()
+    else:
+        yield False
+
+
 def _dispatch(n: int, serial: Callable[..., int], parallel: Callable[..., int],
               args: tuple[Any, ...], chunk: int) -> int:
     """Run ``serial(*args)`` or, for large inputs with a free thread pool,
     ``parallel(*args, chunk)``."""
-    if (n >= PARALLEL_MIN_ELEMENTS and _nb_get_num_threads() > 1
-            and _pool_lock.acquire(blocking=False)):
-        try:
-            return int(parallel(*args, max(1, chunk)))
-        finally:
-            _pool_lock.release()
-    return int(serial(*args))
+    with parallel_slot(n) as par:
+        return int(parallel(*args, max(1, chunk)) if par else serial(*args))
 
 
 # --------------------------------------------------------------------------------------------
