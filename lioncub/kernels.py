@@ -360,11 +360,39 @@ def _log_abs_sum(x: F32) -> tuple[float, int, int]:
     return total, count, sub
 
 
+@_jit
+def _log_abs_sum_blocks(x: F32) -> tuple[float, int, int]:
+    total = 0.0
+    count = 0
+    sub = 0
+    for lo in range(0, x.size, BLOCK):
+        t, c, u = _log_abs_sum(x[lo:lo + BLOCK])
+        total += t
+        count += c
+        sub += u
+    return total, count, sub
+
+
+@_jit_par
+def _log_abs_sum_blocks_par(x: F32) -> tuple[float, int, int]:
+    nb = (x.size + BLOCK - 1) // BLOCK
+    totals = np.empty(nb, np.float64)
+    counts = np.empty(nb, np.int64)
+    subs = np.empty(nb, np.int64)
+    for b in numba.prange(nb):
+        totals[b], counts[b], subs[b] = _log_abs_sum(x[b * BLOCK:(b + 1) * BLOCK])
+    total = 0.0
+    for b in range(nb):  # the serial kernel's order
+        total += totals[b]
+    return total, int(counts.sum()), int(subs.sum())
+
+
 def log_abs_sum(x: F32) -> tuple[float, int]:
     """``(sum(log|x_i|), count)`` over the nonzero entries of ``x`` (float64 logarithms;
     relative error ~1e-14 from the fast path, which covers every finite input without
     subnormals). ``x`` must be finite (the optimizer checks that before)."""
-    total, count, subnormals = _log_abs_sum(x)
+    with parallel_slot(x.size, PARALLEL_MIN_ELEMENTS) as par:
+        total, count, subnormals = (_log_abs_sum_blocks_par if par else _log_abs_sum_blocks)(x)
     if subnormals:
         total, count = _log_abs_sum_exact(x)
     return float(total), int(count)

@@ -481,6 +481,7 @@ def test_parallel_kernels_give_the_serial_bits(monkeypatch: pytest.MonkeyPatch) 
         res.append(kernels.apply_sign(p, s, f32(1e-3), f32(0.999)))
         kernels.lion_step(p2, g, m2, f32(1e-3), f32(0.999), f32(0.9), f32(0.1), f32(0.99),
                           f32(0.01))
+        res.append(kernels.log_abs_sum(out))
         return res + [a.tobytes() for a in (out, q, p, m, p2, m2)]
 
     monkeypatch.setattr(kernels, "PARALLEL_MIN_ELEMENTS", n + 1)
@@ -489,10 +490,10 @@ def test_parallel_kernels_give_the_serial_bits(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(bitcoll.kernels, "_nb_get_num_threads", lambda: 2)
     calls: list[str] = []
     for name in ("_direction_blocks_par", "_quantize_scaled_par", "_apply_sign_par",
-                 "_lion_step_par"):
+                 "_lion_step_par", "_log_abs_sum_blocks_par"):
         kern = getattr(kernels, name)
         monkeypatch.setattr(kernels, name,
                             lambda *a, _k=kern, _n=name: calls.append(_n) or _k(*a))
     parallel = run()
-    assert len(calls) == 4  # every kernel took the parallel path
+    assert len(calls) == 5  # every kernel took the parallel path
     assert serial == parallel
