@@ -408,10 +408,9 @@ def _quantize_scaled(c: F32, mult: np.float32, levels: np.int64, out: Int) -> No
 
 @_jit_par
 def _quantize_scaled_par(c: F32, mult: np.float32, levels: np.int64, out: Int) -> None:
-    hi = np.float32(levels)
-    lo = -hi
-    for i in numba.prange(c.size):
-        out[i] = np.int8(np.rint(min(max(c[i] * mult, lo), hi)))
+    for b in numba.prange((c.size + BLOCK - 1) // BLOCK):
+        lo = b * BLOCK
+        _quantize_scaled(c[lo:lo + BLOCK], mult, levels, out[lo:lo + BLOCK])
 
 
 def quantize_scaled(c: F32, mult: np.float32, levels: int, out: Int) -> None:
@@ -460,11 +459,9 @@ def _apply_sign(param: F32, s: Int, lr: np.float32, decay: np.float32) -> int:
 @_jit_par
 def _apply_sign_par(param: F32, s: Int, lr: np.float32, decay: np.float32) -> int:
     total = 0
-    for i in numba.prange(param.size):
-        v = np.int64(s[i])
-        sgn = np.int64(v > 0) - np.int64(v < 0)
-        param[i] = param[i] * decay - lr * np.float32(sgn)
-        total += int(abs(v))
+    for b in numba.prange((param.size + BLOCK - 1) // BLOCK):
+        lo = b * BLOCK
+        total += _apply_sign(param[lo:lo + BLOCK], s[lo:lo + BLOCK], lr, decay)
     return total
 
 

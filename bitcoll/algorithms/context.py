@@ -8,13 +8,12 @@ call ``isend``, ``irecv`` and ``wait`` here: they never see sockets or MPI.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from ..transport.base import FrameHeader, Request, Transport
+from ..transport.base import Consumer, FrameHeader, Request, Transport
 
 __all__ = ["OpContext", "as_bytes"]
 
@@ -56,25 +55,27 @@ class OpContext:
         self._send_step[peer] = step + 1
         return self.transport.isend(peer, view, self._header(step, view.nbytes))
 
+    def _next_receive(self, peer: int, nbytes: int) -> FrameHeader:
+        """The expected header of the next frame from ``peer`` (advances its step)."""
+        step = self._recv_step[peer]
+        self._recv_step[peer] = step + 1
+        return self._header(step, nbytes)
+
     def irecv(self, peer: int, arr: npt.NDArray[Any]) -> Request:
         """Post a receive of the next frame from ``peer`` into the C-contiguous ``arr``."""
         view = as_bytes(arr)
-        step = self._recv_step[peer]
-        self._recv_step[peer] = step + 1
-        return self.transport.irecv(peer, view, self._header(step, view.nbytes))
+        return self.transport.irecv(peer, view, self._next_receive(peer, view.nbytes))
 
     @property
     def consumes_on_receive(self) -> bool:
         """Whether :meth:`irecv_consume` is available on this transport."""
         return self.transport.consumes_on_receive
 
-    def irecv_consume(self, peer: int, nbytes: int,
-                      consume: Callable[[int, memoryview], None]) -> Request:
+    def irecv_consume(self, peer: int, nbytes: int, consume: Consumer) -> Request:
         """Post a receive of the next frame from ``peer`` (``nbytes`` of payload) handed to
         ``consume(offset, chunk)`` as it arrives (see ``Transport.irecv_consume``)."""
-        step = self._recv_step[peer]
-        self._recv_step[peer] = step + 1
-        return self.transport.irecv_consume(peer, nbytes, self._header(step, nbytes), consume)
+        return self.transport.irecv_consume(peer, nbytes, self._next_receive(peer, nbytes),
+                                            consume)
 
     def wait(self, *requests: Request) -> None:
         """Wait for every request within this call's deadline."""

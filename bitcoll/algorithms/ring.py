@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ..transport.base import Request
+from ..transport.base import Consumer, Request
 from .context import OpContext
 
 __all__ = ["ring_pass"]
@@ -74,7 +74,7 @@ def ring_pass(ctx: OpContext, work: npt.NDArray[Any],
         longest = max(int(bounds[i + 1] - bounds[i]) for i in range(p))
         scratch = [ctx.scratch(i, longest, work.dtype) for i in range(2)]
 
-    def consumer(a: int) -> Callable[[int, memoryview], None]:
+    def consumer(a: int) -> Consumer:
         """Fold received bytes ``[offset, offset + len(chunk))`` of the segment at ``a``."""
         assert reduce is not None
 

@@ -76,8 +76,8 @@ def packed_direct(ctx: OpContext, codec: VoteCodec, x: Array, out: Array,
         return min(k * seg, lens[j]), min((k + 1) * seg, lens[j])
 
     # Work buffers are the communicator's (reused across calls: no page faults per call).
-    contrib = _split(ctx.scratch(3, sum(-(-m * w_in // 8) for m in lens), np.dtype(np.uint8)),
-                     [-(-m * w_in // 8) for m in lens])
+    inlens = [-(-m * w_in // 8) for m in lens]
+    contrib = _split(ctx.scratch(3, sum(inlens), np.dtype(np.uint8)), inlens)
     outlens = [-(-lens[j] * w_out // 8) if gather or j == r else 0 for j in range(p)]
     result: list[Array | None] = [
         buf if gather or j == r else None
