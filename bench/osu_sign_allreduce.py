@@ -19,6 +19,11 @@ each size in the same run:
   ``[-L, L]`` (``--levels L``; its effective bandwidth still counts the 4 n bytes of the
   float32 vector that ``q`` stands for),
 * ``float32/allreduce``: ``comm.allreduce(x)`` of the float32 vector (``--compare-float32``),
+* ``floor/pack+unpack`` (``--floor``): no communication, each rank only packs the signs of its
+  float32 vector into bits and unpacks bits into its int8 output with bitcoll's kernels. Any
+  sign all-reduce must at least read its input and write its output, so this row is the
+  machine's lower bound for ``majority``: its ``Speedup`` is the most any sign all-reduce
+  could gain over the float32 all-reduce on this machine (its Wire is 0),
 
 for every ``<algo>`` of ``--algorithm`` (``default`` is the library's choice, or ``direct``,
 ``ring``, ``allgather``). Columns: latency over ranks (avg, min, max), iterations,
@@ -47,7 +52,10 @@ import numpy as np
 import numpy.typing as npt
 import osu
 
+from bitcoll import kernels
+
 OPS = ("majority", "sum", "quantized")
+FLOOR = "floor"
 ALGORITHMS = ("default", "direct", "ring", "allgather")
 TIES = ("positive", "negative", "alternate")
 CHECK_CHUNK = 1 << 22
@@ -111,14 +119,18 @@ class Variant:
     def name(self) -> str:
         if self.op == "float32":
             return "float32/allreduce"
+        if self.op == FLOOR:
+            return "floor/pack+unpack"
         head = f"quantized{self.levels}" if self.op == "quantized" else self.op
         return f"{head}/{self.algorithm}"
 
 
-def expected(v: Variant, p: int, start: int, stop: int, tie: str, call: int
+def expected(v: Variant, p: int, start: int, stop: int, tie: str, call: int, rank: int
              ) -> npt.NDArray[Any]:
-    """Exact result of ``v`` at ``[start, stop)``; ``call`` is the communicator's count of
-    earlier majority calls (for the alternate tie rule)."""
+    """Exact result of ``v`` on rank ``rank`` at ``[start, stop)``; ``call`` is the
+    communicator's count of earlier majority calls (for the alternate tie rule)."""
+    if v.op == FLOOR:
+        return np.where(float_votes(rank, start, stop) >= 0, 1, -1).astype(np.int8)
     if v.op == "quantized":
         acc = np.zeros(stop - start, dtype=np.int32)
         for r in range(p):
@@ -161,7 +173,8 @@ class Bench:
         fill(self.x, lambda a, b: float_votes(rt.rank, a, b))
         self.q = np.empty(n if "quantized" in ops else 0, dtype=np.int8)
         fill(self.q, lambda a, b: int_votes(rt.rank, a, b, levels))
-        self.out_i8 = np.zeros(n if "majority" in ops else 0, dtype=np.int8)
+        self.out_i8 = np.zeros(n if "majority" in ops or FLOOR in ops else 0, dtype=np.int8)
+        self.bits = np.zeros(kernels.packed_nbytes(n) if FLOOR in ops else 0, dtype=np.uint8)
         need_i32 = "sum" in ops or "quantized" in ops
         self.out_i32 = np.zeros(n if need_i32 else 0, dtype=np.int32)
         self.out_f32 = np.zeros(0, dtype=np.float32)
@@ -184,6 +197,14 @@ class Bench:
         if v.op == "quantized":
             q, o32, lv = self.q, self.out_i32, v.levels
             return (lambda: comm.quantized_allreduce(q, lv, out=o32, algorithm=algo)), o32
+        if v.op == FLOOR:
+            o8, bits, n = self.out_i8, self.bits, self.n
+
+            def local() -> None:
+                kernels.pack_signs(x, out=bits)
+                kernels.unpack_signs(bits, n, out=o8)
+                comm.barrier()
+            return local, o8
         of = self.out_f32
         return (lambda: comm.allreduce(x, out=of)), of
 
@@ -217,6 +238,9 @@ def parser() -> argparse.ArgumentParser:
                    help="majority tie rule (default alternate)")
     p.add_argument("--compare-float32", action="store_true",
                    help="also time comm.allreduce of the float32 vector, print the speedup")
+    p.add_argument("--floor", action="store_true",
+                   help="also time the local work alone (pack signs, unpack the int8 output; "
+                        "no communication): the lower bound of any sign all-reduce here")
     p.add_argument("--backend", choices=("auto", "tcp", "mpi", "local"), default="auto",
                    help="bitcoll backend (default: from the environment)")
     osu.add_common_args(p, "1K:64M", size_unit="elements")
@@ -229,6 +253,8 @@ def run(args: argparse.Namespace, rt: osu.BitcollRuntime) -> None:
     p = rt.size
     variants = [Variant(op, algo, args.levels if op == "quantized" else 0)
                 for op in args.op for algo in args.algorithm]
+    if args.floor:
+        variants.insert(0, Variant(FLOOR, "local"))
     if args.compare_float32:
         variants.insert(0, Variant("float32", "allreduce"))
     report = osu.Report(rt.rank, args.json)
@@ -243,7 +269,8 @@ def run(args: argparse.Namespace, rt: osu.BitcollRuntime) -> None:
                  collective="sign_allreduce", variants=[v.name for v in variants])
     majority_calls = 0
     for n in args.sizes:
-        bench = Bench(rt, n, args.tie, args.op, args.levels)
+        bench = Bench(rt, n, args.tie, args.op + ([FLOOR] if args.floor else []),
+                      args.levels)
         if args.compare_float32:
             bench.want_float32()
         iters, warm = schedule.for_bytes(4 * n)
@@ -255,7 +282,7 @@ def run(args: argparse.Namespace, rt: osu.BitcollRuntime) -> None:
                 ok = True
                 for a in range(0, n, CHECK_CHUNK):
                     b = min(n, a + CHECK_CHUNK)
-                    want = expected(v, p, a, b, args.tie, majority_calls)
+                    want = expected(v, p, a, b, args.tie, majority_calls, rt.rank)
                     ok = ok and bool(np.array_equal(result[a:b], want))
                 if v.op == "majority":
                     majority_calls += 1

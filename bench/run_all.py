@@ -19,7 +19,8 @@ rank gets ``NUMBA_NUM_THREADS=1``, ``OMP_NUM_THREADS=1``, ``MKL_NUM_THREADS=1``)
 ``gloo``                ``python -m launch -n P bench/osu_allreduce.py --impl gloo``
                         (torch.distributed all_reduce, in place)
 ``sign``                ``python -m launch -n P bench/osu_sign_allreduce.py --compare-float32
-                        --algorithm default,allgather`` (for each P of ``--sign-ranks``)
+                        --floor --algorithm default,allgather`` (for each P of
+                        ``--sign-ranks``)
 ======================= ======================================================================
 
 With ``--repeat R`` the whole matrix runs R times (rounds alternate the implementations so
@@ -89,7 +90,7 @@ def allreduce_command(impl: str, p: int, tool_args: Sequence[str]) -> list[str]:
 def sign_command(p: int, tool_args: Sequence[str]) -> list[str]:
     """The command line of the sign_allreduce run on ``p`` TCP ranks."""
     return [sys.executable, "-m", "launch", "-n", str(p), "bench/osu_sign_allreduce.py",
-            "--compare-float32", "--algorithm", "default,allgather", *tool_args]
+            "--compare-float32", "--floor", "--algorithm", "default,allgather", *tool_args]
 
 
 def run(cmd: list[str], timeout: float, dry_run: bool) -> tuple[bool, str, float]:
@@ -184,16 +185,22 @@ def summarize(by_p: dict[int, dict[str, list[osu.Table]]], sign: dict[int, list[
         counts = sorted({r["Elements"] for r in rows if isinstance(r.get("Elements"), int)})
         cols = [osu.Column("Elements", 11, "d"), osu.Column("float32(us)", 16, ".1f"),
                 osu.Column("majority(us)", 16, ".1f"),
-                osu.Column("allgather(us)", 16, ".1f"),
-                osu.Column("vs-float32", 12, ".2f"), osu.Column("vs-allgather", 14, ".2f")]
+                osu.Column("allgather(us)", 16, ".1f"), osu.Column("floor(us)", 14, ".1f"),
+                osu.Column("vs-float32", 12, ".2f"), osu.Column("vs-allgather", 14, ".2f"),
+                osu.Column("floor-vs-float32", 18, ".2f")]
         rep.start(f"bitcoll loopback majority sign_allreduce, {osu.ranks(p)}",
-                  ["best latency over rounds of float32/allreduce, majority/default and "
-                   "majority/allgather; vs-X = X latency / majority latency"], cols, ranks=p)
+                  ["best latency over rounds of float32/allreduce, majority/default, "
+                   "majority/allgather and floor/pack+unpack (local packing and unpacking "
+                   "only: the bound of any sign all-reduce on this machine); vs-X = X "
+                   "latency / majority latency; floor-vs-float32 = float32 / floor, the "
+                   "largest speedup this machine allows"], cols, ranks=p)
         for n in counts:
             f = _min_latency(rows, n, "float32/allreduce")
             m = _min_latency(rows, n, "majority/default")
             g = _min_latency(rows, n, "majority/allgather")
-            rep.row(n, f, m, g, f / m if f and m else None, g / m if g and m else None)
+            lo = _min_latency(rows, n, "floor/pack+unpack")
+            rep.row(n, f, m, g, lo, f / m if f and m else None, g / m if g and m else None,
+                    f / lo if f and lo else None)
     return "\n".join(lines) + "\n"
 
 

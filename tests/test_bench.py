@@ -214,10 +214,10 @@ def test_single_rank_runs(tmp_path: Path) -> None:
     assert barrier.rows[0]["Size"] == 0 and barrier.rows[0]["BusBW(GB/s)"] is None
 
     out = run(tool("osu_sign_allreduce.py", "-m", "1001", "--algorithm", "default,ring",
-                   "--compare-float32", "--check", *SMALL))
+                   "--compare-float32", "--floor", "--check", *SMALL))
     table = one_table(out)
-    assert [r["Variant"] for r in table.rows] == ["float32/allreduce", "majority/default",
-                                                  "majority/ring"]
+    assert [r["Variant"] for r in table.rows] == ["float32/allreduce", "floor/pack+unpack",
+                                                  "majority/default", "majority/ring"]
     assert all(r["Wire(B/rank)"] == 0 for r in table.rows)  # nothing to send alone
 
 
@@ -290,7 +290,7 @@ def test_run_all_dry_run_lists_the_matrix(tmp_path: Path) -> None:
     assert len(cmds) == 2 * 5 + 1
     assert sum("-m launch -n 4 bench/osu_allreduce.py --impl gloo" in c for c in cmds) == 1
     assert sum("mpiexec -n 2" in c and "--impl mpi4py" in c for c in cmds) == 1
-    assert "osu_sign_allreduce.py --compare-float32 --algorithm default,allgather -m 64M" \
+    assert "osu_sign_allreduce.py --compare-float32 --floor --algorithm default,allgather -m 64M" \
         in cmds[-1]
 
 

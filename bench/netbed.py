@@ -1,0 +1,377 @@
+"""Emulated Ethernet testbed: run a bitcoll TCP job with its ranks on separate hosts joined by
+rate-limited links, all on this machine.
+
+Usage (as root; needs iproute2's ``ip`` and ``tc``)::
+
+    python bench/netbed.py --hosts 4 --rate 1gbit bench/osu_sign_allreduce.py -m 64M \\
+        --compare-float32 --algorithm default,allgather
+    python bench/netbed.py --hosts 2 --rate 10gbit bench/osu_allreduce.py --impl gloo
+    python bench/netbed.py --hosts 4 --rate 1gbit --probe train.py --steps 50
+    python bench/netbed.py --hosts 3 --rate 1gbit -m some.module args...
+
+Topology
+--------
+A switch and ``--hosts`` hosts, each a network namespace of its own (named
+``bitcollnet<pid>-sw`` and ``bitcollnet<pid>-h<k>``). Host ``k`` has one interface ``eth0``
+with address ``10.99.0.<k+1>/24``; a veth pair joins it to port ``h<k>`` of a Linux bridge in
+the switch namespace. Both ends of every link are shaped with ``tc ... tbf rate R burst B
+latency 50ms``, so each host has a full-duplex link of ``--rate`` to the switch, like a
+switched Ethernet (traffic from one host to another crosses two shaped links). There is no
+added delay (this kernel has no netem); link latency is that of the veth pairs (tens of
+microseconds).
+
+Running the job
+---------------
+Host ``k`` runs ``python -m launch --nnodes H --node-rank k -n P --master-addr 10.99.0.1
+--master-port 29400 <script or -m module> <args>`` inside its namespace (``P`` =
+``--nproc-per-host``, default 1), so the ranks get the launcher's environment contract
+(``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ...; see ``python -m pydoc launch.__main__``),
+``bitcoll.init()`` connects them over the shaped links, and every output line carries its
+``[rank R]`` prefix. ``GLOO_SOCKET_IFNAME=eth0`` is set (unless already set) so that
+torch.distributed's gloo uses the shaped interface too. Paths are taken relative to the
+current directory, as by ``python``.
+
+Before the job the testbed prints one line, ``netbed: H hosts x P ranks, links RATE (tbf burst
+B), bitcoll TCP``; with ``--probe`` it first sends 64 MiB from host 1 to host 0 over one TCP
+connection and prints the measured rate (``netbed: probe host 1 -> host 0: X Gbit/s``). A
+failing host is reported on stderr (``netbed: host 1 exited with status 3; stopped the other
+hosts``) after its launcher's own report.
+
+Exit status and clean-up
+------------------------
+The job's status: 0 if every host's launcher exits 0, otherwise the first failing launcher's
+status (the others are stopped with SIGTERM, SIGKILL after ``--grace-period``). SIGINT or
+SIGTERM is forwarded to the job. The namespaces (and with them the links) are always removed
+before the testbed exits. Not root, no ``ip``/``tc``, or bad options: status 2 with a message;
+a testbed that cannot be built: status 1 with the failing command's error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import FrameType
+
+SUBNET = "10.99.0"
+MASTER_PORT = 29400
+PROBE_PORT = 29401
+PROBE_BYTES = 64 << 20
+MAX_HOSTS = 250
+DEFAULT_GRACE = 5.0
+POLL_SECONDS = 0.05
+_RATE = re.compile(r"^(\d+(?:\.\d+)?)(bit|kbit|mbit|gbit)$")
+_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9}
+
+
+class SetupError(RuntimeError):
+    """An ``ip`` or ``tc`` command failed while building the testbed."""
+
+
+def parse_rate(text: str) -> int:
+    """``"1gbit"``, ``"100mbit"``, ``"2.5gbit"``... to bits per second (tc's decimal units).
+    Raises ValueError for anything else or a rate below 1 mbit."""
+    m = _RATE.match(text.strip().lower())
+    if m is None:
+        raise ValueError(f"rate must look like 100mbit, 1gbit or 2.5gbit, got {text!r}")
+    bits = int(float(m.group(1)) * _UNITS[m.group(2)])
+    if bits < 10**6:
+        raise ValueError(f"rate must be at least 1mbit, got {text!r}")
+    return bits
+
+
+def default_burst(rate_bits: int) -> int:
+    """tbf bucket size in bytes for ``rate_bits``: one millisecond of traffic, at least 256 KiB
+    (a bucket smaller than a few TSO packets throttles TCP below the nominal rate)."""
+    return max(256 << 10, rate_bits // 8 // 1000)
+
+
+@dataclass(frozen=True)
+class Testbed:
+    """Names and addresses of one testbed."""
+
+    hosts: int
+    rate: str
+    burst: int
+    prefix: str
+
+    @property
+    def switch(self) -> str:
+        return f"{self.prefix}-sw"
+
+    def host(self, k: int) -> str:
+        return f"{self.prefix}-h{k}"
+
+    @staticmethod
+    def address(k: int) -> str:
+        return f"{SUBNET}.{k + 1}"
+
+    def namespaces(self) -> list[str]:
+        return [self.switch] + [self.host(k) for k in range(self.hosts)]
+
+    def setup_commands(self) -> list[list[str]]:
+        """The ``ip``/``tc`` commands that build the testbed, in order."""
+        sw = self.switch
+        shape = ["root", "tbf", "rate", self.rate, "burst", str(self.burst), "latency", "50ms"]
+        cmds = [["ip", "netns", "add", sw],
+                ["ip", "-n", sw, "link", "set", "lo", "up"],
+                ["ip", "-n", sw, "link", "add", "sw", "type", "bridge"],
+                ["ip", "-n", sw, "link", "set", "sw", "up"]]
+        for k in range(self.hosts):
+            h, port = self.host(k), f"h{k}"
+            cmds += [["ip", "netns", "add", h],
+                     ["ip", "-n", h, "link", "set", "lo", "up"],
+                     ["ip", "-n", sw, "link", "add", port, "type", "veth", "peer", "name",
+                      "eth0", "netns", h],
+                     ["ip", "-n", sw, "link", "set", port, "master", "sw"],
+                     ["ip", "-n", sw, "link", "set", port, "up"],
+                     ["ip", "-n", h, "addr", "add", f"{self.address(k)}/24", "dev", "eth0"],
+                     ["ip", "-n", h, "link", "set", "eth0", "up"],
+                     ["ip", "netns", "exec", h, "tc", "qdisc", "add", "dev", "eth0", *shape],
+                     ["ip", "netns", "exec", sw, "tc", "qdisc", "add", "dev", port, *shape]]
+        return cmds
+
+    def build(self) -> None:
+        """Run :meth:`setup_commands`; raise SetupError (after removing what was made) when
+        one fails."""
+        try:
+            for cmd in self.setup_commands():
+                done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+                if done.returncode != 0:
+                    raise SetupError(f"`{' '.join(cmd)}` failed: "
+                                     f"{done.stderr.strip() or done.returncode}")
+        except BaseException:
+            self.remove()
+            raise
+
+    def remove(self) -> None:
+        """Delete every namespace of this testbed that exists (the links go with them)."""
+        existing = set(list_namespaces())
+        for ns in self.namespaces():
+            if ns in existing:
+                subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)
+
+
+def list_namespaces() -> list[str]:
+    """Names of the network namespaces ``ip netns list`` shows."""
+    done = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False)
+    return [line.split()[0] for line in done.stdout.splitlines() if line.strip()]
+
+
+def host_command(bed: Testbed, k: int, nproc: int, target: Sequence[str],
+                 grace: float) -> list[str]:
+    """The command that runs host ``k``'s launcher inside its namespace."""
+    return ["ip", "netns", "exec", bed.host(k), sys.executable, "-m", "launch",
+            "--nnodes", str(bed.hosts), "--node-rank", str(k), "-n", str(nproc),
+            "--master-addr", bed.address(0), "--master-port", str(MASTER_PORT),
+            "--grace-period", str(grace), *target]
+
+
+_PROBE_SERVER = """
+import socket, sys, time
+s = socket.create_server(("0.0.0.0", int(sys.argv[1])))
+c, _ = s.accept()
+buf = bytearray(1 << 20)
+got, t0 = 0, None
+while True:
+    k = c.recv_into(buf)
+    if not k:
+        break
+    if t0 is None:
+        t0 = time.perf_counter()
+    got += k
+print(got * 8 / (time.perf_counter() - t0) / 1e9)
+"""
+
+_PROBE_CLIENT = """
+import socket, sys, time
+deadline = time.monotonic() + 10
+while True:
+    try:
+        c = socket.create_connection((sys.argv[1], int(sys.argv[2])))
+        break
+    except OSError:
+        if time.monotonic() > deadline:
+            raise
+        time.sleep(0.05)
+data = bytes(1 << 20)
+for _ in range(int(sys.argv[3]) >> 20):
+    c.sendall(data)
+c.close()
+"""
+
+
+def probe(bed: Testbed) -> float:
+    """Send :data:`PROBE_BYTES` from host 1 to host 0 over one TCP connection; return the rate
+    the receiver saw, in Gbit/s."""
+    server = subprocess.Popen(["ip", "netns", "exec", bed.host(0), sys.executable, "-c",
+                               _PROBE_SERVER, str(PROBE_PORT)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        subprocess.run(["ip", "netns", "exec", bed.host(1), sys.executable, "-c", _PROBE_CLIENT,
+                        bed.address(0), str(PROBE_PORT), str(PROBE_BYTES)],
+                       check=True, timeout=120)
+        out, _ = server.communicate(timeout=30)
+        return float(out.strip())
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+
+
+class Job:
+    """The hosts' launchers: start, supervise, stop."""
+
+    def __init__(self, cmds: list[list[str]], env: dict[str, str], grace: float) -> None:
+        self.cmds, self.env, self.grace = cmds, env, grace
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.signalled: int | None = None
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        sig = signal.SIGKILL if self.signalled is not None else signum
+        self.signalled = signum
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(sig)
+
+    def run(self) -> int:
+        """Start every launcher and wait; return the job's exit status."""
+        old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            for cmd in self.cmds:
+                self.procs.append(subprocess.Popen(cmd, env=self.env, stdin=subprocess.DEVNULL))
+            first_bad: int | None = None
+            while [p.poll() for p in self.procs].count(None):
+                if first_bad is None:
+                    bad = [k for k, p in enumerate(self.procs)
+                           if p.returncode not in (None, 0)]
+                    if bad:
+                        first_bad = self._status(bad[0])
+                        others = any(p.poll() is None for p in self.procs)
+                        print(f"netbed: host {bad[0]} exited with status {first_bad}"
+                              + ("; stopped the other hosts" if others else ""),
+                              file=sys.stderr, flush=True)
+                        self._stop()
+                time.sleep(POLL_SECONDS)
+            if first_bad is None:
+                first_bad = next((self._status(k) for k, p in enumerate(self.procs)
+                                  if p.returncode != 0), 0)
+            if first_bad == 0 and self.signalled is not None:
+                return 128 + self.signalled
+            return first_bad
+        finally:
+            self._stop()
+            for s, h in old.items():
+                signal.signal(s, h)
+
+    def _status(self, k: int) -> int:
+        """Host ``k``'s launcher's exit status (``128 + n`` for signal ``n``)."""
+        rc = self.procs[k].returncode
+        return 128 - rc if rc < 0 else rc
+
+    def _stop(self) -> None:
+        """SIGTERM the launchers still running, SIGKILL after the grace period."""
+        live = [p for p in self.procs if p.poll() is None]
+        for p in live:
+            p.terminate()
+        deadline = time.monotonic() + self.grace
+        for p in live:
+            try:
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+def _split(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """Split at the script (first positional) or ``-m module``: (testbed options, target)."""
+    takes_value = {"--hosts", "--rate", "--burst", "--nproc-per-host", "--grace-period"}
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "-m":
+            return list(argv[:i]), list(argv[i:])
+        if a in takes_value:
+            i += 2
+            continue
+        if a.startswith("-"):
+            i += 1
+            continue
+        return list(argv[:i]), list(argv[i:])
+    return list(argv), []
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="netbed", usage="netbed [options] (script.py | -m module) [args...]",
+        description="Run a bitcoll TCP job on an emulated Ethernet: one network namespace "
+                    "per host, rate-limited links to a bridge (needs root and iproute2).")
+    p.add_argument("--hosts", type=int, default=4, help="hosts (default 4)")
+    p.add_argument("--nproc-per-host", type=int, default=1, metavar="P",
+                   help="ranks per host (default 1)")
+    p.add_argument("--rate", default="1gbit",
+                   help="link rate per host and direction, tc units (default 1gbit)")
+    p.add_argument("--burst", type=int, default=None, metavar="BYTES",
+                   help="tbf bucket in bytes (default: 1 ms of traffic, at least 256 KiB)")
+    p.add_argument("--probe", action="store_true",
+                   help="measure one TCP stream host 1 -> host 0 before the job")
+    p.add_argument("--grace-period", type=float, default=DEFAULT_GRACE, metavar="SECONDS",
+                   help="time between SIGTERM and SIGKILL when stopping the job (default 5)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args_in = list(sys.argv[1:] if argv is None else argv)
+    own, target = _split(args_in)
+    ap = parser()
+    args = ap.parse_args(own)
+    if not target or target == ["-m"]:
+        ap.error("give the script (or -m module) to run and its arguments")
+    if not 1 <= args.hosts <= MAX_HOSTS:
+        ap.error(f"--hosts must be in [1, {MAX_HOSTS}], got {args.hosts}")
+    if args.nproc_per_host < 1:
+        ap.error(f"--nproc-per-host must be >= 1, got {args.nproc_per_host}")
+    if args.probe and args.hosts < 2:
+        ap.error("--probe needs at least 2 hosts")
+    try:
+        rate_bits = parse_rate(args.rate)
+    except ValueError as exc:
+        ap.error(str(exc))
+    burst = default_burst(rate_bits) if args.burst is None else args.burst
+    if burst < 1500:
+        ap.error(f"--burst must be at least one packet (1500 bytes), got {burst}")
+    if os.geteuid() != 0:
+        ap.error("the testbed creates network namespaces: run it as root")
+    missing = [t for t in ("ip", "tc") if shutil.which(t) is None]
+    if missing:
+        ap.error(f"{' and '.join(missing)} not found (install iproute2)")
+
+    bed = Testbed(args.hosts, args.rate.strip().lower(), burst, f"bitcollnet{os.getpid()}")
+    try:
+        bed.build()
+    except SetupError as exc:
+        print(f"netbed: cannot build the testbed: {exc}", file=sys.stderr)
+        return 1
+    try:
+        print(f"netbed: {args.hosts} hosts x {args.nproc_per_host} ranks, links {bed.rate} "
+              f"(tbf burst {burst}), bitcoll TCP", flush=True)
+        if args.probe:
+            print(f"netbed: probe host 1 -> host 0: {probe(bed):.3f} Gbit/s", flush=True)
+        env = dict(os.environ)
+        env.setdefault("GLOO_SOCKET_IFNAME", "eth0")
+        cmds = [host_command(bed, k, args.nproc_per_host, target, args.grace_period)
+                for k in range(args.hosts)]
+        return Job(cmds, env, args.grace_period).run()
+    finally:
+        bed.remove()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,183 @@
+"""The emulated Ethernet testbed (bench/netbed.py): option handling everywhere; building the
+namespaces, shaping the links, running a TCP job across them and removing everything again
+where this process may create network namespaces (root with iproute2)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+
+import netbed  # noqa: E402 (bench/ is not a package)
+import osu  # noqa: E402
+
+PY = sys.executable
+SMALL = ["-i", "3", "-x", "1", "--min-iterations", "1", "--timeout", "30"]
+
+
+def run(args: list[str], timeout: float = 90.0) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, NUMBA_NUM_THREADS="1", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    return subprocess.run([PY, "bench/netbed.py", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def ours(pid: int) -> list[str]:
+    """Namespaces left behind by the testbed process ``pid``."""
+    return [ns for ns in netbed.list_namespaces() if ns.startswith(f"bitcollnet{pid}-")]
+
+
+def _can_make_namespaces() -> str | None:
+    """None if this process can create a network namespace, else why not."""
+    if os.geteuid() != 0:
+        return "not root"
+    if shutil.which("ip") is None or shutil.which("tc") is None:
+        return "iproute2 (ip, tc) not installed"
+    name = f"bitcollprobe{os.getpid()}"
+    made = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True,
+                          check=False)
+    if made.returncode != 0:
+        return f"ip netns add failed: {made.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", name], capture_output=True, check=False)
+    return None
+
+
+WHY_NOT = _can_make_namespaces()
+needs_netns = pytest.mark.skipif(WHY_NOT is not None, reason=f"no network namespaces: {WHY_NOT}")
+
+
+# ----------------------------------------------------------------------------- no privileges
+
+
+def test_parse_rate() -> None:
+    assert netbed.parse_rate("1gbit") == 10**9
+    assert netbed.parse_rate("2.5Gbit") == 2_500_000_000
+    assert netbed.parse_rate("100mbit") == 10**8
+    assert netbed.parse_rate(" 1000kbit ") == 10**6
+    for bad in ("", "1", "1gb", "fast", "-1gbit", "999kbit", "1 gbit"):
+        with pytest.raises(ValueError):
+            netbed.parse_rate(bad)
+
+
+def test_default_burst_is_a_millisecond_of_traffic_at_least_256k() -> None:
+    assert netbed.default_burst(10**9) == 256 << 10
+    assert netbed.default_burst(10**10) == 1_250_000
+    assert netbed.default_burst(10**6) == 256 << 10
+
+
+def test_split_at_the_script_or_module() -> None:
+    assert netbed._split(["--hosts", "3", "x.py", "--hosts", "9"]) == (
+        ["--hosts", "3"], ["x.py", "--hosts", "9"])
+    assert netbed._split(["--probe", "-m", "mod", "a"]) == (["--probe"], ["-m", "mod", "a"])
+    assert netbed._split(["--rate", "1gbit"]) == (["--rate", "1gbit"], [])
+
+
+def test_topology_names_and_commands() -> None:
+    bed = netbed.Testbed(3, "1gbit", 300000, "bitcollnet12345")
+    assert bed.namespaces() == ["bitcollnet12345-sw", "bitcollnet12345-h0",
+                                "bitcollnet12345-h1", "bitcollnet12345-h2"]
+    assert [bed.address(k) for k in range(3)] == ["10.99.0.1", "10.99.0.2", "10.99.0.3"]
+    cmds = bed.setup_commands()
+    shaped = [c for c in cmds if "tbf" in c]
+    assert len(shaped) == 2 * 3  # both ends of every link
+    assert all(c[c.index("rate") + 1] == "1gbit" and c[c.index("burst") + 1] == "300000"
+               for c in shaped)
+    # interface names are per namespace and within Linux's 15 characters
+    links = [c[c.index("add") + 1] for c in cmds if c[3:5] == ["link", "add"]]
+    assert links == ["sw", "h0", "h1", "h2"]
+    job = netbed.host_command(bed, 2, 1, ["train.py", "--steps", "3"], 5.0)
+    assert job[:4] == ["ip", "netns", "exec", "bitcollnet12345-h2"]
+    assert job[-3:] == ["train.py", "--steps", "3"]
+    def option(name: str) -> str:
+        return job[job.index(name) + 1]
+    assert option("--nnodes") == "3" and option("--node-rank") == "2"
+    assert option("--master-addr") == "10.99.0.1" and option("-n") == "1"
+
+
+@pytest.mark.parametrize("args, message", [
+    ([], "give the script"),
+    (["--hosts", "0", "x.py"], "--hosts must be in [1, 250]"),
+    (["--rate", "fast", "x.py"], "rate must look like"),
+    (["--nproc-per-host", "0", "x.py"], "--nproc-per-host must be >= 1"),
+    (["--hosts", "1", "--probe", "x.py"], "--probe needs at least 2 hosts"),
+    (["--burst", "100", "x.py"], "--burst must be at least one packet"),
+])
+def test_bad_options_exit_2_with_a_message(args: list[str], message: str) -> None:
+    done = run(args)
+    assert done.returncode == 2, done.stderr
+    assert message in done.stderr
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="checks the message for non-root users")
+def test_not_root_is_a_usage_error() -> None:
+    done = run(["x.py"])
+    assert done.returncode == 2 and "run it as root" in done.stderr
+
+
+# ------------------------------------------------------------------------- real namespaces
+
+
+def run_bed(args: list[str], timeout: float = 150.0) -> tuple[int, str, str, int]:
+    """Run the testbed; return (exit status, stdout, stderr, its pid)."""
+    env = dict(os.environ, NUMBA_NUM_THREADS="1", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([PY, "bench/netbed.py", *args], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return proc.returncode, out, err, proc.pid
+
+
+@needs_netns
+@pytest.mark.timeout(180)
+def test_sign_allreduce_across_shaped_links_then_clean_up() -> None:
+    rc, out, err, pid = run_bed(["--hosts", "3", "--rate", "1gbit",
+                                 "bench/osu_sign_allreduce.py", "-m", "1001",
+                                 "--compare-float32", "--check", *SMALL])
+    assert rc == 0, out + err
+    assert out.startswith("netbed: 3 hosts x 1 ranks, links 1gbit (tbf burst 262144)")
+    text = "\n".join(line.split("] ", 1)[1] if line.startswith("[rank") else line
+                     for line in out.splitlines())
+    (table,) = osu.parse_tables(text)
+    assert table.title == "bitcoll OSU-style Sign Allreduce Test, backend tcp, 3 ranks"
+    assert [r["Variant"] for r in table.rows] == ["float32/allreduce", "majority/default"]
+    assert all(r["Wire(B/rank)"] > 0 for r in table.rows)
+    assert ours(pid) == []
+
+
+@needs_netns
+@pytest.mark.timeout(120)
+def test_links_are_shaped_to_the_rate(tmp_path: Path) -> None:
+    script = tmp_path / "nothing.py"
+    script.write_text("")
+    rc, out, err, pid = run_bed(["--hosts", "2", "--rate", "400mbit", "--probe", str(script)])
+    assert rc == 0, out + err
+    line = next(ln for ln in out.splitlines() if ln.startswith("netbed: probe"))
+    gbits = float(line.split(": ")[-1].split()[0])
+    assert 0 < gbits <= 0.4 * 1.05, line  # tbf never lets TCP exceed the configured rate
+    assert ours(pid) == []
+
+
+@needs_netns
+@pytest.mark.timeout(120)
+def test_failing_host_stops_the_job_and_namespaces_go(tmp_path: Path) -> None:
+    script = tmp_path / "fail.py"
+    script.write_text("import os, sys\n"
+                      "import bitcoll\n"
+                      "if os.environ['RANK'] == '1':\n"
+                      "    sys.exit(3)\n"
+                      "bitcoll.init(timeout=60)  # waits for rank 1 until stopped\n")
+    rc, out, err, pid = run_bed(["--hosts", "2", "--grace-period", "2", str(script)])
+    assert rc == 3, out + err
+    assert "rank 1" in err and "exited with status 3" in err
+    assert "netbed: host 1 exited with status 3; stopped the other hosts" in err
+    assert ours(pid) == []
