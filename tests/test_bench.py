@@ -317,6 +317,7 @@ def test_run_all_summary_from_tables() -> None:
     rep.row(64, "float32/allreduce", 900.0)
     rep.row(64, "majority/default", 100.0)
     rep.row(64, "majority/allgather", 150.0)
+    rep.row(64, "floor/pack+unpack", 60.0)
     text = run_all.summarize(by_p, {4: osu.parse_tables("\n".join(sign_lines))}, rounds=2)
     lat, cpu, bw, sign = osu.parse_tables(text)
     assert cpu.rows[1] == {"Size": 1 << 20, "bitcoll-tcp(us)": 400, "mpi4py(us)": 800,
@@ -329,4 +330,5 @@ def test_run_all_summary_from_tables() -> None:
     assert bw.rows[1]["bitcoll-tcp/mpi4py"] == 2.0 and bw.rows[1]["bitcoll-tcp/gloo"] == 0.5
     assert bw.rows[1]["bitcoll-tcp(GB/s)"] == pytest.approx((1 << 20) / 800e-6 / 1e9, abs=1e-3)
     assert sign.rows == [{"Elements": 64, "float32(us)": 900.0, "majority(us)": 100.0,
-                          "allgather(us)": 150.0, "vs-float32": 9.0, "vs-allgather": 1.5}]
+                          "allgather(us)": 150.0, "floor(us)": 60.0, "vs-float32": 9.0,
+                          "vs-allgather": 1.5, "floor-vs-float32": 15.0}]
