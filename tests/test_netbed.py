@@ -34,18 +34,26 @@ def ours(pid: int) -> list[str]:
 
 
 def _can_make_namespaces() -> str | None:
-    """None if this process can create a network namespace, else why not."""
+    """None if this process can build what the testbed needs (a namespace with a bridge, a
+    veth pair and a tbf qdisc), else why not."""
     if os.geteuid() != 0:
         return "not root"
     if shutil.which("ip") is None or shutil.which("tc") is None:
         return "iproute2 (ip, tc) not installed"
     name = f"bitcollprobe{os.getpid()}"
-    made = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True,
-                          check=False)
-    if made.returncode != 0:
-        return f"ip netns add failed: {made.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", name], capture_output=True, check=False)
-    return None
+    steps = [["ip", "netns", "add", name],
+             ["ip", "-n", name, "link", "add", "b0", "type", "bridge"],
+             ["ip", "-n", name, "link", "add", "v0", "type", "veth", "peer", "name", "v1"],
+             ["ip", "netns", "exec", name, "tc", "qdisc", "add", "dev", "v0", "root", "tbf",
+              "rate", "1gbit", "burst", "262144", "latency", "50ms"]]
+    try:
+        for cmd in steps:
+            done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            if done.returncode != 0:
+                return f"`{' '.join(cmd)}` failed: {done.stderr.strip()}"
+        return None
+    finally:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True, check=False)
 
 
 WHY_NOT = _can_make_namespaces()
