@@ -9,7 +9,9 @@ Usage::
         --run "l1, 3 levels" "--optimizer lioncub-l1 --levels 3" -- --lr 5e-4
 
 Every run is ``python -m launch -n N train.py --optimizer X --seed S --steps T --json-log ...``
-(``--launcher mpi``: ``mpiexec -n N python train.py ...``); arguments after ``--`` go to every
+(``--launcher mpi``: ``mpiexec -n N python train.py ...``; ``--netbed RATE``: ``python
+bench/netbed.py --hosts N --rate RATE train.py ...``, one emulated host per rank joined by
+links of RATE, root only, see bench/netbed.py); arguments after ``--`` go to every
 run. ``--run LABEL ARGS`` adds a run with its own train.py arguments (e.g. another
 ``--levels``; ARGS is one shell-quoted string).
 Runs happen one after another (they share the machine). Written to ``--out``
@@ -81,9 +83,14 @@ def _slug(label: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", label).strip("_") or "run"
 
 
-def launch_command(launcher: str, ranks: int, train_args: Sequence[str]) -> list[str]:
-    """The command that starts ``train.py`` with ``train_args`` on ``ranks`` ranks."""
+def launch_command(launcher: str, ranks: int, train_args: Sequence[str],
+                   netbed: str | None = None) -> list[str]:
+    """The command that starts ``train.py`` with ``train_args`` on ``ranks`` ranks (on the
+    emulated Ethernet testbed with links of rate ``netbed`` when given; TCP only)."""
     py = sys.executable
+    if netbed is not None:
+        return [py, str(ROOT / "bench" / "netbed.py"), "--hosts", str(ranks), "--rate", netbed,
+                str(TRAIN), *train_args]
     if launcher == "tcp":
         return [py, "-m", "launch", "-n", str(ranks), str(TRAIN), *train_args]
     mpiexec = Path(py).with_name("mpiexec")
@@ -92,7 +99,8 @@ def launch_command(launcher: str, ranks: int, train_args: Sequence[str]) -> list
 
 
 def run_one(spec: Spec, seed: int, steps: int, ranks: int, launcher: str, extra: list[str],
-            logdir: Path, timeout: float, reuse: bool = False) -> Outcome:
+            logdir: Path, timeout: float, reuse: bool = False,
+            netbed: str | None = None) -> Outcome:
     """Run one configuration; its console output goes to ``logdir/<slug>-seed<S>.txt``.
 
     ``reuse``: when the JSON log of an earlier run with the same command line exists, load it
@@ -102,13 +110,15 @@ def run_one(spec: Spec, seed: int, steps: int, ranks: int, launcher: str, extra:
     log = logdir / f"{stem}.json"
     train_args = [*spec.args, "--seed", str(seed), "--steps", str(steps), "--json-log",
                   str(log), "--no-progress", *extra]
-    cmd = launch_command(launcher, ranks, train_args)
+    cmd = launch_command(launcher, ranks, train_args, netbed)
+    where = [launcher] if netbed is None else ["netbed", netbed]
     if reuse and log.exists():
         try:
             record = plot_curves.load_log(log)
         except ValueError:
             record = None
-        if record is not None and record.get("command") == train_args:
+        if record is not None and record.get("command") == train_args \
+                and record.get("launched", ["tcp"]) == where:
             return Outcome(spec, seed, log, 0, 0.0, record)
     log.unlink(missing_ok=True)
     env = dict(os.environ)
@@ -129,6 +139,7 @@ def run_one(spec: Spec, seed: int, steps: int, ranks: int, launcher: str, extra:
     record = plot_curves.load_log(log) if rc == 0 and log.exists() else None
     if record is not None and record.get("run", {}).get("world_size") == ranks:
         record["command"] = train_args  # remembered for --reuse
+        record["launched"] = where
         log.write_text(json.dumps(record, indent=1) + "\n")
     elif record is not None:
         record = None
@@ -171,7 +182,8 @@ def _gap(gaps: Sequence[float]) -> str:
 
 
 def summarize(outcomes: Sequence[Outcome], specs: Sequence[Spec], command: str,
-              ranks: int, launcher: str, steps: int, seeds: Sequence[int]) -> str:
+              ranks: int, launcher: str, steps: int, seeds: Sequence[int],
+              netbed: str | None = None) -> str:
     """The markdown report: set-up, main table, verdicts, per-seed table."""
     by_label: dict[str, list[dict[str, Any]]] = {s.label: [] for s in specs}
     for o in outcomes:
@@ -192,7 +204,9 @@ def summarize(outcomes: Sequence[Outcome], specs: Sequence[Spec], command: str,
         lines += [
             f"- {ranks} ranks, {'TCP launcher' if launcher == 'tcp' else 'MPI'} "
             f"(backend `{run.get('backend')}`), {run.get('threads_per_rank')} torch thread(s) "
-            "per rank, all ranks on this machine",
+            "per rank, all ranks on this machine"
+            + (f", each in its own network namespace with a {netbed} link to a bridge "
+               "(bench/netbed.py)" if netbed else ""),
             f"- model: {run.get('n_params', 0) / 1e6:.2f}M-parameter character transformer "
             f"(d_model {cfg.get('d_model')}, {cfg.get('layers')} layers, {cfg.get('heads')} "
             f"heads), batch {cfg.get('batch_size')} x {cfg.get('seq_len')} per rank",
@@ -283,6 +297,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("-n", "--ranks", type=int, default=4, help="ranks per run")
     parser.add_argument("--launcher", choices=("tcp", "mpi"), default="tcp",
                         help="python -m launch (TCP backend) or mpiexec (MPI backend)")
+    parser.add_argument("--netbed", metavar="RATE", default=None,
+                        help="run every job on the emulated Ethernet testbed with links of "
+                             "RATE (e.g. 1gbit; root only; TCP launcher)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "optimizers")
@@ -294,6 +311,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(raw)
     if args.ranks < 1 or args.steps < 1:
         parser.error("--ranks and --steps must be >= 1")
+    if args.netbed is not None and args.launcher != "tcp":
+        parser.error("--netbed runs the TCP launcher on every emulated host: drop --launcher")
     specs = [Spec(name, ["--optimizer", name]) for name in args.optimizers]
     for label, rest in args.run:
         if not label.strip():
@@ -315,7 +334,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"[{len(outcomes) + 1}/{total}] {spec.label}, seed {seed} ...", end=" ",
                   flush=True)
             o = run_one(spec, seed, args.steps, args.ranks, args.launcher, extra, logdir,
-                        args.timeout, args.reuse)
+                        args.timeout, args.reuse, args.netbed)
             outcomes.append(o)
             if o.record is not None:
                 s = o.record["summary"]
@@ -338,7 +357,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             (args.out / name).write_text(plot_curves.render_svg(
                 runs, args.title, subtitle, xaxis, skip=skip))
     report = summarize(outcomes, specs, command, args.ranks, args.launcher, args.steps,
-                       args.seeds)
+                       args.seeds, args.netbed)
     (args.out / "results.md").write_text(report)
     (args.out / "outcomes.json").write_text(json.dumps(
         [{"label": o.spec.label, "args": o.spec.args, "seed": o.seed, "returncode": o.returncode,

@@ -31,19 +31,27 @@ Host ``k`` runs ``python -m launch --nnodes H --node-rank k -n P --master-addr 1
 torch.distributed's gloo uses the shaped interface too. Paths are taken relative to the
 current directory, as by ``python``.
 
+CPU: the hosts share this machine's cores. Unless ``--no-pin``, host ``k``'s processes are
+pinned to its share of the usable cores ``C``: cores ``[k C / H, (k + 1) C / H)`` when there
+are at least as many cores as hosts, else core ``k mod C``. Programs that size their thread
+pools by the cores they may use (``train.py``'s torch threads, ``os.sched_getaffinity``) then
+see their host's share instead of oversubscribing the machine.
+
 Before the job the testbed prints one line, ``netbed: H hosts x P ranks, links RATE (tbf burst
-B), bitcoll TCP``; with ``--probe`` it first sends 64 MiB from host 1 to host 0 over one TCP
-connection and prints the measured rate (``netbed: probe host 1 -> host 0: X Gbit/s``). A
-failing host is reported on stderr (``netbed: host 1 exited with status 3; stopped the other
-hosts``) after its launcher's own report.
+B), bitcoll TCP, hosts pinned to their share of the cores``; with ``--probe`` it first sends 64
+MiB from host 1 to host 0 over one TCP connection and prints the measured rate (``netbed: probe
+host 1 -> host 0: X Gbit/s``). A failing host is reported on stderr (``netbed: host 1 exited
+with status 3; stopped the other hosts``) after its launcher's own report.
 
 Exit status and clean-up
 ------------------------
 The job's status: 0 if every host's launcher exits 0, otherwise the first failing launcher's
 status (the others are stopped with SIGTERM, SIGKILL after ``--grace-period``). SIGINT or
 SIGTERM is forwarded to the job. The namespaces (and with them the links) are always removed
-before the testbed exits. Not root, no ``ip``/``tc``, or bad options: status 2 with a message;
-a testbed that cannot be built: status 1 with the failing command's error.
+before the testbed exits; those of a testbed that was killed with SIGKILL are removed by the
+next testbed that starts (it says so on stderr). Not root, no ``ip``/``tc``, or bad options:
+status 2 with a message; a testbed that cannot be built: status 1 with the failing command's
+error.
 """
 
 from __future__ import annotations
@@ -60,6 +68,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from types import FrameType
 
+PREFIX = "bitcollnet"
+_OURS = re.compile(rf"^{PREFIX}(\d+)-(sw|h\d+)$")
 SUBNET = "10.99.0"
 MASTER_PORT = 29400
 PROBE_PORT = 29401
@@ -165,6 +175,34 @@ def list_namespaces() -> list[str]:
     return [line.split()[0] for line in done.stdout.splitlines() if line.strip()]
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale() -> list[str]:
+    """Delete the namespaces of testbeds whose process no longer exists (left behind when a
+    testbed was killed with SIGKILL); return their names."""
+    stale = [ns for ns in list_namespaces()
+             if (m := _OURS.match(ns)) is not None and not _alive(int(m.group(1)))]
+    for ns in stale:
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)
+    return stale
+
+
+def host_cpus(k: int, hosts: int, cores: Sequence[int]) -> list[int]:
+    """The cores host ``k`` of ``hosts`` is pinned to (see the module docstring)."""
+    c = len(cores)
+    if c >= hosts:
+        return list(cores[k * c // hosts:(k + 1) * c // hosts])
+    return [cores[k % c]]
+
+
 def host_command(bed: Testbed, k: int, nproc: int, target: Sequence[str],
                  grace: float) -> list[str]:
     """The command that runs host ``k``'s launcher inside its namespace."""
@@ -229,8 +267,9 @@ def probe(bed: Testbed) -> float:
 class Job:
     """The hosts' launchers: start, supervise, stop."""
 
-    def __init__(self, cmds: list[list[str]], env: dict[str, str], grace: float) -> None:
-        self.cmds, self.env, self.grace = cmds, env, grace
+    def __init__(self, cmds: list[list[str]], env: dict[str, str], grace: float,
+                 cpus: list[list[int]] | None = None) -> None:
+        self.cmds, self.env, self.grace, self.cpus = cmds, env, grace, cpus
         self.procs: list[subprocess.Popen[bytes]] = []
         self.signalled: int | None = None
 
@@ -245,8 +284,11 @@ class Job:
         """Start every launcher and wait; return the job's exit status."""
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
-            for cmd in self.cmds:
-                self.procs.append(subprocess.Popen(cmd, env=self.env, stdin=subprocess.DEVNULL))
+            for k, cmd in enumerate(self.cmds):
+                pin = None if self.cpus is None else self.cpus[k]
+                self.procs.append(subprocess.Popen(
+                    cmd, env=self.env, stdin=subprocess.DEVNULL,
+                    preexec_fn=None if pin is None else lambda c=pin: os.sched_setaffinity(0, c)))
             first_bad: int | None = None
             while [p.poll() for p in self.procs].count(None):
                 if first_bad is None:
@@ -320,6 +362,8 @@ def parser() -> argparse.ArgumentParser:
                    help="link rate per host and direction, tc units (default 1gbit)")
     p.add_argument("--burst", type=int, default=None, metavar="BYTES",
                    help="tbf bucket in bytes (default: 1 ms of traffic, at least 256 KiB)")
+    p.add_argument("--no-pin", action="store_true",
+                   help="do not pin each host's processes to its share of the cores")
     p.add_argument("--probe", action="store_true",
                    help="measure one TCP stream host 1 -> host 0 before the job")
     p.add_argument("--grace-period", type=float, default=DEFAULT_GRACE, metavar="SECONDS",
@@ -353,7 +397,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if missing:
         ap.error(f"{' and '.join(missing)} not found (install iproute2)")
 
-    bed = Testbed(args.hosts, args.rate.strip().lower(), burst, f"bitcollnet{os.getpid()}")
+    stale = remove_stale()
+    if stale:
+        print(f"netbed: removed the namespaces of earlier testbeds that no longer run: "
+              f"{', '.join(stale)}", file=sys.stderr)
+    bed = Testbed(args.hosts, args.rate.strip().lower(), burst, f"{PREFIX}{os.getpid()}")
     try:
         bed.build()
     except SetupError as exc:
@@ -361,14 +409,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     try:
         print(f"netbed: {args.hosts} hosts x {args.nproc_per_host} ranks, links {bed.rate} "
-              f"(tbf burst {burst}), bitcoll TCP", flush=True)
+              f"(tbf burst {burst}), bitcoll TCP"
+              + ("" if args.no_pin else ", hosts pinned to their share of the cores"),
+              flush=True)
         if args.probe:
             print(f"netbed: probe host 1 -> host 0: {probe(bed):.3f} Gbit/s", flush=True)
         env = dict(os.environ)
         env.setdefault("GLOO_SOCKET_IFNAME", "eth0")
         cmds = [host_command(bed, k, args.nproc_per_host, target, args.grace_period)
                 for k in range(args.hosts)]
-        return Job(cmds, env, args.grace_period).run()
+        cpus = None
+        if not args.no_pin:
+            usable = sorted(os.sched_getaffinity(0))
+            cpus = [host_cpus(k, args.hosts, usable) for k in range(args.hosts)]
+        return Job(cmds, env, args.grace_period, cpus).run()
     finally:
         bed.remove()
 

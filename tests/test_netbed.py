@@ -108,6 +108,12 @@ def test_topology_names_and_commands() -> None:
     assert option("--master-addr") == "10.99.0.1" and option("-n") == "1"
 
 
+def test_hosts_get_their_share_of_the_cores() -> None:
+    assert [netbed.host_cpus(k, 4, [0, 1]) for k in range(4)] == [[0], [1], [0], [1]]
+    assert [netbed.host_cpus(k, 2, [0, 1, 2, 3, 4]) for k in range(2)] == [[0, 1], [2, 3, 4]]
+    assert [netbed.host_cpus(k, 3, [4, 5, 6]) for k in range(3)] == [[4], [5], [6]]
+
+
 @pytest.mark.parametrize("args, message", [
     ([], "give the script"),
     (["--hosts", "0", "x.py"], "--hosts must be in [1, 250]"),
@@ -152,7 +158,8 @@ def test_sign_allreduce_across_shaped_links_then_clean_up() -> None:
                                  "bench/osu_sign_allreduce.py", "-m", "1001",
                                  "--compare-float32", "--check", *SMALL])
     assert rc == 0, out + err
-    assert out.startswith("netbed: 3 hosts x 1 ranks, links 1gbit (tbf burst 262144)")
+    assert out.startswith("netbed: 3 hosts x 1 ranks, links 1gbit (tbf burst 262144), "
+                          "bitcoll TCP, hosts pinned to their share of the cores")
     text = "\n".join(line.split("] ", 1)[1] if line.startswith("[rank") else line
                      for line in out.splitlines())
     (table,) = osu.parse_tables(text)
@@ -164,11 +171,24 @@ def test_sign_allreduce_across_shaped_links_then_clean_up() -> None:
 
 @needs_netns
 @pytest.mark.timeout(120)
-def test_links_are_shaped_to_the_rate(tmp_path: Path) -> None:
-    script = tmp_path / "nothing.py"
-    script.write_text("")
-    rc, out, err, pid = run_bed(["--hosts", "2", "--rate", "400mbit", "--probe", str(script)])
+def test_links_are_shaped_hosts_pinned_stale_namespaces_removed(tmp_path: Path) -> None:
+    # a namespace left by a testbed that was SIGKILLed (no process has a pid this large)
+    stale = "bitcollnet99999999-sw"
+    subprocess.run(["ip", "netns", "add", stale], check=True)
+    script = tmp_path / "cpus.py"
+    script.write_text("import os\nprint('cpus', sorted(os.sched_getaffinity(0)))\n")
+    try:
+        rc, out, err, pid = run_bed(["--hosts", "2", "--rate", "400mbit", "--probe",
+                                     str(script)])
+        assert stale not in netbed.list_namespaces()
+    finally:
+        subprocess.run(["ip", "netns", "del", stale], capture_output=True, check=False)
     assert rc == 0, out + err
+    assert "netbed: removed the namespaces of earlier testbeds that no longer run: " in err
+    assert stale in err
+    usable = sorted(os.sched_getaffinity(0))
+    for k in range(2):
+        assert f"[rank {k}] cpus {netbed.host_cpus(k, 2, usable)}" in out
     line = next(ln for ln in out.splitlines() if ln.startswith("netbed: probe"))
     gbits = float(line.split(": ")[-1].split()[0])
     assert 0 < gbits <= 0.4 * 1.05, line  # tbf never lets TCP exceed the configured rate

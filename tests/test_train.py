@@ -179,3 +179,15 @@ def test_comparison_report(one_rank_log: dict[str, Any], tmp_path: Path) -> None
     assert "| dlion-mavo | 1 | - | - | 1 |" in report  # the failed run, per-run table
     assert "+2.00% final validation loss (target: within 3%: met)" in report
     assert "vs Lion Cub: +2.94% (worse than Lion Cub; higher loss with 1 of 1 seed)" in report
+    netbed = compare.summarize(outcomes, specs, "cmd", 4, "tcp", STEPS, [0, 1], "100mbit")
+    assert "with a 100mbit link to a bridge (bench/netbed.py)" in netbed
+
+
+def test_comparison_on_the_testbed_command() -> None:
+    compare = _load("compare_optimizers", ROOT / "bench" / "compare_optimizers.py")
+    cmd = compare.launch_command("tcp", 4, ["--steps", "3"], "1gbit")
+    assert cmd[1:] == [str(ROOT / "bench" / "netbed.py"), "--hosts", "4", "--rate", "1gbit",
+                       str(ROOT / "train.py"), "--steps", "3"]
+    assert compare.launch_command("tcp", 2, ["--steps", "3"])[1:4] == ["-m", "launch", "-n"]
+    with pytest.raises(SystemExit):
+        compare.main(["--netbed", "1gbit", "--launcher", "mpi"])
