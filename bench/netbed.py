@@ -43,6 +43,18 @@ MiB from host 1 to host 0 over one TCP connection and prints the measured rate (
 host 1 -> host 0: X Gbit/s``). A failing host is reported on stderr (``netbed: host 1 exited
 with status 3; stopped the other hosts``) after its launcher's own report.
 
+MPI
+---
+With ``--mpi`` one ``mpiexec`` (the one next to this interpreter, else on ``PATH``) starts
+the ranks instead, in MPMD form with Hydra's fork launcher: ``mpiexec -launcher fork -n P ip
+netns exec <host 0> python <target> : -n P ip netns exec <host 1> python <target> : ...``
+(each segment wrapped in a small pinning step unless ``--no-pin``), with
+``MPIR_CVAR_NOLOCAL=1``, ``UCX_TLS=tcp,self``, ``UCX_NET_DEVICES=eth0``, ``FI_PROVIDER=tcp``
+and ``FI_TCP_IFACE=eth0`` unless already set: the namespaces share the hostname and
+``/dev/shm``, and without these MPICH would pass messages through shared memory instead of
+the shaped links. ``bitcoll.init()`` then picks the MPI backend; ``bench/osu_allreduce.py
+--impl mpi4py`` measures MPICH's own ``Allreduce``.
+
 Exit status and clean-up
 ------------------------
 The job's status: 0 if every host's launcher exits 0, otherwise the first failing launcher's
@@ -203,6 +215,39 @@ def host_cpus(k: int, hosts: int, cores: Sequence[int]) -> list[int]:
     return [cores[k % c]]
 
 
+_PIN = ("import os, sys\n"
+        "os.sched_setaffinity(0, [int(c) for c in sys.argv[1].split(',')])\n"
+        "os.execvp(sys.argv[2], sys.argv[2:])\n")
+"""Run as ``python -c _PIN 0,1 cmd args...``: pin to cores 0 and 1, then exec ``cmd``."""
+
+
+def mpi_env(env: dict[str, str]) -> dict[str, str]:
+    """``env`` plus what makes MPICH use TCP on ``eth0`` between the namespaces (they share
+    the hostname and /dev/shm, so MPICH would otherwise take its shared-memory path)."""
+    out = dict(env)
+    out.setdefault("MPIR_CVAR_NOLOCAL", "1")
+    out.setdefault("UCX_TLS", "tcp,self")
+    out.setdefault("UCX_NET_DEVICES", "eth0")
+    out.setdefault("FI_PROVIDER", "tcp")
+    out.setdefault("FI_TCP_IFACE", "eth0")
+    return out
+
+
+def mpi_command(bed: Testbed, mpiexec: str, nproc: int, target: Sequence[str],
+                cpus: list[list[int]] | None) -> list[str]:
+    """One ``mpiexec`` (MPMD form, fork launcher) whose k-th segment runs ``nproc`` ranks in
+    host ``k``'s namespace, pinned to ``cpus[k]`` when given."""
+    cmd = [mpiexec, "-launcher", "fork"]
+    for k in range(bed.hosts):
+        if k:
+            cmd.append(":")
+        pin = [] if cpus is None else [sys.executable, "-c", _PIN,
+                                       ",".join(str(c) for c in cpus[k])]
+        cmd += ["-n", str(nproc), *pin, "ip", "netns", "exec", bed.host(k), sys.executable,
+                *target]
+    return cmd
+
+
 def host_command(bed: Testbed, k: int, nproc: int, target: Sequence[str],
                  grace: float) -> list[str]:
     """The command that runs host ``k``'s launcher inside its namespace."""
@@ -268,8 +313,9 @@ class Job:
     """The hosts' launchers: start, supervise, stop."""
 
     def __init__(self, cmds: list[list[str]], env: dict[str, str], grace: float,
-                 cpus: list[list[int]] | None = None) -> None:
+                 cpus: list[list[int]] | None = None, names: list[str] | None = None) -> None:
         self.cmds, self.env, self.grace, self.cpus = cmds, env, grace, cpus
+        self.names = names or [f"host {k}" for k in range(len(cmds))]
         self.procs: list[subprocess.Popen[bytes]] = []
         self.signalled: int | None = None
 
@@ -297,7 +343,7 @@ class Job:
                     if bad:
                         first_bad = self._status(bad[0])
                         others = any(p.poll() is None for p in self.procs)
-                        print(f"netbed: host {bad[0]} exited with status {first_bad}"
+                        print(f"netbed: {self.names[bad[0]]} exited with status {first_bad}"
                               + ("; stopped the other hosts" if others else ""),
                               file=sys.stderr, flush=True)
                         self._stop()
@@ -362,6 +408,8 @@ def parser() -> argparse.ArgumentParser:
                    help="link rate per host and direction, tc units (default 1gbit)")
     p.add_argument("--burst", type=int, default=None, metavar="BYTES",
                    help="tbf bucket in bytes (default: 1 ms of traffic, at least 256 KiB)")
+    p.add_argument("--mpi", action="store_true",
+                   help="run the ranks with mpiexec (MPICH over TCP) instead of the launcher")
     p.add_argument("--no-pin", action="store_true",
                    help="do not pin each host's processes to its share of the cores")
     p.add_argument("--probe", action="store_true",
@@ -397,6 +445,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if missing:
         ap.error(f"{' and '.join(missing)} not found (install iproute2)")
 
+    mpiexec = None
+    if args.mpi:
+        beside = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+        mpiexec = beside if os.path.exists(beside) else shutil.which("mpiexec")
+        if mpiexec is None:
+            ap.error("--mpi: no mpiexec next to this interpreter or on PATH")
+
     stale = remove_stale()
     if stale:
         print(f"netbed: removed the namespaces of earlier testbeds that no longer run: "
@@ -409,19 +464,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     try:
         print(f"netbed: {args.hosts} hosts x {args.nproc_per_host} ranks, links {bed.rate} "
-              f"(tbf burst {burst}), bitcoll TCP"
+              f"(tbf burst {burst}), {'mpiexec (MPICH over TCP)' if args.mpi else 'bitcoll TCP'}"
               + ("" if args.no_pin else ", hosts pinned to their share of the cores"),
               flush=True)
         if args.probe:
             print(f"netbed: probe host 1 -> host 0: {probe(bed):.3f} Gbit/s", flush=True)
         env = dict(os.environ)
         env.setdefault("GLOO_SOCKET_IFNAME", "eth0")
-        cmds = [host_command(bed, k, args.nproc_per_host, target, args.grace_period)
-                for k in range(args.hosts)]
         cpus = None
         if not args.no_pin:
             usable = sorted(os.sched_getaffinity(0))
             cpus = [host_cpus(k, args.hosts, usable) for k in range(args.hosts)]
+        if mpiexec is not None:
+            cmd = mpi_command(bed, mpiexec, args.nproc_per_host, target, cpus)
+            return Job([cmd], mpi_env(env), args.grace_period, names=["mpiexec"]).run()
+        cmds = [host_command(bed, k, args.nproc_per_host, target, args.grace_period)
+                for k in range(args.hosts)]
         return Job(cmds, env, args.grace_period, cpus).run()
     finally:
         bed.remove()

@@ -1,4 +1,5 @@
-"""Run the loopback comparison matrix of the OSU-style tools and write ``results/*.txt``.
+"""Run the comparison matrix of the OSU-style tools (on loopback, or on the emulated Ethernet
+testbed) and write ``results/*.txt``.
 
 Usage::
 
@@ -6,9 +7,13 @@ Usage::
     python bench/run_all.py --quick             # every 4th size, sign run at 64M only
     python bench/run_all.py --ranks 4 --impls bitcoll-tcp,gloo --sizes 64M:256M --repeat 3
     python bench/run_all.py --dry-run           # print the commands only
+    python bench/run_all.py --netbed 1gbit --ranks 4 --out results/netbed_1gbit
 
 The matrix (run with the interpreter running this script and the ``mpiexec`` next to it; every
-rank gets ``NUMBA_NUM_THREADS=1``, ``OMP_NUM_THREADS=1``, ``MKL_NUM_THREADS=1``):
+rank gets ``NUMBA_NUM_THREADS=1``, ``OMP_NUM_THREADS=1``, ``MKL_NUM_THREADS=1``; with
+``--netbed RATE`` every ``python -m launch -n P`` below becomes ``python bench/netbed.py
+--hosts P --rate RATE`` and every ``mpiexec -n P python`` becomes ``python bench/netbed.py
+--mpi --hosts P --rate RATE``, one emulated host per rank):
 
 ======================= ======================================================================
 ``bitcoll-tcp``         ``python -m launch -n P bench/osu_allreduce.py --impl bitcoll``
@@ -70,27 +75,42 @@ def mpiexec() -> str:
     return str(local) if local.exists() else "mpiexec"
 
 
-def allreduce_command(impl: str, p: int, tool_args: Sequence[str]) -> list[str]:
-    """The command line of one all-reduce run of ``impl`` (see the module docstring)."""
-    py, tool = sys.executable, "bench/osu_allreduce.py"
+def _tcp(p: int, netbed: str | None) -> list[str]:
+    """How ``p`` TCP ranks are started: the launcher, or one testbed host each."""
+    if netbed is None:
+        return [sys.executable, "-m", "launch", "-n", str(p)]
+    return [sys.executable, "bench/netbed.py", "--hosts", str(p), "--rate", netbed]
+
+
+def _mpi(p: int, netbed: str | None) -> list[str]:
+    """How ``p`` MPI ranks are started: mpiexec, or mpiexec across testbed hosts."""
+    if netbed is None:
+        return [mpiexec(), "-n", str(p), sys.executable]
+    return [sys.executable, "bench/netbed.py", "--mpi", "--hosts", str(p), "--rate", netbed]
+
+
+def allreduce_command(impl: str, p: int, tool_args: Sequence[str],
+                      netbed: str | None = None) -> list[str]:
+    """The command line of one all-reduce run of ``impl`` (see the module docstring), on the
+    emulated Ethernet testbed with links of rate ``netbed`` when given."""
+    tool = "bench/osu_allreduce.py"
     if impl == "bitcoll-tcp":
-        return [py, "-m", "launch", "-n", str(p), tool, "--impl", "bitcoll", *tool_args]
+        return [*_tcp(p, netbed), tool, "--impl", "bitcoll", *tool_args]
     if impl == "bitcoll-tcp-inplace":
-        return [py, "-m", "launch", "-n", str(p), tool, "--impl", "bitcoll", "--inplace",
-                *tool_args]
+        return [*_tcp(p, netbed), tool, "--impl", "bitcoll", "--inplace", *tool_args]
     if impl == "bitcoll-mpi":
-        return [mpiexec(), "-n", str(p), py, tool, "--impl", "bitcoll", *tool_args]
+        return [*_mpi(p, netbed), tool, "--impl", "bitcoll", *tool_args]
     if impl == "mpi4py":
-        return [mpiexec(), "-n", str(p), py, tool, "--impl", "mpi4py", *tool_args]
+        return [*_mpi(p, netbed), tool, "--impl", "mpi4py", *tool_args]
     if impl == "gloo":
-        return [py, "-m", "launch", "-n", str(p), tool, "--impl", "gloo", *tool_args]
+        return [*_tcp(p, netbed), tool, "--impl", "gloo", *tool_args]
     raise ValueError(f"unknown impl {impl!r}")
 
 
-def sign_command(p: int, tool_args: Sequence[str]) -> list[str]:
+def sign_command(p: int, tool_args: Sequence[str], netbed: str | None = None) -> list[str]:
     """The command line of the sign_allreduce run on ``p`` TCP ranks."""
-    return [sys.executable, "-m", "launch", "-n", str(p), "bench/osu_sign_allreduce.py",
-            "--compare-float32", "--floor", "--algorithm", "default,allgather", *tool_args]
+    return [*_tcp(p, netbed), "bench/osu_sign_allreduce.py", "--compare-float32", "--floor",
+            "--algorithm", "default,allgather", *tool_args]
 
 
 def run(cmd: list[str], timeout: float, dry_run: bool) -> tuple[bool, str, float]:
@@ -141,7 +161,7 @@ def _min_latency(rows: list[dict[str, object]], n: int, variant: str) -> float |
 
 
 def summarize(by_p: dict[int, dict[str, list[osu.Table]]], sign: dict[int, list[osu.Table]],
-              rounds: int) -> str:
+              rounds: int, where: str = "loopback") -> str:
     """The text of ``summary.txt`` (OSU-style tables readable by :func:`osu.parse_tables`)."""
     lines: list[str] = []
     rep = osu.Report(0, print_fn=lines.append)
@@ -152,14 +172,14 @@ def summarize(by_p: dict[int, dict[str, list[osu.Table]]], sign: dict[int, list[
         ratios = [(a, b) for a, b in RATIOS if a in impls and b in impls]
         lat_cols = [osu.Column("Size", 10, "d")]
         lat_cols += [osu.Column(f"{i}(us)", 18, ".2f") for i in impls]
-        rep.start(f"bitcoll loopback all-reduce latency, {osu.ranks(p)}",
+        rep.start(f"bitcoll {where} all-reduce latency, {osu.ranks(p)}",
                   ["float32 sum; lowest average latency (us) of each implementation and size "
                    f"over {rounds} round(s)"], lat_cols, ranks=p)
         for s in sizes:
             rep.row(s, *[_value(best[i].get(s), "Avg Latency(us)") for i in impls])
         cpu_cols = [osu.Column("Size", 10, "d")]
         cpu_cols += [osu.Column(f"{i}(us)", 18, ".0f") for i in impls]
-        rep.start(f"bitcoll loopback all-reduce CPU time per call, {osu.ranks(p)}",
+        rep.start(f"bitcoll {where} all-reduce CPU time per call, {osu.ranks(p)}",
                   ["process CPU time (all threads, user + system) per call and rank, of the "
                    "rounds above; it includes busy-polling (MPICH spins while it waits) and "
                    "hardly depends on other load"], cpu_cols, ranks=p)
@@ -168,7 +188,7 @@ def summarize(by_p: dict[int, dict[str, list[osu.Table]]], sign: dict[int, list[
         cols = [osu.Column("Size", 10, "d")]
         cols += [osu.Column(f"{i}(GB/s)", 18, ".3f") for i in impls]
         cols += [osu.Column(f"{a}/{b}", 20, ".2f") for a, b in ratios]
-        rep.start(f"bitcoll loopback all-reduce bus bandwidth, {osu.ranks(p)}",
+        rep.start(f"bitcoll {where} all-reduce bus bandwidth, {osu.ranks(p)}",
                   ["float32 sum; BusBW = Size / Avg * 2(p-1)/p (GB/s) of the round with the "
                    f"lowest average latency of each implementation and size, out of {rounds} "
                    "round(s); a/b = speed of a / speed of b (latency ratio)"], cols, ranks=p)
@@ -188,7 +208,7 @@ def summarize(by_p: dict[int, dict[str, list[osu.Table]]], sign: dict[int, list[
                 osu.Column("allgather(us)", 16, ".1f"), osu.Column("floor(us)", 14, ".1f"),
                 osu.Column("vs-float32", 12, ".2f"), osu.Column("vs-allgather", 14, ".2f"),
                 osu.Column("floor-vs-float32", 18, ".2f")]
-        rep.start(f"bitcoll loopback majority sign_allreduce, {osu.ranks(p)}",
+        rep.start(f"bitcoll {where} majority sign_allreduce, {osu.ranks(p)}",
                   ["best latency over rounds of float32/allreduce, majority/default, "
                    "majority/allgather and floor/pack+unpack (local packing and unpacking "
                    "only: the bound of any sign all-reduce on this machine); vs-X = X "
@@ -227,6 +247,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--nice", type=int, default=0,
                    help="run every job under `nice -n NICE` (negative: higher priority, root "
                         "only; reduces interference from other work on the machine)")
+    p.add_argument("--netbed", metavar="RATE", default=None,
+                   help="run everything on the emulated Ethernet testbed (bench/netbed.py), "
+                        "one host per rank, links of RATE (e.g. 1gbit; root only)")
     p.add_argument("--dry-run", action="store_true", help="print the commands only")
     return p
 
@@ -281,15 +304,17 @@ def main(argv: list[str] | None = None) -> int:
         for p in ranks:
             order = impls if k % 2 == 0 else list(reversed(impls))
             for impl in order:
-                cmd = allreduce_command(impl, p, ["-m", sizes, *common])
+                cmd = allreduce_command(impl, p, ["-m", sizes, *common], args.netbed)
                 tables = record(f"allreduce_{impl}_np{p}", cmd)
                 by_p.setdefault(p, {}).setdefault(impl, []).extend(tables)
         for p in sign_ranks:
-            tables = record(f"sign_np{p}", sign_command(p, ["-m", sign_sizes, *common]))
+            tables = record(f"sign_np{p}",
+                            sign_command(p, ["-m", sign_sizes, *common], args.netbed))
             sign.setdefault(p, []).extend(tables)
 
     if not args.dry_run:
-        text = summarize(by_p, sign, args.repeat)
+        where = "loopback" if args.netbed is None else f"{args.netbed} netbed"
+        text = summarize(by_p, sign, args.repeat, where)
         (out_dir / "summary.txt").write_text(text)
         print(text, end="")
     print(f"total {time.monotonic() - t_start:.0f} s; {len(failed)} failed run(s)", flush=True)

@@ -292,6 +292,15 @@ def test_run_all_dry_run_lists_the_matrix(tmp_path: Path) -> None:
     assert sum("mpiexec -n 2" in c and "--impl mpi4py" in c for c in cmds) == 1
     assert "osu_sign_allreduce.py --compare-float32 --floor --algorithm default,allgather -m 64M" \
         in cmds[-1]
+    out = run([PY, "bench/run_all.py", "--dry-run", "--quick", "--netbed", "1gbit", "--ranks",
+               "3", "--out", str(tmp_path)])
+    cmds = [line[2:] for line in out.splitlines() if line.startswith("+ ")]
+    assert len(cmds) == 5 + 1
+    assert sum("bench/netbed.py --hosts 3 --rate 1gbit bench/osu_allreduce.py --impl gloo" in c
+               for c in cmds) == 1
+    assert sum("bench/netbed.py --mpi --hosts 3 --rate 1gbit bench/osu_allreduce.py --impl "
+               "mpi4py" in c for c in cmds) == 1
+    assert "netbed.py --hosts 4 --rate 1gbit bench/osu_sign_allreduce.py" in cmds[-1]
 
 
 def test_run_all_summary_from_tables() -> None:

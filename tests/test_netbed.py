@@ -209,3 +209,30 @@ def test_failing_host_stops_the_job_and_namespaces_go(tmp_path: Path) -> None:
     assert "rank 1" in err and "exited with status 3" in err
     assert "netbed: host 1 exited with status 3; stopped the other hosts" in err
     assert ours(pid) == []
+
+
+def test_mpi_command_is_one_mpmd_mpiexec() -> None:
+    bed = netbed.Testbed(2, "1gbit", 300000, "bitcollnet7")
+    cmd = netbed.mpi_command(bed, "mpiexec", 2, ["x.py", "-v"], [[0], [1]])
+    segments = " ".join(cmd[3:]).split(" : ")
+    assert cmd[:3] == ["mpiexec", "-launcher", "fork"] and len(segments) == 2
+    for k, seg in enumerate(segments):
+        assert seg.startswith("-n 2 ")
+        assert f" {k} ip netns exec bitcollnet7-h{k} {PY} x.py -v" in seg
+    env = netbed.mpi_env({"UCX_TLS": "tcp"})
+    assert env["UCX_TLS"] == "tcp" and env["MPIR_CVAR_NOLOCAL"] == "1"
+
+
+@needs_netns
+@pytest.mark.timeout(180)
+def test_mpi_job_across_shaped_links() -> None:
+    rc, out, err, pid = run_bed(["--mpi", "--hosts", "2", "--rate", "1gbit",
+                                 "bench/osu_allreduce.py", "--impl", "mpi4py", "-m", "1K,64K",
+                                 "--check", *SMALL])
+    assert rc == 0, out + err
+    assert out.startswith("netbed: 2 hosts x 1 ranks, links 1gbit (tbf burst 262144), "
+                          "mpiexec (MPICH over TCP)")
+    (table,) = osu.parse_tables(out)
+    assert "2 ranks" in table.title
+    assert [r["Size"] for r in table.rows] == [1024, 65536]
+    assert ours(pid) == []
