@@ -8,6 +8,7 @@ Usage (as root; needs iproute2's ``ip`` and ``tc``)::
     python bench/netbed.py --hosts 2 --rate 10gbit bench/osu_allreduce.py --impl gloo
     python bench/netbed.py --hosts 4 --rate 1gbit --probe train.py --steps 50
     python bench/netbed.py --hosts 3 --rate 1gbit -m some.module args...
+    python bench/netbed.py --hosts 2 --rate 10gbit --probe        # only measure a link
 
 Topology
 --------
@@ -424,7 +425,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     own, target = _split(args_in)
     ap = parser()
     args = ap.parse_args(own)
-    if not target or target == ["-m"]:
+    if target == ["-m"] or (not target and not args.probe):
         ap.error("give the script (or -m module) to run and its arguments")
     if not 1 <= args.hosts <= MAX_HOSTS:
         ap.error(f"--hosts must be in [1, {MAX_HOSTS}], got {args.hosts}")
@@ -469,6 +470,8 @@ def main(argv: Sequence[str] | None = None) -> int:
               flush=True)
         if args.probe:
             print(f"netbed: probe host 1 -> host 0: {probe(bed):.3f} Gbit/s", flush=True)
+        if not target:
+            return 0
         env = dict(os.environ)
         env.setdefault("GLOO_SOCKET_IFNAME", "eth0")
         cpus = None
