@@ -190,13 +190,14 @@ def test_links_are_shaped_hosts_pinned_stale_namespaces_removed(tmp_path: Path) 
     for k in range(2):
         assert f"[rank {k}] cpus {netbed.host_cpus(k, 2, usable)}" in out
 
-    rc, out, err, pid = run_bed(["--hosts", "2", "--rate", "1gbit", "--probe"])  # probe only
-    assert rc == 0, out + err
-    assert "netbed: probe host 1 -> host 0: " in out and "[rank" not in out
-    assert ours(pid) == []
     line = next(ln for ln in out.splitlines() if ln.startswith("netbed: probe"))
     gbits = float(line.split(": ")[-1].split()[0])
     assert 0 < gbits <= 0.4 * 1.05, line  # tbf never lets TCP exceed the configured rate
+    assert ours(pid) == []
+
+    rc, out, err, pid = run_bed(["--hosts", "2", "--rate", "1gbit", "--probe"])  # probe only
+    assert rc == 0, out + err
+    assert "netbed: probe host 1 -> host 0: " in out and "[rank" not in out
     assert ours(pid) == []
 
 
