@@ -337,21 +337,19 @@ class Job:
                     cmd, env=self.env, stdin=subprocess.DEVNULL,
                     preexec_fn=None if pin is None else lambda c=pin: os.sched_setaffinity(0, c)))
             first_bad: int | None = None
-            while [p.poll() for p in self.procs].count(None):
-                if first_bad is None:
-                    bad = [k for k, p in enumerate(self.procs)
-                           if p.returncode not in (None, 0)]
-                    if bad:
-                        first_bad = self._status(bad[0])
-                        others = any(p.poll() is None for p in self.procs)
-                        print(f"netbed: {self.names[bad[0]]} exited with status {first_bad}"
-                              + ("; stopped the other hosts" if others else ""),
-                              file=sys.stderr, flush=True)
-                        self._stop()
+            while True:
+                running = [p.poll() for p in self.procs].count(None)
+                bad = [k for k, p in enumerate(self.procs) if p.returncode not in (None, 0)]
+                if first_bad is None and bad:
+                    first_bad = self._status(bad[0])
+                    print(f"netbed: {self.names[bad[0]]} exited with status {first_bad}"
+                          + ("; stopped the other hosts" if running else ""),
+                          file=sys.stderr, flush=True)
+                    self._stop()
+                if not running:
+                    break
                 time.sleep(POLL_SECONDS)
-            if first_bad is None:
-                first_bad = next((self._status(k) for k, p in enumerate(self.procs)
-                                  if p.returncode != 0), 0)
+            first_bad = first_bad or 0
             if first_bad == 0 and self.signalled is not None:
                 return 128 + self.signalled
             return first_bad
