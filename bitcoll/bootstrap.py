@@ -73,7 +73,7 @@ def init(backend: str = "auto", timeout: float = DEFAULT_TIMEOUT,
 
     ``backend``: "auto", "mpi", "tcp" or "local" (see the module docstring). ``timeout``:
     the default deadline in seconds of every blocking operation, connection set-up included.
-    ``segment_bytes``: the wire segment size of the dense ring algorithms (default 8 MiB);
+    ``segment_bytes``: the wire segment size of the dense ring algorithms (default 32 MiB);
     ``packed_segment_bytes``: that of the packed-bit pipelines (default 1 MiB). Every rank
     must pass the same values.
 
