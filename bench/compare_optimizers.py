@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import netbed as netbed_tool
 import osu  # sibling scripts, not a package
 import plot_curves
 
@@ -89,8 +90,7 @@ def launch_command(launcher: str, ranks: int, train_args: Sequence[str],
     emulated Ethernet testbed with links of rate ``netbed`` when given; TCP only)."""
     py = sys.executable
     if netbed is not None:
-        return [py, str(ROOT / "bench" / "netbed.py"), "--hosts", str(ranks), "--rate", netbed,
-                str(TRAIN), *train_args]
+        return [*netbed_tool.invocation(ranks, netbed), str(TRAIN), *train_args]
     if launcher == "tcp":
         return [py, "-m", "launch", "-n", str(ranks), str(TRAIN), *train_args]
     mpiexec = Path(py).with_name("mpiexec")

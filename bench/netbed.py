@@ -81,6 +81,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from types import FrameType
 
+from launch.__main__ import exit_status
+
 PREFIX = "bitcollnet"
 _OURS = re.compile(rf"^{PREFIX}(\d+)-(sw|h\d+)$")
 SUBNET = "10.99.0"
@@ -206,6 +208,13 @@ def remove_stale() -> list[str]:
     for ns in stale:
         subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)
     return stale
+
+
+def invocation(hosts: int, rate: str, mpi: bool = False) -> list[str]:
+    """The command line prefix that runs a job on a testbed of ``hosts`` hosts with links of
+    ``rate`` (``mpi``: ranks started by mpiexec); append the script and its arguments."""
+    return [sys.executable, os.path.abspath(__file__), *(["--mpi"] if mpi else []),
+            "--hosts", str(hosts), "--rate", rate]
 
 
 def host_cpus(k: int, hosts: int, cores: Sequence[int]) -> list[int]:
@@ -341,7 +350,7 @@ class Job:
                 running = [p.poll() for p in self.procs].count(None)
                 bad = [k for k, p in enumerate(self.procs) if p.returncode not in (None, 0)]
                 if first_bad is None and bad:
-                    first_bad = self._status(bad[0])
+                    first_bad = exit_status(self.procs[bad[0]].returncode)
                     print(f"netbed: {self.names[bad[0]]} exited with status {first_bad}"
                           + ("; stopped the other hosts" if running else ""),
                           file=sys.stderr, flush=True)
@@ -357,11 +366,6 @@ class Job:
             self._stop()
             for s, h in old.items():
                 signal.signal(s, h)
-
-    def _status(self, k: int) -> int:
-        """Host ``k``'s launcher's exit status (``128 + n`` for signal ``n``)."""
-        rc = self.procs[k].returncode
-        return 128 - rc if rc < 0 else rc
 
     def _stop(self) -> None:
         """SIGTERM the launchers still running, SIGKILL after the grace period."""

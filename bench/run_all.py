@@ -51,6 +51,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+import netbed as netbed_tool
 import osu
 
 BENCH = Path(__file__).resolve().parent
@@ -79,14 +80,14 @@ def _tcp(p: int, netbed: str | None) -> list[str]:
     """How ``p`` TCP ranks are started: the launcher, or one testbed host each."""
     if netbed is None:
         return [sys.executable, "-m", "launch", "-n", str(p)]
-    return [sys.executable, "bench/netbed.py", "--hosts", str(p), "--rate", netbed]
+    return netbed_tool.invocation(p, netbed)
 
 
 def _mpi(p: int, netbed: str | None) -> list[str]:
     """How ``p`` MPI ranks are started: mpiexec, or mpiexec across testbed hosts."""
     if netbed is None:
         return [mpiexec(), "-n", str(p), sys.executable]
-    return [sys.executable, "bench/netbed.py", "--mpi", "--hosts", str(p), "--rate", netbed]
+    return netbed_tool.invocation(p, netbed, mpi=True)
 
 
 def allreduce_command(impl: str, p: int, tool_args: Sequence[str],
