@@ -1,0 +1,178 @@
+"""Job secrets and HMAC proofs for the TCP backend (store connections and peer hellos).
+
+Threat model: the job's own processes are trusted; other local users and the network are not.
+Every connection a rank accepts or makes (to the rendezvous store, to a peer) starts with a
+challenge-response in which both ends prove that they know the job's *secret*, over fresh
+nonces from both sides, so that neither a replayed nor a relayed handshake verifies. No
+secret ever crosses a socket.
+
+Where the secret comes from (:func:`job_secret`, in this order):
+
+1. ``BITCOLL_SECRET``: any non-empty string, the same on every rank. ``python -m launch``
+   generates one per job (single node) and passes it to its ranks; users of other launchers
+   set it themselves for multi-host jobs.
+2. ``BITCOLL_INSECURE=1``: no secret (the proofs are computed with an empty key, i.e. they
+   prove nothing). For a trusted network only; documented as an explicit opt-out.
+3. Otherwise a *secret file*: rank 0 writes 32 random bytes into a new file that only its user
+   can read (:class:`SecretFile`, mode 0600 in a 0700 directory) and tells the other ranks its
+   path (the path is not secret). A rank that cannot read the file, or finds it owned by
+   another user or readable by others, refuses to start: its ranks are then on several hosts
+   and need ``BITCOLL_SECRET``.
+
+The proof is ``HMAC-SHA256(secret, label || fields)`` where every field is length-prefixed, so
+that no two different field lists give the same message. Labels name the role of the message
+("store-client", "hello-accept", ...), which binds the direction.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import hmac
+import os
+import secrets
+import stat
+import struct
+import tempfile
+from typing import Final
+
+from ..errors import UsageError
+
+__all__ = [
+    "SECRET_ENV",
+    "INSECURE_ENV",
+    "NONCE_BYTES",
+    "MAC_BYTES",
+    "mac",
+    "verify",
+    "new_nonce",
+    "env_secret",
+    "SecretFile",
+    "read_secret_file",
+]
+
+SECRET_ENV: Final = "BITCOLL_SECRET"
+INSECURE_ENV: Final = "BITCOLL_INSECURE"
+#: Bytes of every nonce (128 bits: never repeats).
+NONCE_BYTES: Final = 16
+#: Bytes of every proof (HMAC-SHA256).
+MAC_BYTES: Final = 32
+#: Bytes of a generated secret.
+SECRET_BYTES: Final = 32
+#: The key of an insecure job (``BITCOLL_INSECURE=1``): proves nothing.
+INSECURE_SECRET: Final = b""
+
+_LEN: Final = struct.Struct("<I")
+
+
+def _field(value: bytes | str | int) -> bytes:
+    if isinstance(value, int):
+        raw = str(value).encode("ascii")
+    elif isinstance(value, str):
+        raw = value.encode("utf-8")
+    else:
+        raw = bytes(value)
+    return _LEN.pack(len(raw)) + raw
+
+
+def mac(secret: bytes, label: str, *fields: bytes | str | int) -> bytes:
+    """``HMAC-SHA256(secret, label, fields...)`` with every part length-prefixed
+    (:data:`MAC_BYTES` bytes)."""
+    msg = _field(label) + b"".join(_field(f) for f in fields)
+    return hmac.new(secret, msg, hashlib.sha256).digest()
+
+
+def verify(secret: bytes, proof: bytes, label: str, *fields: bytes | str | int) -> bool:
+    """True when ``proof`` is :func:`mac` of the same inputs (constant-time comparison)."""
+    return hmac.compare_digest(bytes(proof), mac(secret, label, *fields))
+
+
+def new_nonce() -> bytes:
+    """A fresh random nonce of :data:`NONCE_BYTES` bytes."""
+    return secrets.token_bytes(NONCE_BYTES)
+
+
+def env_secret(environ: dict[str, str] | None = None) -> bytes | None:
+    """The secret the environment gives: ``BITCOLL_SECRET`` (UTF-8), :data:`INSECURE_SECRET`
+    with ``BITCOLL_INSECURE=1``, or None when neither is set (a secret file is then used).
+
+    Raises UsageError for an empty ``BITCOLL_SECRET`` or a ``BITCOLL_INSECURE`` other than
+    ``0``/``1``."""
+    env = os.environ if environ is None else environ
+    if SECRET_ENV in env:
+        value = env[SECRET_ENV]
+        if not value:
+            raise UsageError(f"{SECRET_ENV} is set but empty; set it to the same non-empty "
+                             "string on every rank, or unset it")
+        return value.encode("utf-8")
+    insecure = env.get(INSECURE_ENV, "0")
+    if insecure not in ("0", "1", ""):
+        raise UsageError(f"{INSECURE_ENV} must be 0 or 1, got {insecure!r}")
+    if insecure == "1":
+        return INSECURE_SECRET
+    return None
+
+
+def _private_dir() -> str:
+    """A directory only this user can enter (created with mode 0700 if needed)."""
+    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) \
+        else tempfile.gettempdir()
+    path = os.path.join(base, f"bitcoll-{os.getuid()}")
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path, 0o700)
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        # Someone else owns the name (or it is a link): use a fresh private directory.
+        return tempfile.mkdtemp(prefix="bitcoll-")
+    return path
+
+
+class SecretFile:
+    """A fresh random secret in a file only this user can read (rank 0's side).
+
+    ``SecretFile()`` creates the file (``O_EXCL``, mode 0600, random name in a private
+    directory); :attr:`secret` is its content and :attr:`path` its name, to be published to the
+    other ranks. :meth:`remove` deletes it (idempotent), once every rank has read it.
+    """
+
+    def __init__(self) -> None:
+        self.secret = secrets.token_bytes(SECRET_BYTES)
+        self.path = os.path.join(_private_dir(), f"secret-{secrets.token_hex(16)}")
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        try:
+            os.write(fd, self.secret)
+        finally:
+            os.close(fd)
+
+    def remove(self) -> None:
+        """Delete the file. Idempotent; never raises."""
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)
+
+
+def read_secret_file(path: str) -> bytes:
+    """Read a secret written by :class:`SecretFile` (the other ranks' side).
+
+    Raises UsageError when the file cannot be read (another host: the message says to set
+    ``BITCOLL_SECRET``), is not a regular file, is owned by another user, can be read by
+    others, or does not hold exactly :data:`SECRET_BYTES` bytes."""
+    hint = (f"the job's ranks seem to run on several hosts: set {SECRET_ENV} to the same "
+            f"non-empty string on every rank (or {INSECURE_ENV}=1 on a trusted network)")
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError as exc:
+        raise UsageError(f"cannot read the job's secret file {path!r} made by rank 0 "
+                         f"({exc.strerror}); {hint}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+            raise UsageError(f"the job's secret file {path!r} is not a private file of this "
+                             f"user (uid {st.st_uid}, mode {st.st_mode & 0o777:o}); refusing "
+                             f"it; {hint}")
+        data = os.read(fd, SECRET_BYTES + 1)
+    finally:
+        os.close(fd)
+    if len(data) != SECRET_BYTES:
+        raise UsageError(f"the job's secret file {path!r} holds {len(data)} bytes, expected "
+                         f"{SECRET_BYTES}")
+    return data
