@@ -28,9 +28,14 @@ Host ``k`` runs ``python -m launch --nnodes H --node-rank k -n P --master-addr 1
 ``--nproc-per-host``, default 1), so the ranks get the launcher's environment contract
 (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ...; see ``python -m pydoc launch.__main__``),
 ``bitcoll.init()`` connects them over the shaped links, and every output line carries its
-``[rank R]`` prefix. ``GLOO_SOCKET_IFNAME=eth0`` is set (unless already set) so that
-torch.distributed's gloo uses the shaped interface too. Paths are taken relative to the
-current directory, as by ``python``.
+``[rank R]`` prefix. bitcoll's own store listens on ``--master-port + 1`` = 29401
+(``BITCOLL_MASTER_PORT``), so torch.distributed and bitcoll can share a script. The testbed
+generates one ``BITCOLL_SECRET`` for the whole job (unless its environment has one) and gives
+it to every host's launcher, so that the hosts' ranks authenticate each other; it is never
+printed. ``GLOO_SOCKET_IFNAME=eth0`` is set (unless already set) so that torch.distributed's
+gloo uses the shaped interface too. Paths are taken relative to the current directory, as by
+``python``. As with the launcher, the first argument that is not a testbed option is the
+script (``-m``: the module), and everything from there on goes to the ranks.
 
 CPU: the hosts share this machine's cores. Unless ``--no-pin``, host ``k``'s processes are
 pinned to its share of the usable cores ``C``: cores ``[k C / H, (k + 1) C / H)`` when there
@@ -58,13 +63,16 @@ the shaped links. ``bitcoll.init()`` then picks the MPI backend; ``bench/osu_all
 
 Exit status and clean-up
 ------------------------
-The job's status: 0 if every host's launcher exits 0, otherwise the first failing launcher's
-status (the others are stopped with SIGTERM, SIGKILL after ``--grace-period``). SIGINT or
-SIGTERM is forwarded to the job. The namespaces (and with them the links) are always removed
-before the testbed exits; those of a testbed that was killed with SIGKILL are removed by the
-next testbed that starts (it says so on stderr). Not root, no ``ip``/``tc``, or bad options:
-status 2 with a message; a testbed that cannot be built: status 1 with the failing command's
-error.
+The hosts' launchers (or the one ``mpiexec``) are supervised by the launcher's own
+supervisor (:mod:`launch.supervise`), each in a session of its own. The job's status: 0 if
+every host's launcher exits 0, otherwise the status of the launcher that failed first in time
+(the others are stopped with SIGTERM, SIGKILL ``--grace-period`` + 2 s later, which leaves
+their own launchers the ``--grace-period`` to stop their ranks first). SIGINT or SIGTERM is
+forwarded to the job once (a second one sends SIGKILL). The namespaces (and with them the
+links) are always removed before the testbed exits; those of a testbed that was killed with
+SIGKILL are removed by the next testbed that starts (it says so on stderr). Not root, no
+``ip``/``tc``, or bad options: status 2 with a message; a testbed that cannot be built (or a
+job that cannot be started): status 1 with the failing command's error.
 """
 
 from __future__ import annotations
@@ -72,26 +80,30 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import secrets
 import shutil
-import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from types import FrameType
 
-from launch.__main__ import exit_status
+from launch.supervise import Supervisor, describe_exit
 
 PREFIX = "bitcollnet"
 _OURS = re.compile(rf"^{PREFIX}(\d+)-(sw|h\d+)$")
 SUBNET = "10.99.0"
 MASTER_PORT = 29400
-PROBE_PORT = 29401
+#: Not MASTER_PORT + 1: the launchers give that one to bitcoll's store (BITCOLL_MASTER_PORT).
+PROBE_PORT = 29402
 PROBE_BYTES = 64 << 20
 MAX_HOSTS = 250
 DEFAULT_GRACE = 5.0
-POLL_SECONDS = 0.05
+#: The testbed waits this much longer than --grace-period before it SIGKILLs a launcher, so
+#: that the launcher has SIGKILLed its own ranks first (they run in sessions of their own and
+#: would outlive it).
+HOST_GRACE_MARGIN = 2.0
+SECRET_ENV = "BITCOLL_SECRET"
 _RATE = re.compile(r"^(\d+(?:\.\d+)?)(bit|kbit|mbit|gbit)$")
 _UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9}
 
@@ -231,6 +243,16 @@ _PIN = ("import os, sys\n"
 """Run as ``python -c _PIN 0,1 cmd args...``: pin to cores 0 and 1, then exec ``cmd``."""
 
 
+def job_environment(base: Mapping[str, str]) -> dict[str, str]:
+    """``base`` plus what every host's job gets (unless ``base`` has it): gloo on the shaped
+    interface (``GLOO_SOCKET_IFNAME=eth0``) and one fresh ``BITCOLL_SECRET`` shared by every
+    host's launcher."""
+    env = dict(base)
+    env.setdefault("GLOO_SOCKET_IFNAME", "eth0")
+    env.setdefault(SECRET_ENV, secrets.token_hex(32))
+    return env
+
+
 def mpi_env(env: dict[str, str]) -> dict[str, str]:
     """``env`` plus what makes MPICH use TCP on ``eth0`` between the namespaces (they share
     the hostname and /dev/shm, so MPICH would otherwise take its shared-memory path)."""
@@ -320,59 +342,55 @@ def probe(bed: Testbed) -> float:
 
 
 class Job:
-    """The hosts' launchers: start, supervise, stop."""
+    """The hosts' launchers (or one mpiexec): start them, supervise them with the launcher's
+    :class:`~launch.supervise.Supervisor`, report the first failure."""
 
     def __init__(self, cmds: list[list[str]], env: dict[str, str], grace: float,
                  cpus: list[list[int]] | None = None, names: list[str] | None = None) -> None:
         self.cmds, self.env, self.grace, self.cpus = cmds, env, grace, cpus
         self.names = names or [f"host {k}" for k in range(len(cmds))]
-        self.procs: list[subprocess.Popen[bytes]] = []
-        self.signalled: int | None = None
-
-    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        sig = signal.SIGKILL if self.signalled is not None else signum
-        self.signalled = signum
-        for p in self.procs:
-            if p.poll() is None:
-                p.send_signal(sig)
+        self.supervisor = Supervisor(grace + HOST_GRACE_MARGIN, group=False)
 
     def run(self) -> int:
         """Start every launcher and wait; return the job's exit status."""
-        old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            for k, cmd in enumerate(self.cmds):
-                pin = None if self.cpus is None else self.cpus[k]
-                self.procs.append(subprocess.Popen(
-                    cmd, env=self.env, stdin=subprocess.DEVNULL,
-                    preexec_fn=None if pin is None else lambda c=pin: os.sched_setaffinity(0, c)))
-            first_bad: int | None = None
-            while True:
-                running = [p.poll() for p in self.procs].count(None)
-                bad = [k for k, p in enumerate(self.procs) if p.returncode not in (None, 0)]
-                if first_bad is None and bad:
-                    first_bad = exit_status(self.procs[bad[0]].returncode)
-                    print(f"netbed: {self.names[bad[0]]} exited with status {first_bad}"
-                          + ("; stopped the other hosts" if running else ""),
-                          file=sys.stderr, flush=True)
-                    self._stop()
-                if not running:
-                    break
-                time.sleep(POLL_SECONDS)
-            first_bad = first_bad or 0
-            if first_bad == 0 and self.signalled is not None:
-                return 128 + self.signalled
-            return first_bad
-        finally:
-            self._stop()
-            for s, h in old.items():
-                signal.signal(s, h)
+        sup = self.supervisor
+        with sup.handle_signals():
+            procs: list[subprocess.Popen[bytes]] = []
+            try:
+                # Start them all before the supervisor's threads exist: preexec_fn is only
+                # safe in a process without other threads.
+                for k, cmd in enumerate(self.cmds):
+                    pin = None if self.cpus is None else self.cpus[k]
+                    procs.append(subprocess.Popen(
+                        cmd, env=self.env, stdin=subprocess.DEVNULL, start_new_session=True,
+                        preexec_fn=None if pin is None
+                        else lambda c=pin: os.sched_setaffinity(0, c)))
+            except OSError as exc:
+                print(f"netbed: cannot start the job: {exc}", file=sys.stderr, flush=True)
+                for p in procs:
+                    p.kill()
+                    p.wait()
+                return 1
+            for p in procs:
+                sup.add(p)
+            try:
+                outcome = sup.wait()
+            finally:
+                self._stop()
+        if outcome.failed is not None:
+            k, rc = outcome.failed
+            print(f"netbed: {self.names[k]} {describe_exit(rc)}"
+                  + ("; stopped the other hosts" if outcome.stopped else ""),
+                  file=sys.stderr, flush=True)
+        return outcome.status()
 
     def _stop(self) -> None:
-        """SIGTERM the launchers still running, SIGKILL after the grace period."""
-        live = [p for p in self.procs if p.poll() is None]
+        """Only left to do after an error in :meth:`run`: SIGTERM the launchers still running,
+        SIGKILL after the grace period."""
+        live = self.supervisor.running()
         for p in live:
             p.terminate()
-        deadline = time.monotonic() + self.grace
+        deadline = time.monotonic() + self.supervisor.grace_period
         for p in live:
             try:
                 p.wait(timeout=max(0.0, deadline - time.monotonic()))
@@ -381,27 +399,10 @@ class Job:
                 p.wait()
 
 
-def _split(argv: Sequence[str]) -> tuple[list[str], list[str]]:
-    """Split at the script (first positional) or ``-m module``: (testbed options, target)."""
-    takes_value = {"--hosts", "--rate", "--burst", "--nproc-per-host", "--grace-period"}
-    i = 0
-    while i < len(argv):
-        a = argv[i]
-        if a == "-m":
-            return list(argv[:i]), list(argv[i:])
-        if a in takes_value:
-            i += 2
-            continue
-        if a.startswith("-"):
-            i += 1
-            continue
-        return list(argv[:i]), list(argv[i:])
-    return list(argv), []
-
-
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="netbed", usage="netbed [options] (script.py | -m module) [args...]",
+        allow_abbrev=False,
         description="Run a bitcoll TCP job on an emulated Ethernet: one network namespace "
                     "per host, rate-limited links to a bridge (needs root and iproute2).")
     p.add_argument("--hosts", type=int, default=4, help="hosts (default 4)")
@@ -419,16 +420,30 @@ def parser() -> argparse.ArgumentParser:
                    help="measure one TCP stream host 1 -> host 0 before the job")
     p.add_argument("--grace-period", type=float, default=DEFAULT_GRACE, metavar="SECONDS",
                    help="time between SIGTERM and SIGKILL when stopping the job (default 5)")
+    p.add_argument("-m", "--module", action="store_true",
+                   help="run a library module as a script, like python -m")
+    p.add_argument("target", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     return p
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args_in = list(sys.argv[1:] if argv is None else argv)
-    own, target = _split(args_in)
-    ap = parser()
-    args = ap.parse_args(own)
-    if target == ["-m"] or (not target and not args.probe):
+def parse_command_line(ap: argparse.ArgumentParser, argv: Sequence[str]
+                       ) -> tuple[argparse.Namespace, list[str]]:
+    """The testbed's options and the job's target (``[script, args...]``, ``[-m, module,
+    args...]``, or ``[]`` for a probe only); exits 2 through ``ap.error`` on bad options."""
+    args = ap.parse_args(list(argv))
+    target: list[str] = args.target
+    if target and target[0] == "--":
+        target = target[1:]
+    if not target and (args.module or not args.probe):
         ap.error("give the script (or -m module) to run and its arguments")
+    if args.module:
+        target = ["-m", *target]
+    return args, target
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = parser()
+    args, target = parse_command_line(ap, sys.argv[1:] if argv is None else argv)
     if not 1 <= args.hosts <= MAX_HOSTS:
         ap.error(f"--hosts must be in [1, {MAX_HOSTS}], got {args.hosts}")
     if args.nproc_per_host < 1:
@@ -474,8 +489,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"netbed: probe host 1 -> host 0: {probe(bed):.3f} Gbit/s", flush=True)
         if not target:
             return 0
-        env = dict(os.environ)
-        env.setdefault("GLOO_SOCKET_IFNAME", "eth0")
+        env = job_environment(os.environ)
         cpus = None
         if not args.no_pin:
             usable = sorted(os.sched_getaffinity(0))

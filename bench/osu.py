@@ -13,10 +13,15 @@ what they share:
   ``--min-iterations`` and ``--iterations``.
 * **Timing** (:func:`time_loop`): warm-up calls, a barrier, then one timed loop of
   ``iterations`` calls. A rank's latency is its loop time divided by the iteration count;
-  the table shows the average, minimum and maximum of that latency over the ranks (gathered
-  after the loop, outside the timed region), and ``CPU(us)``: the process CPU time (all
-  threads, user + system) per call averaged over ranks, a figure that other load on the
-  machine hardly changes.
+  the table shows the average of that latency over the ranks (gathered after the loop,
+  outside the timed region), and ``CPU(us)``: the process CPU time (all threads, user +
+  system) per call averaged over ranks, a figure that other load on the machine hardly
+  changes. With ``-f``/``--full`` (OSU's full statistics) the minimum and maximum latency
+  over the ranks and the iteration count follow the average, in OSU's column order
+  (:func:`latency_columns`): ``Size  Avg Latency(us)  Min Latency(us)  Max Latency(us)
+  Iterations``.
+* **Element sizes**: a byte size that is not a whole number of the tool's elements is
+  rejected (:func:`check_whole_elements`, exit status 2), never rounded.
 * **Bandwidth**, as nccl-tests defines it: ``AlgBW = S / t`` with ``S`` the collective's data
   size (:func:`data_bytes`) and ``t`` the average latency, and ``BusBW = AlgBW * factor``
   (:func:`bus_factor`: ``2 (p - 1) / p`` for all-reduce, ``(p - 1) / p`` for reduce-scatter,
@@ -24,7 +29,10 @@ what they share:
 * **Output** (:class:`Report`, rank 0 only): OSU-style text tables (comment lines starting
   with ``#``, a column header line, one row per size; columns are separated by at least two
   spaces in the header and by whitespace in the rows, a missing value is ``-``), read back by
-  :func:`parse_tables`; ``--json PATH`` writes the same tables as JSON.
+  :func:`parse_tables`; ``--json PATH`` writes the same tables as JSON, read back by
+  :func:`load_tables`. Under the launcher, ``--no-prefix`` (or :func:`strip_rank_prefix`)
+  leaves output that any OSU-format reader takes: ``#`` lines, then rows whose first column
+  is the size in bytes and whose second is the average latency in microseconds.
 * **Runtimes** (:class:`Runtime`): the process group a tool measures with: bitcoll
   (:func:`bitcoll.init`, backend chosen from the environment), mpi4py's ``COMM_WORLD`` or
   torch.distributed with gloo.
@@ -71,6 +79,10 @@ __all__ = [
     "IMPLS",
     "add_common_args",
     "agree",
+    "check_whole_elements",
+    "latency_columns",
+    "latency_values",
+    "load_tables",
     "bus_factor",
     "data_bytes",
     "gbps",
@@ -230,9 +242,37 @@ def add_common_args(parser: argparse.ArgumentParser, default_sizes: str,
                         help="also write the tables as JSON to PATH (rank 0)")
     parser.add_argument("-c", "--check", action="store_true",
                         help="validate the result once per size (not timed)")
+    parser.add_argument("-f", "--full", action="store_true",
+                        help="full statistics (as OSU's -f): also the minimum and maximum "
+                             "latency over the ranks and the iteration count")
     parser.add_argument("--timeout", type=float, default=300.0,
                         help="deadline in seconds of every collective and of the set-up "
                              "(bitcoll and gloo; default 300)")
+
+
+def check_whole_elements(parser: argparse.ArgumentParser, sizes: Sequence[int],
+                         itemsize: int, dtype: str) -> None:
+    """Exit with status 2 (``parser.error``) unless every byte size in ``sizes`` is a
+    positive whole number of ``itemsize``-byte ``dtype`` elements."""
+    for s in sizes:
+        if s < itemsize or s % itemsize:
+            parser.error(f"size {s} bytes is not a whole number of {dtype} elements "
+                         f"({itemsize} bytes each); use a positive multiple of {itemsize}")
+
+
+def latency_columns(full: bool) -> list[Column]:
+    """The latency columns in OSU's order: the average, and with ``full`` (``-f``) the
+    minimum, the maximum (over ranks, microseconds) and the iteration count."""
+    cols = [Column("Avg Latency(us)", 18, ".2f")]
+    if full:
+        cols += [Column("Min Latency(us)", 18, ".2f"), Column("Max Latency(us)", 18, ".2f"),
+                 Column("Iterations", 12, "d")]
+    return cols
+
+
+def latency_values(t: Timing, full: bool) -> list[Any]:
+    """The cells of :func:`latency_columns` for ``t``."""
+    return [t.avg_us, t.min_us, t.max_us, t.iterations] if full else [t.avg_us]
 
 
 def schedule_from_args(args: argparse.Namespace) -> Schedule:
@@ -598,6 +638,14 @@ class Report:
         with open(self.json_path, "w", encoding="utf-8") as f:
             json.dump(doc, f, indent=1)
             f.write("\n")
+
+
+def load_tables(path: str | os.PathLike[str]) -> list[Table]:
+    """The tables of a ``--json`` file (:meth:`Report.finish`)."""
+    with open(path, encoding="utf-8") as f:
+        doc = json.load(f)
+    return [Table(t["title"], list(t["comments"]), list(t["columns"]), list(t["rows"]),
+                  dict(t.get("meta", {}))) for t in doc]
 
 
 def _plain(v: Any) -> Any:

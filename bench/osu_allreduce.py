@@ -8,10 +8,12 @@ Run the same loop on three implementations, each under its own launcher::
     python -m launch -n 4 bench/osu_allreduce.py --impl gloo      # torch.distributed, gloo
     python bench/osu_allreduce.py                                 # one rank (local backend)
 
-Each size (bytes of the float32 vector per rank, default 1K:256M) is timed as described in
-:mod:`osu`: warm-up, barrier, one timed loop; latency averaged, minimised and maximised over
-ranks; ``AlgBW = Size / Avg``, ``BusBW = AlgBW * 2 (p - 1) / p``; ``CPU(us)`` is the process
-CPU time (all threads) per call averaged over ranks. The timed input is a vector
+Each size (bytes of the float32 vector per rank, default 1K:256M; a size that is not a
+multiple of 4 is an error, exit status 2) is timed as described in :mod:`osu`: warm-up,
+barrier, one timed loop; latency averaged over ranks (``-f``: also its minimum and maximum,
+and the iteration count, in OSU's column order); ``AlgBW = Size / Avg``, ``BusBW = AlgBW * 2
+(p - 1) / p``; ``CPU(us)`` is the process CPU time (all threads) per call averaged over
+ranks. The timed input is a vector
 of zeros (the fixed point of an in-place sum, so gloo's in-place all-reduce cannot overflow);
 ``--check`` runs one extra call per size on the input ``(i mod 13) + rank`` and compares the
 result with the exact sum. bitcoll and mpi4py reduce out of place unless ``--inplace``; gloo
@@ -34,11 +36,13 @@ import osu
 
 F32 = npt.NDArray[np.float32]
 ALGORITHMS = ("auto", "ring", "recursive_doubling", "native")
-COLUMNS = [osu.Column("Size", 10, "d"), osu.Column("Avg Latency(us)", 18, ".2f"),
-           osu.Column("Min Latency(us)", 18, ".2f"), osu.Column("Max Latency(us)", 18, ".2f"),
-           osu.Column("Iterations", 12, "d"), osu.Column("AlgBW(GB/s)", 14, ".3f"),
-           osu.Column("BusBW(GB/s)", 14, ".3f"),
-           osu.Column("CPU(us)", 14, ".0f")]
+
+
+def columns(full: bool) -> list[osu.Column]:
+    """The table's columns (``full``: OSU's -f statistics after the average)."""
+    return [osu.Column("Size", 10, "d"), *osu.latency_columns(full),
+            osu.Column("AlgBW(GB/s)", 14, ".3f"), osu.Column("BusBW(GB/s)", 14, ".3f"),
+            osu.Column("CPU(us)", 14, ".0f")]
 
 
 def check_input(n: int, rank: int) -> F32:
@@ -108,10 +112,9 @@ def run(args: argparse.Namespace, rt: osu.Runtime) -> None:
                   + (f", {info}" if info else ""),
                   "Size: bytes per rank; latency over ranks; AlgBW = Size / Avg; "
                   "BusBW = AlgBW * 2(p-1)/p; GB/s = 1e9 B/s; CPU: process CPU time per call"],
-                 COLUMNS, impl=args.impl, backend=rt.backend, ranks=p, algorithm=algo,
+                 columns(args.full), impl=args.impl, backend=rt.backend, ranks=p, algorithm=algo,
                  collective="allreduce", inplace=placement == "in place")
-    sizes = sorted({max(4, s - s % 4) for s in args.sizes})
-    for nbytes in sizes:
+    for nbytes in args.sizes:
         n = nbytes // 4
         x: F32 = np.empty(n, dtype=np.float32)
         y: F32 = np.empty(n, dtype=np.float32)
@@ -126,7 +129,7 @@ def run(args: argparse.Namespace, rt: osu.Runtime) -> None:
         iters, warm = schedule.for_bytes(nbytes)
         t = osu.time_loop(rt, op, iters, warm)
         alg = osu.gbps(nbytes, t.avg_us * 1e-6)
-        report.row(nbytes, t.avg_us, t.min_us, t.max_us, t.iterations, alg,
+        report.row(nbytes, *osu.latency_values(t, args.full), alg,
                    alg * osu.bus_factor("allreduce", p), t.cpu_us)
         del op, result, x, y
     report.finish()
@@ -141,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(str(exc))
     if args.impl != "bitcoll" and (args.algorithm != "auto" or args.backend != "auto"):
         ap.error("--algorithm and --backend apply to --impl bitcoll only")
+    osu.check_whole_elements(ap, args.sizes, 4, "float32")
 
     def open_rt() -> osu.Runtime:
         return osu.open_runtime(args.impl, backend=args.backend, timeout=args.timeout,

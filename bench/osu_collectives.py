@@ -11,15 +11,19 @@ Usage (launchers as for ``osu_allreduce.py``)::
 ``--collective`` takes one name, a comma list or ``all`` (one table per collective, in the
 order given). ``Size`` is the bytes of each rank's *input* buffer: the whole vector for
 reduce_scatter (rank ``r`` gets block ``r``), the contribution of one rank for allgather, the
-whole buffer for broadcast (root 0) and alltoall; reduce_scatter and alltoall round the element
-count down to a multiple of the world size so that every implementation gets equal blocks.
-``AlgBW = S / Avg`` with nccl-tests' ``S`` (the gathered output for allgather, the input
-buffer otherwise) and ``BusBW = AlgBW * (p - 1) / p`` (1 for broadcast). barrier prints one row
-of size 0 without bandwidth. The comparison implementations use mpi4py's
-``Reduce_scatter_block``, ``Allgather``, ``Bcast``, ``Alltoall``, ``Barrier`` and torch's
-``reduce_scatter_single``, ``all_gather_single``, ``broadcast``, ``all_to_all_single``,
-``barrier`` (older torch: the ``*_tensor`` names). ``--check`` validates one extra call per size
-against small-integer inputs whose results are exact.
+whole buffer for broadcast (root 0) and alltoall. A size must be a whole number of float32
+elements (a multiple of 4 bytes; anything else is an error, exit status 2); reduce_scatter and
+alltoall then use the largest multiple of the world size of elements that fits (at least one
+element per rank; the Size column shows the bytes actually used), so that every
+implementation gets equal blocks. ``-f`` adds the minimum and maximum latency over ranks and
+the iteration count, in OSU's column order. ``AlgBW = S / Avg`` with nccl-tests' ``S`` (the
+gathered output for allgather, the input buffer otherwise) and ``BusBW = AlgBW * (p - 1) / p``
+(1 for broadcast). barrier prints one row of size 0 without bandwidth. The comparison
+implementations use mpi4py's ``Reduce_scatter_block``, ``Allgather``, ``Bcast``,
+``Alltoall``, ``Barrier`` and torch's ``reduce_scatter_single``, ``all_gather_single``,
+``broadcast``, ``all_to_all_single``, ``barrier`` (older torch: the ``*_tensor`` names).
+``--check`` validates one extra call per size against small-integer inputs whose results are
+exact.
 
 Exit status 0, or 1 after an error or a failed check.
 """
@@ -40,12 +44,14 @@ COLLECTIVES = ("reduce_scatter", "allgather", "broadcast", "alltoall", "barrier"
 TITLES = {"reduce_scatter": "Reduce_scatter", "allgather": "Allgather",
           "broadcast": "Broadcast", "alltoall": "Alltoall", "barrier": "Barrier"}
 ALGORITHMS = ("auto", "ring", "tree", "direct", "dissemination", "native")
-COLUMNS = [osu.Column("Size", 10, "d"), osu.Column("Avg Latency(us)", 18, ".2f"),
-           osu.Column("Min Latency(us)", 18, ".2f"), osu.Column("Max Latency(us)", 18, ".2f"),
-           osu.Column("Iterations", 12, "d"), osu.Column("AlgBW(GB/s)", 14, ".3f"),
-           osu.Column("BusBW(GB/s)", 14, ".3f"),
-           osu.Column("CPU(us)", 14, ".0f")]
 ROOT = 0
+
+
+def columns(full: bool) -> list[osu.Column]:
+    """The tables' columns (``full``: OSU's -f statistics after the average)."""
+    return [osu.Column("Size", 10, "d"), *osu.latency_columns(full),
+            osu.Column("AlgBW(GB/s)", 14, ".3f"), osu.Column("BusBW(GB/s)", 14, ".3f"),
+            osu.Column("CPU(us)", 14, ".0f")]
 
 
 def ramp(n: int, offset: float) -> F32:
@@ -57,7 +63,7 @@ def ramp(n: int, offset: float) -> F32:
 
 def elements(collective: str, nbytes: int, p: int) -> int:
     """Element count of a ``nbytes`` float32 input (a multiple of ``p`` where needed)."""
-    n = max(1, nbytes // 4)
+    n = nbytes // 4
     if collective in ("reduce_scatter", "alltoall"):
         n = max(p, n - n % p)
     return n
@@ -178,14 +184,14 @@ def run(args: argparse.Namespace, rt: osu.Runtime) -> None:
                      f"{osu.ranks(p)}",
                      [f"impl {args.impl}, algorithm {algo}, {what}"
                       + (f", {info}" if info else ""), legend],
-                     COLUMNS, impl=args.impl, backend=rt.backend, ranks=p, algorithm=algo,
-                     collective=coll)
+                     columns(args.full), impl=args.impl, backend=rt.backend, ranks=p,
+                     algorithm=algo, collective=coll)
         if coll == "barrier":
             iters, warm = schedule.for_bytes(0)
             op, _ = make_op(rt, coll, np.empty(0, np.float32), np.empty(0, np.float32),
                             args.algorithm)
             t = osu.time_loop(rt, op, iters, warm)
-            report.row(0, t.avg_us, t.min_us, t.max_us, t.iterations, None, None, t.cpu_us)
+            report.row(0, *osu.latency_values(t, args.full), None, None, t.cpu_us)
             continue
         for n in sorted({elements(coll, s, p) for s in args.sizes}):
             x: F32 = np.empty(n, dtype=np.float32)
@@ -202,7 +208,7 @@ def run(args: argparse.Namespace, rt: osu.Runtime) -> None:
             iters, warm = schedule.for_bytes(osu.data_bytes(coll, nbytes, p))
             t = osu.time_loop(rt, op, iters, warm)
             alg = osu.gbps(osu.data_bytes(coll, nbytes, p), t.avg_us * 1e-6)
-            report.row(nbytes, t.avg_us, t.min_us, t.max_us, t.iterations, alg,
+            report.row(nbytes, *osu.latency_values(t, args.full), alg,
                        alg * osu.bus_factor(coll, p), t.cpu_us)
             del op, result, x, y
     report.finish()
@@ -221,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(str(exc))
     if args.impl != "bitcoll" and (args.algorithm != "auto" or args.backend != "auto"):
         ap.error("--algorithm and --backend apply to --impl bitcoll only")
+    if any(c != "barrier" for c in args.collective):
+        osu.check_whole_elements(ap, args.sizes, 4, "float32")
 
     def open_rt() -> osu.Runtime:
         return osu.open_runtime(args.impl, backend=args.backend, timeout=args.timeout,

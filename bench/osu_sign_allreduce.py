@@ -26,11 +26,19 @@ each size in the same run:
   could gain over the float32 all-reduce on this machine (its Wire is 0),
 
 for every ``<algo>`` of ``--algorithm`` (``default`` is the library's choice, or ``direct``,
-``ring``, ``allgather``). Columns: latency over ranks (avg, min, max), iterations,
+``ring``, ``allgather``). Columns: latency averaged over ranks (with ``-f``, OSU's full
+statistics, also its minimum and maximum over ranks and the iteration count),
 ``EffBW = 4 n / Avg`` (GB/s = 1e9 B/s), ``Wire(B/rank)``: bytes each rank handed to the
 transport per call (headers included, from ``comm.stats``; averaged over ranks), ``CPU(us)``:
 process CPU time (all threads) per call averaged over ranks, and with
 ``--compare-float32`` the ``Speedup`` = float32 average latency / this variant's.
+
+After that table, one OSU-format table per variant (``# OSU-style Latency Test: bitcoll
+<variant>, ...``, then ``# Size  Avg Latency(us)`` and, with ``-f``, ``Min Latency(us)  Max
+Latency(us)  Iterations``), whose first column is the size in bytes of the float32 input
+vector, ``4 n``, so that tools which read OSU output can compare the variants with each other
+and with ``osu_allreduce.py``. ``--json`` writes every table (the variant tables carry
+``meta.variant``).
 
 Inputs are a fixed hash of (element index, rank): floats are integers in ``[-1000, 1000]``
 (a few exact zeros), ``q`` is uniform in ``[-L, L]``. ``--check`` makes one extra call per
@@ -59,12 +67,14 @@ FLOOR = "floor"
 ALGORITHMS = ("default", "direct", "ring", "allgather")
 TIES = ("positive", "negative", "alternate")
 CHECK_CHUNK = 1 << 22
-COLUMNS = [osu.Column("Elements", 11, "d"), osu.Column("Bytes(f32)", 12, "d"),
-           osu.Column("Variant", 22, "s"), osu.Column("Avg Latency(us)", 18, ".2f"),
-           osu.Column("Min Latency(us)", 18, ".2f"), osu.Column("Max Latency(us)", 18, ".2f"),
-           osu.Column("Iterations", 12, "d"), osu.Column("EffBW(GB/s)", 13, ".3f"),
-           osu.Column("Wire(B/rank)", 15, ".0f"), osu.Column("CPU(us)", 14, ".0f"),
-           osu.Column("Speedup", 10, ".2f")]
+
+
+def columns(full: bool) -> list[osu.Column]:
+    """The main table's columns (``full``: OSU's -f statistics after the average)."""
+    return [osu.Column("Elements", 11, "d"), osu.Column("Bytes(f32)", 12, "d"),
+            osu.Column("Variant", 22, "s"), *osu.latency_columns(full),
+            osu.Column("EffBW(GB/s)", 13, ".3f"), osu.Column("Wire(B/rank)", 15, ".0f"),
+            osu.Column("CPU(us)", 14, ".0f"), osu.Column("Speedup", 10, ".2f")]
 
 
 # ----------------------------------------------------------------------------------- inputs
@@ -265,8 +275,9 @@ def run(args: argparse.Namespace, rt: osu.BitcollRuntime) -> None:
                   "Elements: vector length; Bytes(f32) = 4 * Elements; EffBW = Bytes(f32) / "
                   "Avg (GB/s = 1e9 B/s); Wire: bytes sent per rank per call (headers "
                   "included); CPU: process CPU time per call; Speedup = float32 Avg / Avg"],
-                 COLUMNS, backend=rt.backend, ranks=p, tie=args.tie,
+                 columns(args.full), backend=rt.backend, ranks=p, tie=args.tie,
                  collective="sign_allreduce", variants=[v.name for v in variants])
+    timings: dict[str, list[tuple[int, osu.Timing]]] = {v.name: [] for v in variants}
     majority_calls = 0
     for n in args.sizes:
         bench = Bench(rt, n, args.tie, args.op + ([FLOOR] if args.floor else []),
@@ -293,9 +304,19 @@ def run(args: argparse.Namespace, rt: osu.BitcollRuntime) -> None:
             if v.op == "float32":
                 f32_us = t.avg_us
             speedup = None if f32_us is None else f32_us / t.avg_us
-            report.row(n, 4 * n, v.name, t.avg_us, t.min_us, t.max_us, t.iterations,
+            report.row(n, 4 * n, v.name, *osu.latency_values(t, args.full),
                        osu.gbps(4 * n, t.avg_us * 1e-6), t.wire_bytes, t.cpu_us, speedup)
+            timings[v.name].append((4 * n, t))
         del bench
+    for name, rows in timings.items():
+        report.start(f"OSU-style Latency Test: bitcoll {name}, backend {rt.backend}, "
+                     f"{osu.ranks(p)}",
+                     ["Size: bytes of the float32 input vector (4 * elements); latency over "
+                      "ranks"],
+                     [osu.Column("Size", 10, "d"), *osu.latency_columns(args.full)],
+                     backend=rt.backend, ranks=p, collective="sign_allreduce", variant=name)
+        for nbytes, t in rows:
+            report.row(nbytes, *osu.latency_values(t, args.full))
     report.finish()
 
 
@@ -308,6 +329,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(str(exc))
     if not 1 <= args.levels <= 127:
         ap.error("--levels must be in [1, 127] (int8 inputs)")
+    if 0 in args.sizes:
+        ap.error("sizes are element counts here and must be >= 1")
 
     def open_rt() -> osu.Runtime:
         return osu.BitcollRuntime(backend=args.backend, timeout=args.timeout)

@@ -36,8 +36,10 @@ rounds) average latency of each implementation at each size, the CPU time per ca
 BusBW of those rounds
 with the speed ratios bitcoll-tcp / mpi4py, bitcoll-tcp-inplace / gloo and bitcoll-tcp / gloo,
 then the sign run's speedups (majority with the default algorithm vs the float32 all-reduce and
-vs the all-gather algorithm). ``--nice N`` runs every job under ``nice -n N``. Exit status 0,
-or 1 if any run failed (its output is still written; the summary skips it).
+vs the all-gather algorithm). The summary reads each run's tables from the ``--json`` file the
+tool writes (into a temporary directory; the text tables go to the files above). ``--nice N``
+runs every job under ``nice -n N``. Exit status 0, or 1 if any run failed (its output is still
+written; the summary skips it).
 """
 
 from __future__ import annotations
@@ -45,8 +47,10 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -114,12 +118,16 @@ def sign_command(p: int, tool_args: Sequence[str], netbed: str | None = None) ->
             "--algorithm", "default,allgather", *tool_args]
 
 
-def run(cmd: list[str], timeout: float, dry_run: bool) -> tuple[bool, str, float]:
-    """Run ``cmd`` in the project root (tool paths are relative to it); return (ok, stdout
-    without rank prefixes, seconds). Its stderr goes to ours."""
+def run(cmd: list[str], timeout: float, dry_run: bool,
+        json_path: Path | None = None) -> tuple[bool, str, float]:
+    """Run ``cmd`` (plus ``--json json_path`` when given, which the tool's arguments end with)
+    in the project root (tool paths are relative to it); return (ok, stdout without rank
+    prefixes, seconds). Its stderr goes to ours."""
     print("+ " + shlex.join(cmd), flush=True)
     if dry_run:
         return True, "", 0.0
+    if json_path is not None:
+        cmd = [*cmd, "--json", str(json_path)]
     t0 = time.monotonic()
     try:
         proc = subprocess.run(cmd, cwd=ROOT, env=rank_env(), stdout=subprocess.PIPE,
@@ -287,32 +295,42 @@ def main(argv: list[str] | None = None) -> int:
     sign: dict[int, list[osu.Table]] = {}
     failed: list[str] = []
     t_start = time.monotonic()
+    json_dir = Path(tempfile.mkdtemp(prefix="run_all-"))
+    runs = 0
 
     def record(name: str, cmd: list[str]) -> list[osu.Table]:
+        nonlocal runs
         if args.nice:
             cmd = ["nice", "-n", str(args.nice), *cmd]
-        ok, text, _ = run(cmd, args.timeout, args.dry_run)
+        runs += 1
+        json_path = json_dir / f"{runs}-{name}.json"
+        ok, text, _ = run(cmd, args.timeout, args.dry_run, json_path)
         shown = shlex.join(osu.display_command(cmd))
         outputs.setdefault(name, []).append(f"# command: {shown}\n\n{text}\n")
         if not args.dry_run:
             (out_dir / f"{name}.txt").write_text("\n".join(outputs[name]))
+        if ok and not args.dry_run and not json_path.exists():
+            print(f"  wrote no {json_path}", flush=True)
+            ok = False
         if not ok:
             failed.append(shown)
             return []
-        return osu.parse_tables(text)
+        return [] if args.dry_run else osu.load_tables(json_path)
 
-    for k in range(args.repeat):
-        for p in ranks:
-            order = impls if k % 2 == 0 else list(reversed(impls))
-            for impl in order:
-                cmd = allreduce_command(impl, p, ["-m", sizes, *common], args.netbed)
-                tables = record(f"allreduce_{impl}_np{p}", cmd)
-                by_p.setdefault(p, {}).setdefault(impl, []).extend(tables)
-        for p in sign_ranks:
-            tables = record(f"sign_np{p}",
-                            sign_command(p, ["-m", sign_sizes, *common], args.netbed))
-            sign.setdefault(p, []).extend(tables)
-
+    try:
+        for k in range(args.repeat):
+            for p in ranks:
+                order = impls if k % 2 == 0 else list(reversed(impls))
+                for impl in order:
+                    cmd = allreduce_command(impl, p, ["-m", sizes, *common], args.netbed)
+                    tables = record(f"allreduce_{impl}_np{p}", cmd)
+                    by_p.setdefault(p, {}).setdefault(impl, []).extend(tables)
+            for p in sign_ranks:
+                tables = record(f"sign_np{p}",
+                                sign_command(p, ["-m", sign_sizes, *common], args.netbed))
+                sign.setdefault(p, []).extend(tables)
+    finally:
+        shutil.rmtree(json_dir, ignore_errors=True)
     if not args.dry_run:
         where = "loopback" if args.netbed is None else f"{args.netbed} netbed"
         text = summarize(by_p, sign, args.repeat, where)

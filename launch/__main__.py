@@ -8,8 +8,10 @@ Usage::
 
 Runs ``--nproc-per-node`` copies of the script (or module, as ``python -m`` would) with the
 interpreter running the launcher (``sys.executable``), each with its rank in the environment,
-and waits for them. Everything after the script name (or after ``-m module``) is passed to the
-script untouched.
+and waits for them. The first argument that is not one of the launcher's options is the
+script (with ``-m``: the module); it and everything after it go to the ranks untouched, so
+the script's options may share names with the launcher's. ``--`` before the script name ends
+the launcher's options (for a script whose name starts with ``-``).
 
 Options
 -------
@@ -24,24 +26,47 @@ Options
 ``--master-addr HOST``
     address of rank 0's node, reachable from every node (default ``127.0.0.1``).
 ``--master-port PORT``
-    TCP port of the rendezvous store on ``--master-addr``. Default: a port the launcher finds
-    free when ``--nnodes`` is 1; required otherwise.
+    TCP port on ``--master-addr`` for torch.distributed (``MASTER_PORT``); bitcoll's own store
+    then listens on ``PORT + 1`` (``BITCOLL_MASTER_PORT``, see below). Default: ports the
+    launcher finds free when ``--nnodes`` is 1; required otherwise.
 ``--grace-period SECONDS``
     how long ranks get to exit after SIGTERM before SIGKILL (default 5).
+``-m``, ``--module``
+    the first argument after the options is a module to run as ``python -m`` does.
+``--no-prefix``
+    copy the ranks' output lines without the ``[rank R]`` prefix.
+``--output-ranks RANKS``
+    show only these global ranks' output: a comma list of ranks and ranges, e.g. ``0`` or
+    ``0,2`` or ``0-3,8``. The other ranks' stdout and stderr go to ``/dev/null``, so they never
+    block on a full pipe; the launcher's own ``launch:`` messages are always shown.
 
 Environment contract
 --------------------
 Each rank's process inherits the launcher's environment plus:
 
-=================== ===============================================================
-``RANK``            global rank, ``node_rank * nproc_per_node + local_rank``
-``WORLD_SIZE``      ``nnodes * nproc_per_node``
-``LOCAL_RANK``      index of the rank on this node, ``[0, nproc_per_node)``
-``LOCAL_WORLD_SIZE`` ``nproc_per_node``
-``MASTER_ADDR``     ``--master-addr``
-``MASTER_PORT``     ``--master-port`` (or the port chosen by the launcher)
-``PYTHONUNBUFFERED`` ``1`` unless already set, so output appears as it is printed
-=================== ===============================================================
+=================== ===========================================================================
+RANK                global rank, ``node_rank * nproc_per_node + local_rank``
+WORLD_SIZE          ``nnodes * nproc_per_node``
+LOCAL_RANK          index of the rank on this node, ``[0, nproc_per_node)``
+LOCAL_WORLD_SIZE    ``nproc_per_node``
+MASTER_ADDR         ``--master-addr``
+MASTER_PORT         ``--master-port``, or a free port chosen by the launcher (single node);
+                    torch.distributed's ``init_process_group`` binds it on rank 0
+BITCOLL_MASTER_PORT port of bitcoll's own rendezvous store on ``MASTER_ADDR``, never equal
+                    to ``MASTER_PORT`` so that torch.distributed and bitcoll can both run
+                    in one script: the launcher's ``BITCOLL_MASTER_PORT`` if it has one
+                    (then the same on every node), else ``--master-port + 1`` (an error
+                    when that exceeds 65535), else (single node, no ``--master-port``) a
+                    second free port
+BITCOLL_SECRET      the job's shared secret, which bitcoll's ranks use to authenticate each
+                    other. Single node: unless the launcher's environment already has one,
+                    a fresh random one per job (``secrets.token_hex(32)``). Several nodes:
+                    passed through as set in the launcher's environment (set the same value
+                    on every node); if unset it stays unset and bitcoll falls back to a
+                    secret file that only works when all nodes share one machine and user.
+                    The launcher never prints it
+PYTHONUNBUFFERED    ``1`` unless already set, so output appears as it is printed
+=================== ===========================================================================
 
 ``bitcoll.init()`` reads these and connects the ranks over TCP. The ranks' standard input is
 ``/dev/null``; each rank runs in its own process group.
@@ -49,46 +74,52 @@ Each rank's process inherits the launcher's environment plus:
 Output
 ------
 Every line a rank writes to stdout (stderr) is written to the launcher's stdout (stderr)
-prefixed with ``[rank R] ``, one whole line at a time. The launcher's own messages start with
-``launch: `` and go to stderr.
+prefixed with ``[rank R]`` and a space (none with ``--no-prefix``), one whole line at a time, so
+lines of different ranks never mix. ``--output-ranks`` selects whose lines are shown. The
+launcher's own messages start with ``launch:`` and go to stderr.
 
 Failure handling and exit status
 --------------------------------
 * All ranks exit 0: the launcher exits 0.
 * A rank exits with a non-zero status or is killed by a signal: the launcher sends SIGTERM to
   the process groups of the ranks still running, SIGKILL after the grace period, reports the
-  first failure, e.g. ``launch: rank 2 (pid 1234) was killed by SIGKILL; terminated the other
-  ranks``, and exits with that rank's status (``128 + signal number`` for a signal).
+  rank that failed first *in time* (not the lowest-numbered one: the others often fail a few
+  milliseconds later because it did), e.g. ``launch: rank 2 (pid 1234) was killed by
+  SIGKILL; terminated the other ranks``, and exits with that rank's status (``128 + signal
+  number`` for a signal).
 * SIGINT or SIGTERM sent to the launcher is forwarded to every rank (a second one sends
-  SIGKILL); the launcher then waits for the ranks as above and exits with the first failing
-  rank's status, or ``128 + signal number`` if every rank exited 0.
-* Bad options: exit status 2 with a usage message; a rank that cannot be started: 1.
+  SIGKILL, as does the end of the grace period); the launcher then waits for the ranks as
+  above and exits with the first failing rank's status, or ``128 + signal number`` if every
+  rank exited 0.
+* Bad options (or a bad ``BITCOLL_MASTER_PORT``): exit status 2 with a usage message; a rank
+  that cannot be started: 1.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
+import re
+import secrets
 import signal
 import socket
 import subprocess
 import sys
 import threading
-import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass, field
-from types import FrameType
 from typing import IO
 
-__all__ = ["main", "parse_args", "LaunchConfig", "child_env", "exit_status", "describe_exit"]
+from .supervise import Supervisor, describe_exit, exit_status
+
+__all__ = ["main", "parse_args", "parse_ranks", "LaunchConfig", "JobEnv", "job_env",
+           "child_env", "exit_status", "describe_exit", "free_ports", "Launcher"]
 
 PROG = "bitcoll-run"
 DEFAULT_GRACE = 5.0
-POLL_SECONDS = 0.05
-#: Options that take a value (the splitter must not mistake the value for the script).
-_VALUE_OPTIONS = frozenset({"-n", "--nproc-per-node", "--nnodes", "--node-rank",
-                            "--master-addr", "--master-port", "--grace-period"})
+SECRET_ENV = "BITCOLL_SECRET"
+BITCOLL_PORT_ENV = "BITCOLL_MASTER_PORT"
 
 
 @dataclass
@@ -100,10 +131,28 @@ class LaunchConfig:
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int | None = None
+    #: bitcoll's store port when fixed before start (environment or ``master_port + 1``);
+    #: None: the launcher picks a free one.
+    bitcoll_master_port: int | None = None
     grace_period: float = DEFAULT_GRACE
     module: str | None = None
     script: str | None = None
     args: list[str] = field(default_factory=list)
+    prefix: bool = True
+    #: Global ranks whose output is shown; None: every rank's.
+    output_ranks: frozenset[int] | None = None
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nproc_per_node
+
+    def rank(self, local_rank: int) -> int:
+        """The global rank of local rank ``local_rank`` on this node."""
+        return self.node_rank * self.nproc_per_node + local_rank
+
+    def shows(self, rank: int) -> bool:
+        """Whether global rank ``rank``'s output is copied to the launcher's."""
+        return self.output_ranks is None or rank in self.output_ranks
 
     def command(self) -> list[str]:
         """The command line of one rank."""
@@ -113,11 +162,35 @@ class LaunchConfig:
         return [sys.executable, self.script, *self.args]
 
 
+def parse_ranks(spec: str) -> frozenset[int]:
+    """``"0,2"``, ``"0-3,8"`` to a set of ranks; ValueError for anything else."""
+    out: set[int] = set()
+    for item in spec.split(","):
+        m = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", item)
+        if m is None:
+            raise ValueError(f"expected ranks like 0,2 or 0-3, got {spec!r}")
+        lo = int(m.group(1))
+        hi = lo if m.group(2) is None else int(m.group(2))
+        if hi < lo:
+            raise ValueError(f"empty rank range {item.strip()!r} in {spec!r}")
+        out.update(range(lo, hi + 1))
+    return frozenset(out)
+
+
+def _manual() -> str:
+    """The module docstring from the environment contract on, as plain text for --help."""
+    doc = __doc__ or ""
+    start = doc.find("Environment contract")
+    return doc[start:].replace("``", "") if start >= 0 else ""
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=PROG, usage=f"{PROG} [options] (script.py | -m module) [args...]",
-        description="Start the ranks of a bitcoll TCP job on this node (see `python -m "
-                    "pydoc launch.__main__` for the environment contract and exit status).")
+        formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False,
+        description="Start the ranks of a bitcoll TCP job on this node. Everything from the "
+                    "script (or -m module) on is passed to the ranks untouched.",
+        epilog=_manual())
     p.add_argument("-n", "--nproc-per-node", type=int, required=True, metavar="N",
                    help="ranks to start on this node")
     p.add_argument("--nnodes", type=int, default=1, metavar="N", help="nodes in the job")
@@ -125,50 +198,43 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--master-addr", default="127.0.0.1", metavar="HOST",
                    help="address of rank 0's node (default 127.0.0.1)")
     p.add_argument("--master-port", type=int, default=None, metavar="PORT",
-                   help="rendezvous port (default: a free port when --nnodes is 1)")
+                   help="torch.distributed's port (MASTER_PORT); bitcoll's store uses PORT + 1 "
+                        "(default: free ports when --nnodes is 1)")
     p.add_argument("--grace-period", type=float, default=DEFAULT_GRACE, metavar="SECONDS",
                    help="time between SIGTERM and SIGKILL when stopping ranks (default 5)")
-    p.add_argument("-m", dest="module", metavar="MODULE",
+    p.add_argument("-m", "--module", action="store_true",
                    help="run a library module as a script, like python -m")
+    p.add_argument("--no-prefix", action="store_true",
+                   help="copy the ranks' output without the '[rank R] ' prefix")
+    p.add_argument("--output-ranks", default=None, metavar="RANKS",
+                   help="show only these ranks' output, e.g. 0 or 0,2 or 0-3 (the others' "
+                        "output is discarded; launch: messages are always shown)")
+    p.add_argument("target", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     return p
 
 
-def _split(argv: Sequence[str]) -> tuple[list[str], list[str]]:
-    """Split ``argv`` into the launcher's options and the target (script or -m module...)."""
-    i = 0
-    while i < len(argv):
-        a = argv[i]
-        if a == "--":
-            return list(argv[:i]), list(argv[i + 1:])
-        if a in ("-m", "--module"):
-            return list(argv[:i]), ["-m", *argv[i + 1:]]
-        if a.startswith("-m") and not a.startswith("--"):
-            return list(argv[:i]), ["-m", a[2:], *argv[i + 1:]]
-        if not a.startswith("-") or a == "-":
-            return list(argv[:i]), list(argv[i:])
-        i += 2 if a in _VALUE_OPTIONS else 1
-    return list(argv), []
-
-
-def parse_args(argv: Sequence[str]) -> LaunchConfig:
-    """Parse the launcher's command line (without the program name).
+def parse_args(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> LaunchConfig:
+    """Parse the launcher's command line (without the program name); ``environ`` (default
+    ``os.environ``) supplies ``BITCOLL_MASTER_PORT`` when set.
 
     Exits with status 2 and a usage message (argparse convention) on invalid options.
     """
+    env = os.environ if environ is None else environ
     parser = _parser()
-    opts, target = _split(argv)
-    ns = parser.parse_args(opts)
+    ns = parser.parse_args(list(argv))
+    target: list[str] = ns.target
+    if target and target[0] == "--":
+        target = target[1:]
+    if not target:
+        parser.error("-m needs a module name" if ns.module else "no script or -m module given")
     module: str | None = None
     script: str | None = None
-    args: list[str] = []
-    if target and target[0] == "-m":
-        if len(target) < 2 or not target[1]:
-            parser.error("-m needs a module name")
-        module, args = target[1], target[2:]
-    elif target:
-        script, args = target[0], target[1:]
+    if ns.module:
+        module = target[0]
+        if not module or module.startswith("-"):
+            parser.error(f"-m needs a module name, got {module!r}")
     else:
-        parser.error("no script or -m module given")
+        script = target[0]
     if ns.nproc_per_node < 1:
         parser.error(f"--nproc-per-node must be >= 1, got {ns.nproc_per_node}")
     if ns.nnodes < 1:
@@ -181,55 +247,99 @@ def parse_args(argv: Sequence[str]) -> LaunchConfig:
         parser.error("--master-port is required when --nnodes > 1")
     if ns.grace_period < 0:
         parser.error(f"--grace-period must be >= 0, got {ns.grace_period}")
+    bitcoll_port: int | None = None
+    if env.get(BITCOLL_PORT_ENV) is not None:
+        text = env[BITCOLL_PORT_ENV]
+        if not text.strip().isdigit() or not 0 < int(text) < 65536:
+            parser.error(f"{BITCOLL_PORT_ENV} must be a port in 1..65535, got {text!r}")
+        bitcoll_port = int(text)
+        if bitcoll_port == ns.master_port:
+            parser.error(f"{BITCOLL_PORT_ENV} ({bitcoll_port}) must differ from --master-port")
+    elif ns.master_port is not None:
+        bitcoll_port = ns.master_port + 1
+        if bitcoll_port > 65535:
+            parser.error(f"--master-port {ns.master_port} leaves no port for bitcoll's store "
+                         f"({BITCOLL_PORT_ENV} = --master-port + 1 = {bitcoll_port} > 65535): "
+                         f"choose a lower port or set {BITCOLL_PORT_ENV}")
+    world = ns.nnodes * ns.nproc_per_node
+    output_ranks: frozenset[int] | None = None
+    if ns.output_ranks is not None:
+        try:
+            output_ranks = parse_ranks(ns.output_ranks)
+        except ValueError as exc:
+            parser.error(f"--output-ranks: {exc}")
+        outside = sorted(r for r in output_ranks if r >= world)
+        if outside:
+            parser.error(f"--output-ranks: ranks {outside} are outside the world of {world}")
     return LaunchConfig(nproc_per_node=ns.nproc_per_node, nnodes=ns.nnodes,
                         node_rank=ns.node_rank, master_addr=ns.master_addr,
-                        master_port=ns.master_port, grace_period=ns.grace_period,
-                        module=module, script=script, args=args)
+                        master_port=ns.master_port, bitcoll_master_port=bitcoll_port,
+                        grace_period=ns.grace_period, module=module, script=script,
+                        args=target[1:], prefix=not ns.no_prefix, output_ranks=output_ranks)
 
 
-def free_port(host: str) -> int:
-    """A TCP port that is free on ``host`` right now."""
+def free_ports(host: str, count: int = 1, exclude: Sequence[int] = ()) -> list[int]:
+    """``count`` distinct TCP ports that are free on ``host`` right now (none in
+    ``exclude``)."""
     infos = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     family, _, _, _, sockaddr = infos[0]
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.bind(sockaddr)
-        return int(s.getsockname()[1])
+    with ExitStack() as held:  # keep every socket bound until all ports are picked
+        ports: list[int] = []
+        while len(ports) < count:
+            s = held.enter_context(socket.socket(family, socket.SOCK_STREAM))
+            s.bind(sockaddr)
+            port = int(s.getsockname()[1])
+            if port not in exclude:
+                ports.append(port)
+        return ports
 
 
-def child_env(cfg: LaunchConfig, local_rank: int, port: int,
-              base: dict[str, str] | None = None) -> dict[str, str]:
+@dataclass(frozen=True)
+class JobEnv:
+    """What the ranks of this node share beyond the command line: the two rendezvous ports
+    and, when the launcher generated one, the job's secret (None: ``BITCOLL_SECRET`` is left
+    as the launcher's environment has it)."""
+
+    master_port: int
+    bitcoll_master_port: int
+    secret: str | None = field(default=None, repr=False)
+
+
+def job_env(cfg: LaunchConfig, environ: Mapping[str, str] | None = None) -> JobEnv:
+    """Pick the ports (free ones where the command line and ``environ`` leave them open) and
+    generate the secret of a single-node job without ``BITCOLL_SECRET`` (see the module
+    docstring)."""
+    env = os.environ if environ is None else environ
+    master, bitcoll = cfg.master_port, cfg.bitcoll_master_port
+    if master is None:
+        master = free_ports(cfg.master_addr, 1, exclude=[] if bitcoll is None else [bitcoll])[0]
+    if bitcoll is None:
+        bitcoll = free_ports(cfg.master_addr, 1, exclude=[master])[0]
+    secret = secrets.token_hex(32) if cfg.nnodes == 1 and SECRET_ENV not in env else None
+    return JobEnv(master, bitcoll, secret)
+
+
+def child_env(cfg: LaunchConfig, local_rank: int, job: JobEnv,
+              base: Mapping[str, str] | None = None) -> dict[str, str]:
     """The environment of local rank ``local_rank`` (see the module docstring)."""
     env = dict(os.environ if base is None else base)
     env.update({
-        "RANK": str(cfg.node_rank * cfg.nproc_per_node + local_rank),
-        "WORLD_SIZE": str(cfg.nnodes * cfg.nproc_per_node),
+        "RANK": str(cfg.rank(local_rank)),
+        "WORLD_SIZE": str(cfg.world_size),
         "LOCAL_RANK": str(local_rank),
         "LOCAL_WORLD_SIZE": str(cfg.nproc_per_node),
         "MASTER_ADDR": cfg.master_addr,
-        "MASTER_PORT": str(port),
+        "MASTER_PORT": str(job.master_port),
+        BITCOLL_PORT_ENV: str(job.bitcoll_master_port),
     })
+    if job.secret is not None:
+        env[SECRET_ENV] = job.secret
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
 
 
-def exit_status(returncode: int) -> int:
-    """A Popen return code as a shell exit status (``128 + n`` for signal ``n``)."""
-    return 128 - returncode if returncode < 0 else returncode
-
-
-def describe_exit(returncode: int) -> str:
-    """``"exited with status 3"`` or ``"was killed by SIGKILL"``."""
-    if returncode < 0:
-        try:
-            name = signal.Signals(-returncode).name
-        except ValueError:
-            name = f"signal {-returncode}"
-        return f"was killed by {name}"
-    return f"exited with status {returncode}"
-
-
 class _Output:
-    """Copies one rank's stream to ours, line by line, with the rank prefix."""
+    """Copies one rank's stream to ours, line by line, after ``prefix``."""
 
     def __init__(self, src: IO[bytes], dst: IO[bytes], prefix: bytes, lock: threading.Lock):
         self._src, self._dst, self._prefix, self._lock = src, dst, prefix, lock
@@ -252,17 +362,20 @@ class _Output:
 
 
 class Launcher:
-    """Starts and supervises the ranks of one node."""
+    """Starts the ranks of one node; a :class:`~launch.supervise.Supervisor` watches them."""
 
     def __init__(self, cfg: LaunchConfig) -> None:
         self.cfg = cfg
-        self.procs: list[subprocess.Popen[bytes]] = []
+        self.supervisor = Supervisor(cfg.grace_period, group=True)
         self.outputs: list[_Output] = []
-        self._signal: int | None = None
-        self._signals_seen = 0
         self._lock = threading.Lock()
 
-    def _say(self, msg: str) -> None:
+    @property
+    def procs(self) -> list[subprocess.Popen[bytes]]:
+        return self.supervisor.procs
+
+    def say(self, msg: str) -> None:
+        """Print ``launch: msg`` on stderr."""
         with self._lock:
             try:
                 sys.stderr.write(f"launch: {msg}\n")
@@ -270,98 +383,62 @@ class Launcher:
             except (OSError, ValueError):
                 pass
 
-    def _kill(self, sig: int) -> None:
-        """Send ``sig`` to the process group of every rank still running."""
-        for proc in self.procs:
-            if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, sig)
-                except (ProcessLookupError, PermissionError):
-                    with contextlib.suppress(ProcessLookupError):
-                        proc.send_signal(sig)
-
-    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        self._signals_seen += 1
-        if self._signal is None:
-            self._signal = signum
-        self._kill(signal.SIGKILL if self._signals_seen > 1 else signum)
-
     def start(self) -> None:
+        """Start every rank (stops early when a signal arrives meanwhile). Raises OSError
+        when a rank cannot be started."""
         cfg = self.cfg
-        port = cfg.master_port if cfg.master_port is not None else free_port(cfg.master_addr)
-        out = sys.stdout.buffer
-        err = sys.stderr.buffer
+        job = job_env(cfg)
+        out, err = sys.stdout.buffer, sys.stderr.buffer
         for local in range(cfg.nproc_per_node):
-            env = child_env(cfg, local, port)
-            proc = subprocess.Popen(cfg.command(), env=env, stdin=subprocess.DEVNULL,
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            if self.supervisor.signal is not None:
+                break
+            rank = cfg.rank(local)
+            shown = cfg.shows(rank)
+            stream = subprocess.PIPE if shown else subprocess.DEVNULL
+            proc = subprocess.Popen(cfg.command(), env=child_env(cfg, local, job),
+                                    stdin=subprocess.DEVNULL, stdout=stream, stderr=stream,
                                     start_new_session=True)
-            self.procs.append(proc)
-            prefix = f"[rank {env['RANK']}] ".encode()
-            assert proc.stdout is not None and proc.stderr is not None
-            self.outputs.append(_Output(proc.stdout, out, prefix, self._lock))
-            self.outputs.append(_Output(proc.stderr, err, prefix, self._lock))
+            self.supervisor.add(proc)
+            if shown:
+                prefix = f"[rank {rank}] ".encode() if cfg.prefix else b""
+                assert proc.stdout is not None and proc.stderr is not None
+                self.outputs.append(_Output(proc.stdout, out, prefix, self._lock))
+                self.outputs.append(_Output(proc.stderr, err, prefix, self._lock))
+
+    def abandon(self) -> None:
+        """Kill and reap the ranks started so far (after a failed :meth:`start`)."""
+        self.supervisor.send(signal.SIGKILL)
+        for proc in self.procs:
+            proc.wait()
 
     def supervise(self) -> int:
         """Wait for the ranks; stop them all on the first failure; return the exit status."""
-        cfg = self.cfg
-        failed: tuple[int, subprocess.Popen[bytes], int] | None = None
-        kill_at: float | None = None
-        while True:
-            running = 0
-            for local, proc in enumerate(self.procs):
-                rc = proc.poll()
-                if rc is None:
-                    running += 1
-                elif rc != 0 and failed is None:
-                    failed = (cfg.node_rank * cfg.nproc_per_node + local, proc, rc)
-            if running == 0:
-                break
-            if (failed is not None or self._signal is not None) and kill_at is None:
-                if failed is not None:
-                    self._kill(signal.SIGTERM)
-                kill_at = time.monotonic() + cfg.grace_period
-            if kill_at is not None and time.monotonic() >= kill_at:
-                self._kill(signal.SIGKILL)
-                kill_at = float("inf")
-            time.sleep(POLL_SECONDS)
+        outcome = self.supervisor.wait()
         for o in self.outputs:
             o.thread.join(5.0)
-        if failed is not None:
-            rank, proc, rc = failed
-            others = len(self.procs) > 1 and (kill_at is not None)
-            tail = "; terminated the other ranks" if others else ""
-            self._say(f"rank {rank} (pid {proc.pid}) {describe_exit(rc)}{tail}")
-            return exit_status(rc)
-        if self._signal is not None:
-            name = signal.Signals(self._signal).name
-            self._say(f"received {name}; forwarded it to the ranks")
-            return 128 + self._signal
-        return 0
+        if outcome.failed is not None:
+            local, rc = outcome.failed
+            tail = "; terminated the other ranks" if outcome.stopped else ""
+            self.say(f"rank {self.cfg.rank(local)} (pid {self.procs[local].pid}) "
+                     f"{describe_exit(rc)}{tail}")
+        elif outcome.signal is not None:
+            name = signal.Signals(outcome.signal).name
+            self.say(f"received {name}; forwarded it to the ranks")
+        return outcome.status()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m launch`` and ``bitcoll-run``; returns the exit status."""
     cfg = parse_args(sys.argv[1:] if argv is None else argv)
     launcher = Launcher(cfg)
-    handled = (signal.SIGINT, signal.SIGTERM)
-    previous = {s: signal.getsignal(s) for s in handled}
-    in_main_thread = threading.current_thread() is threading.main_thread()
-    if in_main_thread:
-        for s in handled:
-            signal.signal(s, launcher._on_signal)
-    try:
+    with launcher.supervisor.handle_signals():
         try:
             launcher.start()
         except OSError as exc:
-            launcher._say(f"cannot start the ranks: {exc}")
-            launcher._kill(signal.SIGKILL)
+            launcher.say(f"cannot start the ranks: {exc}")
+            launcher.abandon()
             return 1
         return launcher.supervise()
-    finally:
-        if in_main_thread:
-            for s, h in previous.items():
-                signal.signal(s, h)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -23,14 +24,46 @@ PY = sys.executable
 SMALL = ["-i", "3", "-x", "1", "--min-iterations", "1", "--timeout", "30"]
 
 
-def run(cmd: list[str], timeout: float = 60.0, expect: int = 0) -> str:
-    """Run ``cmd`` in the project root; check its exit status; return its stdout."""
+def run_proc(cmd: list[str], timeout: float = 60.0,
+             expect: int = 0) -> subprocess.CompletedProcess[str]:
+    """Run ``cmd`` in the project root; check its exit status."""
     env = dict(os.environ, NUMBA_NUM_THREADS="1", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=timeout, check=False)
     assert proc.returncode == expect, (f"{cmd} exited {proc.returncode}\nstdout:\n"
                                        f"{proc.stdout}\nstderr:\n{proc.stderr}")
-    return proc.stdout
+    return proc
+
+
+def run(cmd: list[str], timeout: float = 60.0, expect: int = 0) -> str:
+    """Run ``cmd`` in the project root; check its exit status; return its stdout."""
+    return run_proc(cmd, timeout, expect).stdout
+
+
+OSU_FULL = ["Size", "Avg Latency(us)", "Min Latency(us)", "Max Latency(us)", "Iterations"]
+
+
+def read_osu(text: str) -> list[tuple[str, list[str], list[tuple[int, float]]]]:
+    """A minimal reader of OSU benchmark output, independent of bench/osu.py: a table is a run
+    of ``#`` lines (the first names the test, the last is the column header ``# Size  Avg
+    Latency(us) ...``, columns separated by two or more spaces) and the rows after it, whose
+    first field is the size in bytes and second the average latency in microseconds. Returns
+    (test name, columns, [(size, avg)]) per table."""
+    tables: list[tuple[str, list[str], list[tuple[int, float]]]] = []
+    head: list[str] = []
+    rows: list[tuple[int, float]] | None = None
+    for line in text.splitlines():
+        if not line.strip() or (line.startswith("#") and rows is not None):
+            head, rows = [], None
+        if line.startswith("#"):
+            head.append(line[1:].strip())
+        elif line.strip():
+            if rows is None:
+                rows = []
+                tables.append((head[0], re.split(r"\s{2,}", head[-1]), rows))
+            fields = line.split()
+            rows.append((int(fields[0]), float(fields[1])))
+    return tables
 
 
 def tool(name: str, *args: str) -> list[str]:
@@ -195,41 +228,67 @@ def check_rows(table: osu.Table, sizes: list[int], iterations: int = 3,
 
 @pytest.mark.timeout(90)
 def test_single_rank_runs(tmp_path: Path) -> None:
-    out = run(tool("osu_allreduce.py", "-m", "1K:4K", "--check", "--json",
+    out = run(tool("osu_allreduce.py", "-f", "-m", "4,1K:4K", "--check", "--json",
                    str(tmp_path / "a.json"), *SMALL))
     table = one_table(out)
     assert table.title == "bitcoll OSU-style Allreduce Test, backend local, 1 rank"
-    assert table.columns == ["Size", "Avg Latency(us)", "Min Latency(us)", "Max Latency(us)",
-                             "Iterations", "AlgBW(GB/s)", "BusBW(GB/s)", "CPU(us)"]
-    check_rows(table, [1024, 2048, 4096])
+    assert table.columns == [*OSU_FULL, "AlgBW(GB/s)", "BusBW(GB/s)", "CPU(us)"]
+    check_rows(table, [4, 1024, 2048, 4096])
     assert all(r["BusBW(GB/s)"] == 0 for r in table.rows)  # 2(p-1)/p = 0 for one rank
     doc = json.loads((tmp_path / "a.json").read_text())
-    assert [r["Size"] for r in doc[0]["rows"]] == [1024, 2048, 4096]
+    assert [r["Size"] for r in doc[0]["rows"]] == [4, 1024, 2048, 4096]
+    assert [t.rows for t in osu.load_tables(tmp_path / "a.json")] == [
+        [{**r, "Avg Latency(us)": pytest.approx(r["Avg Latency(us)"], abs=6e-3),
+          "Min Latency(us)": pytest.approx(r["Min Latency(us)"], abs=6e-3),
+          "Max Latency(us)": pytest.approx(r["Max Latency(us)"], abs=6e-3),
+          "AlgBW(GB/s)": pytest.approx(r["AlgBW(GB/s)"], abs=6e-4),
+          "BusBW(GB/s)": pytest.approx(r["BusBW(GB/s)"], abs=6e-4),
+          "CPU(us)": pytest.approx(r["CPU(us)"], abs=0.6)} for r in table.rows]]
+
+    out = run(tool("osu_allreduce.py", "-m", "1K", *SMALL))  # OSU's default: no -f columns
+    assert one_table(out).columns == ["Size", "Avg Latency(us)", "AlgBW(GB/s)", "BusBW(GB/s)",
+                                      "CPU(us)"]
 
     out = run(tool("osu_collectives.py", "--collective", "allgather,barrier", "-m", "1K",
-                   "--check", *SMALL))
+                   "--check", "--full", *SMALL))
     ag, barrier = osu.parse_tables(out)
     assert ag.title.startswith("bitcoll OSU-style Allgather Test, backend local")
+    assert ag.columns[:5] == barrier.columns[:5] == OSU_FULL
     check_rows(ag, [1024])
     assert barrier.rows[0]["Size"] == 0 and barrier.rows[0]["BusBW(GB/s)"] is None
+    assert barrier.rows[0]["Iterations"] == 3
 
     out = run(tool("osu_sign_allreduce.py", "-m", "1001", "--algorithm", "default,ring",
                    "--compare-float32", "--floor", "--check", *SMALL))
-    table = one_table(out)
-    assert [r["Variant"] for r in table.rows] == ["float32/allreduce", "floor/pack+unpack",
-                                                  "majority/default", "majority/ring"]
+    table, *per_variant = osu.parse_tables(out)
+    variants = ["float32/allreduce", "floor/pack+unpack", "majority/default", "majority/ring"]
+    assert [r["Variant"] for r in table.rows] == variants
+    assert "Min Latency(us)" not in table.columns and "Iterations" not in table.columns
     assert all(r["Wire(B/rank)"] == 0 for r in table.rows)  # nothing to send alone
+    assert [t.title for t in per_variant] == [
+        f"OSU-style Latency Test: bitcoll {v}, backend local, 1 rank" for v in variants]
+    for t, r in zip(per_variant, table.rows, strict=True):
+        assert t.columns == ["Size", "Avg Latency(us)"]
+        assert t.rows == [{"Size": 4004, "Avg Latency(us)": r["Avg Latency(us)"]}]
 
 
 @pytest.mark.timeout(90)
 def test_allreduce_two_tcp_ranks_and_gloo() -> None:
-    out = run(launch(2, "osu_allreduce.py", "-m", "1K,64K,256K", "--check", *SMALL))
+    cmd = launch(2, "osu_allreduce.py", "-f", "-m", "1K,64K,256K", "--check", *SMALL)
+    cmd.insert(cmd.index("launch") + 1, "--no-prefix")
+    out = run(cmd)
+    assert "[rank" not in out
+    ((name, columns, rows),) = read_osu(out)  # what any OSU-format reader sees
+    assert name == "bitcoll OSU-style Allreduce Test, backend tcp, 2 ranks"
+    assert columns[:5] == OSU_FULL
+    assert [size for size, _ in rows] == [1024, 65536, 262144]
+    assert all(avg > 0 for _, avg in rows)
     table = one_table(out)
     assert table.title == "bitcoll OSU-style Allreduce Test, backend tcp, 2 ranks"
     check_rows(table, [1024, 65536, 262144])
     for r in table.rows:  # 2 (p - 1) / p = 1
         assert r["BusBW(GB/s)"] == pytest.approx(r["AlgBW(GB/s)"], abs=1e-3)
-    out = run(launch(2, "osu_allreduce.py", "--impl", "gloo", "-m", "1K,8K", "--check",
+    out = run(launch(2, "osu_allreduce.py", "--impl", "gloo", "-f", "-m", "1K,8K", "--check",
                      *SMALL))
     table = one_table(out)
     assert table.title == "bitcoll OSU-style Allreduce Test, backend gloo, 2 ranks"
@@ -239,7 +298,7 @@ def test_allreduce_two_tcp_ranks_and_gloo() -> None:
 @pytest.mark.timeout(90)
 def test_collectives_two_tcp_ranks() -> None:
     out = run(launch(2, "osu_collectives.py", "--collective", "all", "-m", "1K,16K",
-                     "--check", *SMALL))
+                     "--check", "-f", *SMALL))
     tables = osu.parse_tables(out)
     names = [t.title.split(" Test")[0].split()[-1] for t in tables]
     assert names == ["Reduce_scatter", "Allgather", "Broadcast", "Alltoall", "Barrier"]
@@ -252,13 +311,24 @@ def test_collectives_two_tcp_ranks() -> None:
 def test_sign_two_tcp_ranks() -> None:
     # levels 1: the quantized and the sign-sum variants share their field widths (2 bits in,
     # 3 bits out at p = 2), which keeps the kernels compiled for this run to one set
-    out = run(launch(2, "osu_sign_allreduce.py", "-m", "1001,4096", "--op",
-                     "majority,sum,quantized", "--algorithm", "default,allgather",
-                     "--compare-float32", "--check", "--levels", "1", *SMALL), timeout=110)
-    table = one_table(out)
+    cmd = launch(2, "osu_sign_allreduce.py", "-m", "1001,4096", "--op",
+                 "majority,sum,quantized", "--algorithm", "default,allgather",
+                 "--compare-float32", "--check", "--levels", "1", "-f", *SMALL)
+    cmd.insert(cmd.index("launch") + 1, "--no-prefix")
+    out = run(cmd, timeout=110)
+    table, *per_variant = osu.parse_tables(out)
     assert "backend tcp, 2 ranks" in table.title
     variants = ["float32/allreduce"] + [f"{op}/{a}" for op in ("majority", "sum", "quantized1")
                                         for a in ("default", "allgather")]
+    # the OSU-format tables, read without bench/osu.py: one per variant, size in bytes first
+    osu_tables = [t for t in read_osu(out) if t[0].startswith("OSU")]
+    assert [name for name, _, _ in osu_tables] == [
+        f"OSU-style Latency Test: bitcoll {v}, backend tcp, 2 ranks" for v in variants]
+    for (_, columns, osu_rows), v in zip(osu_tables, variants, strict=True):
+        assert columns == OSU_FULL
+        mine = [r for r in table.rows if r["Variant"] == v]
+        assert osu_rows == [(r["Bytes(f32)"], r["Avg Latency(us)"]) for r in mine]
+    assert [t.rows[0]["Iterations"] for t in per_variant] == [3] * len(variants)
     assert [(r["Elements"], r["Variant"]) for r in table.rows] == \
         [(n, v) for n in (1001, 4096) for v in variants]
     rows: dict[tuple[int, str], dict[str, Any]] = {
@@ -277,6 +347,14 @@ def test_sign_two_tcp_ranks() -> None:
 
 
 def test_bad_arguments_exit_2() -> None:
+    for cmd, size in ((tool("osu_allreduce.py", "-m", "1K,6"), 6),
+                      (tool("osu_allreduce.py", "-m", "0"), 0),
+                      (tool("osu_collectives.py", "--collective", "broadcast", "-m", "1K,1027"),
+                       1027)):
+        err = run_proc(cmd, expect=2).stderr
+        assert f"size {size} bytes is not a whole number of float32 elements (4 bytes each)" \
+            in err
+    assert "must be >= 1" in run_proc(tool("osu_sign_allreduce.py", "-m", "0"), expect=2).stderr
     run(tool("osu_allreduce.py", "-m", "8K:1K"), expect=2)
     run(tool("osu_allreduce.py", "--impl", "mpi4py", "--algorithm", "ring"), expect=2)
     run(tool("osu_collectives.py", "--collective", "gather"), expect=2)
@@ -301,6 +379,21 @@ def test_run_all_dry_run_lists_the_matrix(tmp_path: Path) -> None:
     assert sum("bench/netbed.py --mpi --hosts 3 --rate 1gbit bench/osu_allreduce.py --impl "
                "mpi4py" in c for c in cmds) == 1
     assert "netbed.py --hosts 4 --rate 1gbit bench/osu_sign_allreduce.py" in cmds[-1]
+
+
+@pytest.mark.timeout(120)
+def test_run_all_reads_the_tools_json(tmp_path: Path) -> None:
+    out = run([PY, "bench/run_all.py", "--ranks", "2", "--impls", "bitcoll-tcp", "--sizes",
+               "1K,4K", "--sign-ranks", "2", "--sign-sizes", "1K", "--iter-bytes", "64K",
+               "--out", str(tmp_path)], timeout=110)
+    assert "0 failed run(s)" in out
+    lat, _cpu, _bw, sign = osu.parse_tables((tmp_path / "summary.txt").read_text())
+    assert [r["Size"] for r in lat.rows] == [1024, 4096]
+    assert all(r["bitcoll-tcp(us)"] > 0 for r in lat.rows)
+    assert [r["Elements"] for r in sign.rows] == [1024]
+    assert all(v is not None for v in sign.rows[0].values())
+    text = (tmp_path / "allreduce_bitcoll-tcp_np2.txt").read_text()
+    assert "--json" not in text and "bitcoll OSU-style Allreduce Test" in text
 
 
 def test_run_all_summary_from_tables() -> None:

@@ -2,18 +2,27 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
 
-from launch.__main__ import LaunchConfig, child_env, describe_exit, exit_status, parse_args
+from launch.__main__ import (
+    JobEnv,
+    LaunchConfig,
+    child_env,
+    describe_exit,
+    exit_status,
+    job_env,
+    parse_args,
+    parse_ranks,
+)
 
 LAUNCH = [sys.executable, "-m", "launch"]
 
@@ -43,37 +52,94 @@ def _dead(pid: int) -> bool:
 
 
 def test_parse_script_and_module_targets() -> None:
-    cfg = parse_args(["-n", "4", "--master-port", "1234", "train.py", "-n", "9", "--lr=1"])
+    cfg = parse_args(["-n", "4", "--master-port", "1234", "train.py", "-n", "9", "--lr=1"],
+                     environ={})
     assert (cfg.nproc_per_node, cfg.master_port, cfg.script) == (4, 1234, "train.py")
     assert cfg.args == ["-n", "9", "--lr=1"]  # everything after the script is the script's
     assert cfg.command() == [sys.executable, "train.py", "-n", "9", "--lr=1"]
-    cfg = parse_args(["--nproc-per-node=2", "-m", "pkg.mod", "-x"])
+    assert cfg.bitcoll_master_port == 1235
+    cfg = parse_args(["--nproc-per-node=2", "-m", "pkg.mod", "-x"], environ={})
     assert (cfg.module, cfg.args, cfg.script) == ("pkg.mod", ["-x"], None)
     assert cfg.command() == [sys.executable, "-m", "pkg.mod", "-x"]
-    cfg = parse_args(["-n", "1", "--", "-weird-name.py"])
+    assert cfg.bitcoll_master_port is None and cfg.prefix and cfg.output_ranks is None
+    cfg = parse_args(["-n", "1", "--module", "pkg", "-m", "x", "--no-prefix"], environ={})
+    assert (cfg.module, cfg.args, cfg.prefix) == ("pkg", ["-m", "x", "--no-prefix"], True)
+    cfg = parse_args(["-n", "1", "--", "-weird-name.py"], environ={})
     assert cfg.script == "-weird-name.py"
+    cfg = parse_args(["-n", "1", "x.py", "--", "--", "a"], environ={})  # '--' is the script's
+    assert (cfg.script, cfg.args) == ("x.py", ["--", "--", "a"])
+    cfg = parse_args(["--no-prefix", "-n", "4", "--output-ranks", "0,2-3", "x.py",
+                      "--output-ranks", "1"], environ={})
+    assert (cfg.prefix, cfg.output_ranks, cfg.args) == (False, frozenset({0, 2, 3}),
+                                                            ["--output-ranks", "1"])
+    cfg = parse_args(["-n", "2", "--master-port", "65535", "x.py"],
+                     environ={"BITCOLL_MASTER_PORT": "4000"})  # the environment's port wins
+    assert cfg.bitcoll_master_port == 4000
 
 
-@pytest.mark.parametrize("argv", [
-    ["-n", "0", "x.py"], ["x.py"], ["-n", "2"], ["-n", "2", "--nnodes", "2", "x.py"],
-    ["-n", "2", "--node-rank", "1", "x.py"], ["-n", "2", "--master-port", "70000", "x.py"],
-    ["-n", "2", "-m"],
+def test_parse_ranks() -> None:
+    assert parse_ranks("0") == {0}
+    assert parse_ranks("0,2, 5-7") == {0, 2, 5, 6, 7}
+    for bad in ("", "a", "1,", "3-1", "-1", "1-2-3"):
+        with pytest.raises(ValueError):
+            parse_ranks(bad)
+
+
+@pytest.mark.parametrize("argv, environ", [
+    (["-n", "0", "x.py"], {}), (["x.py"], {}), (["-n", "2"], {}),
+    (["-n", "2", "--nnodes", "2", "x.py"], {}), (["-n", "2", "--node-rank", "1", "x.py"], {}),
+    (["-n", "2", "--master-port", "70000", "x.py"], {}), (["-n", "2", "-m"], {}),
+    (["-n", "2", "--master-port", "65535", "x.py"], {}),  # no room for BITCOLL_MASTER_PORT
+    (["-n", "2", "x.py"], {"BITCOLL_MASTER_PORT": "x"}),
+    (["-n", "2", "x.py"], {"BITCOLL_MASTER_PORT": "70000"}),
+    (["-n", "2", "--master-port", "5000", "x.py"], {"BITCOLL_MASTER_PORT": "5000"}),
+    (["-n", "2", "--output-ranks", "2", "x.py"], {}),  # outside the world of 2
+    (["-n", "2", "--output-ranks", "zero", "x.py"], {}),
+    (["-n", "2", "--bogus", "x.py"], {}), (["--nproc", "2", "x.py"], {}),  # no abbreviations
 ])
-def test_bad_command_lines_exit_2(argv: list[str]) -> None:
+def test_bad_command_lines_exit_2(argv: list[str], environ: dict[str, str],
+                                  capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:
-        parse_args(argv)
+        parse_args(argv, environ=environ)
     assert info.value.code == 2
+    assert "error:" in capsys.readouterr().err
 
 
 def test_child_env_follows_the_torchrun_contract() -> None:
     cfg = LaunchConfig(nproc_per_node=4, nnodes=3, node_rank=2, master_addr="10.0.0.1",
                        master_port=29500, script="x.py")
-    env = child_env(cfg, 1, 29500, base={"PATH": "/bin", "PYTHONUNBUFFERED": "0"})
+    job = JobEnv(29500, 29501, secret=None)
+    env = child_env(cfg, 1, job, base={"PATH": "/bin", "PYTHONUNBUFFERED": "0",
+                                       "BITCOLL_SECRET": "given"})
     assert {k: env[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
-                                "MASTER_ADDR", "MASTER_PORT")} == {
+                                "MASTER_ADDR", "MASTER_PORT", "BITCOLL_MASTER_PORT")} == {
         "RANK": "9", "WORLD_SIZE": "12", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4",
-        "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
+        "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500", "BITCOLL_MASTER_PORT": "29501"}
     assert env["PATH"] == "/bin" and env["PYTHONUNBUFFERED"] == "0"  # kept when already set
+    assert env["BITCOLL_SECRET"] == "given"  # passed through
+    env = child_env(cfg, 0, JobEnv(1, 2, secret="ab" * 32), base={"BITCOLL_SECRET": "old"})
+    assert env["BITCOLL_SECRET"] == "ab" * 32 and env["PYTHONUNBUFFERED"] == "1"
+    assert "ab" * 32 not in repr(JobEnv(1, 2, secret="ab" * 32))
+
+
+def test_job_env_ports_and_secret() -> None:
+    one = LaunchConfig(nproc_per_node=2, script="x.py")
+    job = job_env(one, environ={})
+    assert job.master_port != job.bitcoll_master_port
+    assert all(0 < p < 65536 for p in (job.master_port, job.bitcoll_master_port))
+    assert job.secret is not None and len(job.secret) == 64
+    assert int(job.secret, 16) >= 0 and job_env(one, environ={}).secret != job.secret
+    assert job_env(one, environ={"BITCOLL_SECRET": "mine"}).secret is None  # user's wins
+    fixed = parse_args(["-n", "2", "--master-port", "29500", "x.py"], environ={})
+    job = job_env(fixed, environ={})
+    assert (job.master_port, job.bitcoll_master_port) == (29500, 29501)
+    env_port = parse_args(["-n", "2", "x.py"], environ={"BITCOLL_MASTER_PORT": "29777"})
+    job = job_env(env_port, environ={})
+    assert job.bitcoll_master_port == 29777 and job.master_port != 29777
+    multi = parse_args(["-n", "2", "--nnodes", "2", "--master-port", "29500", "x.py"],
+                       environ={})
+    job = job_env(multi, environ={})
+    assert (job.master_port, job.bitcoll_master_port, job.secret) == (29500, 29501, None)
 
 
 def test_exit_status_and_description() -> None:
@@ -87,18 +153,36 @@ def test_exit_status_and_description() -> None:
 # Real runs
 # --------------------------------------------------------------------------------------------
 
+def _env(**extra: str) -> dict[str, str]:
+    """Our environment without the job variables a launcher might have left, plus ``extra``."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("BITCOLL_SECRET", "BITCOLL_MASTER_PORT", "RANK", "WORLD_SIZE")}
+    env.update(extra)
+    return env
+
+
+def _sha(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
 _ENV_SCRIPT = """
-    import json, os, sys
+    import hashlib, json, os, sys
     keys = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-            "MASTER_PORT"]
-    print(json.dumps({k: os.environ[k] for k in keys} | {"argv": sys.argv[1:],
-                                                         "exe": sys.executable}))
+            "MASTER_PORT", "BITCOLL_MASTER_PORT"]
+    secret = os.environ["BITCOLL_SECRET"]
+    if os.environ["RANK"] == "0":  # where the test can see it; never printed
+        with open(os.path.join(os.path.dirname(__file__), "secret"), "w") as f:
+            f.write(secret)
+    print(json.dumps({k: os.environ[k] for k in keys} | {
+        "argv": sys.argv[1:], "exe": sys.executable,
+        "secret_sha": hashlib.sha256(secret.encode()).hexdigest()}))
     print("to stderr", os.environ["RANK"], file=sys.stderr)
     print("no newline at the end", end="")
 """
 
 
-def _check_env_run(proc: subprocess.CompletedProcess[str], n: int, argv: list[str]) -> None:
+def _check_env_run(proc: subprocess.CompletedProcess[str], n: int, argv: list[str],
+                   secret: str) -> None:
     assert proc.returncode == 0, proc.stderr
     seen: dict[int, dict[str, object]] = {}
     tails = set()
@@ -112,8 +196,12 @@ def _check_env_run(proc: subprocess.CompletedProcess[str], n: int, argv: list[st
             assert rest == "no newline at the end"
             tails.add(rank)
     assert sorted(seen) == list(range(n)) and tails == set(range(n))
-    ports = {d["MASTER_PORT"] for d in seen.values()}
-    assert len(ports) == 1 and 0 < int(str(ports.pop())) < 65536
+    (port,) = {d["MASTER_PORT"] for d in seen.values()}
+    (bitcoll_port,) = {d["BITCOLL_MASTER_PORT"] for d in seen.values()}
+    assert 0 < int(str(port)) < 65536 and 0 < int(str(bitcoll_port)) < 65536
+    assert port != bitcoll_port  # torch.distributed and bitcoll can share a script
+    assert {d["secret_sha"] for d in seen.values()} == {_sha(secret)}  # one secret per job
+    assert secret not in proc.stdout + proc.stderr
     for r, d in seen.items():
         assert d["RANK"] == d["LOCAL_RANK"] == str(r)
         assert d["WORLD_SIZE"] == d["LOCAL_WORLD_SIZE"] == str(n)
@@ -127,8 +215,10 @@ def _check_env_run(proc: subprocess.CompletedProcess[str], n: int, argv: list[st
 @pytest.mark.timeout(60)
 def test_three_ranks_get_their_environment_and_prefixed_output(tmp_path: Path) -> None:
     script = _script(tmp_path, _ENV_SCRIPT)
-    proc = _run([*LAUNCH, "-n", "3", str(script), "a", "--flag", "-n", "7"])
-    _check_env_run(proc, 3, ["a", "--flag", "-n", "7"])
+    proc = _run([*LAUNCH, "-n", "3", str(script), "a", "--flag", "-n", "7"], env=_env())
+    secret = (tmp_path / "secret").read_text()
+    assert len(secret) == 64 and int(secret, 16) >= 0  # generated: 32 random bytes in hex
+    _check_env_run(proc, 3, ["a", "--flag", "-n", "7"], secret)
 
 
 @pytest.mark.timeout(60)
@@ -136,26 +226,49 @@ def test_console_script_and_module_form(tmp_path: Path) -> None:
     _script(tmp_path, _ENV_SCRIPT, name="envmod.py")
     exe = Path(sys.executable).with_name("bitcoll-run")
     assert exe.exists(), "the bitcoll-run console script is not installed"
-    env = dict(os.environ, PYTHONPATH=str(tmp_path))
-    proc = _run([str(exe), "-n", "2", "-m", "envmod", "x"], env=env)
-    _check_env_run(proc, 2, ["x"])
+    env = _env(PYTHONPATH=str(tmp_path), BITCOLL_SECRET="the user's own secret")
+    proc = _run([str(exe), "-n", "2", "-m", "envmod", "x", "--", "-m"], env=env)
+    _check_env_run(proc, 2, ["x", "--", "-m"], "the user's own secret")  # passed through
+
+
+def _fifo(tmp_path: Path) -> Path:
+    path = tmp_path / "fifo"
+    os.mkfifo(path)
+    return path
+
+
+#: Ranks other than ``WAITER`` write their pid to ``pid<rank>`` and a line to the FIFO once
+#: ready (after SETUP); the waiter writes its pid and reads one line per other rank, so it
+#: acts only when all of them are ready. No sleeps: the FIFO orders the events.
+_READY = """
+    import os, signal, sys
+    rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    here = os.path.dirname(__file__)
+    with open(os.path.join(here, f"pid{rank}"), "w") as f:
+        f.write(str(os.getpid()))
+    def ready():
+        with open(os.path.join(here, "fifo"), "w") as f:
+            f.write(f"{rank}\\n")
+    def wait_for_the_others():
+        fd = os.open(os.path.join(here, "fifo"), os.O_RDWR)  # never EOF: we hold a writer
+        with os.fdopen(fd) as f:
+            for _ in range(size - 1):
+                f.readline()
+"""
 
 
 @pytest.mark.timeout(60)
 def test_failing_rank_stops_the_others_and_sets_the_exit_status(tmp_path: Path) -> None:
-    script = _script(tmp_path, f"""
-        import os, sys, time
-        rank = int(os.environ["RANK"])
-        open(os.path.join({str(tmp_path)!r}, f"pid{{rank}}"), "w").write(str(os.getpid()))
-        if rank == 1:
-            time.sleep(0.5)
-            print("rank one gives up", flush=True)
-            sys.exit(3)
-        time.sleep(120)
+    _fifo(tmp_path)
+    script = _script(tmp_path, _READY + """
+    if rank == 1:
+        wait_for_the_others()
+        print("rank one gives up", flush=True)
+        sys.exit(3)
+    ready()
+    signal.pause()  # until the launcher stops us
     """)
-    t0 = time.monotonic()
     proc = _run([*LAUNCH, "-n", "3", str(script)])
-    assert time.monotonic() - t0 < 20
     assert proc.returncode == 3
     assert "[rank 1] rank one gives up" in proc.stdout
     assert "launch: rank 1 (pid " in proc.stderr
@@ -165,17 +278,40 @@ def test_failing_rank_stops_the_others_and_sets_the_exit_status(tmp_path: Path) 
 
 
 @pytest.mark.timeout(60)
+def test_the_rank_that_fails_first_in_time_is_reported(tmp_path: Path) -> None:
+    # Ranks 0 and 2 fail too (status 4), but only when the launcher's SIGTERM tells them that
+    # rank 1 has failed: the report and the exit status must be rank 1's, not rank 0's.
+    _fifo(tmp_path)
+    script = _script(tmp_path, _READY + """
+    def fail_late(signum, frame):
+        print(f"rank {rank} got SIGTERM, fails with status 4", flush=True)
+        os._exit(4)
+    if rank == 1:
+        wait_for_the_others()
+        os._exit(3)
+    signal.signal(signal.SIGTERM, fail_late)
+    ready()
+    while True:
+        signal.pause()
+    """)
+    proc = _run([*LAUNCH, "-n", "3", str(script)])
+    assert proc.returncode == 3, proc.stderr
+    assert "[rank 0] rank 0 got SIGTERM, fails with status 4" in proc.stdout
+    assert "[rank 2] rank 2 got SIGTERM, fails with status 4" in proc.stdout
+    (report,) = [line for line in proc.stderr.splitlines() if line.startswith("launch:")]
+    assert report.startswith("launch: rank 1 (pid ")
+    assert report.endswith("exited with status 3; terminated the other ranks")
+
+
+@pytest.mark.timeout(60)
 def test_rank_killed_by_a_signal_is_reported(tmp_path: Path) -> None:
     script = _script(tmp_path, """
-        import os, signal, time
+        import os, signal
         if os.environ["RANK"] == "2":
-            time.sleep(0.3)
             os.kill(os.getpid(), signal.SIGKILL)
-        time.sleep(120)
+        signal.pause()
     """)
-    t0 = time.monotonic()
     proc = _run([*LAUNCH, "-n", "3", str(script)])
-    assert time.monotonic() - t0 < 20
     assert proc.returncode == 128 + signal.SIGKILL
     assert "launch: rank 2 (pid " in proc.stderr
     assert "was killed by SIGKILL; terminated the other ranks" in proc.stderr
@@ -183,20 +319,72 @@ def test_rank_killed_by_a_signal_is_reported(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(60)
 def test_rank_ignoring_sigterm_is_killed_after_the_grace_period(tmp_path: Path) -> None:
-    script = _script(tmp_path, """
-        import os, signal, sys, time
-        if os.environ["RANK"] == "0":
-            time.sleep(0.3)
-            sys.exit(5)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        print("ignoring SIGTERM", flush=True)
-        time.sleep(120)
+    _fifo(tmp_path)
+    script = _script(tmp_path, _READY + """
+    if rank == 0:
+        wait_for_the_others()
+        sys.exit(5)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    ready()
+    while True:
+        signal.pause()
     """)
-    t0 = time.monotonic()
     proc = _run([*LAUNCH, "--grace-period", "0.5", "-n", "2", str(script)])
-    assert time.monotonic() - t0 < 20
     assert proc.returncode == 5
     assert "launch: rank 0 (pid " in proc.stderr and "exited with status 5" in proc.stderr
+    assert _dead(int((tmp_path / "pid1").read_text()))
+
+
+_CHATTY = """
+    import os, sys
+    rank = os.environ["RANK"]
+    print(f"out {rank}")
+    print(f"err {rank}", file=sys.stderr)
+    if rank == "1":  # far more than a pipe holds: must not block although nobody shows it
+        for _ in range(64):
+            sys.stdout.write("x" * 32767 + "\\n")
+            sys.stderr.write("y" * 32767 + "\\n")
+"""
+
+
+@pytest.mark.timeout(60)
+def test_no_prefix_and_output_ranks(tmp_path: Path) -> None:
+    script = _script(tmp_path, _CHATTY)
+    proc = _run([*LAUNCH, "-n", "3", "--no-prefix", "--output-ranks", "0,2", str(script)])
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(proc.stdout.splitlines()) == ["out 0", "out 2"]
+    assert sorted(proc.stderr.splitlines()) == ["err 0", "err 2"]
+    proc = _run([*LAUNCH, "-n", "2", "--no-prefix", str(script)])
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert {"out 0", "out 1"} <= set(lines) and len(lines) == 2 + 64  # whole lines, bare
+    assert all(ln in ("out 0", "out 1") or ln == "x" * 32767 for ln in lines)
+    proc = _run([*LAUNCH, "-n", "3", "--output-ranks", "1", str(script)])
+    assert proc.returncode == 0, proc.stderr
+    assert {ln.partition("] ")[0] for ln in proc.stdout.splitlines()} == {"[rank 1"}
+
+
+@pytest.mark.timeout(60)
+def test_hidden_rank_failure_is_still_reported(tmp_path: Path) -> None:
+    script = _script(tmp_path, """
+        import os, signal, sys
+        if os.environ["RANK"] == "1":
+            print("hidden traceback", file=sys.stderr)
+            sys.exit(3)
+        signal.pause()
+    """)
+    proc = _run([*LAUNCH, "-n", "2", "--output-ranks", "0", str(script)])
+    assert proc.returncode == 3
+    assert "hidden" not in proc.stdout + proc.stderr
+    assert "launch: rank 1 (pid " in proc.stderr and "exited with status 3" in proc.stderr
+
+
+def test_help_is_the_manual() -> None:
+    proc = _run([*LAUNCH, "--help"])
+    assert proc.returncode == 0
+    for text in ("--no-prefix", "--output-ranks", "BITCOLL_MASTER_PORT", "BITCOLL_SECRET",
+                 "--master-port + 1", "Failure handling"):
+        assert text in proc.stdout
 
 
 @pytest.mark.timeout(60)

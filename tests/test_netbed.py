@@ -79,11 +79,45 @@ def test_default_burst_is_a_millisecond_of_traffic_at_least_256k() -> None:
     assert netbed.default_burst(10**6) == 256 << 10
 
 
-def test_split_at_the_script_or_module() -> None:
-    assert netbed._split(["--hosts", "3", "x.py", "--hosts", "9"]) == (
-        ["--hosts", "3"], ["x.py", "--hosts", "9"])
-    assert netbed._split(["--probe", "-m", "mod", "a"]) == (["--probe"], ["-m", "mod", "a"])
-    assert netbed._split(["--rate", "1gbit"]) == (["--rate", "1gbit"], [])
+def test_command_line_splits_at_the_script_or_module() -> None:
+    ap = netbed.parser()
+    args, target = netbed.parse_command_line(ap, ["--hosts", "3", "x.py", "--hosts", "9"])
+    assert (args.hosts, target) == (3, ["x.py", "--hosts", "9"])
+    args, target = netbed.parse_command_line(ap, ["--probe", "-m", "mod", "a", "--probe"])
+    assert args.probe and target == ["-m", "mod", "a", "--probe"]
+    args, target = netbed.parse_command_line(ap, ["--rate", "1gbit", "--probe"])
+    assert (args.rate, target) == ("1gbit", [])
+    args, target = netbed.parse_command_line(ap, ["--grace-period", "2", "--", "-x.py", "--"])
+    assert (args.grace_period, target) == (2.0, ["-x.py", "--"])
+
+
+def test_one_secret_for_the_whole_job() -> None:
+    env = netbed.job_environment({"PATH": "/bin"})
+    assert len(env["BITCOLL_SECRET"]) == 64 and env["GLOO_SOCKET_IFNAME"] == "eth0"
+    assert netbed.job_environment({})["BITCOLL_SECRET"] != env["BITCOLL_SECRET"]
+    assert netbed.job_environment({"BITCOLL_SECRET": "s"})["BITCOLL_SECRET"] == "s"
+
+
+def test_job_reports_the_host_that_failed_first(tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    # Plain processes stand in for the hosts' launchers (no namespaces needed). Hosts 0 and 2
+    # fail too, but only on the SIGTERM that the supervisor sends after host 1 failed.
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    late = ("import os, signal\n"
+            "signal.signal(signal.SIGTERM, lambda s, f: os._exit(4))\n"
+            f"open({str(fifo)!r}, 'w').write('ready\\n')\n"
+            "while True:\n    signal.pause()\n")
+    first = ("import os\n"
+             f"f = os.fdopen(os.open({str(fifo)!r}, os.O_RDWR))\n"  # we write too: no EOF
+             "f.readline(); f.readline()\n"
+             "raise SystemExit(3)\n")
+    job = netbed.Job([[PY, "-c", late], [PY, "-c", first], [PY, "-c", late]], dict(os.environ),
+                     grace=5.0)
+    assert job.run() == 3
+    assert [p.returncode for p in job.supervisor.procs] == [4, 3, 4]
+    err = capsys.readouterr().err
+    assert err == "netbed: host 1 exited with status 3; stopped the other hosts\n"
 
 
 def test_topology_names_and_commands() -> None:
@@ -162,9 +196,12 @@ def test_sign_allreduce_across_shaped_links_then_clean_up() -> None:
                           "bitcoll TCP, hosts pinned to their share of the cores")
     text = "\n".join(line.split("] ", 1)[1] if line.startswith("[rank") else line
                      for line in out.splitlines())
-    (table,) = osu.parse_tables(text)
+    table, *per_variant = osu.parse_tables(text)
     assert table.title == "bitcoll OSU-style Sign Allreduce Test, backend tcp, 3 ranks"
     assert [r["Variant"] for r in table.rows] == ["float32/allreduce", "majority/default"]
+    assert [t.title for t in per_variant] == [  # then one OSU-format table per variant
+        f"OSU-style Latency Test: bitcoll {v}, backend tcp, 3 ranks"
+        for v in ("float32/allreduce", "majority/default")]
     assert all(r["Wire(B/rank)"] > 0 for r in table.rows)
     assert ours(pid) == []
 
@@ -176,7 +213,10 @@ def test_links_are_shaped_hosts_pinned_stale_namespaces_removed(tmp_path: Path) 
     stale = "bitcollnet99999999-sw"
     subprocess.run(["ip", "netns", "add", stale], check=True)
     script = tmp_path / "cpus.py"
-    script.write_text("import os\nprint('cpus', sorted(os.sched_getaffinity(0)))\n")
+    script.write_text("import hashlib, os\n"
+                      "print('cpus', sorted(os.sched_getaffinity(0)))\n"
+                      "secret = os.environ['BITCOLL_SECRET'].encode()\n"
+                      "print('secret', len(secret), hashlib.sha256(secret).hexdigest())\n")
     try:
         rc, out, err, pid = run_bed(["--hosts", "2", "--rate", "400mbit", "--probe",
                                      str(script)])
@@ -189,6 +229,8 @@ def test_links_are_shaped_hosts_pinned_stale_namespaces_removed(tmp_path: Path) 
     usable = sorted(os.sched_getaffinity(0))
     for k in range(2):
         assert f"[rank {k}] cpus {netbed.host_cpus(k, 2, usable)}" in out
+    secrets = {line.split("] ", 1)[1] for line in out.splitlines() if "] secret " in line}
+    assert len(secrets) == 1 and secrets.pop().startswith("secret 64 ")  # one for both hosts
 
     line = next(ln for ln in out.splitlines() if ln.startswith("netbed: probe"))
     gbits = float(line.split(": ")[-1].split()[0])
