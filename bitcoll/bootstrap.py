@@ -1,50 +1,72 @@
 """``bitcoll.init``: pick a backend from the environment and build a Communicator.
 
-Backends:
+Backends, in the order ``backend="auto"`` tries them:
 
-* ``"mpi"``: when the process was started by an MPI launcher (``mpiexec``/``mpirun``,
-  Slurm with PMI/PMIx) and mpi4py imports. Uses a private duplicate of ``MPI.COMM_WORLD``.
-* ``"tcp"``: when ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` are set (the
-  torchrun contract, as set by ``python -m launch``); rank 0 serves the rendezvous store at
-  ``MASTER_ADDR:MASTER_PORT``.
-* ``"local"``: a one-rank world, when neither applies.
+1. ``"mpi"``: ``comm=`` was given (an mpi4py communicator), or the process was started by an
+   MPI launcher (``mpiexec``/``mpirun``, ``srun --mpi=...``: PMI/PMIx variables) and mpi4py
+   imports. Uses a private duplicate of ``comm`` (default ``MPI.COMM_WORLD``).
+2. ``"tcp"`` from the **torchrun contract**: ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and
+   ``MASTER_PORT`` are set (``python -m launch``, ``torchrun``, your own scripts).
+3. ``"tcp"`` from **Slurm** (``srun`` without MPI): ``SLURM_PROCID``, ``SLURM_NTASKS`` and
+   ``SLURM_JOB_NODELIST`` are set; rank = ``SLURM_PROCID``, size = ``SLURM_NTASKS``, master
+   address = the first host of ``SLURM_JOB_NODELIST`` (:func:`expand_hostlist`).
+4. ``"local"``: a one-rank world.
 
-``backend="auto"`` tries them in that order.
+Where the TCP backend meets (the *rendezvous store*), first match wins:
+
+* ``store=``: a torch.distributed ``Store`` (or any object with its ``set``/``get``/``add``/
+  ``wait`` methods) the job already has: no port of bitcoll's own.
+* ``BITCOLL_MASTER_PORT`` set: bitcoll's own store on ``MASTER_ADDR:BITCOLL_MASTER_PORT``.
+* under torchrun (``TORCHELASTIC_USE_AGENT_STORE=True``): the store torchrun's agent serves at
+  ``MASTER_ADDR:MASTER_PORT`` (``torch.distributed`` is imported for that, and only then).
+* otherwise bitcoll's own store, served by rank 0, on ``MASTER_ADDR:MASTER_PORT + 1``: the
+  port ``MASTER_PORT`` itself is left to ``torch.distributed.init_process_group``, so both can
+  run in one script in either order. Under Slurm without ``MASTER_PORT``: port
+  ``20000 + SLURM_JOB_ID % 20000``.
+
+Authentication: see :mod:`bitcoll.transport.auth` (``BITCOLL_SECRET``; without it, a private
+file of rank 0's user, which works when every rank runs on one host).
 """
 
 from __future__ import annotations
 
 import os
+import re
 
 from .communicator import (
     DEFAULT_PACKED_SEGMENT_BYTES,
     DEFAULT_SEGMENT_BYTES,
-    DEFAULT_TIMEOUT,
     Communicator,
 )
+from .config import DEFAULT_TIMEOUT, ENV_MASTER_PORT
 from .errors import UsageError
 from .transport.base import Transport
 from .transport.local import LocalTransport
 
-__all__ = ["init", "detect_backend", "TCP_ENV"]
+__all__ = ["init", "detect_backend", "TCP_ENV", "SLURM_ENV", "tcp_environment",
+           "expand_hostlist", "TcpEnvironment"]
 
 TCP_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+SLURM_ENV = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_JOB_NODELIST")
 BACKENDS = ("auto", "mpi", "tcp", "local")
+#: First port of the range the Slurm rule picks from (``20000 + SLURM_JOB_ID % 20000``).
+SLURM_PORT_BASE = 20000
 
 
 def detect_backend() -> str:
-    """The backend ``init(backend="auto")`` would choose in this process."""
+    """The backend ``init(backend="auto")`` would choose in this process (see the module
+    docstring for the order)."""
     from .transport.mpi import launched_by_mpi, mpi_available
 
     if launched_by_mpi() and mpi_available():
         return "mpi"
-    if all(os.environ.get(k) for k in TCP_ENV):
+    if all(os.environ.get(k) for k in TCP_ENV) or all(os.environ.get(k) for k in SLURM_ENV):
         return "tcp"
     return "local"
 
 
-def _env_int(name: str) -> int:
-    value = os.environ.get(name, "")
+def _int(env: dict[str, str], name: str) -> int:
+    value = env.get(name, "")
     try:
         return int(value)
     except ValueError:
@@ -52,33 +74,155 @@ def _env_int(name: str) -> int:
             from None
 
 
-def _tcp_transport(timeout: float) -> Transport:
+def _port(value: int, what: str) -> int:
+    if not 0 < value < 65536:
+        raise UsageError(f"{what} must be a TCP port in 1..65535, got {value}")
+    return value
+
+
+_HOST_RANGE = re.compile(r"^(?P<prefix>[^\[\]]*)\[(?P<ranges>[^\[\]]+)\](?P<suffix>.*)$")
+
+
+def expand_hostlist(nodelist: str) -> list[str]:
+    """Expand a Slurm host list: ``"node[01-03,07],gpu1"`` gives ``["node01", "node02",
+    "node03", "node07", "gpu1"]`` (zero padding kept; one bracket group per name, and a
+    suffix after it is kept, e.g. ``"r[1-2]-ib"``). UsageError for a malformed list."""
+    items: list[str] = []
+    depth = 0
+    start = 0
+    for i, ch in enumerate(nodelist):
+        if ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth -= 1
+            if depth < 0:
+                raise UsageError(f"malformed Slurm host list {nodelist!r}")
+        elif ch == "," and depth == 0:
+            items.append(nodelist[start:i])
+            start = i + 1
+    if depth != 0:
+        raise UsageError(f"malformed Slurm host list {nodelist!r}")
+    items.append(nodelist[start:])
+    hosts: list[str] = []
+    for item in (x.strip() for x in items):
+        if not item:
+            continue
+        m = _HOST_RANGE.match(item)
+        if m is None:
+            if "[" in item or "]" in item:
+                raise UsageError(f"malformed Slurm host list {nodelist!r}")
+            hosts.append(item)
+            continue
+        for part in m.group("ranges").split(","):
+            lo, sep, hi = part.partition("-")
+            if not lo.isdigit() or (sep and not hi.isdigit()):
+                raise UsageError(f"malformed range {part!r} in Slurm host list {nodelist!r}")
+            width = len(lo)
+            for k in range(int(lo), int(hi if sep else lo) + 1):
+                hosts.append(f"{m.group('prefix')}{k:0{width}d}{m.group('suffix')}")
+    if not hosts:
+        raise UsageError(f"empty Slurm host list {nodelist!r}")
+    return hosts
+
+
+class TcpEnvironment:
+    """Where a TCP-backend rank stands, from the environment: ``rank``, ``size``,
+    ``master_addr``, ``master_port`` (bitcoll's own store; None when an external store is
+    used), ``agent_store`` (True under torchrun's agent store) and ``source`` ("torchrun
+    contract" or "Slurm")."""
+
+    def __init__(self, rank: int, size: int, master_addr: str, master_port: int | None,
+                 agent_store: bool, source: str) -> None:
+        self.rank = rank
+        self.size = size
+        self.master_addr = master_addr
+        self.master_port = master_port
+        self.agent_store = agent_store
+        self.source = source
+
+    def __repr__(self) -> str:
+        return (f"TcpEnvironment(rank={self.rank}, size={self.size}, master_addr="
+                f"{self.master_addr!r}, master_port={self.master_port}, agent_store="
+                f"{self.agent_store}, source={self.source!r})")
+
+
+def tcp_environment(environ: dict[str, str] | None = None,
+                    external_store: bool = False) -> TcpEnvironment:
+    """Read rank, size and the rendezvous address from the environment (the torchrun
+    contract first, then Slurm's variables); see the module docstring for the port rule.
+    ``external_store``: a store was passed to ``init``, so no port is needed. UsageError
+    naming what is missing or malformed."""
+    env = dict(os.environ if environ is None else environ)
+    if all(env.get(k) for k in ("RANK", "WORLD_SIZE")):
+        source = "torchrun contract"
+        rank, size = _int(env, "RANK"), _int(env, "WORLD_SIZE")
+        addr = env.get("MASTER_ADDR", "")
+    elif all(env.get(k) for k in SLURM_ENV):
+        source = "Slurm"
+        rank, size = _int(env, "SLURM_PROCID"), _int(env, "SLURM_NTASKS")
+        addr = env.get("MASTER_ADDR") or expand_hostlist(env["SLURM_JOB_NODELIST"])[0]
+    else:
+        raise UsageError(
+            "backend 'tcp' needs the environment variables " + ", ".join(TCP_ENV)
+            + " (torchrun's contract) or " + ", ".join(SLURM_ENV)
+            + " (srun); start the ranks with `python -m launch -n N script.py`, torchrun or "
+            "srun")
+    if size < 1 or not 0 <= rank < size:
+        raise UsageError(f"rank {rank} is not in [0, world size {size}) ({source})")
+    agent = env.get("TORCHELASTIC_USE_AGENT_STORE", "") == "True"
+    port: int | None = None
+    if env.get(ENV_MASTER_PORT):
+        port = _port(_int(env, ENV_MASTER_PORT), ENV_MASTER_PORT)
+        agent = False
+    elif external_store or agent:
+        port = None
+    elif env.get("MASTER_PORT"):
+        port = _port(_int(env, "MASTER_PORT") + 1, "MASTER_PORT + 1")
+    elif source == "Slurm" and env.get("SLURM_JOB_ID"):
+        port = SLURM_PORT_BASE + _int(env, "SLURM_JOB_ID") % 20000
+    if not addr and not external_store:
+        raise UsageError(f"backend 'tcp' needs MASTER_ADDR ({source})")
+    if port is None and not (external_store or agent):
+        raise UsageError(f"backend 'tcp' needs MASTER_PORT or {ENV_MASTER_PORT} ({source})")
+    if agent and not env.get("MASTER_PORT"):
+        raise UsageError("TORCHELASTIC_USE_AGENT_STORE is set but MASTER_PORT is not: this "
+                         "process was not started by torchrun")
+    return TcpEnvironment(rank, size, addr, port, agent and not external_store, source)
+
+
+def _tcp_transport(timeout: float, store: object | None) -> Transport:
+    from .transport.external_store import check_store, torchrun_store
     from .transport.tcp import TCPTransport
 
-    missing = [k for k in TCP_ENV if not os.environ.get(k)]
-    if missing:
-        raise UsageError("backend 'tcp' needs the environment variables "
-                         f"{', '.join(TCP_ENV)}; missing: {', '.join(missing)} "
-                         "(start the ranks with `python -m launch -n N script.py`)")
-    rank, size, port = _env_int("RANK"), _env_int("WORLD_SIZE"), _env_int("MASTER_PORT")
-    if size < 1 or not 0 <= rank < size:
-        raise UsageError(f"RANK={rank} is not in [0, WORLD_SIZE={size})")
-    return TCPTransport.create(rank, size, os.environ["MASTER_ADDR"], port, timeout=timeout)
+    if store is not None:
+        check_store(store)
+    te = tcp_environment(external_store=store is not None)
+    if te.size > 1 and te.agent_store:
+        store, _ = torchrun_store(timeout)
+    return TCPTransport.create(te.rank, te.size, te.master_addr, te.master_port or 0,
+                               timeout=timeout, store=store)
 
 
 def init(backend: str = "auto", timeout: float = DEFAULT_TIMEOUT,
          segment_bytes: int = DEFAULT_SEGMENT_BYTES,
-         packed_segment_bytes: int = DEFAULT_PACKED_SEGMENT_BYTES) -> Communicator:
+         packed_segment_bytes: int = DEFAULT_PACKED_SEGMENT_BYTES, *,
+         comm: object | None = None, store: object | None = None) -> Communicator:
     """Create the communicator of this process's world.
 
-    ``backend``: "auto", "mpi", "tcp" or "local" (see the module docstring). ``timeout``:
-    the default deadline in seconds of every blocking operation, connection set-up included.
-    ``segment_bytes``: the wire segment size of the dense ring algorithms (default 32 MiB);
-    ``packed_segment_bytes``: that of the packed-bit pipelines (default 1 MiB). Every rank
-    must pass the same values.
+    ``backend``: "auto", "mpi", "tcp" or "local" (see the module docstring for how "auto"
+    chooses and where the TCP ranks meet). ``timeout``: the default deadline in seconds of
+    every blocking operation, connection set-up included. ``segment_bytes``: the wire segment
+    size of the dense ring algorithms (default 32 MiB); ``packed_segment_bytes``: that of the
+    packed-bit pipelines (default 1 MiB). Every rank must pass the same values.
+    ``comm``: an mpi4py communicator (e.g. ``MPI.COMM_WORLD.Split(...)``): the MPI backend on
+    a private duplicate of it (collective over ``comm``). ``store``: a torch.distributed
+    ``Store`` (duck-typed: ``set``/``get``/``add``/``wait``) for the TCP backend's rendezvous;
+    rank and size still come from the environment.
 
-    Raises UsageError for an unknown backend or inconsistent environment, CommTimeoutError
-    when the other ranks do not show up before the deadline.
+    Raises UsageError for an unknown backend, ``comm`` that is not an mpi4py
+    intra-communicator, ``comm`` with a non-MPI backend, ``store`` lacking a method or with a
+    non-TCP backend, or an inconsistent environment; CommTimeoutError when the other ranks do
+    not show up before the deadline.
 
     Use it as a context manager to release the connections at the end::
 
@@ -87,15 +231,27 @@ def init(backend: str = "auto", timeout: float = DEFAULT_TIMEOUT,
     """
     if backend not in BACKENDS:
         raise UsageError(f"unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}")
+    if comm is not None and store is not None:
+        raise UsageError("pass comm= (MPI backend) or store= (TCP backend), not both")
+    if comm is not None:
+        if backend not in ("auto", "mpi"):
+            raise UsageError(f"comm= selects the MPI backend; backend={backend!r} contradicts "
+                             "it")
+        backend = "mpi"
+    if store is not None:
+        if backend not in ("auto", "tcp"):
+            raise UsageError(f"store= selects the TCP backend; backend={backend!r} "
+                             "contradicts it")
+        backend = "tcp"
     if backend == "auto":
         backend = detect_backend()
     transport: Transport
     if backend == "mpi":
         from .transport.mpi import MPITransport
 
-        transport = MPITransport.create(timeout=timeout)
+        transport = MPITransport.create(comm, timeout=timeout)
     elif backend == "tcp":
-        transport = _tcp_transport(timeout)
+        transport = _tcp_transport(timeout, store)
     else:
         transport = LocalTransport()
     return Communicator(transport, timeout=timeout, segment_bytes=segment_bytes,

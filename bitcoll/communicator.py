@@ -23,6 +23,7 @@ import contextlib
 import math
 import threading
 import time
+import weakref
 import zlib
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
@@ -37,7 +38,8 @@ from .algorithms.alltoall_direct import alltoall_direct
 from .algorithms.barrier_dissemination import barrier_dissemination
 from .algorithms.broadcast_tree import broadcast_tree
 from .algorithms.context import OpContext
-from .errors import BitcollError, CommError, PeerLostError, UsageError
+from .config import DEFAULT_TIMEOUT
+from .errors import BitcollError, CommError, PeerLostError, ProtocolError, UsageError
 from .ops import ReduceOp, check_dtype, parse_op
 from .partition import block, block_bounds
 from .transport.base import TrafficStats, Transport
@@ -49,7 +51,6 @@ __all__ = ["Communicator", "DEFAULT_TIMEOUT", "DEFAULT_SEGMENT_BYTES",
 T = TypeVar("T")
 Array = npt.NDArray[Any]
 
-DEFAULT_TIMEOUT = 300.0
 #: Payload size of one wire segment in the pipelined algorithms.
 DEFAULT_SEGMENT_BYTES = 32 << 20
 """Wire segment of the dense ring algorithms. Per-segment costs (a frame, thread hand-offs,
@@ -154,6 +155,10 @@ class Communicator:
         self._closed = False
         self._majority_calls = 0
         self._scratch: dict[int, npt.NDArray[np.uint8]] = {}
+        self._call_lock = threading.Lock()  # held by the thread inside a collective call
+        self._call_owner = ""
+        self._splits = 0  # split() calls so far: names the sub-groups' namespaces
+        self._agreed_failure: CommError | None = None  # see _AgreedError
 
     # ------------------------------------------------------------------ properties
     @property
@@ -216,7 +221,7 @@ class Communicator:
     def _check_usable(self) -> None:
         if self._closed:
             raise UsageError("the communicator is closed")
-        failure = self._transport.failure
+        failure = self._transport.failure or self._agreed_failure
         if failure is not None:
             cls = PeerLostError if isinstance(failure, PeerLostError) else CommError
             raise cls(f"the communicator was aborted: {failure}") from failure
@@ -275,6 +280,29 @@ class Communicator:
         ``segment_bytes``."""
         self._check_usable()
         limit = self.timeout if timeout is None else _check_timeout(timeout)
+        if not self._call_lock.acquire(blocking=False):
+            self._concurrent_call(name)
+        try:
+            return self._run_locked(name, fields, body, async_op, limit, packed)
+        finally:
+            self._call_lock.release()
+
+    def _concurrent_call(self, name: str) -> None:
+        """A second thread called a collective while one is inside another: refuse it (and
+        abort, so that no rank pairs frames of two different calls)."""
+        owner = self._call_owner
+        msg = (f"{name} called from thread {threading.current_thread().name!r} while thread "
+               f"{owner!r} is inside a collective on this communicator; collectives of one "
+               "communicator must be called by one thread at a time, in the same order on "
+               "every rank (give each thread its own communicator: comm.split(0))")
+        if self.size > 1 and self._transport.failure is None:
+            self._transport.abort(f"UsageError on rank {self.rank}: {msg}")
+        raise UsageError(msg)
+
+    def _run_locked(self, name: str, fields: tuple[object, ...],
+                    body: Callable[[OpContext], T], async_op: bool, limit: float,
+                    packed: bool) -> T | Work[T]:
+        self._call_owner = threading.current_thread().name
         with self._lock:
             seq = self._seq
             self._seq += 1
@@ -288,6 +316,11 @@ class Communicator:
             try:
                 return body(ctx)
             except BaseException as exc:
+                if isinstance(exc, CommError) and exc in _AGREED:
+                    # Every rank found the same problem from the same data and raises it
+                    # itself: no abort notice (it could overtake a peer's last frame).
+                    self._agreed_failure = exc
+                    raise
                 if self.size > 1 and self._transport.failure is None:
                     self._transport.abort(f"{type(exc).__name__} in {name} #{seq} on rank "
                                           f"{self.rank}: {exc}")
@@ -416,16 +449,21 @@ class Communicator:
     def broadcast(self, x: Array, root: int = 0, *, async_op: bool = False,
                   timeout: float | None = None, algorithm: str | None = None) -> Any:
         """Copy the root's ``x`` into ``x`` on every rank, in place (``x`` must be C-contiguous
-        and writeable everywhere). Returns ``x`` or a Work."""
+        and writeable everywhere). Returns ``x`` or a Work.
+
+        Every rank must pass the same ``root``: the roots are compared first (one small
+        all-reduce), and a mismatch is a ProtocolError on every rank."""
         with self._validating("broadcast"):
             _, flat = output(x, getattr(x, "size", 0),
                              getattr(x, "dtype", np.dtype(np.float32)), name="x")
             check_dtype(flat.dtype)
-            if not isinstance(root, (int, np.integer)) or not 0 <= root < self.size:
+            if isinstance(root, bool) or not isinstance(root, (int, np.integer)) or \
+                    not 0 <= root < self.size:
                 raise UsageError(f"root must be a rank in [0, {self.size}), got {root!r}")
             algo = self._algorithm("broadcast", algorithm, "tree")
 
         def body(ctx: OpContext) -> Array:
+            _check_same_root(ctx, int(root))
             if algo == "native":
                 native = self._native("native_bcast")
                 native(flat, int(root), ctx.deadline)
@@ -433,14 +471,16 @@ class Communicator:
                 broadcast_tree(ctx, flat, int(root))
             return x
 
-        return self.run("broadcast", (flat.dtype.str, flat.size, int(root), algo), body,
-                        async_op, timeout)
+        # The root is not in the signature: _check_same_root compares it across ranks first.
+        return self.run("broadcast", (flat.dtype.str, flat.size, algo), body, async_op,
+                        timeout)
 
     def alltoall(self, x: Array, out: Array | None = None, *, async_op: bool = False,
                  timeout: float | None = None, algorithm: str | None = None) -> Any:
         """All-to-all exchange: ``x`` holds ``size`` equal blocks; block ``j`` goes to rank
         ``j`` and lands there as block ``rank``. ``x.size`` must be a multiple of ``size``.
-        Returns ``out`` (1-D, ``x.size`` elements) or a Work."""
+        Returns ``out`` (1-D, ``x.size`` elements) or a Work. ``out=x`` exchanges in place
+        (through a copy of ``x``); an ``out`` overlapping ``x`` otherwise is a UsageError."""
         with self._validating("alltoall"):
             vec = as_vector(x)
             if vec.size % self.size:
@@ -448,13 +488,16 @@ class Communicator:
                                  f"{self.size}, got {vec.size}")
             res, flat = output(out, vec.size, vec.dtype)
             algo = self._algorithm("alltoall", algorithm, "direct")
+            inplace = in_place(flat, vec)
 
         def body(ctx: OpContext) -> Array:
+            # In place, the blocks are read from a copy: the exchange overwrites them.
+            src = vec.copy() if inplace else vec
             if algo == "native":
                 native = self._native("native_alltoall")
-                native(vec, flat, ctx.deadline)
+                native(src, flat, ctx.deadline)
             else:
-                alltoall_direct(ctx, vec, flat)
+                alltoall_direct(ctx, src, flat)
             return res
 
         return self.run("alltoall", (vec.dtype.str, vec.size, algo), body, async_op, timeout)
@@ -473,6 +516,54 @@ class Communicator:
                 barrier_dissemination(ctx)
 
         return self.run("barrier", (algo,), body, async_op, timeout)
+
+    def split(self, color: int | None, key: int | None = None, *,
+              timeout: float | None = None) -> Communicator | None:
+        """A new communicator over the ranks that pass the same ``color`` (torch's
+        ``new_group`` / MPI's ``Comm_split``).
+
+        Collective: every rank of this communicator calls it. ``color``: an integer >= 0, or
+        None to stay out (this rank gets None). ``key`` (an integer, default this rank)
+        orders the ranks of the new communicator, ties broken by rank here. The new
+        communicator has its own connections (TCP) or MPI communicator, sequence numbers,
+        ``stats``, ``majority_calls`` and ``close()``; it inherits ``timeout`` and the segment
+        sizes. Collectives on sibling sub-communicators may run at the same time from
+        different threads, and interleave with this communicator's, without mixing frames.
+        Closing this communicator does not close its sub-communicators.
+
+        Raises UsageError for a color that is not a non-negative integer (or None) or a key
+        that is not an integer (its peers get PeerLostError); CommError like any collective.
+
+        Example, 4 ranks: ``sub = comm.split(comm.rank % 2)``: ranks 0 and 2 form one
+        2-rank communicator (ranks 0 and 1 in it), ranks 1 and 3 another.
+        """
+        with self._validating("split"):
+            if color is not None and (isinstance(color, bool) or
+                                      not isinstance(color, (int, np.integer)) or color < 0):
+                raise UsageError(f"split color must be an integer >= 0 or None, got "
+                                 f"{color!r}")
+            if key is None:
+                key = self.rank
+            if isinstance(key, bool) or not isinstance(key, (int, np.integer)):
+                raise UsageError(f"split key must be an integer, got {key!r}")
+            limit = self.timeout if timeout is None else _check_timeout(timeout)
+        mine = np.array([-1 if color is None else int(color), int(key), self.rank], np.int64)
+        table = self.allgather(mine, timeout=limit).reshape(self.size, 3)
+        with self._lock:
+            k = self._splits
+            self._splits += 1
+        if color is None:
+            return None
+        members = sorted((r for r in range(self.size) if table[r, 0] == color),
+                         key=lambda r: (int(table[r, 1]), r))
+        try:
+            transport = self._transport.subgroup(members, f"{k}/{int(color)}", limit)
+        except BitcollError as exc:
+            if self.size > 1 and self._transport.failure is None:
+                self._transport.abort(f"split failed on rank {self.rank}: {exc}")
+            raise
+        return Communicator(transport, timeout=self.timeout, segment_bytes=self.segment_bytes,
+                            packed_segment_bytes=self.packed_segment_bytes)
 
     # ------------------------------------------------------------------ packed-bit collectives
     def _packed(self, name: str, x: Array, codec_args: tuple[str, str, int], out: Array | None,
@@ -610,6 +701,26 @@ class Communicator:
         return self._packed("quantized_reduce_scatter", q, ("sum", "int", lv), out,
                             np.dtype(np.int32), False, "alternate", async_op, timeout,
                             algorithm)
+
+
+#: Errors every rank detects from the same exchanged data (so every rank raises its own);
+#: the communicator is then unusable on every rank without an abort notice.
+_AGREED: weakref.WeakSet[BaseException] = weakref.WeakSet()
+
+
+def _check_same_root(ctx: OpContext, root: int) -> None:
+    """ProtocolError on every rank unless every rank passed ``root`` (a max all-reduce of
+    ``(root, -root)``: every rank sees the same extremes)."""
+    if ctx.size == 1:
+        return
+    probe = np.array([root, -root], dtype=np.int64)
+    allreduce_recursive_doubling(ctx, probe, ReduceOp.MAX)
+    hi, lo = int(probe[0]), -int(probe[1])
+    if hi != lo:
+        exc = ProtocolError(f"broadcast called with different roots across ranks (from {lo} "
+                            f"to {hi}; this rank passed {root})")
+        _AGREED.add(exc)
+        raise exc
 
 
 def _check_timeout(timeout: float) -> float:

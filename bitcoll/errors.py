@@ -10,9 +10,11 @@ Every error bitcoll raises derives from :class:`BitcollError`::
         └── ProtocolError                     a frame did not match what this rank expected
                                               (mismatched collectives, lengths, dtypes, versions)
 
-A ``UsageError`` detected before anything was sent leaves the communicator usable. Any
-``CommError`` aborts the communicator: the rank that saw it tells its peers (so that every rank
-fails fast instead of waiting for its deadline) and every later call raises ``CommError``.
+On a communicator of more than one rank, a ``UsageError`` in a collective's arguments aborts
+the communicator like any ``CommError`` does: the peers have entered (or will enter) the same
+collective, so the rank that saw the problem tells them (every rank fails fast instead of
+waiting for its deadline) and every later call raises ``CommError``. A one-rank communicator
+stays usable after a ``UsageError``.
 """
 
 from __future__ import annotations
@@ -40,7 +42,21 @@ class UsageError(BitcollError, ValueError):
 
 
 class CommError(BitcollError):
-    """A collective could not complete. The communicator is aborted afterwards."""
+    """A collective could not complete. The communicator is aborted afterwards.
+
+    Attributes, None where unknown: ``rank`` (the rank that raised it), ``peer`` (the rank
+    it was talking to), ``sequence`` (the collective's number on its communicator) and, for
+    timeouts, ``silent`` (the rank the silence started from: ``peer`` itself, or the rank at
+    the end of a chain of ranks waiting for each other).
+    """
+
+    def __init__(self, *args: object, rank: int | None = None, peer: int | None = None,
+                 sequence: int | None = None, silent: int | None = None) -> None:
+        super().__init__(*args)
+        self.rank = rank
+        self.peer = peer
+        self.sequence = sequence
+        self.silent = silent
 
 
 class CommTimeoutError(CommError, TimeoutError):

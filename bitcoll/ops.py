@@ -47,6 +47,9 @@ def parse_op(op: ReduceOp | str) -> ReduceOp:
 def check_dtype(dtype: np.dtype[Any], op: ReduceOp | None = None) -> None:
     """Raise UsageError unless ``dtype`` (and the pair ``(op, dtype)``) is supported."""
     if dtype not in SUPPORTED_DTYPES:
+        if dtype.byteorder not in ("=", "|") and dtype.newbyteorder("=") in SUPPORTED_DTYPES:
+            raise UsageError(f"dtype {dtype.str} is not in this machine's byte order; convert "
+                             f"it first, e.g. x.astype(x.dtype.newbyteorder('='))")
         names = ", ".join(sorted(d.name for d in SUPPORTED_DTYPES))
         raise UsageError(f"unsupported dtype {dtype}; bitcoll supports {names}")
     if op is ReduceOp.AVG and dtype not in FLOAT_DTYPES:

@@ -1,7 +1,7 @@
 """Run a function on N real ranks (spawned processes) over the TCP backend.
 
 ``run_world(size, target, *args)`` starts ``size`` processes; each sets the launcher's
-environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), creates ``bitcoll.init("tcp")`` and
+environment (:func:`tcp_env`), creates ``bitcoll.init("tcp")`` and
 returns ``target(comm, *args)``. ``target`` must be a module-level (importable) function and
 its result picklable. Any failing rank makes ``run_world`` raise AssertionError carrying every
 failing rank's traceback; ranks still running after ``timeout`` are killed.
@@ -12,23 +12,27 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
-import socket
 import traceback
 from collections.abc import Callable
 from typing import Any
 
+from tcp_world import free_port
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+__all__ = ["free_port", "run_world", "tcp_env"]
+
+
+def tcp_env(rank: int, size: int, port: int) -> dict[str, str]:
+    """The environment ``bitcoll.init("tcp")`` reads: the torchrun contract on 127.0.0.1,
+    with bitcoll's own store on ``port`` (``BITCOLL_MASTER_PORT``)."""
+    return {"RANK": str(rank), "WORLD_SIZE": str(size), "LOCAL_RANK": str(rank),
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+            "BITCOLL_MASTER_PORT": str(port)}
 
 
 def _child(rank: int, size: int, port: int, comm_timeout: float, target: Callable[..., Any],
            args: tuple[Any, ...], results: Any, comm_kwargs: dict[str, Any]) -> None:
-    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(size), "LOCAL_RANK": str(rank),
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                       "NUMBA_NUM_THREADS": "1"})
+    os.environ.update(tcp_env(rank, size, port))
+    os.environ["NUMBA_NUM_THREADS"] = "1"
     try:
         import bitcoll
 

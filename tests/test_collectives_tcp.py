@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from multiproc import free_port, run_world
+from multiproc import free_port, run_world, tcp_env
 from sweeps import dense_sweep, inplace_and_async, packed_bandwidth, packed_sweep
 
 import bitcoll
@@ -51,8 +51,7 @@ def test_packed_collectives_tcp(size: int) -> None:
 
 
 def _victim(rank: int, size: int, port: int, q: Any) -> None:
-    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(size), "MASTER_ADDR": "127.0.0.1",
-                       "MASTER_PORT": str(port)})
+    os.environ.update(tcp_env(rank, size, port))
     comm = bitcoll.init("tcp", timeout=60)
     x = np.ones(8 << 20, np.float32)
     comm.allreduce(x)

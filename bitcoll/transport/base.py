@@ -206,6 +206,13 @@ class Transport(ABC):
         transport. Only when :attr:`consumes_on_receive`."""
         raise NotImplementedError(f"{self.name} transport has no irecv_consume")
 
+    def subgroup(self, members: list[int], tag: str, timeout: float) -> Transport:
+        """A new transport over the ranks ``members`` of this one (sorted in the new rank
+        order; this rank among them), whose traffic never mixes with this transport's or a
+        sibling group's. Collective over ``members``; ``tag`` is the same on every member and
+        unique among this transport's groups; ``timeout`` (seconds) bounds the set-up."""
+        raise UsageError(f"the {self.name} transport cannot make sub-groups")
+
     @abstractmethod
     def abort(self, reason: str) -> None:
         """Fail all pending and future requests here and make every peer fail promptly."""

@@ -25,6 +25,11 @@ class LocalTransport(Transport):
     def irecv(self, peer: int, payload: memoryview, header: FrameHeader) -> Request:
         raise UsageError(f"rank {peer} does not exist in a world of size 1")
 
+    def subgroup(self, members: list[int], tag: str, timeout: float) -> Transport:
+        if members != [0]:
+            raise UsageError(f"a world of size 1 has no ranks {members}")
+        return LocalTransport()
+
     def abort(self, reason: str) -> None:
         self._failure = CommError(f"communicator aborted: {reason}")
 

@@ -2,21 +2,34 @@
 
 Set-up (:meth:`TCPTransport.create`)
 ------------------------------------
-1. Rank 0 serves the rendezvous store (:mod:`bitcoll.transport.store`) at
-   ``master_addr:master_port``; every rank (rank 0 included) connects to it, retrying until the
-   deadline. Rank 0 writes the world size and a random 64-bit *job id*; the other ranks read
-   them (a different world size is a :class:`~bitcoll.errors.UsageError`) and register their
-   rank (two processes claiming one rank is a UsageError).
+1. The *rendezvous*: rank 0 serves bitcoll's store (:mod:`bitcoll.transport.store`) at
+   ``master_addr:master_port`` and every rank (rank 0 included) connects to it, retrying until
+   the deadline; or, with ``store=``, every rank uses a store the job already has (torchrun's
+   agent store, torch.distributed's; :mod:`bitcoll.transport.external_store`) under the key
+   namespace ``bitcoll/<k>/`` (``k`` counts the worlds this rank built on it). Every
+   connection to bitcoll's own store proves the job's *secret* both ways
+   (:mod:`bitcoll.transport.auth`: ``BITCOLL_SECRET``, or a private file rank 0 writes); the
+   store's *generation* (the how-manieth world this process builds on that address) keeps a
+   rank that re-creates a communicator from talking to rank 0's previous store. Rank 0 writes
+   the world size and a random 64-bit *job id*; the other ranks read them (a different world
+   size is a :class:`~bitcoll.errors.UsageError`) and register their rank (two processes
+   claiming one rank is a UsageError).
 2. Every rank listens on an ephemeral port and publishes ``"<port> <host>"`` under
-   ``bitcoll/addr/<rank>``. The host is ``listen_addr`` if given, otherwise the local address
-   this rank uses to reach the store (so loopback when ``master_addr`` is loopback); a wildcard
+   ``addr/<rank>``. The host is ``listen_addr`` if given, otherwise the local address this
+   rank uses to reach the store (so loopback when ``master_addr`` is loopback); a wildcard
    ``listen_addr`` (``0.0.0.0`` or ``::``) binds everywhere and publishes that address.
-3. The lower rank of each pair connects to the higher one and sends a 24-byte *hello*
-   (``u32 magic, u16 version, u16 0, u32 rank, u32 world size, u64 job id``, little-endian);
-   the higher rank checks it and answers with its own hello. Connections with another job id
-   (a stale process of an earlier job), version or world size are dropped by the acceptor and
-   are an error for the connector. Every socket gets ``TCP_NODELAY`` and
-   :data:`SOCKET_BUFFER_BYTES` send/receive buffers.
+3. The lower rank of each pair connects to the higher one and the two run the authenticated
+   hello of :mod:`bitcoll.transport.handshake` (nonces from both sides, proofs of the secret
+   bound to the job, both ranks, the direction and the address dialed). The acceptor drops, and
+   logs at debug level (logger ``bitcoll.tcp``), every connection that is not a lower rank of
+   this job or fails the proof, and goes on waiting for the real one; for the connector a
+   failed answer is a :class:`~bitcoll.errors.ProtocolError`. Every socket gets
+   ``TCP_NODELAY`` and :data:`SOCKET_BUFFER_BYTES` send/receive buffers. Rank 0 then removes
+   its secret file (every rank has proven it read it).
+
+:meth:`TCPTransport.subgroup` repeats steps 1 (through the same store, under a new
+namespace) to 3 for a subset of the ranks: sub-communicators get connections of their own, so
+their frames can never mix with the parent's or a sibling's.
 
 A rank whose peers do not all show up before the deadline raises
 :class:`~bitcoll.errors.CommTimeoutError` naming them. ``size == 1`` needs no store and no
@@ -82,15 +95,17 @@ close timeout passes.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import queue
 import selectors
 import socket
-import struct
 import threading
 import time
-from typing import Final
+from collections.abc import Iterable
+from typing import Final, Protocol
 
+from ..config import DEFAULT_TIMEOUT
 from ..errors import (
     BitcollError,
     CommError,
@@ -99,10 +114,9 @@ from ..errors import (
     ProtocolError,
     UsageError,
 )
+from . import auth, handshake
 from .base import (
     HEADER_SIZE,
-    MAGIC,
-    PROTOCOL_VERSION,
     Consumer,
     FrameHeader,
     FrameKind,
@@ -111,6 +125,7 @@ from .base import (
     Transport,
     byte_view,
 )
+from .external_store import ExternalStore, check_store
 from .store import StoreClient, StoreServer
 
 __all__ = ["TCPTransport", "SOCKET_BUFFER_BYTES"]
@@ -133,12 +148,20 @@ CLOSE_TIMEOUT: Final = 30.0
 #: After a failure rank 0 keeps its store at most this long for peers to read abort reasons.
 FAILED_CLOSE_SECONDS: Final = 2.0
 
-_HELLO: Final = struct.Struct("<IHHIIQ")  # magic, version, 0, rank, world size, job id
-KEY_SIZE: Final = "bitcoll/size"
-KEY_JOB: Final = "bitcoll/job"
-KEY_JOIN: Final = "bitcoll/join/{}"
-KEY_ADDR: Final = "bitcoll/addr/{}"
-KEY_ABORT: Final = "bitcoll/abort/{}"
+# Store keys, under the transport's namespace (``bitcoll/`` in its own store).
+KEY_SIZE: Final = "size"
+KEY_JOB: Final = "job"
+KEY_JOIN: Final = "join/{}"
+KEY_ADDR: Final = "addr/{}"
+KEY_ABORT: Final = "abort/{}"
+KEY_SECRET_FILE: Final = "secretfile"
+KEY_STALL: Final = "stall/{}"
+#: How long a rank that timed out waits for the ranks it waited on to report whom they
+#: waited on (see :meth:`TCPTransport.silent_origin`), and how often it looks.
+STALL_GRACE_SECONDS: Final = 2.0
+STALL_POLL_SECONDS: Final = 0.02
+
+_log = logging.getLogger("bitcoll.tcp")
 
 _NOSIGNAL: Final = getattr(socket, "MSG_NOSIGNAL", 0)
 _DONTWAIT: Final = getattr(socket, "MSG_DONTWAIT", 0)
@@ -210,16 +233,16 @@ class _TCPRequest(Request):
     one C call on each side, no Python-level condition).
     """
 
-    __slots__ = ("_done", "_error", "_lock", "_rank", "consume", "head", "header", "is_send",
+    __slots__ = ("_done", "_error", "_lock", "_owner", "consume", "head", "header", "is_send",
                  "peer", "posted", "sent", "view")
 
-    def __init__(self, rank: int, peer: int, header: FrameHeader, view: memoryview,
+    def __init__(self, owner: TCPTransport, peer: int, header: FrameHeader, view: memoryview,
                  is_send: bool) -> None:
         self._lock = threading.Lock()
         self._lock.acquire()
         self._done = False
         self._error: BitcollError | None = None
-        self._rank = rank
+        self._owner = owner
         self.peer = peer
         self.header = header
         self.view = view
@@ -247,10 +270,16 @@ class _TCPRequest(Request):
                 h = self.header
                 what = (f"send to rank {self.peer}" if self.is_send
                         else f"receive from rank {self.peer}")
+                waited = time.monotonic() - self.posted
+                silent = self._owner.silent_origin(self.peer)
+                why = "" if silent == self.peer else (
+                    f"; rank {self.peer} was itself waiting: rank {silent} is the one that "
+                    "went silent")
                 raise CommTimeoutError(
-                    f"rank {self._rank}: {what} (collective #{h.seq}, step {h.step}, "
+                    f"rank {self._owner.rank}: {what} (collective #{h.seq}, step {h.step}, "
                     f"{h.length} bytes) did not complete before the deadline "
-                    f"({time.monotonic() - self.posted:.3g} s after it was posted)")
+                    f"({waited:.3g} s after it was posted){why}", rank=self._owner.rank,
+                    peer=self.peer, sequence=h.seq, silent=silent)
             self._lock.release()
         if self._error is not None:
             raise self._error.with_traceback(None)
@@ -286,7 +315,7 @@ class TCPTransport(Transport):
     name = "tcp"
 
     def __init__(self, rank: int, size: int, socks: dict[int, socket.socket],
-                 store: StoreClient | None, server: StoreServer | None, job_id: int,
+                 rendezvous: _Rendezvous | None, job_id: int,
                  close_timeout: float = CLOSE_TIMEOUT) -> None:
         """Wrap established connections (use :meth:`create` instead)."""
         self.rank = rank
@@ -294,8 +323,9 @@ class TCPTransport(Transport):
         self.stats = TrafficStats()
         self.job_id = job_id
         self.close_timeout = close_timeout
-        self._store = store
-        self._server = server
+        self._rdv = rendezvous
+        self._store: RendezvousStore | None = None if rendezvous is None else rendezvous.store
+        self._groups = 0  # sub-groups made so far (their key namespaces)
         self._lock = threading.Lock()
         self._failure: CommError | None = None
         self._closed = False
@@ -313,20 +343,25 @@ class TCPTransport(Transport):
 
     @classmethod
     def create(cls, rank: int, size: int, master_addr: str, master_port: int,
-               timeout: float = 300.0, listen_addr: str | None = None, *,
+               timeout: float = DEFAULT_TIMEOUT, listen_addr: str | None = None, *,
+               store: object | None = None,
                close_timeout: float = CLOSE_TIMEOUT) -> TCPTransport:
         """Connect the ``size`` ranks of a job; see the module docstring for the steps.
 
-        ``rank`` in ``[0, size)``. Rank 0 serves the store at ``master_addr:master_port``
-        (``master_port`` in 1..65535); the others connect to it. ``timeout`` (seconds) bounds
-        the whole set-up. ``listen_addr``: the address to accept peer connections on (default:
-        the local address used to reach ``master_addr``). ``close_timeout``: see
-        :meth:`close`.
+        ``rank`` in ``[0, size)``. Without ``store``, rank 0 serves bitcoll's authenticated
+        store at ``master_addr:master_port`` (``master_port`` in 1..65535) and the others
+        connect to it; with ``store`` (a torch.distributed ``Store`` or any object with its
+        ``set``/``get``/``add``/``wait`` methods) every rank uses that store instead and
+        ``master_addr``/``master_port`` only help to find the local address. ``timeout``
+        (seconds) bounds the whole set-up. ``listen_addr``: the address to accept peer
+        connections on (default: the local address used to reach the store's host).
+        ``close_timeout``: see :meth:`close`.
 
-        Raises UsageError for bad arguments, a world size that differs from rank 0's or a rank
-        claimed twice; CommTimeoutError naming the ranks that did not show up before the
-        deadline (rank 0 itself when no store answers); CommError when the store's port cannot
-        be bound; PeerLostError or ProtocolError when a peer breaks the handshake.
+        Raises UsageError for bad arguments, a world size that differs from rank 0's, a rank
+        claimed twice or a secret that cannot be had (see :mod:`bitcoll.transport.auth`);
+        CommTimeoutError naming the ranks that did not show up before the deadline (rank 0
+        itself when no store answers); CommError when the store's port cannot be bound;
+        PeerLostError or ProtocolError when a peer breaks the handshake.
         """
         if size < 1:
             raise UsageError(f"world size must be >= 1, got {size}")
@@ -334,40 +369,64 @@ class TCPTransport(Transport):
             raise UsageError(f"rank {rank} is not in [0, {size})")
         if timeout <= 0:
             raise UsageError(f"timeout must be > 0 seconds, got {timeout}")
+        if store is not None:
+            check_store(store)
         if size == 1:
-            return cls(0, 1, {}, None, None, 0, close_timeout)
-        if not 0 < master_port < 65536:
+            return cls(0, 1, {}, None, 0, close_timeout)
+        if store is None and not 0 < master_port < 65536:
             raise UsageError(f"master_port must be in 1..65535, got {master_port}")
         deadline = time.monotonic() + timeout
-        where = f"{master_addr}:{master_port}"
-        server: StoreServer | None = None
-        store: StoreClient | None = None
+        secret = auth.env_secret()
+        rdv = (_Rendezvous.own(rank, master_addr, master_port, secret, deadline, timeout)
+               if store is None else
+               _Rendezvous.external(rank, store, master_addr, secret, deadline))
+        try:
+            return cls._build(rank, size, rdv, deadline, timeout, listen_addr, close_timeout)
+        except BaseException:
+            rdv.close(min(deadline, time.monotonic()) + FAILED_CLOSE_SECONDS)
+            raise
+        finally:
+            rdv.forget_secret_file()  # every peer proved the secret (or set-up failed)
+
+    def subgroup(self, members: list[int], tag: str, timeout: float) -> TCPTransport:
+        """A new transport over the ranks ``members`` of this one (this rank among them),
+        with its own connections, built through this transport's store under a key namespace
+        named by ``tag`` (the same on every member, unique among this transport's groups).
+        Ranks of the new transport are positions in ``members``. Collective over
+        ``members``; raises like :meth:`create`."""
+        if self.rank not in members:
+            raise UsageError(f"rank {self.rank} is not among the members {members}")
+        if self._rdv is None or len(members) == 1:
+            return TCPTransport(0, 1, {}, None, 0, self.close_timeout)
+        deadline = time.monotonic() + timeout
+        rdv = self._rdv.child(f"group/{tag}/")
+        return self._build(members.index(self.rank), len(members), rdv, deadline, timeout,
+                           None, self.close_timeout)
+
+    @classmethod
+    def _build(cls, rank: int, size: int, rdv: _Rendezvous, deadline: float, timeout: float,
+               listen_addr: str | None, close_timeout: float) -> TCPTransport:
+        """Steps 2-4 of the set-up: job id, join, publish the listener, connect the mesh."""
+        store, key = rdv.store, rdv.key
+        where = rdv.where
         listener: socket.socket | None = None
         try:
             if rank == 0:
-                server = StoreServer(master_addr, master_port)
-            try:
-                store = StoreClient.connect(master_addr, master_port, deadline)
-            except CommTimeoutError as exc:
-                raise CommTimeoutError(
-                    f"rank {rank}: rank 0 never showed up: no rendezvous store answered at "
-                    f"{where} within {timeout:g} s ({exc})") from None
-            if rank == 0:
                 job_id = int.from_bytes(os.urandom(8), "little")
-                store.set(KEY_SIZE, str(size).encode(), deadline)
-                store.set(KEY_JOB, str(job_id).encode(), deadline)
+                store.set(key(KEY_SIZE), str(size).encode(), deadline)
+                store.set(key(KEY_JOB), str(job_id).encode(), deadline)
             else:
-                job_id = int(store.get(KEY_JOB, deadline))
-                size0 = int(store.get(KEY_SIZE, deadline))
+                job_id = int(store.get(key(KEY_JOB), deadline))
+                size0 = int(store.get(key(KEY_SIZE), deadline))
                 if size0 != size:
                     raise UsageError(f"rank {rank} was started with world size {size} but "
                                      f"rank 0 with {size0}")
-            if store.add(KEY_JOIN.format(rank), 1, deadline) != 1:
+            if store.add(key(KEY_JOIN.format(rank)), 1, deadline) != 1:
                 raise UsageError(f"two processes claim rank {rank} of the job at {where}")
             listener, host = cls._listen(store, listen_addr, size)
-            store.set(KEY_ADDR.format(rank), f"{listener.getsockname()[1]} {host}".encode(),
-                      deadline)
-            keys = [KEY_ADDR.format(p) for p in range(size) if p != rank]
+            mine = f"{listener.getsockname()[1]} {host}"
+            store.set(key(KEY_ADDR.format(rank)), mine.encode(), deadline)
+            keys = [key(KEY_ADDR.format(p)) for p in range(size) if p != rank]
             try:
                 store.wait(keys, deadline)
             except CommTimeoutError:
@@ -375,26 +434,17 @@ class TCPTransport(Transport):
                 raise CommTimeoutError(
                     f"rank {rank}: {_ranks(missing)} never showed up at the rendezvous store "
                     f"{where} within {timeout:g} s") from None
-            addrs: dict[int, tuple[str, int]] = {}
-            for p in range(rank + 1, size):
-                port_s, host_s = store.get(KEY_ADDR.format(p), deadline).decode().split(" ", 1)
-                addrs[p] = (host_s, int(port_s))
-            socks = _connect_mesh(rank, size, listener, addrs, job_id, deadline, timeout)
-        except BaseException:
+            addrs = {p: store.get(key(KEY_ADDR.format(p)), deadline).decode()
+                     for p in range(rank + 1, size)}
+            socks = _Mesh(rank, size, job_id, rdv.secret, mine, deadline, timeout).connect(
+                listener, addrs)
+        finally:
             if listener is not None:
                 listener.close()
-            if store is not None:
-                store.close()
-            if server is not None:
-                # Let the others read their own time-out instead of a vanished store.
-                server.wait_idle(min(deadline, time.monotonic()) + FAILED_CLOSE_SECONDS)
-                server.close()
-            raise
-        listener.close()
-        return cls(rank, size, socks, store, server, job_id, close_timeout)
+        return cls(rank, size, socks, rdv, job_id, close_timeout)
 
     @staticmethod
-    def _listen(store: StoreClient, listen_addr: str | None,
+    def _listen(store: RendezvousStore, listen_addr: str | None,
                 size: int) -> tuple[socket.socket, str]:
         """Bind the listener; return it and the host to publish."""
         local = store.local_address
@@ -421,6 +471,10 @@ class TCPTransport(Transport):
         return sock, publish
 
     # ---------------------------------------------------------------- state
+
+    def _key(self, suffix: str) -> str:
+        assert self._rdv is not None
+        return self._rdv.key(suffix)
 
     @property
     def failure(self) -> CommError | None:
@@ -456,7 +510,7 @@ class TCPTransport(Transport):
                              f"{mv.nbytes} bytes")
         if p.eof:
             self._peer_gone(p)
-        req = _TCPRequest(self.rank, peer, header, mv, True)
+        req = _TCPRequest(self, peer, header, mv, True)
         with p.state:
             # Nothing queued or being written to this peer: try to write the frame right
             # here (saves waking the sender thread; order is kept since no frame is ahead).
@@ -517,7 +571,7 @@ class TCPTransport(Transport):
                              f"{nbytes} bytes")
         if p.eof:
             self._peer_gone(p)
-        req = _TCPRequest(self.rank, p.rank, header, view, False)
+        req = _TCPRequest(self, p.rank, header, view, False)
         req.consume = consume
         p.recv_q.put(req)
         if p.eof and self._failure is None:
@@ -556,6 +610,37 @@ class TCPTransport(Transport):
                 raise _ConsumerFailed from exc
             pos += k
         return True
+
+    def silent_origin(self, peer: int) -> int:
+        """This rank timed out waiting for ``peer``: record that in the store and follow the
+        chain of ranks that timed out waiting for others (each leaves ``stall/<rank>``) to
+        the first one that is not waiting for anybody: the rank the silence started from
+        (``peer`` itself when it left no record within :data:`STALL_GRACE_SECONDS`, or when
+        the chain runs in a circle). Never raises."""
+        store = self._store
+        if store is None:
+            return peer
+        with contextlib.suppress(CommError):
+            store.set(self._key(KEY_STALL.format(self.rank)), str(peer).encode(),
+                      time.monotonic() + ABORT_STORE_SECONDS)
+        chain = [self.rank]
+        current = peer
+        end = time.monotonic() + STALL_GRACE_SECONDS
+        while current not in chain:
+            chain.append(current)
+            raw: bytes | None = None
+            while raw is None and time.monotonic() < end:
+                try:
+                    raw = store.try_get(self._key(KEY_STALL.format(current)),
+                                        time.monotonic() + ABORT_STORE_SECONDS)
+                except CommError:
+                    return current
+                if raw is None:
+                    time.sleep(STALL_POLL_SECONDS)
+            if raw is None or not raw.isdigit() or int(raw) >= self.size:
+                return current
+            current = int(raw)
+        return peer
 
     def _peer_gone(self, p: _Peer) -> None:
         """A call involves a peer that closed its connection: fail and raise."""
@@ -716,7 +801,7 @@ class TCPTransport(Transport):
         store = self._store
         if store is not None:
             try:
-                raw = store.try_get(KEY_ABORT.format(peer),
+                raw = store.try_get(self._key(KEY_ABORT.format(peer)),
                                     time.monotonic() + ABORT_STORE_SECONDS)
             except CommError:
                 raw = None
@@ -767,7 +852,7 @@ class TCPTransport(Transport):
         # 2. The reason in the store, for peers that will only see the stream end mid-frame.
         if self._store is not None:
             with contextlib.suppress(CommError):
-                self._store.set(KEY_ABORT.format(self.rank), text,
+                self._store.set(self._key(KEY_ABORT.format(self.rank)), text,
                                 time.monotonic() + ABORT_STORE_SECONDS)
         # SHUT_WR: peers read the end of the stream after what was sent (this rank's own
         # blocked sends fail at once); the receiver threads go on reading and dropping data
@@ -821,13 +906,10 @@ class TCPTransport(Transport):
                     t.join(5.0)
             self._drain(p, closed)
             p.sock.close()
-        if self._store is not None:
-            self._store.close()
-        if self._server is not None:
+        if self._rdv is not None:
             if self._failure is not None:
                 deadline = min(deadline, time.monotonic() + FAILED_CLOSE_SECONDS)
-            self._server.wait_idle(deadline)
-            self._server.close()
+            self._rdv.close(deadline)
 
     def __enter__(self) -> TCPTransport:
         return self
@@ -837,8 +919,130 @@ class TCPTransport(Transport):
 
 
 # --------------------------------------------------------------------------------------------
-# The handshake
+# Rendezvous and the handshake
 # --------------------------------------------------------------------------------------------
+
+
+class RendezvousStore(Protocol):
+    """What the set-up needs of a store: bitcoll's :class:`StoreClient` or an
+    :class:`~bitcoll.transport.external_store.ExternalStore`."""
+
+    def set(self, key: str, value: bytes, deadline: float | None = None) -> None: ...
+
+    def get(self, key: str, deadline: float | None = None) -> bytes: ...
+
+    def try_get(self, key: str, deadline: float | None = None) -> bytes | None: ...
+
+    def add(self, key: str, delta: int, deadline: float | None = None) -> int: ...
+
+    def wait(self, keys: Iterable[str], deadline: float | None = None) -> None: ...
+
+    def missing(self, keys: Iterable[str], deadline: float | None = None) -> list[str]: ...
+
+    def close(self) -> None: ...
+
+    @property
+    def local_address(self) -> str: ...
+
+
+#: Worlds built so far by this process per own-store address: the store's *generation*, so that
+#: a rank re-creating a communicator never talks to rank 0's previous store while it closes.
+_GENERATIONS: dict[tuple[str, int], int] = {}
+_GENERATIONS_LOCK = threading.Lock()
+
+
+class _Rendezvous:
+    """A transport's store, its key namespace (``prefix``) and the job's secret.
+
+    ``owns``: the store (and on rank 0 the server) belongs to this transport and is closed with
+    it; sub-groups borrow their parent's. ``secret_file``: rank 0's secret file while the other
+    ranks may still need to read it.
+    """
+
+    def __init__(self, store: RendezvousStore, prefix: str, secret: bytes, where: str,
+                 server: StoreServer | None = None, owns: bool = False,
+                 secret_file: auth.SecretFile | None = None) -> None:
+        self.store = store
+        self.prefix = prefix
+        self.secret = secret
+        self.where = where
+        self.server = server
+        self.owns = owns
+        self.secret_file = secret_file
+
+    def key(self, suffix: str) -> str:
+        return self.prefix + suffix
+
+    @classmethod
+    def own(cls, rank: int, master_addr: str, master_port: int, secret: bytes | None,
+            deadline: float, timeout: float) -> _Rendezvous:
+        """bitcoll's store at ``master_addr:master_port``, served by rank 0."""
+        with _GENERATIONS_LOCK:
+            gen = _GENERATIONS.get((master_addr, master_port), 0)
+            _GENERATIONS[(master_addr, master_port)] = gen + 1
+        where = f"{master_addr}:{master_port}"
+        server: StoreServer | None = None
+        secret_file: auth.SecretFile | None = None
+        try:
+            if rank == 0:
+                if secret is None:
+                    secret_file = auth.SecretFile()
+                    secret = secret_file.secret
+                server = StoreServer(master_addr, master_port, secret=secret, generation=gen,
+                                     hint="" if secret_file is None else secret_file.path)
+            try:
+                client = StoreClient.connect(master_addr, master_port, deadline, secret=secret,
+                                             generation=gen)
+            except CommTimeoutError as exc:
+                raise CommTimeoutError(
+                    f"rank {rank}: rank 0 never showed up: no rendezvous store answered at "
+                    f"{where} within {timeout:g} s ({exc})") from None
+        except BaseException:
+            if server is not None:
+                server.close()
+            if secret_file is not None:
+                secret_file.remove()
+            raise
+        return cls(client, "bitcoll/", client.secret, where, server, True, secret_file)
+
+    @classmethod
+    def external(cls, rank: int, store: object, master_addr: str, secret: bytes | None,
+                 deadline: float) -> _Rendezvous:
+        """A store the job already has (torch.distributed's); keys under
+        ``bitcoll/<k>/`` where ``k`` counts the worlds this rank built on it."""
+        ext = ExternalStore(store, host=getattr(store, "host", None) or master_addr or None)
+        gen = ext.add(f"bitcoll/count/{rank}", 1, deadline) - 1
+        prefix = f"bitcoll/{gen}/"
+        secret_file: auth.SecretFile | None = None
+        if secret is None:
+            if rank == 0:
+                secret_file = auth.SecretFile()
+                secret = secret_file.secret
+                ext.set(prefix + KEY_SECRET_FILE, secret_file.path.encode(), deadline)
+            else:
+                path = ext.get(prefix + KEY_SECRET_FILE, deadline)
+                secret = auth.read_secret_file(path.decode("utf-8", errors="replace"))
+        return cls(ext, prefix, secret, "the job's store", None, True, secret_file)
+
+    def child(self, suffix: str) -> _Rendezvous:
+        """The same store and secret under ``prefix + suffix``, not owned."""
+        return _Rendezvous(self.store, self.prefix + suffix, self.secret, self.where)
+
+    def forget_secret_file(self) -> None:
+        """Remove rank 0's secret file (every rank has read it, or set-up failed)."""
+        if self.secret_file is not None:
+            self.secret_file.remove()
+            self.secret_file = None
+
+    def close(self, server_deadline: float) -> None:
+        """Close an owned store; rank 0 serves it until the others left or the deadline."""
+        self.forget_secret_file()
+        if not self.owns:
+            return
+        self.store.close()
+        if self.server is not None:
+            self.server.wait_idle(server_deadline)
+            self.server.close()
 
 
 def _connect(addr: tuple[str, int], deadline: float, peer: int) -> socket.socket:
@@ -868,106 +1072,209 @@ def _connect(addr: tuple[str, int], deadline: float, peer: int) -> socket.socket
         return sock
 
 
-def _connect_mesh(rank: int, size: int, listener: socket.socket,
-                  addrs: dict[int, tuple[str, int]], job_id: int, deadline: float,
-                  timeout: float) -> dict[int, socket.socket]:
-    """Connect to every higher rank, accept every lower one; return ``{peer: socket}``."""
-    hello = _HELLO.pack(MAGIC, PROTOCOL_VERSION, 0, rank, size, job_id)
-    done: dict[int, socket.socket] = {}
-    pending: dict[socket.socket, tuple[int | None, bytearray]] = {}
-    sel = selectors.DefaultSelector()
-    ok = False
-    try:
-        for peer in range(rank + 1, size):
-            s = _connect(addrs[peer], deadline, peer)
-            s.settimeout(max(0.001, deadline - time.monotonic()))
-            s.sendall(hello)
-            s.setblocking(False)
-            pending[s] = (peer, bytearray())
-            sel.register(s, selectors.EVENT_READ)
-        listener.setblocking(False)
-        sel.register(listener, selectors.EVENT_READ)
-        while len(done) < size - 1:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                absent = set(range(rank)) - done.keys()
-                silent = set(range(rank + 1, size)) - done.keys()
-                parts = []
-                if absent:
-                    parts.append(f"{_ranks(absent)} never connected")
-                if silent:
-                    parts.append(f"{_ranks(silent)} never answered the handshake")
-                raise CommTimeoutError(f"rank {rank}: {' and '.join(parts)} within "
-                                       f"{timeout:g} s")
-            for key, _ in sel.select(min(left, 1.0)):
-                obj = key.fileobj
-                assert isinstance(obj, socket.socket)
-                s = obj
-                if s is listener:
-                    while True:
-                        try:
-                            conn, _ = listener.accept()
-                        except (BlockingIOError, InterruptedError):
-                            break
-                        conn.setblocking(False)
-                        pending[conn] = (None, bytearray())
-                        sel.register(conn, selectors.EVENT_READ)
-                    continue
-                expect, buf = pending[s]
-                try:
-                    chunk = s.recv(_HELLO.size - len(buf))
-                except (BlockingIOError, InterruptedError):
-                    continue
-                except OSError as exc:
-                    chunk = b""
-                    if expect is not None:
-                        raise PeerLostError(f"rank {rank}: rank {expect} broke the handshake: "
-                                            f"{exc}") from exc
-                if not chunk:
-                    sel.unregister(s)
-                    del pending[s]
+class _Pending:
+    """A connection in the handshake: what it waits for and what it has read."""
+
+    __slots__ = ("buf", "need", "nonce_a", "nonce_b", "peer", "stage")
+
+    def __init__(self, peer: int | None, stage: str, need: int, nonce_a: bytes = b"") -> None:
+        self.peer = peer  # the rank this side expects (connector) or claims to be (acceptor)
+        self.stage = stage  # "accept" (connector waits), "hello" / "confirm" (acceptor waits)
+        self.need = need
+        self.buf = bytearray()
+        self.nonce_a = nonce_a
+        self.nonce_b = b""
+
+
+#: Most handshakes an acceptor runs at once with connections not yet proven (strangers).
+MAX_PENDING_HANDSHAKES: Final = 256
+
+
+class _Mesh:
+    """Connects every pair of ranks with the authenticated hello of
+    :mod:`bitcoll.transport.handshake`: this rank connects to every higher rank and accepts
+    every lower one. Connections that fail the proof are dropped (and logged at debug level)
+    on the accepting side and are a ProtocolError on the connecting side."""
+
+    def __init__(self, rank: int, size: int, job_id: int, secret: bytes, mine: str,
+                 deadline: float, timeout: float) -> None:
+        self.rank = rank
+        self.size = size
+        self.job_id = job_id
+        self.secret = secret
+        self.mine = mine  # the address this rank published ("<port> <host>")
+        self.deadline = deadline
+        self.timeout = timeout
+        self.addrs: dict[int, str] = {}
+        self.done: dict[int, socket.socket] = {}
+        self.pending: dict[socket.socket, _Pending] = {}
+
+    def _proof(self, role: str, a: int, b: int, nonce_a: bytes, nonce_b: bytes,
+               addr_b: str) -> bytes:
+        return handshake.proof(self.secret, role, self.job_id, self.size, a, b, nonce_a,
+                               nonce_b, addr_b)
+
+    def connect(self, listener: socket.socket, addrs: dict[int, str]) -> dict[int, socket.socket]:
+        """Run the handshakes until every peer is connected; return ``{peer: socket}``."""
+        self.addrs = addrs
+        sel = selectors.DefaultSelector()
+        ok = False
+        try:
+            for peer in range(self.rank + 1, self.size):
+                port_s, host_s = addrs[peer].split(" ", 1)
+                s = _connect((host_s, int(port_s)), self.deadline, peer)
+                s.settimeout(max(0.001, self.deadline - time.monotonic()))
+                nonce_a = auth.new_nonce()
+                s.sendall(handshake.Hello(handshake.KIND_HELLO, self.rank, self.size,
+                                          self.job_id, nonce_a).pack())
+                s.setblocking(False)
+                self.pending[s] = _Pending(peer, "accept", handshake.ACCEPT_SIZE, nonce_a)
+                sel.register(s, selectors.EVENT_READ)
+            listener.setblocking(False)
+            sel.register(listener, selectors.EVENT_READ)
+            while len(self.done) < self.size - 1:
+                left = self.deadline - time.monotonic()
+                if left <= 0:
+                    raise self._timed_out()
+                for key, _ in sel.select(min(left, 1.0)):
+                    obj = key.fileobj
+                    assert isinstance(obj, socket.socket)
+                    if obj is listener:
+                        self._accept(listener, sel)
+                    else:
+                        self._read(obj, sel)
+            ok = True
+        finally:
+            sel.close()
+            if not ok:
+                for s in list(self.pending) + list(self.done.values()):
                     s.close()
-                    if expect is not None:
-                        raise PeerLostError(f"rank {rank}: rank {expect} closed the connection "
-                                            "during the handshake")
-                    continue
-                buf += chunk
-                if len(buf) < _HELLO.size:
-                    continue
-                sel.unregister(s)
-                del pending[s]
-                magic, version, _, peer_rank, peer_size, peer_job = _HELLO.unpack(buf)
-                good = (magic == MAGIC and version == PROTOCOL_VERSION and peer_size == size
-                        and peer_job == job_id)
-                if expect is None:  # an incoming connection: must be a lower rank of this job
-                    if not good or not 0 <= peer_rank < rank or peer_rank in done:
-                        s.close()  # a stale or foreign connection: drop it
-                        continue
-                    s.setblocking(True)
-                    s.settimeout(max(0.001, deadline - time.monotonic()))
-                    try:
-                        s.sendall(hello)
-                    except OSError:
-                        s.close()
-                        continue
-                    done[peer_rank] = s
-                else:
-                    if not good or peer_rank != expect:
-                        s.close()
-                        raise ProtocolError(
-                            f"rank {rank}: the process at {addrs[expect][0]}:"
-                            f"{addrs[expect][1]} is not rank {expect} of this job (it answered "
-                            f"as rank {peer_rank} of {peer_size}, version {version}, job "
-                            f"{peer_job:#x})")
-                    done[expect] = s
-        ok = True
-    finally:
-        sel.close()
-        if not ok:
-            for s in list(pending) + list(done.values()):
-                s.close()
-    for s in done.values():
-        s.setblocking(True)
-        with contextlib.suppress(OSError):
-            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    return done
+            else:
+                for s in self.pending:
+                    s.close()
+        for s in self.done.values():
+            s.setblocking(True)
+            with contextlib.suppress(OSError):
+                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return self.done
+
+    def _timed_out(self) -> CommTimeoutError:
+        absent = set(range(self.rank)) - self.done.keys()
+        silent = set(range(self.rank + 1, self.size)) - self.done.keys()
+        parts = []
+        if absent:
+            parts.append(f"{_ranks(absent)} never connected")
+        if silent:
+            parts.append(f"{_ranks(silent)} never answered the handshake")
+        return CommTimeoutError(f"rank {self.rank}: {' and '.join(parts)} within "
+                                f"{self.timeout:g} s")
+
+    def _accept(self, listener: socket.socket, sel: selectors.BaseSelector) -> None:
+        while True:
+            try:
+                conn, addr = listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:  # EMFILE and friends: drop nothing, try again later
+                _log.debug("rank %d: accept failed during set-up: %s", self.rank, exc)
+                return
+            if len(self.pending) >= MAX_PENDING_HANDSHAKES:
+                _log.debug("rank %d: too many handshakes at once; dropped %s", self.rank, addr)
+                conn.close()
+                continue
+            conn.setblocking(False)
+            self.pending[conn] = _Pending(None, "hello", handshake.HELLO_SIZE)
+            sel.register(conn, selectors.EVENT_READ)
+
+    def _drop(self, s: socket.socket, sel: selectors.BaseSelector, why: str) -> None:
+        p = self.pending.pop(s)
+        sel.unregister(s)
+        s.close()
+        if p.stage == "accept":  # a connection this rank made: the peer is not who it should be
+            raise PeerLostError(f"rank {self.rank}: rank {p.peer} {why}")
+        _log.debug("rank %d: dropped an incoming connection during set-up: %s", self.rank, why)
+
+    def _read(self, s: socket.socket, sel: selectors.BaseSelector) -> None:
+        p = self.pending[s]
+        try:
+            chunk = s.recv(p.need - len(p.buf))
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            self._drop(s, sel, f"broke the handshake: {exc}")
+            return
+        if not chunk:
+            self._drop(s, sel, "closed the connection during the handshake")
+            return
+        p.buf += chunk
+        if len(p.buf) < p.need:
+            return
+        if p.stage == "hello":
+            self._on_hello(s, p, sel)
+        elif p.stage == "confirm":
+            self._on_confirm(s, p, sel)
+        else:
+            self._on_accept(s, p, sel)
+
+    def _send(self, s: socket.socket, data: bytes) -> bool:
+        """Write a handshake message (small: fits the empty socket buffer at once)."""
+        try:
+            return s.send(data, _NOSIGNAL) == len(data)
+        except OSError:
+            return False
+
+    def _on_hello(self, s: socket.socket, p: _Pending, sel: selectors.BaseSelector) -> None:
+        """Acceptor, message 1 arrived: check it, answer with message 2."""
+        h = handshake.Hello.unpack(p.buf)
+        if not h.matches(handshake.KIND_HELLO, self.size, self.job_id) or \
+                not 0 <= h.rank < self.rank or h.rank in self.done:
+            self._drop(s, sel, f"not a lower rank of this job (claims rank {h.rank} of "
+                               f"{h.size}, job {h.job_id:#x}, version {h.version})")
+            return
+        p.peer, p.nonce_a, p.nonce_b = h.rank, h.nonce, auth.new_nonce()
+        answer = handshake.Hello(handshake.KIND_ACCEPT, self.rank, self.size, self.job_id,
+                                 p.nonce_b).pack()
+        answer += self._proof("accept", h.rank, self.rank, p.nonce_a, p.nonce_b, self.mine)
+        if not self._send(s, answer):
+            self._drop(s, sel, "could not be answered")
+            return
+        p.stage, p.need, p.buf = "confirm", handshake.CONFIRM_SIZE, bytearray()
+
+    def _on_confirm(self, s: socket.socket, p: _Pending, sel: selectors.BaseSelector) -> None:
+        """Acceptor, message 3 arrived: the connector's proof."""
+        assert p.peer is not None
+        if p.peer in self.done or not handshake.verify(
+                self.secret, p.buf, "connect", self.job_id, self.size, p.peer, self.rank,
+                p.nonce_a, p.nonce_b, self.mine):
+            self._drop(s, sel, f"a connection claiming rank {p.peer} failed the proof of the "
+                               "job's secret")
+            return
+        del self.pending[s]
+        sel.unregister(s)
+        self.done[p.peer] = s
+
+    def _on_accept(self, s: socket.socket, p: _Pending, sel: selectors.BaseSelector) -> None:
+        """Connector, message 2 arrived: the acceptor's identity and proof."""
+        assert p.peer is not None
+        h = handshake.Hello.unpack(p.buf)
+        addr = self.addrs[p.peer]
+        good = h.matches(handshake.KIND_ACCEPT, self.size, self.job_id) and \
+            h.rank == p.peer and handshake.verify(
+                self.secret, p.buf[handshake.HELLO_SIZE:], "accept", self.job_id, self.size,
+                self.rank, p.peer, p.nonce_a, h.nonce, addr)
+        if not good:
+            port_s, host_s = addr.split(" ", 1)
+            del self.pending[s]
+            sel.unregister(s)
+            s.close()
+            raise ProtocolError(
+                f"rank {self.rank}: the process at {host_s}:{port_s} is not rank {p.peer} of "
+                f"this job (it answered as rank {h.rank} of {h.size}, version {h.version}, "
+                f"job {h.job_id:#x}, or could not prove it knows the job's secret)")
+        confirm = self._proof("connect", self.rank, p.peer, p.nonce_a, h.nonce, addr)
+        if not self._send(s, confirm):
+            self._drop(s, sel, "closed the connection during the handshake")
+            return
+        del self.pending[s]
+        sel.unregister(s)
+        self.done[p.peer] = s

@@ -1,0 +1,100 @@
+"""Sub-communicators: comm.split on every backend (TCP here and on threads; MPI in
+test_split_mpi.py)."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+from multiproc import run_world
+
+import bitcoll
+from bitcoll.communicator import Communicator
+from bitcoll.errors import PeerLostError, UsageError
+
+
+def _checks(comm: Communicator) -> float:
+    p, r = comm.size, comm.rank
+    # Parity groups: ranks ordered by parent rank.
+    sub = comm.split(r % 2)
+    assert sub is not None
+    members = list(range(r % 2, p, 2))
+    assert (sub.size, sub.rank) == (len(members), members.index(r))
+    np.testing.assert_array_equal(sub.allreduce(np.full(5, r, np.int64)),
+                                  np.full(5, sum(members)))
+    assert sub.stats.snapshot()["bytes_sent"] > 0 or sub.size == 1
+    sub.close()
+    # A key reverses the order; color None stays out.
+    rev = comm.split(0, key=-r)
+    assert rev is not None and rev.rank == p - 1 - r
+    out = comm.split(None if r == 0 else 7)
+    assert (out is None) == (r == 0)
+    if out is not None:
+        assert out.size == p - 1 and out.rank == r - 1
+        assert out.allgather(np.array([r]))[0] == 1
+        out.close()
+    # Two sub-communicators over all ranks used from two threads while the parent runs in the
+    # main thread: no frame of one ever lands in another.
+    a = comm.split(0)
+    b = comm.split(0, key=-r)
+    assert a is not None and b is not None
+    errors: list[BaseException] = []
+
+    def loop(c: Communicator, scale: float) -> None:
+        try:
+            for i in range(200):
+                y = c.allreduce(np.full(9, scale * (r + 1) + i))
+                want = scale * p * (p + 1) / 2 + p * i
+                assert (y == want).all(), (y, want)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=loop, args=(a, 1.0)),
+               threading.Thread(target=loop, args=(b, 1000.0))]
+    for t in threads:
+        t.start()
+    loop(comm, 1e6)
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert a.majority_calls == 0
+    a.sign_allreduce(np.ones(3))
+    assert (a.majority_calls, b.majority_calls) == (1, 0)
+    a.close()
+    b.close()
+    # The parent still works after its children closed.
+    return float(comm.allreduce(np.ones(1))[0])
+
+
+def _bad_color(comm: Communicator) -> str:
+    """A color that is not an integer: UsageError on the rank that sees it first, the
+    others fail fast with that reason (PeerLostError) or raise UsageError themselves."""
+    try:
+        comm.split(1.5)  # type: ignore[arg-type]
+    except (UsageError, PeerLostError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("size", [3, 4])
+def test_split_tcp(size: int) -> None:
+    assert run_world(size, _checks, timeout=180) == [float(size)] * size
+    for msg in run_world(size, _bad_color, timeout=60):
+        assert "color must be an integer" in msg, msg
+
+
+def test_split_local() -> None:
+    with bitcoll.init("local") as comm:
+        sub = comm.split(3)
+        assert sub is not None and sub.size == 1
+        assert sub.allreduce(np.ones(2)).tolist() == [1.0, 1.0]
+        sub.close()
+        assert comm.split(None) is None
+        with pytest.raises(UsageError, match="color"):
+            comm.split(-1)
+        with pytest.raises(UsageError, match="key"):
+            comm.split(0, key="a")  # type: ignore[arg-type]
+        with pytest.raises(UsageError, match="color"):
+            comm.split(True)

@@ -1,0 +1,194 @@
+"""bitcoll where training jobs already run: torchrun, torch.distributed beside it, Slurm's
+environment, stores passed in, and the misuses of each (clear errors, deadlines honoured)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from tcp_world import free_port
+
+import bitcoll
+from bitcoll.bootstrap import expand_hostlist, tcp_environment
+
+SCRIPT = Path(__file__).parent / "scripts" / "stack_job.py"
+BIN = Path(sys.executable).parent
+TORCHRUN = BIN / "torchrun"
+MPIEXEC = BIN / "mpiexec"
+
+_LAUNCH_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK",
+                "LOCAL_WORLD_SIZE", "BITCOLL_MASTER_PORT", "BITCOLL_SECRET",
+                "BITCOLL_INSECURE", "TORCHELASTIC_USE_AGENT_STORE", "SLURM_PROCID",
+                "SLURM_NTASKS", "SLURM_JOB_NODELIST", "SLURM_JOB_ID", "PMI_RANK", "PMI_SIZE")
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS}
+    env.update({"NUMBA_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+    env.update(extra)
+    return env
+
+
+def _run(cmd: list[str], n: int, backend: str, env: dict[str, str] | None = None,
+         timeout: float = 150) -> str:
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                         env=_env() if env is None else env)
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text[-6000:]
+    for r in range(n):
+        assert f"rank {r}/{n} backend={backend} ok" in out.stdout, text[-6000:]
+    return text
+
+
+# ---------------------------------------------------------------- torchrun
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("mode", ["bitcoll", "gloo-first", "bitcoll-first"])
+def test_torchrun_single_node(mode: str) -> None:
+    _run([str(TORCHRUN), "--nproc-per-node", "3", str(SCRIPT), mode], 3, "tcp")
+
+
+@pytest.mark.timeout(200)
+def test_torchrun_two_nodes_c10d() -> None:
+    port = free_port()
+    cmd = [str(TORCHRUN), "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+           "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "stack-test"]
+    procs = [subprocess.Popen([*cmd, "--node-rank", str(k), str(SCRIPT), "gloo-first"],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env=_env()) for k in range(2)]
+    outs = [p.communicate(timeout=150)[0] for p in procs]
+    for p, text in zip(procs, outs, strict=True):
+        assert p.returncode == 0, text[-6000:]
+    joined = "".join(outs)
+    assert "rank 0/2 backend=tcp ok" in joined and "rank 1/2 backend=tcp ok" in joined, joined
+
+
+# ---------------------------------------------------------------- beside torch.distributed
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("mode", ["gloo-first", "bitcoll-first", "store"])
+def test_launcher_beside_gloo(mode: str) -> None:
+    _run([sys.executable, "-m", "launch", "-n", "3", str(SCRIPT), mode], 3, "tcp")
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("mode", ["gloo-first", "bitcoll-first"])
+def test_mpiexec_beside_gloo(mode: str) -> None:
+    env = _env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    _run([str(MPIEXEC), "-n", "3", sys.executable, str(SCRIPT), mode], 3, "mpi", env)
+
+
+# ---------------------------------------------------------------- the environment contract
+
+
+def test_torchrun_contract_port_rule() -> None:
+    base = {"RANK": "1", "WORLD_SIZE": "4", "MASTER_ADDR": "10.1.2.3", "MASTER_PORT": "29500"}
+    te = tcp_environment(base)
+    assert (te.rank, te.size, te.master_addr, te.master_port) == (1, 4, "10.1.2.3", 29501)
+    assert not te.agent_store and te.source == "torchrun contract"
+    te = tcp_environment({**base, "BITCOLL_MASTER_PORT": "31000"})
+    assert te.master_port == 31000
+    te = tcp_environment({**base, "TORCHELASTIC_USE_AGENT_STORE": "True"})
+    assert te.agent_store and te.master_port is None
+    # An explicit bitcoll port wins over the agent store.
+    te = tcp_environment({**base, "TORCHELASTIC_USE_AGENT_STORE": "True",
+                          "BITCOLL_MASTER_PORT": "31000"})
+    assert not te.agent_store and te.master_port == 31000
+    te = tcp_environment({"RANK": "0", "WORLD_SIZE": "2"}, external_store=True)
+    assert te.master_port is None
+
+
+def test_slurm_contract() -> None:
+    env = {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1",
+           "SLURM_JOB_NODELIST": "gpu[07-08,10],login1", "SLURM_JOB_ID": "123456"}
+    te = tcp_environment(env)
+    assert (te.rank, te.size, te.master_addr) == (5, 8, "gpu07")
+    assert te.master_port == 20000 + 123456 % 20000 and te.source == "Slurm"
+    assert tcp_environment({**env, "MASTER_PORT": "4000"}).master_port == 4001
+    assert tcp_environment({**env, "BITCOLL_MASTER_PORT": "4000"}).master_port == 4000
+    assert tcp_environment({**env, "MASTER_ADDR": "head"}).master_addr == "head"
+    # The torchrun variables take precedence over Slurm's.
+    te = tcp_environment({**env, "RANK": "2", "WORLD_SIZE": "4", "MASTER_ADDR": "a",
+                          "MASTER_PORT": "100"})
+    assert (te.rank, te.size, te.master_addr, te.source) == (2, 4, "a", "torchrun contract")
+
+
+def test_detect_backend_precedence(monkeypatch: pytest.MonkeyPatch) -> None:
+    for k in _LAUNCH_VARS:
+        monkeypatch.delenv(k, raising=False)
+    assert bitcoll.detect_backend() == "local"
+    monkeypatch.setenv("SLURM_PROCID", "0")
+    monkeypatch.setenv("SLURM_NTASKS", "1")
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "n1")
+    assert bitcoll.detect_backend() == "tcp"
+
+
+def test_expand_hostlist() -> None:
+    assert expand_hostlist("n1") == ["n1"]
+    assert expand_hostlist("node[01-03,07],gpu1") == ["node01", "node02", "node03", "node07",
+                                                      "gpu1"]
+    assert expand_hostlist("r[8-10]-ib,x[2]") == ["r8-ib", "r9-ib", "r10-ib", "x2"]
+    for bad in ("n[1-", "n]1[", "n[a-b]", ""):
+        with pytest.raises(bitcoll.UsageError):
+            expand_hostlist(bad)
+
+
+def test_environment_errors() -> None:
+    with pytest.raises(bitcoll.UsageError, match="SLURM_PROCID"):
+        tcp_environment({})
+    with pytest.raises(bitcoll.UsageError, match="must be an integer"):
+        tcp_environment({"RANK": "x", "WORLD_SIZE": "2", "MASTER_ADDR": "a",
+                         "MASTER_PORT": "1"})
+    with pytest.raises(bitcoll.UsageError, match="not in"):
+        tcp_environment({"RANK": "2", "WORLD_SIZE": "2", "MASTER_ADDR": "a",
+                         "MASTER_PORT": "1"})
+    with pytest.raises(bitcoll.UsageError, match="TCP port"):
+        tcp_environment({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "a",
+                         "MASTER_PORT": "65535"})
+    with pytest.raises(bitcoll.UsageError, match="MASTER_PORT"):
+        tcp_environment({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "a"})
+
+
+# ---------------------------------------------------------------- misuse: clear errors
+
+
+def test_init_rejects_a_non_mpi_comm() -> None:
+    with pytest.raises(bitcoll.UsageError, match="mpi4py"):
+        bitcoll.init(comm=object())
+    with pytest.raises(bitcoll.UsageError, match="contradicts"):
+        bitcoll.init("tcp", comm=object())
+
+
+def test_init_rejects_a_store_missing_methods(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Half:
+        def set(self, key: str, value: bytes) -> None: ...
+
+        def get(self, key: str) -> bytes:
+            return b""
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(bitcoll.UsageError, match="lacks add, wait"):
+        bitcoll.init(store=Half())
+    with pytest.raises(bitcoll.UsageError, match="contradicts"):
+        bitcoll.init("mpi", store=Half())
+
+
+@pytest.mark.timeout(60)
+def test_stale_torchrun_variables_honour_the_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
+    for k in _LAUNCH_VARS:
+        monkeypatch.delenv(k, raising=False)
+    port = free_port()  # nobody listens there
+    for k, v in {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True"}.items():
+        monkeypatch.setenv(k, v)
+    t0 = time.monotonic()
+    with pytest.raises(bitcoll.CommTimeoutError, match="agent store"):
+        bitcoll.init(timeout=2.0)
+    assert time.monotonic() - t0 < 30
