@@ -47,11 +47,13 @@ def _child(rank: int, size: int, port: int, comm_timeout: float, target: Callabl
 
 
 def run_world(size: int, target: Callable[..., Any], *args: Any, timeout: float = 120.0,
-              comm_timeout: float = 120.0, **comm_kwargs: Any) -> list[Any]:
-    """Run ``target(comm, *args)`` on ``size`` TCP ranks; return the results in rank order."""
+              comm_timeout: float = 120.0, port: int | None = None,
+              **comm_kwargs: Any) -> list[Any]:
+    """Run ``target(comm, *args)`` on ``size`` TCP ranks; return the results in rank order.
+    ``port``: bitcoll's store port (default: a free one)."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = free_port()
+    port = free_port() if port is None else port
     procs = [ctx.Process(target=_child, args=(r, size, port, comm_timeout, target, args,
                                               results, comm_kwargs), daemon=True)
              for r in range(size)]
