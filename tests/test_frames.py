@@ -46,3 +46,14 @@ def test_traffic_stats() -> None:
                             "messages_received": 1}
     s.reset()
     assert set(s.snapshot().values()) == {0}
+
+
+@given(st.binary(min_size=0, max_size=2 * HEADER_SIZE))
+def test_header_parser_takes_any_bytes(data: bytes) -> None:
+    """Any bytes give a header or a ProtocolError: never another exception."""
+    try:
+        h = FrameHeader.unpack(data)
+    except ProtocolError:
+        return
+    assert h.magic == MAGIC and len(data) >= HEADER_SIZE
+    assert h.mismatch(FrameHeader(h.seq, h.step, h.signature, h.length, h.kind), 1) is None
