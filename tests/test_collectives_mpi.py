@@ -90,3 +90,30 @@ def test_mismatch_fails_every_rank_fast(case: str) -> None:
     with pytest.raises(CommError):
         c.allreduce(np.ones(1))
     c.close()
+
+
+@pytest.mark.mpi(min_size=3)
+@pytest.mark.timeout(300)
+def test_collectives_on_split_transports() -> None:
+    """A communicator over each parity group of an MPI transport split (the bitcoll
+    algorithms and MPI's own), while the parent transport stays usable."""
+    from bitcoll.transport.mpi import MPITransport
+
+    parent = MPITransport.create(timeout=60)
+    try:
+        color = parent.rank % 2
+        members = [r for r in range(parent.size) if r % 2 == color]
+        sub = parent.split(color, key=parent.rank)
+        assert sub is not None
+        with Communicator(sub, timeout=60) as c:
+            assert (c.rank, c.size, c.backend) == (members.index(parent.rank), len(members),
+                                                   "mpi")
+            got = c.allreduce(np.full(1001, parent.rank + 1, np.float32))
+            assert np.all(got == sum(r + 1 for r in members))
+            got = c.allreduce(np.full(9, parent.rank + 1, np.int64), algorithm="native")
+            assert np.all(got == sum(r + 1 for r in members))
+            assert dense_sweep(c, lengths=(1, 1000), dtypes=("float32", "int16")) > 0
+            packed_sweep(c, lengths=(65, 4099))
+        parent.native_barrier(time.monotonic() + 60)
+    finally:
+        parent.close()

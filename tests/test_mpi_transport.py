@@ -4,24 +4,28 @@ Run under MPI with any world size >= 2, for example::
 
     mpiexec -n 3 python -m pytest --with-mpi -q -m mpi tests/test_mpi_transport.py
 
-Plain ``pytest`` runs only the environment-detection unit test and skips the MPI tests. Every
+Plain ``pytest`` runs only the unit tests that need no MPI and skips the MPI tests. Every
 MPI test creates its own transport (a private duplicate of COMM_WORLD), so a test that aborts
 its transport, or fails half-way on one rank, cannot disturb the next one. Expected data are
-computed locally from seeds.
+computed locally from seeds. The split tests need at least 3 ranks. The exit rules (uncaught
+exceptions, a stopped rank) are tested with real mpiexec jobs in ``test_mpi_failures.py``.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 import pytest
 
+import bitcoll.transport.mpi as mpi_module
 from bitcoll.errors import (
     CommError,
     CommTimeoutError,
@@ -35,6 +39,7 @@ from bitcoll.transport.mpi import (
     DATA_TAG,
     INLINE_MAX,
     MPITransport,
+    _MPIRequest,
     launched_by_mpi,
     mpi_available,
 )
@@ -46,6 +51,7 @@ MIB = 1 << 20
 LENGTHS = [0, 1, 7, INLINE_MAX, INLINE_MAX + 1, MIB]
 
 mpi = pytest.mark.mpi(min_size=2)
+mpi3 = pytest.mark.mpi(min_size=3)  # splits by parity: at least one group of two
 
 
 def _deadline(seconds: float = TIMEOUT) -> float:
@@ -91,6 +97,26 @@ def _expect_peer_abort(t: MPITransport, silent_peer: int, origin: str) -> None:
     assert t.failure is info.value
     with pytest.raises(PeerLostError):
         t.isend(silent_peer, memoryview(b""), _header(0))
+
+
+def _ring_rounds(t: MPITransport, rounds: int, salt: int,
+                 who: Callable[[int], int] = lambda r: r) -> None:
+    """``rounds`` ring exchanges on ``t`` (a one-rank transport exchanges with itself), of
+    inline and two-message sizes. Every frame has the same headers (seq 1, step i) as those
+    of any other transport's rounds: only the communicators keep them apart. ``who`` maps a
+    rank of ``t`` to its world rank: payloads name the world ranks of both ends and ``salt``.
+    """
+    right, left = (t.rank + 1) % t.size, (t.rank - 1) % t.size
+    me = who(t.rank)
+    sizes = [0, 5, INLINE_MAX + 3, 100_000]
+    for i in range(rounds):
+        n = sizes[i % len(sizes)]
+        data = _payload(me, who(right), n, salt=salt * 1000 + i)
+        out = np.empty(n, np.uint8)
+        reqs = [t.irecv(left, out.data, _header(n, step=i)),
+                t.isend(right, data.data, _header(n, step=i))]
+        wait_all(reqs, _deadline())
+        np.testing.assert_array_equal(out, _payload(who(left), me, n, salt=salt * 1000 + i))
 
 
 # --------------------------------------------------------------------------------------------
@@ -149,11 +175,15 @@ def test_launched_by_mpi_reads_the_environment(monkeypatch: pytest.MonkeyPatch,
 
 
 def test_mpi_available_without_initializing_mpi() -> None:
-    import sys
-
     was_loaded = "mpi4py.MPI" in sys.modules
     assert mpi_available() is True  # mpi4py is a test dependency
     assert ("mpi4py.MPI" in sys.modules) == was_loaded
+
+
+def test_request_base_class_is_abstract() -> None:
+    assert _MPIRequest.__abstractmethods__ == frozenset({"_progress", "_describe"})
+    with pytest.raises(TypeError, match="abstract"):
+        _MPIRequest(None, [], ())  # type: ignore[abstract, arg-type]
 
 
 # --------------------------------------------------------------------------------------------
@@ -177,6 +207,8 @@ def test_create_uses_a_private_duplicate(transport: MPITransport) -> None:
     assert (transport.rank, transport.size) == (world.Get_rank(), world.Get_size())
     assert transport.name == "mpi"
     assert transport.failure is None
+    assert transport.finalize_risk is None
+    assert mpi_module._hook_installed  # the exit rules are in place (test_mpi_failures.py)
     assert MPI.Comm.Compare(transport.comm, world) == MPI.CONGRUENT  # same group, new context
     node = world.Split_type(MPI.COMM_TYPE_SHARED)
     try:
@@ -216,9 +248,47 @@ def test_create_with_explicit_communicator() -> None:
     finally:
         sub.Free()
     with pytest.raises(UsageError):
-        MPITransport.create(object(), timeout=TIMEOUT)
-    with pytest.raises(UsageError):
         MPITransport.create(timeout=0.0)
+
+
+class FakeComm:
+    """Not an mpi4py communicator."""
+
+
+@mpi
+@pytest.mark.timeout(30)
+def test_create_rejects_what_is_not_an_mpi4py_communicator() -> None:
+    from mpi4py import MPI
+
+    with pytest.raises(UsageError, match=r"got test_mpi_transport\.FakeComm"):
+        MPITransport.create(FakeComm(), timeout=TIMEOUT)
+    with pytest.raises(UsageError, match=r"got builtins\.object"):
+        MPITransport.create(object(), timeout=TIMEOUT)
+    with pytest.raises(UsageError, match=r"COMM_NULL|mpi4py\.MPI\.Comm"):
+        MPITransport.create(MPI.COMM_NULL, timeout=TIMEOUT)
+    # Nothing was sent: a collective create still works on every rank.
+    with MPITransport.create(timeout=TIMEOUT) as t:
+        t.native_barrier(_deadline())
+
+
+@mpi
+@pytest.mark.timeout(30)
+def test_create_on_a_user_split_then_frames() -> None:
+    """A transport on the user's own sub-communicator (rank order reversed by the key)
+    exchanges frames among the ranks of that communicator only."""
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    rank = world.Get_rank()
+    sub = world.Split(rank % 2, -rank)
+    try:
+        with MPITransport.create(sub, timeout=TIMEOUT) as t:
+            members = sorted((r for r in range(world.Get_size()) if r % 2 == rank % 2),
+                             reverse=True)
+            assert (t.rank, t.size) == (members.index(rank), len(members))
+            _ring_rounds(t, rounds=3, salt=7, who=lambda r: members[r])
+    finally:
+        sub.Free()
 
 
 # --------------------------------------------------------------------------------------------
@@ -404,6 +474,7 @@ def test_header_mismatch_fails_every_rank(transport: MPITransport, sent: int, ex
             t.native_barrier(_deadline())
         t.abort("ignored: already failed")  # idempotent, keeps the first error
         assert t.failure is info.value
+        assert t.finalize_risk is None  # a mismatch between live ranks
     else:
         # The healthy frames complete, unless the victim's abort overtakes them (a frame can
         # only complete while both ends still progress it): then they fail with the abort.
@@ -435,6 +506,7 @@ def test_truncation_becomes_protocol_error(transport: MPITransport, where: str) 
         with pytest.raises(ProtocolError, match="longer than"):
             req.wait(_deadline())
         assert isinstance(t.failure, ProtocolError)
+        assert t.finalize_risk is None  # MPI's truncation error: a mismatch, not a lost peer
     elif t.rank == culprit:
         comm = t.comm
         if where == "payload":
@@ -466,6 +538,9 @@ def test_unmatched_receive_times_out_near_its_deadline(transport: MPITransport) 
     elapsed = time.monotonic() - start
     assert wait_for <= elapsed < wait_for + 1.0
     assert t.failure is None  # a timeout alone does not abort the transport
+    # ... but it bounds MPI_Finalize at exit (the peer might be stopped).
+    assert t.finalize_risk is not None and "did not answer in time" in t.finalize_risk
+    assert t.finalize_risk in mpi_module._FINALIZE_RISKS
     t.close()
     with pytest.raises(CommError):
         req.wait(_deadline())
@@ -497,6 +572,7 @@ def test_abort_reaches_every_rank_promptly(transport: MPITransport) -> None:
             t.irecv(1, np.empty(4, np.uint8).data, _header(4))
         t.abort("again")  # idempotent: the first failure stays
         assert t.failure is failure
+        assert t.finalize_risk is None  # an abort proves the peers alive
         return
     start = time.monotonic()
     if t.rank == 1:
@@ -511,6 +587,7 @@ def test_abort_reaches_every_rank_promptly(transport: MPITransport) -> None:
     assert time.monotonic() - start < PROMPT
     assert str(info.value) == "rank 0 aborted: out of cheese"
     _expect_peer_abort(t, 0, "rank 0 aborted: out of cheese")
+    assert t.finalize_risk is None
 
 
 @mpi
@@ -638,6 +715,15 @@ def test_native_usage_errors(transport: MPITransport) -> None:
     xb = np.ones(8, dtype=bool)
     with pytest.raises(UsageError):
         t.native_allreduce(xb, np.empty_like(xb), "max", _deadline())
+    xc = np.ones(8, dtype=np.complex64)
+    with pytest.raises(UsageError, match="complex64"):
+        t.native_allreduce(xc, np.empty_like(xc), "max", _deadline())
+    xl = np.ones(8, dtype=np.longdouble)
+    with pytest.raises(UsageError):
+        t.native_allreduce(xl, np.empty_like(xl), "sum", _deadline())
+    xs = np.ones(8, dtype=">f4")
+    with pytest.raises(UsageError, match="byte order"):
+        t.native_allreduce(xs, np.empty_like(xs), "sum", _deadline())
     x = np.ones(8, dtype=np.float32)
     with pytest.raises(UsageError):
         t.native_allreduce(x, np.empty_like(x), "avg", _deadline())
@@ -675,6 +761,7 @@ def test_native_collective_times_out(transport: MPITransport) -> None:
         with pytest.raises(CommTimeoutError, match="native barrier"):
             t.native_barrier(start + 0.5)
         assert 0.5 <= time.monotonic() - start < 1.5
+        assert t.finalize_risk is not None
 
 
 @mpi
@@ -713,3 +800,195 @@ def test_close_is_idempotent_and_frees_the_communicator() -> None:
     assert t.failure is None
     with pytest.raises(UsageError):
         t.native_barrier(_deadline())
+
+
+@mpi
+@pytest.mark.timeout(30)
+def test_reduction_types_agree_with_dtlib(transport: MPITransport) -> None:
+    """The reduction table names fixed-width types where ``mpi4py.util.dtlib`` picks C types
+    (int8 -> MPI_SIGNED_CHAR, ...): same sizes; the dtypes MPI cannot reduce (float16, bool)
+    stay out of it, although dtlib maps them."""
+    from mpi4py import MPI
+    from mpi4py.util import dtlib
+
+    sums, maxes = mpi_module._reduce_table(MPI, "sum"), mpi_module._reduce_table(MPI, "max")
+    assert set(sums) - set(maxes) == {"complex64", "complex128"}
+    assert not {"float16", "bool", "longdouble"} & set(sums)
+    for name, mpitype in sums.items():
+        dup = dtlib.from_numpy_dtype(np.dtype(name))  # a new datatype on every call
+        try:
+            assert dup.Get_size() == mpitype.Get_size() == np.dtype(name).itemsize, name
+        finally:
+            dup.Free()
+    # Sums of float16 and bool (which dtlib would map to MPIX_C_FLOAT16 / MPI_C_BOOL) still
+    # raise before anything is sent.
+    for dtype in ("float16", "bool"):
+        x = np.ones(4, dtype=dtype)
+        with pytest.raises(UsageError, match=dtype):
+            transport.native_allreduce(x, np.empty_like(x), "sum", _deadline())
+    transport.native_barrier(_deadline())
+
+
+# --------------------------------------------------------------------------------------------
+# Sub-communicators: split
+# --------------------------------------------------------------------------------------------
+
+
+@mpi3
+@pytest.mark.timeout(60)
+def test_split_by_parity(transport: MPITransport) -> None:
+    from mpi4py import MPI
+
+    t = transport
+    color = t.rank % 2
+    members = sorted((r for r in range(t.size) if r % 2 == color), reverse=True)
+    sub = t.split(color, key=-t.rank)  # reversed rank order inside each group
+    assert sub is not None
+    try:
+        assert (sub.rank, sub.size) == (members.index(t.rank), len(members))
+        assert (sub.timeout, sub.oversubscribed) == (t.timeout, t.oversubscribed)
+        assert MPI.Comm.Compare(sub.comm, t.comm) == MPI.UNEQUAL
+        assert sub.comm.Get_errhandler() == MPI.ERRORS_RETURN
+        assert sub.failure is None and sub.finalize_risk is None
+        x = np.array([t.rank], np.int64)
+        y = np.empty_like(x)
+        sub.native_allreduce(x, y, "sum", _deadline())
+        assert int(y[0]) == sum(members)
+        _ring_rounds(sub, rounds=4, salt=1, who=lambda r: members[r])
+        assert sub.stats.snapshot()["messages_sent"] == 4
+        assert t.stats.snapshot()["messages_sent"] == 0  # counters are per transport
+    finally:
+        sub.close()
+    assert t.failure is None
+    _ring_rounds(t, rounds=2, salt=2)  # the parent is untouched
+
+
+@mpi3
+@pytest.mark.timeout(60)
+def test_split_color_none_stays_out(transport: MPITransport) -> None:
+    t = transport
+    outside = t.rank == t.size - 1
+    sub = t.split(None if outside else 5, key=0)
+    if outside:
+        assert sub is None
+    else:
+        assert sub is not None
+        try:
+            assert (sub.rank, sub.size) == (t.rank, t.size - 1)  # key ties: parent order
+            _ring_rounds(sub, rounds=4, salt=3)
+        finally:
+            sub.close()
+    t.native_barrier(_deadline())
+
+
+@mpi3
+@pytest.mark.timeout(120)
+def test_sibling_splits_from_several_threads_do_not_mix(transport: MPITransport) -> None:
+    """Two splits by parity (one in rank order, one reversed: distinct communicators over the
+    same groups) and the parent run ring rounds at the same time from three threads, with
+    identical frame headers: every frame lands in its own transport."""
+    t = transport
+    color = t.rank % 2
+    forward = sorted(r for r in range(t.size) if r % 2 == color)
+    backward = forward[::-1]
+    a = t.split(color, key=t.rank)
+    b = t.split(color, key=-t.rank)
+    assert a is not None and b is not None
+    errors: list[BaseException] = []
+
+    def work(tr: MPITransport, salt: int, who: Callable[[int], int]) -> None:
+        try:
+            _ring_rounds(tr, rounds=40, salt=salt, who=who)
+        except BaseException as exc:
+            errors.append(exc)
+            tr.abort(f"thread failed: {exc!r}")  # the peers fail at once instead of waiting
+
+    threads = [threading.Thread(target=work, args=(a, 11, lambda r: forward[r])),
+               threading.Thread(target=work, args=(b, 12, lambda r: backward[r]))]
+    try:
+        for th in threads:
+            th.start()
+        work(t, 13, lambda r: r)
+        for th in threads:
+            th.join(timeout=60)
+        assert not any(th.is_alive() for th in threads)
+        assert not errors, errors
+        for tr in (a, b):
+            assert tr.failure is None
+            assert tr.stats.snapshot()["messages_received"] == 40
+        assert t.stats.snapshot()["messages_received"] == 40
+    finally:
+        a.close()
+        b.close()
+
+
+@mpi3
+@pytest.mark.timeout(30)
+def test_split_usage_errors(transport: MPITransport) -> None:
+    t = transport
+    for color in (-1, 1.5, "0", True):
+        with pytest.raises(UsageError, match="color"):
+            t.split(color)  # type: ignore[arg-type]
+    with pytest.raises(UsageError, match="key"):
+        t.split(0, key="a")  # type: ignore[arg-type]
+    assert t.failure is None
+    t.native_barrier(_deadline())  # nothing was sent
+    closed = MPITransport.create(timeout=TIMEOUT)
+    closed.close()
+    with pytest.raises(UsageError, match="closed"):
+        closed.split(0)
+
+
+@mpi3
+@pytest.mark.timeout(60)
+def test_split_times_out_when_a_rank_stays_away() -> None:
+    """Rank 0 never calls split: the others raise CommTimeoutError at the transport's
+    deadline instead of hanging in MPI_Comm_split, and record a finalize risk."""
+    t = MPITransport.create(timeout=1.0)
+    try:
+        if t.rank != 0:
+            start = time.monotonic()
+            with pytest.raises(CommTimeoutError, match="barrier before split"):
+                t.split(0)
+            assert 1.0 <= time.monotonic() - start < 2.5
+            assert t.finalize_risk is not None and "did not answer" in t.finalize_risk
+        else:
+            assert t.finalize_risk is None
+        _world_barrier()  # rank 0 waits here until the others timed out
+    finally:
+        t.close()
+
+
+# --------------------------------------------------------------------------------------------
+# The exception hook (the real thing, with MPI_Abort, is in test_mpi_failures.py)
+# --------------------------------------------------------------------------------------------
+
+
+@mpi
+@pytest.mark.timeout(30)
+def test_excepthook_prints_tells_the_peers_then_aborts(transport: MPITransport,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0 runs the hook with MPI_Abort replaced: it chains to the previous hook, sends
+    an abort notice naming the exception over every open transport (here: this one only),
+    then asks for MPI_Abort(1), or 130 for KeyboardInterrupt."""
+    t = transport
+    assert mpi_module._hook_installed
+    aborts: list[int] = []
+    printed: list[tuple[object, ...]] = []
+    monkeypatch.setattr(mpi_module, "_LIVE", {t})
+    monkeypatch.setattr(mpi_module, "_abort_world", aborts.append)
+    monkeypatch.setattr(mpi_module, "_previous_excepthook", lambda *a: printed.append(a))
+    if t.rank == 0:
+        exc = ValueError("bad value")
+        _world_barrier()
+        mpi_module._excepthook(ValueError, exc, None)
+        assert printed == [(ValueError, exc, None)]
+        assert aborts == [1]
+        assert str(t.failure) == "rank 0 aborted: uncaught ValueError: bad value"
+        mpi_module._excepthook(KeyboardInterrupt, KeyboardInterrupt(), None)
+        assert aborts == [1, 130]
+        assert t.finalize_risk is None
+    else:
+        _world_barrier()
+        _expect_peer_abort(t, 0, "rank 0 aborted: uncaught ValueError: bad value")
+        assert not printed and not aborts

@@ -59,7 +59,73 @@ that algorithm code can use them without importing mpi4py. They use the non-bloc
 collectives polled with the same deadline and abort logic as frames. MPI cannot cancel a
 collective: after one failed or timed out it stays pending inside MPI, so the transport must
 then be aborted (as the communicator does after any CommError) and its communicator is not
-freed.
+freed. Reductions take the MPI datatypes of an explicit table (see
+:meth:`MPITransport._reduce_type`), not ``mpi4py.util.dtlib.from_numpy_dtype``: that function
+returns a new duplicate of the predefined type on every call (to be freed by the caller), maps
+int8/int64 to ``MPI_SIGNED_CHAR``/``MPI_LONG`` instead of the fixed-width types, and maps
+float16, bool and long double to types (``MPIX_C_FLOAT16``, ``MPI_C_BOOL``,
+``MPI_LONG_DOUBLE``) that MPI either cannot reduce portably or reduces only with logical
+operations; those dtypes must keep failing with UsageError before anything is sent, so that
+the communicator falls back to its own algorithms.
+
+Sub-communicators
+-----------------
+:meth:`MPITransport.split` is ``MPI_Comm_split`` on the private communicator, collective over
+it; every rank gets a transport over the ranks of its colour (or None), with its own private
+communicator, abort channel, counters and lock, the parent's timeout and ``oversubscribed``
+flag. MPI has no non-blocking split, so the split is preceded by a non-blocking barrier
+polled like a native collective (deadline: the parent's ``timeout``; an abort fails it): a
+rank that never calls ``split`` makes the others raise CommTimeoutError instead of hanging.
+Once that barrier completed on a rank, the blocking ``MPI_Comm_split`` follows at once, and
+every rank has entered the split, so it is bounded by MPI only. :meth:`MPITransport.create`
+takes any mpi4py intra-communicator (``MPI.COMM_WORLD``, a user's ``Split``, ...).
+
+Threads: each transport serializes its MPI calls with its own lock, so under MPI's
+``THREAD_MULTIPLE`` level (mpi4py's default) several transports (a parent and its
+sub-transports) can be used from several threads at once. When MPI was initialized with a
+lower thread level, every transport shares one lock, so MPI is never entered by two threads
+at the same time.
+
+Failures at exit
+----------------
+An MPI job only ends when every rank ends, and ``MPI_Finalize`` (run by mpi4py after the
+interpreter's ``atexit`` handlers) waits for every rank of the job. Two rules keep a failed
+job from hanging:
+
+1. **An uncaught exception ends the whole job.** The first transport created installs (once,
+   chaining to the hook it found) a :data:`sys.excepthook` that prints the traceback as usual
+   (through the previous hook), sends an abort notice with the exception's text to the peers
+   of every open transport (they raise ``PeerLostError("rank r aborted: uncaught
+   ValueError: ...")`` if they look before they are killed), flushes ``sys.stdout`` and
+   ``sys.stderr``, and calls ``MPI.COMM_WORLD.Abort(1)`` (130 for ``KeyboardInterrupt``):
+   mpiexec then kills every rank and exits non-zero within a second or so. Like any
+   ``MPI_Abort`` this skips the failed rank's ``atexit`` handlers. The hook does nothing more
+   than the previous hook when the world has one process, in an interactive session (``python
+   -i``, a REPL), or when MPI is not initialized or already finalized. ``SystemExit``
+   (``sys.exit(n)``) is not an uncaught exception and exits normally. Exceptions in other
+   threads (:data:`threading.excepthook`) are left alone: they end that thread, not the
+   process, and the main thread may still finish normally.
+2. **A timeout bounds MPI_Finalize.** A transport *records a finalize risk* when one of its
+   operations raised CommTimeoutError (a frame, a native collective, :meth:`create`, the
+   barrier of :meth:`split`: some peer did not answer before a deadline, so it may be stopped
+   or hung), or when MPI itself reported an error on a send, receive or collective (a
+   truncation, i.e. a protocol mismatch between live ranks, does not count). Aborts, protocol
+   errors and usage errors do not count: the peer that sent the abort notice or the
+   mismatched frame is alive. At interpreter exit (an ``atexit`` handler, which first closes
+   the open transports), if this process recorded a finalize risk (open or closed transports
+   alike) and MPI is initialized and not finalized, the handler prints one line to stderr and
+   arms a real-time timer of :func:`finalize_grace` seconds (default
+   :data:`FINALIZE_GRACE_SECONDS`, environment variable ``BITCOLL_MPI_FINALIZE_GRACE``;
+   ``inf`` disables the bound) with ``SIGALRM`` at its default action. ``MPI_Finalize`` then
+   runs as usual: when every rank reaches it (a failure the program handled, every rank
+   alive: e.g. the deliberate timeouts of the test suite), it returns at once and the
+   process exits with its normal status. When it has not returned at the end of the grace
+   period (a peer is stopped, hung or still busy), the kernel kills the process with
+   ``SIGALRM``, and mpiexec kills every other rank of the job (a stopped one included) and
+   exits non-zero. Without a recorded risk, ``MPI_Finalize`` is never bounded: ranks that
+   finish at different times wait for each other as in any MPI program. The handler is
+   registered when this module is imported (by ``bitcoll.init``), so the grace period also
+   covers the ``atexit`` handlers registered before that import, which run after it.
 """
 
 from __future__ import annotations
@@ -68,12 +134,17 @@ import atexit
 import contextlib
 import hashlib
 import importlib.util
+import math
 import os
+import signal
 import stat
+import sys
 import threading
 import time
+from abc import abstractmethod
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Final
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Final, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -100,6 +171,9 @@ __all__ = [
     "CONTROL_TAG",
     "INLINE_MAX",
     "CONTROL_SIZE",
+    "FINALIZE_GRACE_SECONDS",
+    "FINALIZE_GRACE_ENV",
+    "finalize_grace",
 ]
 
 DATA_TAG: Final = 1
@@ -144,14 +218,145 @@ _LEAKED: list[object] = []
 _LIVE: set[MPITransport] = set()
 
 
-def _close_all_at_exit() -> None:
+FINALIZE_GRACE_SECONDS: Final = 10.0
+"""Default time ``MPI_Finalize`` gets after a recorded finalize risk (module docstring)."""
+
+FINALIZE_GRACE_ENV: Final = "BITCOLL_MPI_FINALIZE_GRACE"
+"""Environment variable overriding :data:`FINALIZE_GRACE_SECONDS` (``inf``: no bound)."""
+
+# Why MPI_Finalize may hang in this process (module docstring, "Failures at exit"): one line per
+# recorded risk, the first one is printed at exit.
+_FINALIZE_RISKS: list[str] = []
+
+# All transports share this lock when MPI runs below THREAD_MULTIPLE.
+_SERIAL_LOCK = threading.RLock()
+
+_HOOK_LOCK = threading.Lock()
+_hook_installed = False
+_previous_excepthook: Callable[[type[BaseException], BaseException, TracebackType | None],
+                               Any] | None = None
+
+
+def finalize_grace() -> float:
+    """Seconds ``MPI_Finalize`` gets at exit after a recorded finalize risk.
+
+    :data:`FINALIZE_GRACE_SECONDS` unless the environment variable ``BITCOLL_MPI_FINALIZE_GRACE``
+    holds a positive number of seconds (``inf`` disables the bound; anything else is ignored).
+    """
+    text = os.environ.get(FINALIZE_GRACE_ENV, "").strip()
+    if text:
+        try:
+            value = float(text)
+        except ValueError:
+            return FINALIZE_GRACE_SECONDS
+        if value > 0:  # also False for NaN
+            return value
+    return FINALIZE_GRACE_SECONDS
+
+
+def _note_finalize_risk(reason: str) -> None:
+    _FINALIZE_RISKS.append(reason)
+
+
+def _mpi_if_running() -> Any | None:
+    """``mpi4py.MPI`` when this process imported it and MPI is initialized and not finalized;
+    never imports it."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is None:
+        return None
+    try:
+        if not mpi.Is_initialized() or mpi.Is_finalized():
+            return None
+    except Exception:  # pragma: no cover - defensive
+        return None
+    return mpi
+
+
+def _bound_finalize() -> None:
+    """Rule 2 of the module docstring: arm the SIGALRM timer when a risk was recorded."""
+    if not _FINALIZE_RISKS:
+        return
+    mpi = _mpi_if_running()
+    if mpi is None:
+        return
+    grace = finalize_grace()
+    if not math.isfinite(grace):
+        return
+    rank = mpi.COMM_WORLD.Get_rank()
+    with contextlib.suppress(Exception):
+        print(f"bitcoll: rank {rank}: {_FINALIZE_RISKS[0]}; MPI_Finalize gets {grace:g} s, "
+              "then this process is killed (SIGALRM) in case a peer is stopped or hung "
+              f"({FINALIZE_GRACE_ENV})", file=sys.stderr, flush=True)
+    try:
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)
+        signal.setitimer(signal.ITIMER_REAL, grace)
+    except (ValueError, OSError):  # pragma: no cover - not the main thread / no timer
+        pass
+
+
+def _at_exit() -> None:
     for transport in list(_LIVE):
         transport.close()
+    _bound_finalize()
 
 
 # Registered at import, i.e. before mpi4py is imported by create(); atexit runs handlers in
-# reverse order and mpi4py finalizes MPI after the interpreter's atexit handlers anyway.
-atexit.register(_close_all_at_exit)
+# reverse order, and mpi4py finalizes MPI after all of them (Py_AtExit), so the timer armed here
+# covers MPI_Finalize.
+atexit.register(_at_exit)
+
+
+def _install_excepthook() -> None:
+    """Rule 1 of the module docstring: install :func:`_excepthook` once."""
+    global _hook_installed, _previous_excepthook
+    with _HOOK_LOCK:
+        if _hook_installed:
+            return
+        _hook_installed = True
+        _previous_excepthook = sys.excepthook
+        sys.excepthook = _excepthook
+
+
+def _interactive() -> bool:
+    return bool(sys.flags.interactive) or hasattr(sys, "ps1")
+
+
+def _abort_world(code: int) -> None:
+    """``MPI.COMM_WORLD.Abort(code)`` (a seam for the tests)."""
+    mpi = sys.modules["mpi4py.MPI"]
+    mpi.COMM_WORLD.Abort(code)
+
+
+def _excepthook(exc_type: type[BaseException], exc: BaseException,
+                tb: TracebackType | None) -> None:
+    """Print the traceback (previous hook), tell every peer, end the MPI job."""
+    previous = _previous_excepthook if _previous_excepthook is not None else sys.__excepthook__
+    try:
+        previous(exc_type, exc, tb)
+    finally:
+        _end_job_after_uncaught(exc_type, exc)
+
+
+def _end_job_after_uncaught(exc_type: type[BaseException], exc: BaseException) -> None:
+    mpi = _mpi_if_running()
+    if mpi is None or _interactive():
+        return
+    code = 130 if issubclass(exc_type, KeyboardInterrupt) else 1
+    try:
+        world = mpi.COMM_WORLD
+        if world.Get_size() == 1:
+            return
+        reason = f"uncaught {exc_type.__name__}: {exc}"
+        for transport in list(_LIVE):
+            transport._abort_nowait(reason)
+        print(f"bitcoll: rank {world.Get_rank()}: uncaught {exc_type.__name__}, aborting the "
+              f"MPI job (MPI_Abort({code}))", file=sys.stderr)
+    except Exception:  # pragma: no cover - nothing may stop the abort
+        pass
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    _abort_world(code)
 
 
 # --------------------------------------------------------------------------------------------
@@ -277,13 +482,40 @@ class _Poller:
         self._pause = min(self._pause * 2.0, MAX_SLEEP_SECONDS)
 
 
+_REDUCE_TABLES: dict[str, dict[str, Any]] = {}
+
+
+def _reduce_table(mpi: Any, op: str) -> dict[str, Any]:
+    """numpy dtype name -> predefined MPI datatype that MPI reduces with ``op`` (built once;
+    types this MPI library lacks are left out)."""
+    table = _REDUCE_TABLES.get(op)
+    if table is None:
+        names = {
+            "int8": "INT8_T", "int16": "INT16_T", "int32": "INT32_T", "int64": "INT64_T",
+            "uint8": "UINT8_T", "uint16": "UINT16_T", "uint32": "UINT32_T",
+            "uint64": "UINT64_T", "float32": "FLOAT", "float64": "DOUBLE",
+        }
+        if op == "sum":  # MPI defines MAX and MIN on real types only
+            names.update(complex64="C_FLOAT_COMPLEX", complex128="C_DOUBLE_COMPLEX")
+        table = {}
+        for dtype, name in names.items():
+            mpitype = getattr(mpi, name, None)
+            if mpitype is not None and mpitype != mpi.DATATYPE_NULL:
+                table[dtype] = mpitype
+        _REDUCE_TABLES[op] = table
+    return table
+
+
 # --------------------------------------------------------------------------------------------
 # Requests
 # --------------------------------------------------------------------------------------------
 
 
 class _MPIRequest(Request):
-    """Base of the transport's requests: progress under the lock, poll with back-off."""
+    """Base of the transport's requests: progress under the lock, poll with back-off.
+
+    Subclasses implement :meth:`_progress` and :meth:`_describe` (and :meth:`_cancel` when
+    MPI can cancel what they posted)."""
 
     def __init__(self, transport: MPITransport, mpi_requests: list[MPI.Request],
                  keep: tuple[object, ...]) -> None:
@@ -294,13 +526,14 @@ class _MPIRequest(Request):
         self._error: CommError | None = None
         self._posted = time.monotonic()
 
-    # Called with the transport lock held. Returns True when complete, raises CommError when
-    # this request failed.
+    @abstractmethod
     def _progress(self) -> bool:
-        raise NotImplementedError
+        """Test the MPI requests (transport lock held): True when complete, CommError when
+        this request failed."""
 
+    @abstractmethod
     def _describe(self) -> str:
-        raise NotImplementedError
+        """What this request is, for error messages."""
 
     def _step(self) -> bool:
         """One non-blocking progress step: True if complete; raises CommError on failure."""
@@ -344,9 +577,11 @@ class _MPIRequest(Request):
                 if self._step():  # a last look before giving up
                     return
                 waited = now - self._posted
-                raise CommTimeoutError(
+                err = CommTimeoutError(
                     f"{self._describe()} did not complete before the deadline "
                     f"({waited:.3g} s after it was posted)")
+                self._t._note_risk(f"a peer did not answer in time: {err}")
+                raise err
             poller.pause(now)
 
     def _cancel(self) -> None:
@@ -367,6 +602,7 @@ class _SendRequest(_MPIRequest):
                     return False
             except self._t._mpi.Exception as exc:
                 err = CommError(f"MPI failed to send to rank {self._peer}: {exc}")
+                self._t._note_risk(str(err))
                 self._t._fail(err, notify=True)
                 raise err from exc
             self._reqs.pop(0)
@@ -408,6 +644,7 @@ class _RecvRequest(_MPIRequest):
                     f"rank {self._peer} sent a message longer than the {posted} bytes posted "
                     f"for it (collective #{self._expected.seq}, step {self._expected.step}): "
                     "mismatched lengths across ranks", exc) from exc
+            self._t._note_risk(f"MPI failed to receive from rank {self._peer}: {exc}")
             raise self._protocol_error(
                 f"MPI failed to receive from rank {self._peer}: {exc}", exc) from exc
 
@@ -479,6 +716,7 @@ class _CollectiveRequest(_MPIRequest):
                 return False
         except self._t._mpi.Exception as exc:
             err = CommError(f"MPI {self._what} failed: {exc}")
+            self._t._note_risk(str(err))
             self._t._fail(err, notify=True)
             raise err from exc
         self._reqs.clear()
@@ -502,7 +740,8 @@ class MPITransport(Transport):
     ``deadline = time.monotonic() + transport.timeout``); :meth:`create` itself uses it as its
     own deadline. ``oversubscribed`` (set by :meth:`create`, may be overridden) selects the
     wait loop's back-off (see the module docstring). Thread-safe: MPI calls are serialized by
-    a lock, so MPI's ``THREAD_SERIALIZED`` level is enough.
+    a lock (one per transport under ``THREAD_MULTIPLE``, one shared by every transport below
+    it), so MPI's ``THREAD_SERIALIZED`` level is enough. :meth:`split` makes sub-transports.
     """
 
     name = "mpi"
@@ -516,8 +755,10 @@ class MPITransport(Transport):
         self.timeout = float(timeout)
         self.oversubscribed = False
         self.stats = TrafficStats()
-        self._lock = threading.RLock()
+        multiple = mpi_module.Query_thread() >= mpi_module.THREAD_MULTIPLE
+        self._lock = threading.RLock() if multiple else _SERIAL_LOCK
         self._failure: CommError | None = None
+        self._finalize_risk: str | None = None
         self._notified = False  # every peer has been (or is being) told about the abort
         self._closed = False
         self._pending: set[_MPIRequest] = set()
@@ -528,16 +769,21 @@ class MPITransport(Transport):
         self._ctl_req: MPI.Request | None = comm.Irecv(
             [self._ctl_buf, mpi_module.BYTE], mpi_module.ANY_SOURCE, CONTROL_TAG)
         _LIVE.add(self)
+        _install_excepthook()
 
     @classmethod
     def create(cls, comm: object | None = None, timeout: float = 300.0) -> MPITransport:
         """Duplicate ``comm`` (default ``MPI.COMM_WORLD``) and build a transport on the copy.
 
         Collective: every rank of ``comm`` must call it. The duplicate gets the
-        ``ERRORS_RETURN`` error handler so that MPI errors become Python exceptions.
-        Raises UsageError for a communicator that is not an mpi4py intra-communicator or a bad
-        ``timeout``, CommTimeoutError when the duplication does not complete within
-        ``timeout`` seconds (some rank did not call ``create``).
+        ``ERRORS_RETURN`` error handler so that MPI errors become Python exceptions. ``comm``
+        may be any mpi4py intra-communicator: ``MPI.COMM_WORLD``, a communicator of the
+        user's (``MPI.COMM_WORLD.Split(...)``), ... The first transport of the process installs
+        the exit rules of the module docstring ("Failures at exit").
+        Raises UsageError for a communicator that is not an mpi4py intra-communicator (naming
+        its type), ``MPI.COMM_NULL`` or a bad ``timeout``, CommTimeoutError when the
+        duplication does not complete within ``timeout`` seconds (some rank did not call
+        ``create``).
         """
         if not timeout > 0:
             raise UsageError(f"timeout must be > 0 seconds, got {timeout!r}")
@@ -545,7 +791,9 @@ class MPITransport(Transport):
         if comm is None:
             comm = mpi.COMM_WORLD
         if not isinstance(comm, mpi.Intracomm):
-            raise UsageError(f"comm must be an mpi4py Intracomm, got {type(comm)!r}")
+            kind = type(comm)
+            raise UsageError("comm must be an mpi4py intra-communicator (mpi4py.MPI.Intracomm), "
+                             f"got {kind.__module__}.{kind.__qualname__}")
         if comm == mpi.COMM_NULL:
             raise UsageError("comm is MPI.COMM_NULL")
         deadline = time.monotonic() + timeout
@@ -556,9 +804,11 @@ class MPITransport(Transport):
                 now = time.monotonic()
                 if now > deadline:
                     _LEAKED.extend((req, *keep))
-                    raise CommTimeoutError(
+                    err = CommTimeoutError(
                         f"{what} did not complete in {timeout} s: not every rank called "
                         "MPITransport.create")
+                    _note_finalize_risk(f"a peer did not answer in time: {err}")
+                    raise err
                 poller.pause(now)
 
         newcomm, req = comm.Idup()
@@ -574,6 +824,55 @@ class MPITransport(Transport):
         local_ranks = int(np.count_nonzero(nodes == node[0]))
         transport = cls(newcomm, timeout, mpi)
         transport.oversubscribed = local_ranks > _usable_cpus()
+        return transport
+
+    def split(self, color: int | None, key: int = 0) -> MPITransport | None:
+        """``MPI_Comm_split`` of this transport: a transport over the ranks of ``color``.
+
+        Collective: every rank of this transport calls it (one at a time with its other
+        collectives). ``color``: an integer >= 0, or None to stay out (this rank gets None).
+        ``key`` (an integer) orders the ranks of the new transport, ties broken by rank here.
+        The new transport has its own private communicator (so its frames never mix with this
+        transport's or a sibling's, from any thread), abort channel, counters and ``close()``;
+        it keeps the ``ERRORS_RETURN`` handler and inherits ``timeout`` and ``oversubscribed``
+        (the count of ranks on this node that matters is the parent's: they all keep running).
+        Closing this transport does not close it.
+
+        Bounded: a non-blocking barrier on this transport (deadline: ``timeout`` seconds from
+        now; an abort fails it) precedes the blocking ``MPI_Comm_split``, which every rank
+        then has entered (module docstring). Raises UsageError for a bad ``color`` or ``key``
+        (before anything is sent) or on a closed transport; CommTimeoutError when some rank
+        does not call ``split`` in time, the transport's failure after an abort, CommError when
+        MPI fails: after those the barrier may stay pending inside MPI, so abort this transport.
+        """
+        if color is not None and (isinstance(color, bool) or
+                                  not isinstance(color, (int, np.integer)) or color < 0):
+            raise UsageError(f"split color must be an integer >= 0 or None, got {color!r}")
+        if isinstance(key, bool) or not isinstance(key, (int, np.integer)):
+            raise UsageError(f"split key must be an integer, got {key!r}")
+        mpi = self._mpi
+        deadline = time.monotonic() + self.timeout
+        self._run_collective("barrier before split", self._comm.Ibarrier, (), deadline)
+        with self._lock:
+            # Every rank passed the barrier and enters MPI_Comm_split now: do not stop for an
+            # abort that arrived in the meantime (the others would wait in the split forever).
+            if self._closed:
+                raise UsageError("the MPI transport is closed")
+            try:
+                newcomm = self._comm.Split(mpi.UNDEFINED if color is None else int(color),
+                                           int(key))
+            except mpi.Exception as exc:
+                err = CommError(f"MPI_Comm_split failed: {exc}")
+                self._note_risk(str(err))
+                self._fail(err, notify=True)
+                raise err from exc
+        if newcomm == mpi.COMM_NULL:
+            return None
+        newcomm.Set_errhandler(mpi.ERRORS_RETURN)
+        newcomm.Set_name(f"{self._comm.Get_name() or 'bitcoll'}/split{int(color or 0)}")
+        # Intracomm.Split returns an intra-communicator (mpi4py's stubs say Comm).
+        transport = type(self)(cast("MPI.Intracomm", newcomm), self.timeout, mpi)
+        transport.oversubscribed = self.oversubscribed
         return transport
 
     # ---------------------------------------------------------------- state and failure
@@ -593,6 +892,28 @@ class MPITransport(Transport):
         """The private communicator (for diagnostics; do not send on it)."""
         return self._comm
 
+    @property
+    def finalize_risk(self) -> str | None:
+        """Why MPI_Finalize might hang because of this transport (the first recorded timeout
+        or MPI error, see "Failures at exit" in the module docstring), or None."""
+        return self._finalize_risk
+
+    def _note_risk(self, reason: str) -> None:
+        """Record a finalize risk (rule 2 of the module docstring)."""
+        if self._finalize_risk is None:
+            self._finalize_risk = reason
+        _note_finalize_risk(reason)
+
+    def _abort_nowait(self, reason: str, wait: float = 1.0) -> None:
+        """:meth:`abort`, unless another thread holds the lock for more than ``wait`` s (in a
+        blocking MPI call): used on the way to MPI_Abort, which must not be delayed."""
+        if not self._lock.acquire(timeout=wait):
+            return
+        try:
+            self.abort(reason)
+        finally:
+            self._lock.release()
+
     def _check_failure(self) -> CommError | None:
         """Poll the abort channel; return the failure (lock held)."""
         if self._failure is None and self._ctl_req is not None:
@@ -606,6 +927,7 @@ class MPITransport(Transport):
             arrived = self._ctl_req.Test(self._ctl_status)
         except mpi.Exception as exc:
             self._ctl_req = None
+            self._note_risk(f"MPI failed to receive an abort notice: {exc}")
             self._fail(PeerLostError(f"garbled abort notice from a peer: {exc}"),
                        notify=False)
             return
@@ -826,25 +1148,24 @@ class MPITransport(Transport):
         req.wait(deadline)
 
     def _reduce_type(self, arr: npt.NDArray[Any], op: str) -> tuple[MPI.Datatype, MPI.Op]:
+        """The MPI datatype and op of a native reduction of ``arr``; UsageError when MPI
+        cannot reduce its dtype (nothing is sent then).
+
+        The table names MPI's fixed-width predefined types rather than asking
+        ``mpi4py.util.dtlib.from_numpy_dtype`` (see the module docstring): that would
+        allocate a datatype per call and accept float16 (``MPIX_C_FLOAT16``, an MPICH
+        extension), bool (``MPI_C_BOOL``: logical operations only) and long double."""
         if op not in _REDUCE_OPS:
             raise UsageError(f"native reduction op must be one of {_REDUCE_OPS}, got {op!r}")
-        mpi = self._mpi
         dt = arr.dtype
         if not dt.isnative:
             raise UsageError(f"native collectives need native byte order, got {dt}")
-        table: dict[str, Any] = {
-            "int8": mpi.INT8_T, "int16": mpi.INT16_T, "int32": mpi.INT32_T,
-            "int64": mpi.INT64_T, "uint8": mpi.UINT8_T, "uint16": mpi.UINT16_T,
-            "uint32": mpi.UINT32_T, "uint64": mpi.UINT64_T, "float32": mpi.FLOAT,
-            "float64": mpi.DOUBLE,
-        }
-        if op == "sum":
-            table["complex64"] = mpi.C_FLOAT_COMPLEX
-            table["complex128"] = mpi.C_DOUBLE_COMPLEX
+        table = _reduce_table(self._mpi, op)
         mpitype = table.get(dt.name)
-        if mpitype is None or mpitype == mpi.DATATYPE_NULL:
+        if mpitype is None:
             raise UsageError(f"native {op} reductions do not support dtype {dt} "
                              "(supported: " + ", ".join(sorted(table)) + ")")
+        mpi = self._mpi
         mpiop = {"sum": mpi.SUM, "max": mpi.MAX, "min": mpi.MIN}[op]
         return mpitype, mpiop
 
