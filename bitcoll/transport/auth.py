@@ -159,7 +159,9 @@ def read_secret_file(path: str) -> bytes:
     hint = (f"the job's ranks seem to run on several hosts: set {SECRET_ENV} to the same "
             f"non-empty string on every rank (or {INSECURE_ENV}=1 on a trusted network)")
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        # O_NONBLOCK: opening a FIFO planted under the hinted name must not block (the check
+        # below then refuses it); no effect on a regular file.
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError as exc:
         raise UsageError(f"cannot read the job's secret file {path!r} made by rank 0 "
                          f"({exc.strerror}); {hint}") from None
