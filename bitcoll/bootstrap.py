@@ -38,7 +38,7 @@ from .communicator import (
     DEFAULT_SEGMENT_BYTES,
     Communicator,
 )
-from .config import DEFAULT_TIMEOUT, ENV_MASTER_PORT
+from .config import DEFAULT_TIMEOUT, ENV_INTEGRITY, ENV_MASTER_PORT
 from .errors import UsageError
 from .transport.base import Transport
 from .transport.local import LocalTransport
@@ -190,7 +190,18 @@ def tcp_environment(environ: dict[str, str] | None = None,
     return TcpEnvironment(rank, size, addr, port, agent and not external_store, source)
 
 
-def _tcp_transport(timeout: float, store: object | None) -> Transport:
+def _integrity(value: bool | None) -> bool:
+    if value is None:
+        env = os.environ.get(ENV_INTEGRITY, "0")
+        if env not in ("0", "1", ""):
+            raise UsageError(f"{ENV_INTEGRITY} must be 0 or 1, got {env!r}")
+        return env == "1"
+    if not isinstance(value, bool):
+        raise UsageError(f"integrity must be True, False or None, got {value!r}")
+    return value
+
+
+def _tcp_transport(timeout: float, store: object | None, integrity: bool) -> Transport:
     from .transport.external_store import check_store, torchrun_store
     from .transport.tcp import TCPTransport
 
@@ -200,13 +211,14 @@ def _tcp_transport(timeout: float, store: object | None) -> Transport:
     if te.size > 1 and te.agent_store:
         store, _ = torchrun_store(timeout)
     return TCPTransport.create(te.rank, te.size, te.master_addr, te.master_port or 0,
-                               timeout=timeout, store=store)
+                               timeout=timeout, store=store, integrity=integrity)
 
 
 def init(backend: str = "auto", timeout: float = DEFAULT_TIMEOUT,
          segment_bytes: int = DEFAULT_SEGMENT_BYTES,
          packed_segment_bytes: int = DEFAULT_PACKED_SEGMENT_BYTES, *,
-         comm: object | None = None, store: object | None = None) -> Communicator:
+         comm: object | None = None, store: object | None = None,
+         integrity: bool | None = None) -> Communicator:
     """Create the communicator of this process's world.
 
     ``backend``: "auto", "mpi", "tcp" or "local" (see the module docstring for how "auto"
@@ -217,7 +229,11 @@ def init(backend: str = "auto", timeout: float = DEFAULT_TIMEOUT,
     ``comm``: an mpi4py communicator (e.g. ``MPI.COMM_WORLD.Split(...)``): the MPI backend on
     a private duplicate of it (collective over ``comm``). ``store``: a torch.distributed
     ``Store`` (duck-typed: ``set``/``get``/``add``/``wait``) for the TCP backend's rendezvous;
-    rank and size still come from the environment.
+    rank and size still come from the environment. ``integrity`` (TCP backend; default:
+    ``BITCOLL_INTEGRITY=1`` in the environment, else off): every data frame carries a keyed
+    MAC checked on arrival, so a frame altered on the wire is a ProtocolError rather than a
+    wrong result (every rank must use the same setting; costs a hash pass over the bytes on
+    each side, see the README).
 
     Raises UsageError for an unknown backend, ``comm`` that is not an mpi4py
     intra-communicator, ``comm`` with a non-MPI backend, ``store`` lacking a method or with a
@@ -243,15 +259,19 @@ def init(backend: str = "auto", timeout: float = DEFAULT_TIMEOUT,
             raise UsageError(f"store= selects the TCP backend; backend={backend!r} "
                              "contradicts it")
         backend = "tcp"
+    check = _integrity(integrity)
     if backend == "auto":
         backend = detect_backend()
+    if integrity and backend != "tcp":
+        raise UsageError(f"integrity=True protects the TCP backend's frames; the {backend} "
+                         "backend does not use it")
     transport: Transport
     if backend == "mpi":
         from .transport.mpi import MPITransport
 
         transport = MPITransport.create(comm, timeout=timeout)
     elif backend == "tcp":
-        transport = _tcp_transport(timeout, store)
+        transport = _tcp_transport(timeout, store, check)
     else:
         transport = LocalTransport()
     return Communicator(transport, timeout=timeout, segment_bytes=segment_bytes,

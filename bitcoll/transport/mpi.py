@@ -141,6 +141,7 @@ import stat
 import sys
 import threading
 import time
+import zlib
 from abc import abstractmethod
 from collections.abc import Callable, Sequence
 from types import TracebackType
@@ -872,6 +873,37 @@ class MPITransport(Transport):
         newcomm.Set_name(f"{self._comm.Get_name() or 'bitcoll'}/split{int(color or 0)}")
         # Intracomm.Split returns an intra-communicator (mpi4py's stubs say Comm).
         transport = type(self)(cast("MPI.Intracomm", newcomm), self.timeout, mpi)
+        transport.oversubscribed = self.oversubscribed
+        return transport
+
+    def subgroup(self, members: list[int], tag: str, timeout: float) -> MPITransport:
+        """``MPI_Comm_create_group`` over ``members`` (new rank = position in the list), for
+        :meth:`bitcoll.Communicator.split`, which has already exchanged every rank's color, so
+        every member is about to call this too (the call blocks inside MPI until they have).
+        Collective over ``members`` only; ``tag`` names the group among this transport's
+        (hashed to the MPI tag). The new transport is wrapped like :meth:`split`'s. Raises
+        UsageError when this rank is not a member or the transport is closed, the
+        transport's failure after an abort, CommError when MPI fails."""
+        if self.rank not in members:
+            raise UsageError(f"rank {self.rank} is not among the members {members}")
+        mpi = self._mpi
+        with self._lock:
+            self._check_usable()
+            group = self._comm.Get_group()
+            sub = group.Incl(members)
+            try:
+                newcomm = self._comm.Create_group(sub, zlib.crc32(tag.encode()) & 0x7FFF)
+            except mpi.Exception as exc:
+                err = CommError(f"MPI_Comm_create_group failed: {exc}")
+                self._note_risk(str(err))
+                self._fail(err, notify=True)
+                raise err from exc
+            finally:
+                sub.Free()
+                group.Free()
+        newcomm.Set_errhandler(mpi.ERRORS_RETURN)
+        newcomm.Set_name(f"{self._comm.Get_name() or 'bitcoll'}/group{tag}")
+        transport = type(self)(newcomm, self.timeout, mpi)
         transport.oversubscribed = self.oversubscribed
         return transport
 

@@ -95,6 +95,8 @@ close timeout passes.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import hmac
 import logging
 import os
 import queue
@@ -103,7 +105,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterable
-from typing import Final, Protocol
+from typing import Any, Final, Protocol
 
 from ..config import DEFAULT_TIMEOUT
 from ..errors import (
@@ -138,6 +140,8 @@ SOCKET_BUFFER_BYTES: Final = 1 << 20
 #: Piece size of :meth:`TCPTransport.irecv_consume`: small enough to stay in a core's L2
 #: cache between the kernel's copy and the consumer's read.
 CONSUME_CHUNK_BYTES: Final = 256 << 10
+#: Bytes of a frame's integrity tag (``integrity=True``): keyed BLAKE2b-128.
+FRAME_TAG_BYTES: Final = 16
 #: Longest abort reason carried by an ABORT frame or read from one.
 MAX_REASON_BYTES: Final = 16 << 10
 #: How long an abort spends at most writing its reason into the store.
@@ -156,6 +160,7 @@ KEY_ADDR: Final = "addr/{}"
 KEY_ABORT: Final = "abort/{}"
 KEY_SECRET_FILE: Final = "secretfile"
 KEY_STALL: Final = "stall/{}"
+KEY_INTEGRITY: Final = "integrity"
 #: How long a rank that timed out waits for the ranks it waited on to report whom they
 #: waited on (see :meth:`TCPTransport.silent_origin`), and how often it looks.
 STALL_GRACE_SECONDS: Final = 2.0
@@ -185,24 +190,52 @@ def _recv_exact(sock: socket.socket, view: memoryview) -> int:
     return got
 
 
-def _send_some(sock: socket.socket, head: bytes, view: memoryview, flags: int) -> int:
-    """One ``sendmsg`` of ``head`` + ``view``; the number of bytes the kernel took."""
+def _send_some(sock: socket.socket, head: bytes, view: memoryview, tail: bytes,
+               flags: int) -> int:
+    """One ``sendmsg`` of ``head`` + ``view`` + ``tail``; the number of bytes the kernel
+    took."""
+    parts: list[bytes | memoryview] = [head]
+    if len(view):
+        parts.append(view)
+    if tail:
+        parts.append(tail)
     try:
-        return sock.sendmsg((head, view), (), flags) if len(view) else sock.send(head, flags)
+        return sock.sendmsg(parts, (), flags) if len(parts) > 1 else sock.send(head, flags)
     except BlockingIOError:  # only with MSG_DONTWAIT: nothing fits right now
         return 0
 
 
-def _send_frame(sock: socket.socket, head: bytes, view: memoryview, sent: int = 0) -> None:
-    """Write ``head`` then ``view`` completely, minus the ``sent`` bytes already written
-    (one ``sendmsg`` in the common case)."""
+def _send_frame(sock: socket.socket, head: bytes, view: memoryview, tail: bytes,
+                sent: int = 0) -> None:
+    """Write ``head``, ``view`` and ``tail`` completely, minus the ``sent`` bytes already
+    written (one ``sendmsg`` in the common case)."""
     if sent == 0:
-        sent = _send_some(sock, head, view, _NOSIGNAL)
+        sent = _send_some(sock, head, view, tail, _NOSIGNAL)
     if sent < HEADER_SIZE:
         sock.sendall(head[sent:], _NOSIGNAL)
         sent = HEADER_SIZE
-    if sent - HEADER_SIZE < len(view):
+    end = HEADER_SIZE + len(view)
+    if sent < end:
         sock.sendall(view[sent - HEADER_SIZE:], _NOSIGNAL)
+        sent = end
+    if sent - end < len(tail):
+        sock.sendall(tail[sent - end:], _NOSIGNAL)
+
+
+def _tag_hasher(key: bytes, counter: int, head: bytes) -> Any:
+    """A keyed BLAKE2b over ``counter`` and ``head``, to be fed the payload."""
+    h = hashlib.blake2b(key=key, digest_size=FRAME_TAG_BYTES)
+    h.update(counter.to_bytes(8, "little"))
+    h.update(head)
+    return h
+
+
+def _frame_tag(key: bytes, counter: int, head: bytes, payload: memoryview) -> bytes:
+    """The integrity tag of one frame: keyed BLAKE2b of its number in this direction, its
+    header and its payload (:data:`FRAME_TAG_BYTES` bytes)."""
+    h = _tag_hasher(key, counter, head)
+    h.update(payload)
+    return bytes(h.digest())
 
 
 def _tune(sock: socket.socket) -> None:
@@ -234,7 +267,7 @@ class _TCPRequest(Request):
     """
 
     __slots__ = ("_done", "_error", "_lock", "_owner", "consume", "head", "header", "is_send",
-                 "peer", "posted", "sent", "view")
+                 "peer", "posted", "sent", "tail", "view")
 
     def __init__(self, owner: TCPTransport, peer: int, header: FrameHeader, view: memoryview,
                  is_send: bool) -> None:
@@ -247,6 +280,7 @@ class _TCPRequest(Request):
         self.header = header
         self.view = view
         self.head = header.pack() if is_send else b""
+        self.tail = b""  # the frame's integrity tag (sends, with frame integrity on)
         self.is_send = is_send
         self.posted = time.monotonic()
         self.sent = 0  # bytes of a send already written by isend itself
@@ -300,6 +334,14 @@ class _Peer:
         self.eof = False  # the peer closed the connection cleanly between frames
         self.current: _TCPRequest | None = None  # the receive whose payload is being read
         self.bounce = memoryview(bytearray(CONSUME_CHUNK_BYTES))  # irecv_consume's buffer
+        # Frame integrity (None when off): keys and frame counters of each direction; the
+        # MAC lock keeps counters in isend order.
+        self.key_out: bytes | None = None
+        self.key_in: bytes | None = None
+        self.count_out = 0
+        self.count_in = 0
+        self.mac_lock = threading.Lock()
+        self.consume_mac: Any = None  # the tag hasher of the frame being consumed
         self.sender: threading.Thread | None = None
         self.receiver: threading.Thread | None = None
 
@@ -316,12 +358,13 @@ class TCPTransport(Transport):
 
     def __init__(self, rank: int, size: int, socks: dict[int, socket.socket],
                  rendezvous: _Rendezvous | None, job_id: int,
-                 close_timeout: float = CLOSE_TIMEOUT) -> None:
+                 close_timeout: float = CLOSE_TIMEOUT, integrity: bool = False) -> None:
         """Wrap established connections (use :meth:`create` instead)."""
         self.rank = rank
         self.size = size
         self.stats = TrafficStats()
         self.job_id = job_id
+        self.integrity = integrity
         self.close_timeout = close_timeout
         self._rdv = rendezvous
         self._store: RendezvousStore | None = None if rendezvous is None else rendezvous.store
@@ -331,6 +374,10 @@ class TCPTransport(Transport):
         self._closed = False
         self._closing = False
         self._peers: dict[int, _Peer] = {p: _Peer(p, s) for p, s in socks.items()}
+        if integrity and rendezvous is not None:
+            for peer in self._peers.values():
+                peer.key_out = auth.mac(rendezvous.secret, "frame-key", job_id, rank, peer.rank)
+                peer.key_in = auth.mac(rendezvous.secret, "frame-key", job_id, peer.rank, rank)
         for peer in self._peers.values():
             peer.sender = threading.Thread(target=self._send_loop, args=(peer,), daemon=True,
                                            name=f"bitcoll-tcp-send-{rank}-to-{peer.rank}")
@@ -344,7 +391,7 @@ class TCPTransport(Transport):
     @classmethod
     def create(cls, rank: int, size: int, master_addr: str, master_port: int,
                timeout: float = DEFAULT_TIMEOUT, listen_addr: str | None = None, *,
-               store: object | None = None,
+               store: object | None = None, integrity: bool = False,
                close_timeout: float = CLOSE_TIMEOUT) -> TCPTransport:
         """Connect the ``size`` ranks of a job; see the module docstring for the steps.
 
@@ -355,6 +402,9 @@ class TCPTransport(Transport):
         ``master_addr``/``master_port`` only help to find the local address. ``timeout``
         (seconds) bounds the whole set-up. ``listen_addr``: the address to accept peer
         connections on (default: the local address used to reach the store's host).
+        ``integrity``: every data frame carries a keyed BLAKE2b tag of its number, header and
+        payload (:data:`FRAME_TAG_BYTES` bytes), checked on arrival: a frame altered or
+        injected on the way is a ProtocolError (every rank must pass the same value).
         ``close_timeout``: see :meth:`close`.
 
         Raises UsageError for bad arguments, a world size that differs from rank 0's, a rank
@@ -381,7 +431,8 @@ class TCPTransport(Transport):
                if store is None else
                _Rendezvous.external(rank, store, master_addr, secret, deadline))
         try:
-            return cls._build(rank, size, rdv, deadline, timeout, listen_addr, close_timeout)
+            return cls._build(rank, size, rdv, deadline, timeout, listen_addr, close_timeout,
+                              integrity)
         except BaseException:
             rdv.close(min(deadline, time.monotonic()) + FAILED_CLOSE_SECONDS)
             raise
@@ -401,11 +452,12 @@ class TCPTransport(Transport):
         deadline = time.monotonic() + timeout
         rdv = self._rdv.child(f"group/{tag}/")
         return self._build(members.index(self.rank), len(members), rdv, deadline, timeout,
-                           None, self.close_timeout)
+                           None, self.close_timeout, self.integrity)
 
     @classmethod
     def _build(cls, rank: int, size: int, rdv: _Rendezvous, deadline: float, timeout: float,
-               listen_addr: str | None, close_timeout: float) -> TCPTransport:
+               listen_addr: str | None, close_timeout: float,
+               integrity: bool) -> TCPTransport:
         """Steps 2-4 of the set-up: job id, join, publish the listener, connect the mesh."""
         store, key = rdv.store, rdv.key
         where = rdv.where
@@ -414,6 +466,7 @@ class TCPTransport(Transport):
             if rank == 0:
                 job_id = int.from_bytes(os.urandom(8), "little")
                 store.set(key(KEY_SIZE), str(size).encode(), deadline)
+                store.set(key(KEY_INTEGRITY), b"1" if integrity else b"0", deadline)
                 store.set(key(KEY_JOB), str(job_id).encode(), deadline)
             else:
                 job_id = int(store.get(key(KEY_JOB), deadline))
@@ -421,6 +474,10 @@ class TCPTransport(Transport):
                 if size0 != size:
                     raise UsageError(f"rank {rank} was started with world size {size} but "
                                      f"rank 0 with {size0}")
+                integrity0 = store.get(key(KEY_INTEGRITY), deadline) == b"1"
+                if integrity0 != integrity:
+                    raise UsageError(f"rank {rank} was started with integrity={integrity} but "
+                                     f"rank 0 with integrity={integrity0}")
             if store.add(key(KEY_JOIN.format(rank)), 1, deadline) != 1:
                 raise UsageError(f"two processes claim rank {rank} of the job at {where}")
             listener, host = cls._listen(store, listen_addr, size)
@@ -441,7 +498,7 @@ class TCPTransport(Transport):
         finally:
             if listener is not None:
                 listener.close()
-        return cls(rank, size, socks, rdv, job_id, close_timeout)
+        return cls(rank, size, socks, rdv, job_id, close_timeout, integrity)
 
     @staticmethod
     def _listen(store: RendezvousStore, listen_addr: str | None,
@@ -511,6 +568,18 @@ class TCPTransport(Transport):
         if p.eof:
             self._peer_gone(p)
         req = _TCPRequest(self, peer, header, mv, True)
+        if p.key_out is None:
+            self._submit(p, req)
+        else:
+            with p.mac_lock:  # counters in submission order
+                req.tail = _frame_tag(p.key_out, p.count_out, req.head, mv)
+                p.count_out += 1
+                self._submit(p, req)
+        if self._failure is not None:
+            self._drain(p, self._failure)
+        return req
+
+    def _submit(self, p: _Peer, req: _TCPRequest) -> None:
         with p.state:
             # Nothing queued or being written to this peer: try to write the frame right
             # here (saves waking the sender thread; order is kept since no frame is ahead).
@@ -524,18 +593,15 @@ class TCPTransport(Transport):
                 p.send_lock.release()
         else:
             p.send_q.put(req)
-        if self._failure is not None:
-            self._drain(p, self._failure)
-        return req
 
     def _send_inline(self, p: _Peer, req: _TCPRequest) -> None:
         """Write what the socket takes without blocking; queue the rest (send lock held)."""
         if self._failure is not None:
             req._finish(self._failure)
             return
-        total = HEADER_SIZE + len(req.view)
+        total = HEADER_SIZE + len(req.view) + len(req.tail)
         try:
-            sent = _send_some(p.sock, req.head, req.view, _NOSIGNAL | _DONTWAIT)
+            sent = _send_some(p.sock, req.head, req.view, req.tail, _NOSIGNAL | _DONTWAIT)
         except OSError as exc:
             if self._failure is None and not self._closing:
                 self._fail(PeerLostError(self._lost_message(p.rank, exc)))
@@ -592,16 +658,22 @@ class TCPTransport(Transport):
         return self._post_receive(self._check_usable(peer), header, nbytes, memoryview(b""),
                                   consume)
 
-    def _consume(self, p: _Peer, req: _TCPRequest, n: int) -> bool:
+    def _consume(self, p: _Peer, req: _TCPRequest, n: int, header_bytes: bytes) -> bool:
         """Read ``n`` payload bytes and feed them to ``req.consume``; False at end of file.
         An exception from the consumer fails the transport (and so the request)."""
         assert req.consume is not None
         chunk = p.bounce
         pos = 0
+        mac = None
+        if p.key_in is not None:
+            mac = _tag_hasher(p.key_in, p.count_in, header_bytes)
+            p.consume_mac = mac
         while pos < n:
             k = min(len(chunk), n - pos)
             if _recv_exact(p.sock, chunk[:k]) < k:
                 return False
+            if mac is not None:
+                mac.update(chunk[:k])
             try:
                 req.consume(pos, chunk[:k])
             except Exception as exc:  # a local failure: report it everywhere
@@ -663,7 +735,7 @@ class TCPTransport(Transport):
                     error: BitcollError | None = failure
                 else:
                     try:
-                        _send_frame(sock, req.head, req.view, req.sent)
+                        _send_frame(sock, req.head, req.view, req.tail, req.sent)
                         p.partial = False
                         error = None
                     except OSError as exc:
@@ -673,7 +745,7 @@ class TCPTransport(Transport):
                 with p.state:
                     p.queued -= 1
             if error is None:
-                stats.add_sent(HEADER_SIZE + len(req.view))
+                stats.add_sent(HEADER_SIZE + len(req.view) + len(req.tail))
             req._finish(error)
 
     def _recv_loop(self, p: _Peer) -> None:
@@ -730,7 +802,7 @@ class TCPTransport(Transport):
                 body = got - HEADER_SIZE
                 if req.consume is not None:
                     try:
-                        complete = self._consume(p, req, header.length)
+                        complete = self._consume(p, req, header.length, bytes(hbuf))
                     except _ConsumerFailed:
                         p.current = None
                         req._finish(self._failure)
@@ -744,8 +816,13 @@ class TCPTransport(Transport):
                     p.current = None
                     self._eof(p, req, between_frames=False)
                     return
+                extra = 0
+                if p.key_in is not None:
+                    if not self._check_tag(p, hbuf, req):
+                        break
+                    extra = FRAME_TAG_BYTES
                 p.current = None
-                stats.add_received(HEADER_SIZE + header.length)
+                stats.add_received(HEADER_SIZE + header.length + extra)
                 req._finish(None)
         except ProtocolError as exc:  # bad magic or version
             self._fail(ProtocolError(f"from rank {p.rank}: {exc}"))
@@ -768,6 +845,29 @@ class TCPTransport(Transport):
             with contextlib.suppress(OSError):
                 while p.sock.recv_into(scratch):
                     pass
+
+    def _check_tag(self, p: _Peer, head: bytearray, req: _TCPRequest) -> bool:
+        """Read and check the integrity tag of the frame just received into ``req`` (for
+        ``irecv_consume`` the payload was hashed as it was consumed); False (and the
+        transport failed, ``req`` finished) when it does not verify. OSError at EOF."""
+        tag = bytearray(FRAME_TAG_BYTES)
+        if _recv_exact(p.sock, memoryview(tag)) < FRAME_TAG_BYTES:
+            raise ConnectionError("the connection ended inside a frame's integrity tag")
+        assert p.key_in is not None
+        if req.consume is not None:
+            assert p.consume_mac is not None
+            want = p.consume_mac.digest()
+            p.consume_mac = None
+        else:
+            want = _frame_tag(p.key_in, p.count_in, bytes(head), req.view)
+        p.count_in += 1
+        if hmac.compare_digest(want, bytes(tag)):
+            return True
+        p.current = None
+        self._fail(ProtocolError(f"rank {self.rank}: a frame from rank {p.rank} failed its "
+                                 "integrity check (altered on the way, or not sent by it)"))
+        req._finish(self._failure)
+        return False
 
     def _abort_notice(self, p: _Peer, header: FrameHeader, req: _TCPRequest | None,
                       early: int) -> None:
@@ -945,9 +1045,10 @@ class RendezvousStore(Protocol):
     def local_address(self) -> str: ...
 
 
-#: Worlds built so far by this process per own-store address: the store's *generation*, so that
-#: a rank re-creating a communicator never talks to rank 0's previous store while it closes.
-_GENERATIONS: dict[tuple[str, int], int] = {}
+#: Worlds built so far in this process per own-store address and rank: the store's
+#: *generation*, so that a rank re-creating a communicator never talks to rank 0's previous
+#: store while it closes.
+_GENERATIONS: dict[tuple[str, int, int], int] = {}
 _GENERATIONS_LOCK = threading.Lock()
 
 
@@ -978,8 +1079,8 @@ class _Rendezvous:
             deadline: float, timeout: float) -> _Rendezvous:
         """bitcoll's store at ``master_addr:master_port``, served by rank 0."""
         with _GENERATIONS_LOCK:
-            gen = _GENERATIONS.get((master_addr, master_port), 0)
-            _GENERATIONS[(master_addr, master_port)] = gen + 1
+            gen = _GENERATIONS.get((master_addr, master_port, rank), 0)
+            _GENERATIONS[(master_addr, master_port, rank)] = gen + 1
         where = f"{master_addr}:{master_port}"
         server: StoreServer | None = None
         secret_file: auth.SecretFile | None = None
