@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import signal
 import socket
-import struct
 import threading
 import time
 from typing import Any
@@ -16,11 +15,13 @@ import pytest
 from tcp_world import free_port, make_event, run_world
 
 from bitcoll.errors import CommError, CommTimeoutError, PeerLostError, ProtocolError, UsageError
+from bitcoll.transport import auth, handshake
 from bitcoll.transport.base import HEADER_SIZE, MAGIC, PROTOCOL_VERSION, FrameHeader
 from bitcoll.transport.store import StoreClient, StoreServer
 from bitcoll.transport.tcp import (
     CONSUME_CHUNK_BYTES,
     KEY_ADDR,
+    KEY_INTEGRITY,
     KEY_JOB,
     KEY_SIZE,
     TCPTransport,
@@ -386,17 +387,25 @@ def test_create_rejects_bad_arguments(args: tuple[int, int, int]) -> None:
         TCPTransport.create(rank, size, "127.0.0.1", port, timeout=1.0)
 
 
-_HELLO = struct.Struct("<IHHIIQ")
+SECRET = "test-secret"
+
+
+def _k(suffix: str) -> str:
+    """A key of the transport's namespace in its own store."""
+    return "bitcoll/" + suffix
 
 
 def _start_rank1(port: int, size: int, job: int) -> tuple[StoreServer, StoreClient,
                                                           dict[str, Any], threading.Thread]:
-    """A store playing rank 0's part, and rank 1 creating its transport in a thread."""
-    server = StoreServer("127.0.0.1", port)
-    client = StoreClient.connect("127.0.0.1", port, time.monotonic() + 5)
-    client.set(KEY_SIZE, b"2")
-    client.set(KEY_JOB, str(job).encode())
-    client.set(KEY_ADDR.format(0), b"1 127.0.0.1")  # never used: rank 0 connects to rank 1
+    """A store playing rank 0's part, and rank 1 creating its transport in a thread (the
+    caller sets BITCOLL_SECRET to :data:`SECRET`)."""
+    server = StoreServer("127.0.0.1", port, secret=SECRET.encode())
+    client = StoreClient.connect("127.0.0.1", port, time.monotonic() + 5,
+                                 secret=SECRET.encode())
+    client.set(_k(KEY_SIZE), b"2")
+    client.set(_k(KEY_INTEGRITY), b"0")
+    client.set(_k(KEY_JOB), str(job).encode())
+    client.set(_k(KEY_ADDR.format(0)), b"1 127.0.0.1")  # never used: 0 connects to 1
     box: dict[str, Any] = {}
 
     def run() -> None:
@@ -410,26 +419,40 @@ def _start_rank1(port: int, size: int, job: int) -> tuple[StoreServer, StoreClie
     return server, client, box, th
 
 
+def _hello_as_rank0(published: str, job: int) -> socket.socket:
+    """Run rank 0's side of the authenticated hello with rank 1 at ``published``."""
+    port_s, host = published.split(" ", 1)
+    peer = socket.create_connection((host, int(port_s)), timeout=5)
+    nonce_a = auth.new_nonce()
+    peer.sendall(handshake.Hello(handshake.KIND_HELLO, 0, 2, job, nonce_a).pack())
+    ack = peer.recv(handshake.ACCEPT_SIZE, socket.MSG_WAITALL)
+    h = handshake.Hello.unpack(ack)
+    assert (h.magic, h.version, h.kind, h.rank, h.size, h.job_id) == (
+        MAGIC, PROTOCOL_VERSION, handshake.KIND_ACCEPT, 1, 2, job)
+    assert handshake.verify(SECRET.encode(), ack[handshake.HELLO_SIZE:], "accept", job, 2, 0,
+                            1, nonce_a, h.nonce, published)
+    peer.sendall(handshake.proof(SECRET.encode(), "connect", job, 2, 0, 1, nonce_a, h.nonce,
+                                 published))
+    return peer
+
+
 @pytest.mark.timeout(30)
-def test_handshake_rejects_stale_peers_and_frames_follow_the_wire_format() -> None:
+def test_handshake_rejects_stale_peers_and_frames_follow_the_wire_format(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("BITCOLL_SECRET", SECRET)
     port, job = free_port(), 0x1234_5678_9ABC
     server, client, box, th = _start_rank1(port, 2, job)
     try:
-        port_s, host = client.get(KEY_ADDR.format(1), time.monotonic() + 5).decode().split()
+        published = client.get(_k(KEY_ADDR.format(1)), time.monotonic() + 5).decode()
+        port_s, host = published.split()
         addr = (host, int(port_s))
         # A process of another job is dropped without an answer.
         with socket.create_connection(addr, timeout=5) as stale:
-            stale.sendall(_HELLO.pack(MAGIC, PROTOCOL_VERSION, 0, 0, 2, job + 1))
+            stale.sendall(handshake.Hello(handshake.KIND_HELLO, 0, 2, job + 1,
+                                          auth.new_nonce()).pack())
             assert stale.recv(64) == b""
-        # The real rank 0 gets rank 1's hello back.
-        peer = socket.create_connection(addr, timeout=5)
-        peer.sendall(_HELLO.pack(MAGIC, PROTOCOL_VERSION, 0, 0, 2, job))
-        ack = b""
-        while len(ack) < _HELLO.size:
-            chunk = peer.recv(_HELLO.size - len(ack))
-            assert chunk
-            ack += chunk
-        assert _HELLO.unpack(ack) == (MAGIC, PROTOCOL_VERSION, 0, 1, 2, job)
+        # The real rank 0 completes the hello.
+        peer = _hello_as_rank0(published, job)
         th.join(10)
         t = box["t"]
         assert isinstance(t, TCPTransport) and t.job_id == job
@@ -470,7 +493,8 @@ def test_handshake_rejects_stale_peers_and_frames_follow_the_wire_format() -> No
 
 
 @pytest.mark.timeout(30)
-def test_world_size_disagreement_is_a_usage_error() -> None:
+def test_world_size_disagreement_is_a_usage_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("BITCOLL_SECRET", SECRET)
     server, client, box, th = _start_rank1(free_port(), 3, 1)
     try:
         th.join(10)
@@ -482,17 +506,17 @@ def test_world_size_disagreement_is_a_usage_error() -> None:
 
 
 @pytest.mark.timeout(30)
-def test_threads_world_garbage_header_is_protocol_error() -> None:
+def test_threads_world_garbage_header_is_protocol_error(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """A peer writing a frame with a bad magic number fails the receiver with ProtocolError."""
+    monkeypatch.setenv("BITCOLL_SECRET", SECRET)
     port, job = free_port(), 77
     server, client, box, th = _start_rank1(port, 2, job)
     try:
-        port_s, host = client.get(KEY_ADDR.format(1), time.monotonic() + 5).decode().split()
-        peer = socket.create_connection((host, int(port_s)), timeout=5)
-        peer.sendall(_HELLO.pack(MAGIC, PROTOCOL_VERSION, 0, 0, 2, job))
+        published = client.get(_k(KEY_ADDR.format(1)), time.monotonic() + 5).decode()
+        peer = _hello_as_rank0(published, job)
         th.join(10)
         t = box["t"]
-        peer.recv(_HELLO.size, socket.MSG_WAITALL)
         buf = bytearray(4)
         req = t.irecv(0, memoryview(buf), FrameHeader(seq=1, step=0, signature=SIG, length=4))
         peer.sendall(b"\x00" * HEADER_SIZE)
@@ -522,7 +546,7 @@ def test_rank_0_keeps_the_store_until_the_others_close() -> None:
     time.sleep(0.3)
     assert closer.is_alive()  # waiting for rank 1 to leave the store
     store = t1._store
-    assert store is not None and store.try_get(KEY_JOB) == str(t1.job_id).encode()
+    assert store is not None and store.try_get(t1._key(KEY_JOB)) == str(t1.job_id).encode()
     start = time.monotonic()
     t1.close()
     closer.join(5)
