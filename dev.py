@@ -3,10 +3,13 @@
 
     python3 dev.py train [train.py options]   # the main job: a 4-rank Lion Cub training run
     python3 dev.py test                        # the whole test suite (lint, types, tests, MPI)
+    python3 dev.py setup                       # only create or update .venv, run nothing
 
 Each command creates (or reuses) the virtual environment ``.venv`` next to this file and
-installs the project with everything it needs (``pip install -e .[mpi,torch,test]`` under
-``constraints.txt``). Only Python 3.10+ with venv and pip is assumed.
+installs the project with everything it needs (``pip install -e .[mpi,torch,test,bench]``
+under ``constraints.txt``; ``bench`` is matplotlib, for the loss-curve plots of ``bench/``),
+again whenever ``pyproject.toml`` or ``constraints.txt`` changed. Only Python 3.10+ with venv
+and pip is assumed.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ def ensure_venv() -> None:
     if STAMP.exists() and STAMP.read_text().strip() == want:
         return
     rc = _run([str(PY), "-m", "pip", "install", "--disable-pip-version-check", "-q",
-               "-c", "constraints.txt", "-e", ".[mpi,torch,test]"])
+               "-c", "constraints.txt", "-e", ".[mpi,torch,test,bench]"])
     if rc != 0:
         sys.exit("installation failed")
     STAMP.write_text(want + "\n")
@@ -64,6 +67,7 @@ def cmd_test() -> int:
     steps: list[tuple[str, list[str], float]] = [
         ("ruff", [str(PY), "-m", "ruff", "check", "bitcoll", "lioncub", "launch", "bench",
                   "tests", "train.py", "dev.py"], 300),
+        # the files mypy checks (bench/ included) are pyproject.toml's [tool.mypy] files
         ("mypy", [str(PY), "-m", "mypy"], 900),
         ("pytest (single-process and TCP multi-process)",
          [str(PY), "-m", "pytest", "-q", "--color=no", "-m", "not mpi", "tests"], 2400),
@@ -98,7 +102,7 @@ def main() -> int:
         return cmd_test()
     if sys.argv[1] == "train":
         return cmd_train(sys.argv[2:])
-    return 0
+    return 0  # setup: the environment is ready
 
 
 if __name__ == "__main__":

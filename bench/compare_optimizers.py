@@ -18,8 +18,9 @@ Runs happen one after another (they share the machine). Written to ``--out``
 (default ``results/optimizers``):
 
 * ``logs/<label>-seed<S>.json`` and ``.txt``: each run's JSON log and its console output;
-* ``loss_curves.svg`` (against steps), ``loss_curves_zoom.svg`` (y range fitted to the second
-  half of the run) and ``loss_curves_time.svg`` (against training time);
+* ``loss_curves.png`` (against steps), ``loss_curves_zoom.png`` (y range fitted to the second
+  half of the run) and ``loss_curves_time.png`` (against training time), drawn by
+  ``bench/plot_curves.py`` (matplotlib; ``--format svg`` for SVG files);
 * ``results.md``: the command, the set-up and a table of final validation / training loss,
   the gap to Global Lion, step time split into compute and communication, and bytes sent per
   step and rank (means over seeds; per-seed values below the main table).
@@ -58,6 +59,11 @@ TRAIN = ROOT / "train.py"
 DEFAULT_OPTIMIZERS = ("global", "dlion-mavo", "dlion-avg", "lioncub-mavo", "lioncub-l1")
 BASELINE = "global"
 LION_CUB = "lioncub-l1"
+#: The figures: file name without extension, x axis, fraction of the x range left out when
+#: choosing the y range (see bench/plot_curves.py), alt text in results.md.
+FIGURES = (("loss_curves", "step", 0.1, "loss curves against steps"),
+           ("loss_curves_zoom", "step", 0.5, "the second half, zoomed"),
+           ("loss_curves_time", "time", 0.1, "loss curves against training time"))
 MAJORITY = "dlion-mavo"
 TARGET_GAP = 3.0  # percent: Lion Cub's final validation loss vs Global Lion's
 
@@ -159,14 +165,6 @@ def _pm(xs: Sequence[float], fmt: str) -> str:
     return f"{format(_mean(xs), fmt)} ± {format(statistics.stdev(xs), fmt)}"
 
 
-def _bytes(n: float) -> str:
-    for unit in ("B", "kB", "MB", "GB"):
-        if abs(n) < 1000 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    raise AssertionError("unreachable")
-
-
 def _paired_gaps(vals: dict[int, float], ref: dict[int, float]) -> list[float]:
     """Per seed present in both: ``100 * (vals / ref - 1)``, percent."""
     return [100 * (v / ref[seed] - 1) for seed, v in sorted(vals.items())
@@ -183,8 +181,9 @@ def _gap(gaps: Sequence[float]) -> str:
 
 def summarize(outcomes: Sequence[Outcome], specs: Sequence[Spec], command: str,
               ranks: int, launcher: str, steps: int, seeds: Sequence[int],
-              netbed: str | None = None) -> str:
-    """The markdown report: set-up, main table, verdicts, per-seed table."""
+              netbed: str | None = None, image_format: str = "png") -> str:
+    """The markdown report: set-up, main table, verdicts, per-seed table; the figures are
+    linked as ``loss_curves*.<image_format>``."""
     by_label: dict[str, list[dict[str, Any]]] = {s.label: [] for s in specs}
     for o in outcomes:
         if o.record is not None:
@@ -234,7 +233,7 @@ def summarize(outcomes: Sequence[Outcome], specs: Sequence[Spec], command: str,
             f"{1e3 * _mean([s['mean_step_time'] for s in sums]):.0f} ms | "
             f"{1e3 * _mean([s['mean_compute_time'] for s in sums]):.0f} ms | "
             f"{1e3 * _mean([s['mean_comm_time'] for s in sums]):.1f} ms | "
-            f"{_bytes(_mean([s['bytes_sent_per_step'] for s in sums]))} | "
+            f"{osu.fmt_bytes(_mean([s['bytes_sent_per_step'] for s in sums]))} | "
             f"{_mean([s['wall_time'] for s in sums]):.0f} s |")
     lines += ["", "Final losses are nats per character; the training loss is the mean over "
               "ranks of the last steps, the validation loss the last evaluation. Step time is "
@@ -261,9 +260,10 @@ def summarize(outcomes: Sequence[Outcome], specs: Sequence[Spec], command: str,
                      "(all-gather of sign bits vs. bandwidth-optimal 1-bit all-reduce), hence "
                      "in bytes and time.")
     if first is not None:
-        lines += ["", "![loss curves against steps](loss_curves.svg)", "",
-                  "![the second half, zoomed](loss_curves_zoom.svg)", "",
-                  "![loss curves against training time](loss_curves_time.svg)"]
+        lines += [""]
+        for name, _, _, alt in FIGURES:
+            lines += [f"![{alt}]({name}.{image_format})", ""]
+        lines.pop()
     if len(seeds) > 1 or any(o.record is None for o in outcomes):
         lines += ["", "Per run:", "", "| optimizer | seed | final val loss | final train loss "
                   "| exit | log |", "|---|---|---|---|---|---|"]
@@ -285,7 +285,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="compare_optimizers.py",
         description="Run train.py for several optimizers with identical seeds and steps; "
-                    "write JSON logs, loss-curve SVGs and a markdown table. Arguments after "
+                    "write JSON logs, loss-curve figures and a markdown table. Arguments after "
                     "`--` are passed to every train.py run.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--optimizers", nargs="*", default=list(DEFAULT_OPTIMIZERS),
@@ -305,6 +305,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "optimizers")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per run")
     parser.add_argument("--title", default="Lion Cub vs. Global Lion and Distributed Lion")
+    parser.add_argument("--format", choices=plot_curves.FORMATS, default=plot_curves.FORMATS[0],
+                        help="image format of the loss-curve figures")
     parser.add_argument("--reuse", action="store_true",
                         help="keep the results of runs already in --out/logs whose train.py "
                              "command line is unchanged instead of running them again")
@@ -350,14 +352,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         records = [o.record for o in done if o.record is not None]
         labels = [o.spec.label for o in done]
         subtitle = plot_curves.subtitle_of(records)
-        for xaxis, skip, name in (("step", 0.1, "loss_curves.svg"),
-                                  ("step", 0.5, "loss_curves_zoom.svg"),
-                                  ("time", 0.1, "loss_curves_time.svg")):
+        for name, xaxis, skip, _ in FIGURES:
             runs = plot_curves.group_runs(records, labels, xaxis)
-            (args.out / name).write_text(plot_curves.render_svg(
-                runs, args.title, subtitle, xaxis, skip=skip))
+            plot_curves.save_figure(runs, args.out / f"{name}.{args.format}", args.title,
+                                    subtitle, xaxis, skip=skip, fmt=args.format)
     report = summarize(outcomes, specs, command, args.ranks, args.launcher, args.steps,
-                       args.seeds, args.netbed)
+                       args.seeds, args.netbed, args.format)
     (args.out / "results.md").write_text(report)
     (args.out / "outcomes.json").write_text(json.dumps(
         [{"label": o.spec.label, "args": o.spec.args, "seed": o.seed, "returncode": o.returncode,
@@ -365,7 +365,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         indent=1) + "\n")
     print()
     print(report)
-    print(f"written to {args.out}/ (results.md, loss_curves*.svg, logs/)")
+    print(f"written to {args.out}/ (results.md, loss_curves*.{args.format}, logs/)")
     return 0 if len(done) == len(outcomes) else 1
 
 

@@ -45,16 +45,17 @@ see their host's share instead of oversubscribing the machine.
 
 Before the job the testbed prints one line, ``netbed: H hosts x P ranks, links RATE (tbf burst
 B), bitcoll TCP, hosts pinned to their share of the cores``; with ``--probe`` it first sends 64
-MiB from host 1 to host 0 over one TCP connection and prints the measured rate (``netbed: probe
-host 1 -> host 0: X Gbit/s``). A failing host is reported on stderr (``netbed: host 1 exited
-with status 3; stopped the other hosts``) after its launcher's own report.
+MiB from host 1 to host 0 over one TCP connection (``bench/netbed_helpers.py``) and prints the
+measured rate (``netbed: probe host 1 -> host 0: X Gbit/s``). A failing host is reported on
+stderr (``netbed: host 1 exited with status 3; stopped the other hosts``) after its launcher's
+own report.
 
 MPI
 ---
 With ``--mpi`` one ``mpiexec`` (the one next to this interpreter, else on ``PATH``) starts
 the ranks instead, in MPMD form with Hydra's fork launcher: ``mpiexec -launcher fork -n P ip
 netns exec <host 0> python <target> : -n P ip netns exec <host 1> python <target> : ...``
-(each segment wrapped in a small pinning step unless ``--no-pin``), with
+(each segment wrapped in ``bench/netbed_helpers.py pin`` unless ``--no-pin``), with
 ``MPIR_CVAR_NOLOCAL=1``, ``UCX_TLS=tcp,self``, ``UCX_NET_DEVICES=eth0``, ``FI_PROVIDER=tcp``
 and ``FI_TCP_IFACE=eth0`` unless already set: the namespaces share the hostname and
 ``/dev/shm``, and without these MPICH would pass messages through shared memory instead of
@@ -104,6 +105,8 @@ DEFAULT_GRACE = 5.0
 #: would outlive it).
 HOST_GRACE_MARGIN = 2.0
 SECRET_ENV = "BITCOLL_SECRET"
+#: The programs run inside the namespaces (pinning, the probe's two ends).
+HELPERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "netbed_helpers.py")
 _RATE = re.compile(r"^(\d+(?:\.\d+)?)(bit|kbit|mbit|gbit)$")
 _UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9}
 
@@ -237,10 +240,10 @@ def host_cpus(k: int, hosts: int, cores: Sequence[int]) -> list[int]:
     return [cores[k % c]]
 
 
-_PIN = ("import os, sys\n"
-        "os.sched_setaffinity(0, [int(c) for c in sys.argv[1].split(',')])\n"
-        "os.execvp(sys.argv[2], sys.argv[2:])\n")
-"""Run as ``python -c _PIN 0,1 cmd args...``: pin to cores 0 and 1, then exec ``cmd``."""
+def helper(*args: str) -> list[str]:
+    """The command that runs :mod:`netbed_helpers` (``pin``, ``probe-server``,
+    ``probe-client``) with ``args`` under this interpreter."""
+    return [sys.executable, HELPERS, *args]
 
 
 def job_environment(base: Mapping[str, str]) -> dict[str, str]:
@@ -273,8 +276,7 @@ def mpi_command(bed: Testbed, mpiexec: str, nproc: int, target: Sequence[str],
     for k in range(bed.hosts):
         if k:
             cmd.append(":")
-        pin = [] if cpus is None else [sys.executable, "-c", _PIN,
-                                       ",".join(str(c) for c in cpus[k])]
+        pin = [] if cpus is None else helper("pin", ",".join(str(c) for c in cpus[k]))
         cmd += ["-n", str(nproc), *pin, "ip", "netns", "exec", bed.host(k), sys.executable,
                 *target]
     return cmd
@@ -289,49 +291,16 @@ def host_command(bed: Testbed, k: int, nproc: int, target: Sequence[str],
             "--grace-period", str(grace), *target]
 
 
-_PROBE_SERVER = """
-import socket, sys, time
-s = socket.create_server(("0.0.0.0", int(sys.argv[1])))
-c, _ = s.accept()
-buf = bytearray(1 << 20)
-got, t0 = 0, None
-while True:
-    k = c.recv_into(buf)
-    if not k:
-        break
-    if t0 is None:
-        t0 = time.perf_counter()
-    got += k
-print(got * 8 / (time.perf_counter() - t0) / 1e9)
-"""
-
-_PROBE_CLIENT = """
-import socket, sys, time
-deadline = time.monotonic() + 10
-while True:
-    try:
-        c = socket.create_connection((sys.argv[1], int(sys.argv[2])))
-        break
-    except OSError:
-        if time.monotonic() > deadline:
-            raise
-        time.sleep(0.05)
-data = bytes(1 << 20)
-for _ in range(int(sys.argv[3]) >> 20):
-    c.sendall(data)
-c.close()
-"""
-
-
 def probe(bed: Testbed) -> float:
     """Send :data:`PROBE_BYTES` from host 1 to host 0 over one TCP connection; return the rate
     the receiver saw, in Gbit/s."""
-    server = subprocess.Popen(["ip", "netns", "exec", bed.host(0), sys.executable, "-c",
-                               _PROBE_SERVER, str(PROBE_PORT)],
+    server = subprocess.Popen(["ip", "netns", "exec", bed.host(0),
+                               *helper("probe-server", str(PROBE_PORT))],
                               stdout=subprocess.PIPE, text=True)
     try:
-        subprocess.run(["ip", "netns", "exec", bed.host(1), sys.executable, "-c", _PROBE_CLIENT,
-                        bed.address(0), str(PROBE_PORT), str(PROBE_BYTES)],
+        subprocess.run(["ip", "netns", "exec", bed.host(1),
+                        *helper("probe-client", bed.address(0), str(PROBE_PORT),
+                                str(PROBE_BYTES))],
                        check=True, timeout=120)
         out, _ = server.communicate(timeout=30)
         return float(out.strip())

@@ -52,7 +52,6 @@ import json
 import math
 import os
 import re
-import socket
 import sys
 import time
 import traceback
@@ -60,10 +59,12 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
+
+from launch.__main__ import free_ports
 
 __all__ = [
     "CheckError",
@@ -78,15 +79,26 @@ __all__ = [
     "Timing",
     "IMPLS",
     "add_common_args",
+    "add_backend_arg",
+    "add_dense_args",
     "agree",
+    "check_dense_args",
     "check_whole_elements",
+    "dense_columns",
+    "fmt_bytes",
+    "free_port",
+    "open_dense_runtime",
+    "ramp",
     "latency_columns",
     "latency_values",
     "load_tables",
+    "measure_dense",
+    "start_dense_table",
     "bus_factor",
     "data_bytes",
     "gbps",
     "run_tool",
+    "tool_main",
     "open_runtime",
     "parse_size",
     "parse_sizes",
@@ -98,7 +110,9 @@ __all__ = [
     "time_loop",
 ]
 
+F32 = npt.NDArray[np.float32]
 F64 = npt.NDArray[np.float64]
+R = TypeVar("R", bound="Runtime")
 IMPLS = ("bitcoll", "mpi4py", "gloo")
 _SUFFIX = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 MISSING = "-"
@@ -187,6 +201,15 @@ def ranks(p: int) -> str:
     return f"{p} rank" if p == 1 else f"{p} ranks"
 
 
+def fmt_bytes(n: float) -> str:
+    """``n`` bytes in decimal units for reports: ``"512 B"``, ``"1.5 kB"``, ``"2.0 GB"``."""
+    for unit in ("B", "kB", "MB", "GB"):
+        if abs(n) < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    raise AssertionError("unreachable")
+
+
 # ------------------------------------------------------------------------------- iterations
 
 
@@ -248,6 +271,53 @@ def add_common_args(parser: argparse.ArgumentParser, default_sizes: str,
     parser.add_argument("--timeout", type=float, default=300.0,
                         help="deadline in seconds of every collective and of the set-up "
                              "(bitcoll and gloo; default 300)")
+
+
+def add_dense_args(parser: argparse.ArgumentParser, algorithms: Sequence[str],
+                   algorithm_help: str) -> None:
+    """Add the options of the dense float32 tools (``osu_allreduce.py``,
+    ``osu_collectives.py``): ``--impl``, ``--algorithm`` (one of ``algorithms``),
+    ``--backend`` and ``--gloo-port-offset``."""
+    parser.add_argument("--impl", choices=IMPLS, default="bitcoll",
+                        help="implementation to measure (default bitcoll)")
+    parser.add_argument("--algorithm", choices=algorithms, default="auto",
+                        help=algorithm_help)
+    add_backend_arg(parser)
+    parser.add_argument("--gloo-port-offset", type=int, default=0,
+                        help="gloo listens on MASTER_PORT + this (default 0)")
+
+
+def add_backend_arg(parser: argparse.ArgumentParser) -> None:
+    """Add ``--backend``: bitcoll's backend (auto, tcp, mpi, local)."""
+    parser.add_argument("--backend", choices=("auto", "tcp", "mpi", "local"), default="auto",
+                        help="bitcoll backend (default: from the environment)")
+
+
+def check_dense_args(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                     float32_sizes: bool = True) -> None:
+    """Exit with status 2 (``parser.error``) when :func:`add_dense_args`' options do not fit
+    together, or (``float32_sizes``) when a size is not a whole number of float32
+    elements."""
+    if args.impl != "bitcoll" and (args.algorithm != "auto" or args.backend != "auto"):
+        parser.error("--algorithm and --backend apply to --impl bitcoll only")
+    if float32_sizes:
+        check_whole_elements(parser, args.sizes, 4, "float32")
+
+
+def dense_columns(full: bool) -> list[Column]:
+    """The table columns of the dense tools: Size, the latency columns (``full``: OSU's -f
+    statistics after the average), AlgBW, BusBW and CPU."""
+    return [Column("Size", 10, "d"), *latency_columns(full),
+            Column("AlgBW(GB/s)", 14, ".3f"), Column("BusBW(GB/s)", 14, ".3f"),
+            Column("CPU(us)", 14, ".0f")]
+
+
+def ramp(n: int, offset: float) -> F32:
+    """The ``--check`` inputs of the dense tools: ``(i mod 13) + offset`` for ``i < n``,
+    float32 (small integers, so that sums are exact)."""
+    x = (np.arange(n, dtype=np.int32) % 13).astype(np.float32)
+    x += np.float32(offset)
+    return x
 
 
 def check_whole_elements(parser: argparse.ArgumentParser, sizes: Sequence[int],
@@ -397,10 +467,10 @@ class MPIRuntime(Runtime):
         """MPI is finalized at exit by mpi4py."""
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free on ``host`` right now (the launcher's
+    :func:`launch.__main__.free_ports`, the one port helper of the benchmarks)."""
+    return free_ports(host)[0]
 
 
 class GlooRuntime(Runtime):
@@ -422,7 +492,7 @@ class GlooRuntime(Runtime):
             rank, size = int(env["RANK"]), int(env["WORLD_SIZE"])
             addr, port = env["MASTER_ADDR"], int(env["MASTER_PORT"]) + port_offset
         else:
-            rank, size, addr, port = 0, 1, "127.0.0.1", _free_port()
+            rank, size, addr, port = 0, 1, "127.0.0.1", free_port()
         host = f"[{addr}]" if ":" in addr else addr
         dist.init_process_group("gloo", init_method=f"tcp://{host}:{port}", rank=rank,
                                 world_size=size,
@@ -464,6 +534,12 @@ def open_runtime(impl: str, *, backend: str = "auto", timeout: float = 300.0,
     if impl == "gloo":
         return GlooRuntime(timeout=timeout, port_offset=port_offset)
     raise ValueError(f"unknown impl {impl!r}; expected one of {', '.join(IMPLS)}")
+
+
+def open_dense_runtime(args: argparse.Namespace) -> Runtime:
+    """The runtime that :func:`add_dense_args`' parsed options (and ``--timeout``) ask for."""
+    return open_runtime(args.impl, backend=args.backend, timeout=args.timeout,
+                        port_offset=args.gloo_port_offset)
 
 
 def agree(rt: Runtime, ok: bool, what: str) -> None:
@@ -539,6 +615,46 @@ def data_bytes(collective: str, nbytes: int, p: int) -> int:
     """nccl-tests' data size ``S`` of ``collective`` when each rank's input buffer holds
     ``nbytes``: the whole gathered output for all-gather, the input buffer otherwise."""
     return nbytes * p if collective == "allgather" else nbytes
+
+
+def start_dense_table(report: Report, rt: Runtime, args: argparse.Namespace, test: str,
+                      what: str, legend: str, **meta: Any) -> None:
+    """Start a dense tool's table (:func:`add_dense_args`' options in ``args``): title
+    ``bitcoll OSU-style <test> Test, backend B, N ranks``, the comments ``impl I, algorithm A,
+    <what>`` (plus the runtime's description) and ``legend``, the :func:`dense_columns`, and
+    the JSON metadata impl, backend, ranks, algorithm and ``meta``."""
+    algo = args.algorithm if args.impl == "bitcoll" else "-"
+    info = rt.describe()
+    report.start(f"bitcoll OSU-style {test} Test, backend {rt.backend}, {ranks(rt.size)}",
+                 [f"impl {args.impl}, algorithm {algo}, {what}" + (f", {info}" if info else ""),
+                  legend],
+                 dense_columns(args.full), impl=args.impl, backend=rt.backend, ranks=rt.size,
+                 algorithm=algo, **meta)
+
+
+def measure_dense(rt: Runtime, report: Report, schedule: Schedule, full: bool,
+                  collective: str, x: F32, op: Callable[[], object], result: F32,
+                  check: tuple[F32, F32] | None = None) -> None:
+    """One row of a dense tool's table (:func:`dense_columns`) for ``op``, one call of
+    ``collective`` on the float32 input ``x`` that leaves its result in ``result``.
+
+    With ``check = (input, expected)``, ``op`` first runs once on ``input`` and every rank
+    must find ``expected`` in ``result`` (:func:`agree`). Then ``x`` is zeroed and ``op`` timed
+    (:func:`time_loop`, iterations from ``schedule`` for nccl-tests' data size); the row is
+    the input size, the latency, AlgBW, BusBW and the CPU time per call."""
+    nbytes = x.nbytes
+    if check is not None:
+        given, want = check
+        np.copyto(x, given)
+        op()
+        agree(rt, bool(np.array_equal(result, want)), f"{collective} of {nbytes} bytes")
+    x.fill(0.0)
+    data = data_bytes(collective, nbytes, rt.size)
+    iters, warm = schedule.for_bytes(data)
+    t = time_loop(rt, op, iters, warm)
+    alg = gbps(data, t.avg_us * 1e-6)
+    report.row(nbytes, *latency_values(t, full), alg, alg * bus_factor(collective, rt.size),
+               t.cpu_us)
 
 
 def gbps(nbytes: float, seconds: float) -> float:
@@ -718,7 +834,7 @@ def parse_tables(text: str) -> list[Table]:
 # --------------------------------------------------------------------------------- the main
 
 
-def run_tool(open_rt: Callable[[], Runtime], body: Callable[[Runtime], None]) -> int:
+def run_tool(open_rt: Callable[[], R], body: Callable[[R], None]) -> int:
     """Open the runtime, run ``body(rt)``, close the runtime; return the exit status.
 
     A :class:`CheckError` (raised on every rank together) is printed by rank 0 and gives 1.
@@ -744,3 +860,22 @@ def run_tool(open_rt: Callable[[], Runtime], body: Callable[[Runtime], None]) ->
         return 1
     rt.close()
     return 0
+
+
+def tool_main(parser: argparse.ArgumentParser, argv: Sequence[str] | None,
+              open_rt: Callable[[argparse.Namespace], R],
+              run: Callable[[argparse.Namespace, R], None],
+              validate: Callable[[argparse.ArgumentParser, argparse.Namespace], None] | None
+              = None) -> int:
+    """The ``main`` of every OSU-style tool: parse ``argv`` (None: ``sys.argv[1:]``) with
+    ``parser``, exit with status 2 when the iteration options are inconsistent or
+    ``validate(parser, args)`` rejects them (it calls ``parser.error``), then
+    :func:`run_tool` with ``open_rt(args)`` and ``run(args, rt)``; return the exit status."""
+    args = parser.parse_args(argv)
+    try:
+        schedule_from_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if validate is not None:
+        validate(parser, args)
+    return run_tool(lambda: open_rt(args), lambda rt: run(args, rt))

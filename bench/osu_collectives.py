@@ -47,20 +47,6 @@ ALGORITHMS = ("auto", "ring", "tree", "direct", "dissemination", "native")
 ROOT = 0
 
 
-def columns(full: bool) -> list[osu.Column]:
-    """The tables' columns (``full``: OSU's -f statistics after the average)."""
-    return [osu.Column("Size", 10, "d"), *osu.latency_columns(full),
-            osu.Column("AlgBW(GB/s)", 14, ".3f"), osu.Column("BusBW(GB/s)", 14, ".3f"),
-            osu.Column("CPU(us)", 14, ".0f")]
-
-
-def ramp(n: int, offset: float) -> F32:
-    """``(i mod 13) + offset`` for ``i < n``, float32 (exact small integers)."""
-    x = (np.arange(n, dtype=np.int32) % 13).astype(np.float32)
-    x += np.float32(offset)
-    return x
-
-
 def elements(collective: str, nbytes: int, p: int) -> int:
     """Element count of a ``nbytes`` float32 input (a multiple of ``p`` where needed)."""
     n = nbytes // 4
@@ -77,18 +63,18 @@ def output_elements(collective: str, n: int, p: int) -> int:
 def check_data(collective: str, n: int, rank: int, p: int) -> tuple[F32, F32]:
     """The ``--check`` input of ``rank`` and the exact result it must receive."""
     if collective == "reduce_scatter":
-        total = ramp(n, 0.0) * np.float32(p) + np.float32(p * (p - 1) // 2)
+        total = osu.ramp(n, 0.0) * np.float32(p) + np.float32(p * (p - 1) // 2)
         m = n // p
-        return ramp(n, rank), total[rank * m:(rank + 1) * m]
+        return osu.ramp(n, rank), total[rank * m:(rank + 1) * m]
     if collective == "allgather":
-        return ramp(n, rank), np.concatenate([ramp(n, j) for j in range(p)])
+        return osu.ramp(n, rank), np.concatenate([osu.ramp(n, j) for j in range(p)])
     if collective == "broadcast":
-        mine = ramp(n, 100.0) if rank == ROOT else np.full(n, -1.0, dtype=np.float32)
-        return mine, ramp(n, 100.0)
+        mine = osu.ramp(n, 100.0) if rank == ROOT else np.full(n, -1.0, dtype=np.float32)
+        return mine, osu.ramp(n, 100.0)
     if collective == "alltoall":
         m = n // p
-        send = np.concatenate([ramp(m, 16 * rank + j) for j in range(p)])
-        want = np.concatenate([ramp(m, 16 * j + rank) for j in range(p)])
+        send = np.concatenate([osu.ramp(m, 16 * rank + j) for j in range(p)])
+        want = np.concatenate([osu.ramp(m, 16 * j + rank) for j in range(p)])
         return send, want
     raise ValueError(f"no check for {collective!r}")
 
@@ -154,14 +140,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--collective", type=parse_collectives, default=list(COLLECTIVES),
                    metavar="NAMES",
                    help=f"'all' (default) or a comma list of {', '.join(COLLECTIVES)}")
-    p.add_argument("--impl", choices=osu.IMPLS, default="bitcoll",
-                   help="implementation to measure (default bitcoll)")
-    p.add_argument("--algorithm", choices=ALGORITHMS, default="auto",
-                   help="bitcoll algorithm (must exist for every collective measured)")
-    p.add_argument("--backend", choices=("auto", "tcp", "mpi", "local"), default="auto",
-                   help="bitcoll backend (default: from the environment)")
-    p.add_argument("--gloo-port-offset", type=int, default=0,
-                   help="gloo listens on MASTER_PORT + this (default 0)")
+    osu.add_dense_args(p, ALGORITHMS,
+                       "bitcoll algorithm (must exist for every collective measured)")
     osu.add_common_args(p, "1K:64M")
     return p
 
@@ -171,8 +151,6 @@ def run(args: argparse.Namespace, rt: osu.Runtime) -> None:
     schedule = osu.schedule_from_args(args)
     p = rt.size
     report = osu.Report(rt.rank, args.json)
-    algo = args.algorithm if args.impl == "bitcoll" else "-"
-    info = rt.describe()
     for coll in args.collective:
         what = {"barrier": "no data", "reduce_scatter": "float32, sum",
                 "broadcast": f"float32, root {ROOT}"}.get(coll, "float32")
@@ -180,12 +158,7 @@ def run(args: argparse.Namespace, rt: osu.Runtime) -> None:
                   "Size: bytes of each rank's input; latency over ranks; AlgBW = S / Avg "
                   f"(nccl-tests' S); BusBW = AlgBW * {_factor_text(coll)}; GB/s = 1e9 B/s; "
                   "CPU: process CPU time per call")
-        report.start(f"bitcoll OSU-style {TITLES[coll]} Test, backend {rt.backend}, "
-                     f"{osu.ranks(p)}",
-                     [f"impl {args.impl}, algorithm {algo}, {what}"
-                      + (f", {info}" if info else ""), legend],
-                     columns(args.full), impl=args.impl, backend=rt.backend, ranks=p,
-                     algorithm=algo, collective=coll)
+        osu.start_dense_table(report, rt, args, TITLES[coll], what, legend, collective=coll)
         if coll == "barrier":
             iters, warm = schedule.for_bytes(0)
             op, _ = make_op(rt, coll, np.empty(0, np.float32), np.empty(0, np.float32),
@@ -198,19 +171,9 @@ def run(args: argparse.Namespace, rt: osu.Runtime) -> None:
             y: F32 = np.empty(output_elements(coll, n, p), dtype=np.float32)
             y.fill(0.0)  # touch every page before timing
             op, result = make_op(rt, coll, x, y, args.algorithm)
-            if args.check:
-                given, want = check_data(coll, n, rt.rank, p)
-                np.copyto(x, given)
-                op()
-                osu.agree(rt, bool(np.array_equal(result, want)), f"{coll} of {n * 4} bytes")
-            x.fill(0.0)
-            nbytes = n * 4
-            iters, warm = schedule.for_bytes(osu.data_bytes(coll, nbytes, p))
-            t = osu.time_loop(rt, op, iters, warm)
-            alg = osu.gbps(osu.data_bytes(coll, nbytes, p), t.avg_us * 1e-6)
-            report.row(nbytes, *osu.latency_values(t, args.full), alg,
-                       alg * osu.bus_factor(coll, p), t.cpu_us)
-            del op, result, x, y
+            check = check_data(coll, n, rt.rank, p) if args.check else None
+            osu.measure_dense(rt, report, schedule, args.full, coll, x, op, result, check)
+            del op, result, x, y, check
     report.finish()
 
 
@@ -218,26 +181,14 @@ def _factor_text(coll: str) -> str:
     return "1" if coll == "broadcast" else "(p-1)/p"
 
 
+def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Exit with status 2 for options that do not fit together (barrier alone takes any
+    size: it has no data)."""
+    osu.check_dense_args(ap, args, float32_sizes=any(c != "barrier" for c in args.collective))
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = parser()
-    args = ap.parse_args(argv)
-    try:
-        osu.schedule_from_args(args)
-    except ValueError as exc:
-        ap.error(str(exc))
-    if args.impl != "bitcoll" and (args.algorithm != "auto" or args.backend != "auto"):
-        ap.error("--algorithm and --backend apply to --impl bitcoll only")
-    if any(c != "barrier" for c in args.collective):
-        osu.check_whole_elements(ap, args.sizes, 4, "float32")
-
-    def open_rt() -> osu.Runtime:
-        return osu.open_runtime(args.impl, backend=args.backend, timeout=args.timeout,
-                                port_offset=args.gloo_port_offset)
-
-    def body(rt: osu.Runtime) -> None:
-        run(args, rt)
-
-    return osu.run_tool(open_rt, body)
+    return osu.tool_main(parser(), argv, osu.open_dense_runtime, run, validate=check_args)
 
 
 if __name__ == "__main__":

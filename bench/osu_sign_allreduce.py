@@ -251,8 +251,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--floor", action="store_true",
                    help="also time the local work alone (pack signs, unpack the int8 output; "
                         "no communication): the lower bound of any sign all-reduce here")
-    p.add_argument("--backend", choices=("auto", "tcp", "mpi", "local"), default="auto",
-                   help="bitcoll backend (default: from the environment)")
+    osu.add_backend_arg(p)
     osu.add_common_args(p, "1K:64M", size_unit="elements")
     return p
 
@@ -320,26 +319,21 @@ def run(args: argparse.Namespace, rt: osu.BitcollRuntime) -> None:
     report.finish()
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = parser()
-    args = ap.parse_args(argv)
-    try:
-        osu.schedule_from_args(args)
-    except ValueError as exc:
-        ap.error(str(exc))
+def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Exit with status 2 for levels outside int8 and empty vectors."""
     if not 1 <= args.levels <= 127:
         ap.error("--levels must be in [1, 127] (int8 inputs)")
     if 0 in args.sizes:
         ap.error("sizes are element counts here and must be >= 1")
 
-    def open_rt() -> osu.Runtime:
-        return osu.BitcollRuntime(backend=args.backend, timeout=args.timeout)
 
-    def body(rt: osu.Runtime) -> None:
-        assert isinstance(rt, osu.BitcollRuntime)
-        run(args, rt)
+def open_bitcoll(args: argparse.Namespace) -> osu.BitcollRuntime:
+    """bitcoll's runtime on ``--backend`` (the only implementation of these collectives)."""
+    return osu.BitcollRuntime(backend=args.backend, timeout=args.timeout)
 
-    return osu.run_tool(open_rt, body)
+
+def main(argv: list[str] | None = None) -> int:
+    return osu.tool_main(parser(), argv, open_bitcoll, run, validate=check_args)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
-"""Plot the training and validation loss curves of ``train.py`` runs as an SVG (stdlib only).
+"""Plot the training and validation loss curves of ``train.py`` runs with matplotlib (PNG by
+default, SVG on request).
 
 Usage::
 
-    python bench/plot_curves.py runs/global.json runs/lioncub-l1.json -o loss_curves.svg
+    python bench/plot_curves.py runs/global.json runs/lioncub-l1.json -o loss_curves.png
     python bench/plot_curves.py results/optimizers/logs/*.json -o curves.svg --x time \\
         --title "4 ranks, TCP"
 
@@ -15,6 +16,11 @@ and the legend says how many were averaged. The figure has two panels, the train
 loss, both against the step (``--x step``) or the elapsed training time (``--x time``). The
 y range leaves out the first part of the run (``--skip``, 10% by default) so that the initial
 loss of ~4.6 does not flatten the differences at the end; curves are clipped at the frame.
+
+The image format is ``--format`` (``png`` or ``svg``), else the extension of ``-o`` (``.png``
+or ``.svg``), else PNG; ``-o`` defaults to ``loss_curves.<format>``. Drawn with matplotlib's
+Agg canvas (no display needed); matplotlib comes with the project's ``bench`` extra
+(``pip install -e .[bench]``, which ``dev.py`` installs).
 """
 
 from __future__ import annotations
@@ -26,18 +32,25 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-from xml.sax.saxutils import escape
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["Run", "load_log", "run_label", "group_runs", "subtitle_of", "nice_ticks",
-           "render_svg", "main"]
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+
+__all__ = ["Run", "FORMATS", "load_log", "run_label", "group_runs", "subtitle_of", "ema",
+           "figure", "save_figure", "image_format", "main"]
 
 LOG_FORMAT = "lioncub-train-log/1"
+#: Image formats :func:`save_figure` writes; the first is the default.
+FORMATS = ("png", "svg")
 PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2",
            "#17becf", "#7f7f7f", "#bcbd22")
-#: Dash patterns, cycled together with the colours so that coinciding curves stay visible.
-DASHES = ("", "7 4", "2 3", "11 3 2 3", "4 2")
-FONT = "DejaVu Sans, Helvetica, Arial, sans-serif"
+#: Dash patterns (matplotlib line styles), cycled together with the colours so that
+#: coinciding curves stay visible.
+DASHES: tuple[Any, ...] = ("-", (0, (7, 4)), (0, (2, 3)), (0, (11, 3, 2, 3)), (0, (4, 2)))
+#: Pixels per inch of PNG output (the figure is 11 inches wide).
+DPI = 120
 
 
 @dataclass
@@ -152,51 +165,6 @@ def ema(values: Sequence[float], beta: float) -> list[float]:
     return out
 
 
-def nice_ticks(lo: float, hi: float, target: int = 6) -> list[float]:
-    """Round tick values (1, 2, 2.5, 5 times a power of ten) covering ``[lo, hi]``."""
-    if not (math.isfinite(lo) and math.isfinite(hi)):
-        return []
-    if hi <= lo:
-        hi = lo + (abs(lo) * 0.1 or 1.0)
-    raw = (hi - lo) / max(1, target)
-    mag = 10 ** math.floor(math.log10(raw))
-    step = next(m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw)
-    first = math.ceil(lo / step - 1e-9) * step
-    ticks = []
-    t = first
-    while t <= hi + step * 1e-9:
-        ticks.append(round(t, 12))
-        t += step
-    return ticks
-
-
-def _fmt_tick(v: float, ticks: Sequence[float]) -> str:
-    """``v`` with as many decimals as the tick spacing needs (``12k`` for large round values)."""
-    step = abs(ticks[1] - ticks[0]) if len(ticks) > 1 else abs(v) or 1.0
-    decimals = next(d for d in range(8) if abs(round(step, d) - step) <= 1e-9 * step or d == 7)
-    if decimals == 0 and abs(v) >= 10000 and v % 1000 == 0:
-        return f"{v / 1000:g}k"
-    return f"{v:.{decimals}f}"
-
-
-@dataclass
-class _Panel:
-    x0: float
-    y0: float
-    w: float
-    h: float
-    xlo: float
-    xhi: float
-    ylo: float
-    yhi: float
-
-    def px(self, x: float) -> float:
-        return self.x0 + (x - self.xlo) / (self.xhi - self.xlo) * self.w
-
-    def py(self, y: float) -> float:
-        return self.y0 + self.h - (y - self.ylo) / (self.yhi - self.ylo) * self.h
-
-
 def _y_range(series: list[tuple[list[float], list[float]]], skip_x: float,
              ymin: float | None, ymax: float | None) -> tuple[float, float]:
     vals = [y for xs, ys in series for x, y in zip(xs, ys, strict=True)
@@ -209,70 +177,48 @@ def _y_range(series: list[tuple[list[float], list[float]]], skip_x: float,
     return (lo if ymin is None else ymin), (hi if ymax is None else ymax)
 
 
-def _panel_svg(out: list[str], pid: str, panel: _Panel, title: str, xlabel: str,
-               curves: list[tuple[str, str, list[float], list[float], bool]]) -> None:
-    p = panel
-    xt = [t for t in nice_ticks(p.xlo, p.xhi) if p.xlo <= t <= p.xhi]
-    yt = [t for t in nice_ticks(p.ylo, p.yhi) if p.ylo <= t <= p.yhi]
-    out.append(f'<text x="{p.x0 + p.w / 2:.1f}" y="{p.y0 - 10:.1f}" text-anchor="middle" '
-               f'font-size="14" font-weight="bold">{escape(title)}</text>')
-    out.append(f'<rect x="{p.x0:.1f}" y="{p.y0:.1f}" width="{p.w:.1f}" height="{p.h:.1f}" '
-               'fill="#ffffff" stroke="none"/>')
-    for t in yt:
-        y = p.py(t)
-        out.append(f'<line x1="{p.x0:.1f}" y1="{y:.1f}" x2="{p.x0 + p.w:.1f}" y2="{y:.1f}" '
-                   'stroke="#e5e5e5" stroke-width="1"/>')
-        out.append(f'<line x1="{p.x0 - 5:.1f}" y1="{y:.1f}" x2="{p.x0:.1f}" y2="{y:.1f}" '
-                   'stroke="#333" stroke-width="1"/>')
-        out.append(f'<text x="{p.x0 - 8:.1f}" y="{y + 4:.1f}" text-anchor="end" '
-                   f'font-size="11">{_fmt_tick(t, yt)}</text>')
-    for t in xt:
-        x = p.px(t)
-        out.append(f'<line x1="{x:.1f}" y1="{p.y0:.1f}" x2="{x:.1f}" y2="{p.y0 + p.h:.1f}" '
-                   'stroke="#f0f0f0" stroke-width="1"/>')
-        out.append(f'<line x1="{x:.1f}" y1="{p.y0 + p.h:.1f}" x2="{x:.1f}" '
-                   f'y2="{p.y0 + p.h + 5:.1f}" stroke="#333" stroke-width="1"/>')
-        out.append(f'<text x="{x:.1f}" y="{p.y0 + p.h + 19:.1f}" text-anchor="middle" '
-                   f'font-size="11">{_fmt_tick(t, xt)}</text>')
-    out.append(f'<clipPath id="{pid}"><rect x="{p.x0:.1f}" y="{p.y0:.1f}" width="{p.w:.1f}" '
-               f'height="{p.h:.1f}"/></clipPath>')
-    out.append(f'<g clip-path="url(#{pid})" fill="none" stroke-linejoin="round" '
-               'stroke-linecap="round">')
-    for color, dash, xs, ys, markers in curves:
-        pts = [(p.px(x), p.py(y)) for x, y in zip(xs, ys, strict=True) if math.isfinite(y)]
-        if not pts:
-            continue
-        path = " ".join(f"{x:.1f},{y:.1f}" for x, y in pts)
-        dash_attr = f' stroke-dasharray="{dash}"' if dash else ""
-        out.append(f'<polyline points="{path}" stroke="{color}" stroke-width="1.8"'
-                   f'{dash_attr}/>')
-        if markers:
-            out.extend(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="2.6" fill="{color}" '
-                       'stroke="#fff" stroke-width="0.6"/>' for x, y in pts)
-    out.append("</g>")
-    out.append(f'<rect x="{p.x0:.1f}" y="{p.y0:.1f}" width="{p.w:.1f}" height="{p.h:.1f}" '
-               'fill="none" stroke="#333" stroke-width="1"/>')
-    out.append(f'<text x="{p.x0 + p.w / 2:.1f}" y="{p.y0 + p.h + 38:.1f}" '
-               f'text-anchor="middle" font-size="12">{escape(xlabel)}</text>')
-    cy = p.y0 + p.h / 2
-    out.append(f'<text x="{p.x0 - 48:.1f}" y="{cy:.1f}" text-anchor="middle" font-size="12" '
-               f'transform="rotate(-90 {p.x0 - 48:.1f} {cy:.1f})">loss (nats / character)'
-               "</text>")
+def _panel(ax: Axes, title: str, xlabel: str, xlim: tuple[float, float],
+           ylim: tuple[float, float], curves: list[tuple[Run, list[float], list[float]]],
+           styles: dict[str, tuple[str, Any]], markers: bool) -> None:
+    from matplotlib.ticker import MaxNLocator
+
+    for run, xs, ys in curves:
+        color, dash = styles[run.label]
+        ax.plot(xs, ys, color=color, linestyle=dash, linewidth=1.8,
+                marker="o" if markers else None, markersize=4, markeredgecolor="white",
+                markeredgewidth=0.6, solid_joinstyle="round", dash_joinstyle="round")
+    ax.set_title(title, fontsize=12, fontweight="bold")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("loss (nats / character)")
+    ax.set_xlim(*xlim)
+    ax.set_ylim(*ylim)
+    for axis in (ax.xaxis, ax.yaxis):
+        axis.set_major_locator(MaxNLocator(nbins=6, steps=[1, 2, 2.5, 5, 10]))
+    ax.grid(True, color="#e5e5e5", linewidth=0.8)
+    ax.set_axisbelow(True)
 
 
-def render_svg(runs: Sequence[Run], title: str, subtitle: str = "", xaxis: str = "step",
-               smooth: float = 0.9, skip: float = 0.1, ymin: float | None = None,
-               ymax: float | None = None) -> str:
-    """The figure as SVG text: title, subtitle, the training panel (EMA ``smooth``), the
-    validation panel and a legend with each run's final validation loss.
+def figure(runs: Sequence[Run], title: str, subtitle: str = "", xaxis: str = "step",
+           smooth: float = 0.9, skip: float = 0.1, ymin: float | None = None,
+           ymax: float | None = None) -> Figure:
+    """The figure: title, subtitle, the training panel (EMA ``smooth``), the validation
+    panel and a legend with each run's final validation loss, on matplotlib's Agg canvas.
 
     ``skip``: fraction of the x range left out when choosing the y range. ``ymin``/``ymax``
-    fix the y range of both panels. Raises ``ValueError`` for no runs.
+    fix the y range of both panels. Raises ``ValueError`` for no runs, ``RuntimeError`` when
+    matplotlib is not installed.
     """
     if not runs:
         raise ValueError("nothing to plot")
-    colors = {r.label: PALETTE[i % len(PALETTE)] for i, r in enumerate(runs)}
-    dashes = {r.label: DASHES[i % len(DASHES)] for i, r in enumerate(runs)}
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+        from matplotlib.lines import Line2D
+    except ImportError as exc:
+        raise RuntimeError(f"plotting needs matplotlib ({exc}); install the bench extra: "
+                           "pip install -e .[bench]") from None
+    styles = {r.label: (PALETTE[i % len(PALETTE)], DASHES[i % len(DASHES)])
+              for i, r in enumerate(runs)}
     train = [(r.train_x, ema(r.train_y, smooth)) for r in runs]
     val = [(r.val_x, r.val_y) for r in runs]
     xs_all = [x for xs, _ in train + val for x in xs]
@@ -280,45 +226,73 @@ def render_svg(runs: Sequence[Run], title: str, subtitle: str = "", xaxis: str =
     xhi = max(xs_all) if xs_all else 1.0
     xhi = xhi if xhi > xlo else xlo + 1.0
     skip_x = xlo + skip * (xhi - xlo)
-    width, pw, ph = 1100.0, 440.0, 330.0
-    top = 100.0 if subtitle else 80.0
-    left = _Panel(90.0, top, pw, ph, xlo, xhi, *_y_range(train, skip_x, ymin, ymax))
-    right = _Panel(width - 50.0 - pw, top, pw, ph, xlo, xhi, *_y_range(val, skip_x, ymin, ymax))
-    columns = 1 if len(runs) == 1 else 2 if len(runs) <= 4 else 3
+    columns = 1 if len(runs) == 1 else 2
     rows = math.ceil(len(runs) / columns)
-    legend_top = top + ph + 62.0
-    height = legend_top + 26.0 * rows + 20.0
-
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{height:.0f}" '
-           f'viewBox="0 0 {width:.0f} {height:.0f}" font-family="{FONT}" fill="#222">',
-           f'<rect width="{width:.0f}" height="{height:.0f}" fill="#fafafa"/>',
-           f'<text x="{width / 2:.1f}" y="34" text-anchor="middle" font-size="19" '
-           f'font-weight="bold">{escape(title)}</text>']
+    # layout in inches from the top: title, subtitle, panels (4 in), axis labels, legend
+    head = 1.35 if subtitle else 1.0
+    legend_h = 0.3 * rows + 0.2
+    height = head + 4.0 + 0.65 + legend_h
+    fig = Figure(figsize=(11.0, height), facecolor="#fafafa")
+    FigureCanvasAgg(fig)
+    fig.subplots_adjust(left=0.075, right=0.985, top=1 - head / height,
+                        bottom=(legend_h + 0.65) / height, wspace=0.22)
+    left, right = fig.subplots(1, 2)
+    fig.suptitle(title, fontsize=16, fontweight="bold", y=1 - 0.2 / height, va="top")
     if subtitle:
-        out.append(f'<text x="{width / 2:.1f}" y="58" text-anchor="middle" font-size="13" '
-                   f'fill="#555">{escape(subtitle)}</text>')
+        fig.text(0.5, 1 - 0.6 / height, subtitle, ha="center", va="top", fontsize=11,
+                 color="#555555")
     xlabel = "training time (s)" if xaxis == "time" else "step"
     smooth_note = f", EMA {smooth:g}" if smooth > 0 else ""
-    _panel_svg(out, "clip-train", left, f"Training loss (mean over ranks{smooth_note})",
-               xlabel, [(colors[r.label], dashes[r.label], xs, ys, False)
-                        for r, (xs, ys) in zip(runs, train, strict=True)])
-    _panel_svg(out, "clip-val", right, "Validation loss (held-out files)", xlabel,
-               [(colors[r.label], dashes[r.label], r.val_x, r.val_y, True) for r in runs])
-    col_w = (width - 140.0) / columns
-    for i, r in enumerate(runs):
-        x = 90.0 + (i % columns) * col_w
-        y = legend_top + 26.0 * (i // columns)
-        c = colors[r.label]
-        d = f' stroke-dasharray="{dashes[r.label]}"' if dashes[r.label] else ""
-        out.append(f'<line x1="{x:.1f}" y1="{y:.1f}" x2="{x + 28:.1f}" y2="{y:.1f}" '
-                   f'stroke="{c}" stroke-width="2.5"{d}/>')
-        out.append(f'<circle cx="{x + 14:.1f}" cy="{y:.1f}" r="3" fill="{c}"/>')
+    _panel(left, f"Training loss (mean over ranks{smooth_note})", xlabel, (xlo, xhi),
+           _y_range(train, skip_x, ymin, ymax),
+           [(r, xs, ys) for r, (xs, ys) in zip(runs, train, strict=True)], styles, False)
+    _panel(right, "Validation loss (held-out files)", xlabel, (xlo, xhi),
+           _y_range(val, skip_x, ymin, ymax), [(r, r.val_x, r.val_y) for r in runs], styles,
+           True)
+    handles = [Line2D([], [], color=styles[r.label][0], linestyle=styles[r.label][1],
+                      linewidth=2.5, marker="o", markersize=5) for r in runs]
+    labels = []
+    for r in runs:
         extra = f" (mean of {r.count})" if r.count > 1 else ""
         final = f"final val {r.final_val:.4f}" if math.isfinite(r.final_val) else "no eval"
-        out.append(f'<text x="{x + 36:.1f}" y="{y + 4.5:.1f}" font-size="13">'
-                   f'{escape(r.label + extra)} <tspan fill="#666">— {final}</tspan></text>')
-    out.append("</svg>")
-    return "\n".join(out) + "\n"
+        labels.append(f"{r.label}{extra} — {final}")
+    # row-major order: matplotlib fills a legend column by column
+    order = [i for c in range(columns) for i in range(c, len(runs), columns)]
+    fig.legend([handles[i] for i in order], [labels[i] for i in order], ncols=columns,
+               loc="lower center", bbox_to_anchor=(0.5, 0.1 / height),
+               frameon=False, fontsize=11, handlelength=3.0)
+    return fig
+
+
+def image_format(path: Path, fmt: str | None = None) -> str:
+    """The format to write ``path`` in: ``fmt`` when given, else its extension when that is
+    one of :data:`FORMATS`, else the default (PNG). ValueError for an unknown ``fmt``."""
+    if fmt is not None:
+        if fmt not in FORMATS:
+            raise ValueError(f"unknown image format {fmt!r}; expected one of "
+                             f"{', '.join(FORMATS)}")
+        return fmt
+    suffix = path.suffix.lower().lstrip(".")
+    return suffix if suffix in FORMATS else FORMATS[0]
+
+
+def save_figure(runs: Sequence[Run], path: Path, title: str, subtitle: str = "",
+                xaxis: str = "step", smooth: float = 0.9, skip: float = 0.1,
+                ymin: float | None = None, ymax: float | None = None,
+                fmt: str | None = None) -> str:
+    """Draw :func:`figure` and write it to ``path`` (parents created) in
+    :func:`image_format` ``(path, fmt)``; return the format written. SVG text stays text
+    (searchable) and both formats carry no date, so the same runs give the same file."""
+    from matplotlib import rc_context
+
+    kind = image_format(path, fmt)
+    fig = figure(runs, title, subtitle, xaxis, smooth, skip, ymin, ymax)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    metadata: dict[str, str | None] = {"Date": None} if kind == "svg" else {}
+    with rc_context({"svg.fonttype": "none", "svg.hashsalt": "plot_curves"}):
+        fig.savefig(path, format=kind, dpi=DPI, facecolor=fig.get_facecolor(),
+                    metadata=metadata)
+    return kind
 
 
 def subtitle_of(records: Sequence[dict[str, Any]]) -> str:
@@ -350,8 +324,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="plot_curves.py", description=__doc__.split("\n\n")[0] if __doc__ else None,
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("logs", nargs="+", type=Path, help="train.py JSON logs")
-    parser.add_argument("-o", "--output", type=Path, default=Path("loss_curves.svg"),
-                        help="SVG file to write")
+    parser.add_argument("-o", "--output", type=Path, default=None,
+                        help="image file to write (default: loss_curves.<format>)")
+    parser.add_argument("--format", choices=FORMATS, default=None,
+                        help="image format (default: from the extension of --output, else "
+                             "png)")
     parser.add_argument("--title", default="Lion Cub vs. baselines: loss curves")
     parser.add_argument("--subtitle", default=None,
                         help="line under the title (default: derived from the logs)")
@@ -372,6 +349,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--skip must be in [0, 1)")
     if args.label is not None and len(args.label) != len(args.logs):
         parser.error(f"{len(args.label)} --label for {len(args.logs)} logs")
+    output: Path = args.output or Path(f"loss_curves.{args.format or FORMATS[0]}")
+    suffix = output.suffix.lower().lstrip(".")
+    if args.format is not None and suffix in FORMATS and suffix != args.format:
+        parser.error(f"--format {args.format} but --output {output} ends in .{suffix}")
     try:
         records = [load_log(p) for p in args.logs]
     except (OSError, ValueError) as exc:
@@ -379,11 +360,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     runs = group_runs(records, args.label, args.xaxis)
     subtitle = subtitle_of(records) if args.subtitle is None else args.subtitle
-    svg = render_svg(runs, args.title, subtitle, args.xaxis, args.smooth, args.skip,
-                     args.ymin, args.ymax)
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(svg)
-    print(f"wrote {args.output} ({len(runs)} curve{'s' if len(runs) != 1 else ''})")
+    try:
+        kind = save_figure(runs, output, args.title, subtitle, args.xaxis, args.smooth,
+                           args.skip, args.ymin, args.ymax, args.format)
+    except (OSError, RuntimeError) as exc:
+        print(f"plot_curves.py: {exc}", file=sys.stderr)
+        return 1
+    print(f"wrote {output} ({kind.upper()}, {len(runs)} curve{'s' if len(runs) != 1 else ''})")
     return 0
 
 

@@ -1,6 +1,7 @@
-"""Smoke tests of the OSU-style benchmark tools (bench/): the harness's parsing, iteration
-schedule and table format, and one run of every tool at tiny sizes on one rank and on two TCP
-ranks under the launcher, with ``--check`` (results validated) and the output parsed back."""
+"""Smoke tests of the benchmark tools (bench/): the OSU harness's parsing, iteration schedule,
+table format and shared helpers, one run of every tool at tiny sizes on one rank and on two TCP
+ranks under the launcher, with ``--check`` (results validated) and the output parsed back, and
+the loss-curve figures of plot_curves.py (PNG and SVG)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
 import osu  # noqa: E402 (bench/ is not a package: its modules are found through sys.path)
+import plot_curves  # noqa: E402
 
 PY = sys.executable
 SMALL = ["-i", "3", "-x", "1", "--min-iterations", "1", "--timeout", "30"]
@@ -434,3 +436,155 @@ def test_run_all_summary_from_tables() -> None:
     assert sign.rows == [{"Elements": 64, "float32(us)": 900.0, "majority(us)": 100.0,
                           "allgather(us)": 150.0, "floor(us)": 60.0, "vs-float32": 9.0,
                           "vs-allgather": 1.5, "floor-vs-float32": 15.0}]
+
+
+# ------------------------------------------------------------------------- shared helpers
+
+
+def test_fmt_bytes() -> None:
+    assert osu.fmt_bytes(0) == "0 B"
+    assert osu.fmt_bytes(999) == "999 B"
+    assert osu.fmt_bytes(1500) == "1.5 kB"
+    assert osu.fmt_bytes(2_628_288) == "2.6 MB"
+    assert osu.fmt_bytes(3e12) == "3000.0 GB"
+
+
+def test_free_port_can_be_bound() -> None:
+    import socket
+
+    port = osu.free_port()
+    assert 0 < port < 65536
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
+
+
+def test_dense_helpers() -> None:
+    import numpy as np
+
+    assert osu.ramp(15, 2.0).tolist() == [float(i % 13 + 2) for i in range(15)]
+    assert osu.ramp(3, 0.0).dtype == np.float32
+    assert [c.name for c in osu.dense_columns(False)] == [
+        "Size", "Avg Latency(us)", "AlgBW(GB/s)", "BusBW(GB/s)", "CPU(us)"]
+    assert [c.name for c in osu.dense_columns(True)][:5] == OSU_FULL
+
+
+def test_tool_main_parses_validates_and_runs() -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="t")
+    osu.add_dense_args(ap, ("auto", "ring"), "algorithm")
+    osu.add_common_args(ap, "1K")
+    seen: list[Any] = []
+
+    def open_rt(args: argparse.Namespace) -> FakeRuntime:
+        seen.append(("open", args.impl))
+        return FakeRuntime([[0.0]])
+
+    def body(args: argparse.Namespace, rt: FakeRuntime) -> None:
+        seen.append(("run", args.sizes, rt.size))
+
+    assert osu.tool_main(ap, ["-m", "1K,2K"], open_rt, body,
+                         validate=osu.check_dense_args) == 0
+    assert seen == [("open", "bitcoll"), ("run", [1024, 2048], 1)]
+    for bad in (["-i", "0"], ["--impl", "gloo", "--algorithm", "ring"], ["-m", "6"]):
+        with pytest.raises(SystemExit) as exc:
+            osu.tool_main(ap, bad, open_rt, body, validate=osu.check_dense_args)
+        assert exc.value.code == 2
+    assert len(seen) == 2  # nothing opened or run for bad options
+
+
+# ------------------------------------------------------------------------ loss-curve plots
+
+
+def fake_log(optimizer: str, seed: int, final: float) -> dict[str, Any]:
+    """A small train.py JSON log: 40 steps, an evaluation every 10, losses from 4.6 down to
+    about ``final``."""
+    def loss(step: int) -> float:
+        return final + (4.6 - final) * 0.9 ** step
+
+    return {"format": plot_curves.LOG_FORMAT,
+            "config": {"optimizer": optimizer, "seed": seed, "steps": 40, "batch_size": 8,
+                       "lr": 1e-3, "levels": None, "momentum_sync": None},
+            "run": {"world_size": 2, "backend": "tcp", "n_params": 1234},
+            "steps": [{"step": k, "loss": loss(k), "time": 0.01} for k in range(1, 41)],
+            "evals": [{"step": k, "val_loss": loss(k) + 0.05, "elapsed": 0.01 * k}
+                      for k in range(0, 41, 10)]}
+
+
+def write_logs(tmp_path: Path) -> list[str]:
+    paths = []
+    for name, seed, final in (("global", 0, 2.0), ("global", 1, 2.1), ("lioncub-l1", 0, 2.05)):
+        path = tmp_path / f"{name}-{seed}.json"
+        path.write_text(json.dumps(fake_log(name, seed, final)))
+        paths.append(str(path))
+    return paths
+
+
+def test_runs_are_grouped_and_averaged() -> None:
+    records = [fake_log("global", 0, 2.0), fake_log("global", 1, 2.2),
+               fake_log("lioncub-l1", 0, 2.0)]
+    runs = plot_curves.group_runs(records)
+    assert [(r.label, r.count) for r in runs] == [("global", 2), ("lioncub-l1", 1)]
+    assert runs[0].val_x == [0.0, 10.0, 20.0, 30.0, 40.0]
+    assert runs[0].final_val == pytest.approx((fake_log("global", 0, 2.0)["evals"][-1]
+                                               ["val_loss"] + fake_log("global", 1, 2.2)
+                                               ["evals"][-1]["val_loss"]) / 2)
+    assert plot_curves.subtitle_of(records) == (
+        "2 ranks (tcp), 0.00M-parameter character transformer, 40 steps, batch 8 per rank, "
+        "lr 0.001, seeds 0, 1")
+    assert plot_curves.ema([1.0, 3.0], 0.0) == [1.0, 3.0]
+
+
+def test_plot_png_by_default(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from matplotlib import image
+
+    monkeypatch.chdir(tmp_path)
+    assert plot_curves.main(write_logs(tmp_path)) == 0
+    out = tmp_path / "loss_curves.png"  # the default output
+    data = out.read_bytes()
+    assert data.startswith(b"\x89PNG\r\n\x1a\n")
+    pixels = image.imread(out)
+    assert pixels.shape[1] == 11 * plot_curves.DPI and pixels.shape[0] > 500
+    assert pixels.std() > 0.01  # not a blank image
+    # the format follows the extension of -o; --format png on another name writes PNG
+    other = tmp_path / "sub" / "curves.img"
+    assert plot_curves.main([*write_logs(tmp_path), "-o", str(other), "--format", "png",
+                             "--x", "time"]) == 0
+    assert other.read_bytes().startswith(b"\x89PNG")
+
+
+def test_plot_svg_on_request(tmp_path: Path) -> None:
+    import xml.etree.ElementTree as ET
+
+    logs = write_logs(tmp_path)
+    svg = tmp_path / "curves.svg"
+    assert plot_curves.main([*logs, "-o", str(svg), "--title", "T & t"]) == 0
+    root = ET.fromstring(svg.read_text())  # well-formed XML, title escaped
+    ns = "{http://www.w3.org/2000/svg}"
+    assert root.tag == f"{ns}svg"
+    texts = " ".join("".join(t.itertext()) for t in root.iter(f"{ns}text"))
+    assert "T & t" in texts and "Validation loss" in texts and "step" in texts
+    assert "global (mean of 2)" in texts and "lioncub-l1" in texts
+    assert "2 ranks (tcp)" in texts  # the subtitle derived from the logs
+    again = tmp_path / "again.svg"
+    assert plot_curves.main([*logs, "-o", str(again), "--title", "T & t"]) == 0
+    assert again.read_bytes() == svg.read_bytes()  # no date, fixed ids: reproducible
+    named = tmp_path / "named"
+    assert plot_curves.main([*logs, "-o", str(named), "--format", "svg"]) == 0
+    assert ET.fromstring(named.read_text()).tag == f"{ns}svg"
+
+
+def test_plot_bad_arguments(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    logs = write_logs(tmp_path)
+    for bad in (["-o", "x.png", "--format", "svg"], ["--format", "pdf"], ["--smooth", "1"],
+                ["--label", "only-one"]):
+        with pytest.raises(SystemExit) as exc:
+            plot_curves.main([*logs, *bad])
+        assert exc.value.code == 2
+    (tmp_path / "bad.json").write_text("{}")
+    assert plot_curves.main([str(tmp_path / "bad.json"), "-o", str(tmp_path / "x.png")]) == 1
+    assert "not a train.py log" in capsys.readouterr().err
+    assert plot_curves.image_format(Path("a.SVG")) == "svg"
+    assert plot_curves.image_format(Path("a.pdf")) == "png"
+    with pytest.raises(ValueError):
+        plot_curves.figure([], "t")

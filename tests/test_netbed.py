@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
 import netbed  # noqa: E402 (bench/ is not a package)
+import netbed_helpers  # noqa: E402
 import osu  # noqa: E402
 
 PY = sys.executable
@@ -146,6 +147,39 @@ def test_hosts_get_their_share_of_the_cores() -> None:
     assert [netbed.host_cpus(k, 4, [0, 1]) for k in range(4)] == [[0], [1], [0], [1]]
     assert [netbed.host_cpus(k, 2, [0, 1, 2, 3, 4]) for k in range(2)] == [[0, 1], [2, 3, 4]]
     assert [netbed.host_cpus(k, 3, [4, 5, 6]) for k in range(3)] == [[4], [5], [6]]
+
+
+def test_helpers_pin_then_exec() -> None:
+    core = sorted(os.sched_getaffinity(0))[-1]
+    # the command goes on exactly as given, "--" included
+    done = subprocess.run(netbed.helper("pin", str(core), PY, "-c",
+                                        "import os, sys; print(sorted(os.sched_getaffinity(0)),"
+                                        " sys.argv[1:])", "--", "-x"),
+                          capture_output=True, text=True, timeout=30, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == f"[{core}] ['--', '-x']"
+    bad = subprocess.run(netbed.helper("pin", "x", "true"), capture_output=True, text=True,
+                         timeout=30, check=False)
+    assert bad.returncode == 2 and "comma list of cores" in bad.stderr
+    assert netbed_helpers.parse_cpus("0,3") == [0, 3]
+    for text in ("", "a", "1,-1"):
+        with pytest.raises(ValueError):
+            netbed_helpers.parse_cpus(text)
+
+
+def test_helpers_probe_on_loopback() -> None:
+    port = osu.free_port()
+    server = subprocess.Popen(netbed.helper("probe-server", str(port)), stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        subprocess.run(netbed.helper("probe-client", "127.0.0.1", str(port), str(8 << 20)),
+                       check=True, timeout=30)
+        out, _ = server.communicate(timeout=30)
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+    assert server.returncode == 0 and float(out) > 0
 
 
 @pytest.mark.parametrize("args, message", [
