@@ -95,7 +95,6 @@ close timeout passes.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import hmac
 import logging
 import os
@@ -140,7 +139,7 @@ SOCKET_BUFFER_BYTES: Final = 1 << 20
 #: Piece size of :meth:`TCPTransport.irecv_consume`: small enough to stay in a core's L2
 #: cache between the kernel's copy and the consumer's read.
 CONSUME_CHUNK_BYTES: Final = 256 << 10
-#: Bytes of a frame's integrity tag (``integrity=True``): keyed BLAKE2b-128.
+#: Bytes of a frame's integrity tag (``integrity=True``): keyed BLAKE3, 128 bits.
 FRAME_TAG_BYTES: Final = 16
 #: Longest abort reason carried by an ABORT frame or read from one.
 MAX_REASON_BYTES: Final = 16 << 10
@@ -222,20 +221,31 @@ def _send_frame(sock: socket.socket, head: bytes, view: memoryview, tail: bytes,
         sock.sendall(tail[sent - end:], _NOSIGNAL)
 
 
+def blake3_module() -> Any:
+    """The ``blake3`` module (the keyed hash of ``integrity=True``); UsageError when it is
+    not installed."""
+    try:
+        import blake3
+    except ImportError:
+        raise UsageError("integrity=True needs the blake3 package: pip install "
+                         "'bitcoll[integrity]' (or pip install blake3)") from None
+    return blake3
+
+
 def _tag_hasher(key: bytes, counter: int, head: bytes) -> Any:
-    """A keyed BLAKE2b over ``counter`` and ``head``, to be fed the payload."""
-    h = hashlib.blake2b(key=key, digest_size=FRAME_TAG_BYTES)
+    """A keyed BLAKE3 over ``counter`` and ``head``, to be fed the payload."""
+    h = blake3_module().blake3(key=key)
     h.update(counter.to_bytes(8, "little"))
     h.update(head)
     return h
 
 
 def _frame_tag(key: bytes, counter: int, head: bytes, payload: memoryview) -> bytes:
-    """The integrity tag of one frame: keyed BLAKE2b of its number in this direction, its
-    header and its payload (:data:`FRAME_TAG_BYTES` bytes)."""
+    """The integrity tag of one frame: keyed BLAKE3 of its number in this direction, its
+    header and its payload, truncated to :data:`FRAME_TAG_BYTES` bytes."""
     h = _tag_hasher(key, counter, head)
     h.update(payload)
-    return bytes(h.digest())
+    return bytes(h.digest(FRAME_TAG_BYTES))
 
 
 def _tune(sock: socket.socket) -> None:
@@ -402,9 +412,10 @@ class TCPTransport(Transport):
         ``master_addr``/``master_port`` only help to find the local address. ``timeout``
         (seconds) bounds the whole set-up. ``listen_addr``: the address to accept peer
         connections on (default: the local address used to reach the store's host).
-        ``integrity``: every data frame carries a keyed BLAKE2b tag of its number, header and
+        ``integrity``: every data frame carries a keyed BLAKE3 tag of its number, header and
         payload (:data:`FRAME_TAG_BYTES` bytes), checked on arrival: a frame altered or
-        injected on the way is a ProtocolError (every rank must pass the same value).
+        injected on the way is a ProtocolError (every rank must pass the same value; needs
+        the ``blake3`` package).
         ``close_timeout``: see :meth:`close`.
 
         Raises UsageError for bad arguments, a world size that differs from rank 0's, a rank
@@ -421,6 +432,8 @@ class TCPTransport(Transport):
             raise UsageError(f"timeout must be > 0 seconds, got {timeout}")
         if store is not None:
             check_store(store)
+        if integrity:
+            blake3_module()
         if size == 1:
             return cls(0, 1, {}, None, 0, close_timeout)
         if store is None and not 0 < master_port < 65536:
@@ -856,7 +869,7 @@ class TCPTransport(Transport):
         assert p.key_in is not None
         if req.consume is not None:
             assert p.consume_mac is not None
-            want = p.consume_mac.digest()
+            want = p.consume_mac.digest(FRAME_TAG_BYTES)
             p.consume_mac = None
         else:
             want = _frame_tag(p.key_in, p.count_in, bytes(head), req.view)
