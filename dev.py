@@ -6,8 +6,9 @@
     python3 dev.py setup                       # only create or update .venv, run nothing
 
 Each command creates (or reuses) the virtual environment ``.venv`` next to this file and
-installs the project with everything it needs (``pip install -e .[mpi,torch,test,bench]``
-under ``constraints.txt``; ``bench`` is matplotlib, for the loss-curve plots of ``bench/``),
+installs the project with everything it needs (``pip install -e
+.[mpi,torch,test,bench,integrity]`` under ``constraints.txt``; ``bench`` is matplotlib, for the
+loss-curve plots of ``bench/``; ``integrity`` is blake3, for ``bitcoll.init(integrity=True)``),
 again whenever ``pyproject.toml`` or ``constraints.txt`` changed. Only Python 3.10+ with venv
 and pip is assumed.
 """
@@ -48,7 +49,7 @@ def ensure_venv() -> None:
     if STAMP.exists() and STAMP.read_text().strip() == want:
         return
     rc = _run([str(PY), "-m", "pip", "install", "--disable-pip-version-check", "-q",
-               "-c", "constraints.txt", "-e", ".[mpi,torch,test,bench]"])
+               "-c", "constraints.txt", "-e", ".[mpi,torch,test,bench,integrity]"])
     if rc != 0:
         sys.exit("installation failed")
     STAMP.write_text(want + "\n")
