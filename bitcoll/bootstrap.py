@@ -274,5 +274,11 @@ def init(backend: str = "auto", timeout: float = DEFAULT_TIMEOUT,
         transport = _tcp_transport(timeout, store, check)
     else:
         transport = LocalTransport()
-    return Communicator(transport, timeout=timeout, segment_bytes=segment_bytes,
+    comm = Communicator(transport, timeout=timeout, segment_bytes=segment_bytes,
                         packed_segment_bytes=packed_segment_bytes)
+    try:
+        comm.topology  # noqa: B018  (exchanges the host keys once, see bitcoll.topology)
+    except BaseException:
+        comm.close()
+        raise
+    return comm

@@ -49,6 +49,9 @@ RANK                global rank, ``node_rank * nproc_per_node + local_rank``
 WORLD_SIZE          ``nnodes * nproc_per_node``
 LOCAL_RANK          index of the rank on this node, ``[0, nproc_per_node)``
 LOCAL_WORLD_SIZE    ``nproc_per_node``
+GROUP_RANK          ``--node-rank`` (torchrun's name): bitcoll's ``comm.host_index`` and
+                    ``comm.local_rank`` come from it
+GROUP_WORLD_SIZE    ``--nnodes``
 MASTER_ADDR         ``--master-addr``
 MASTER_PORT         ``--master-port``, or a free port chosen by the launcher (single node);
                     torch.distributed's ``init_process_group`` binds it on rank 0
@@ -328,6 +331,8 @@ def child_env(cfg: LaunchConfig, local_rank: int, job: JobEnv,
         "WORLD_SIZE": str(cfg.world_size),
         "LOCAL_RANK": str(local_rank),
         "LOCAL_WORLD_SIZE": str(cfg.nproc_per_node),
+        "GROUP_RANK": str(cfg.node_rank),
+        "GROUP_WORLD_SIZE": str(cfg.nnodes),
         "MASTER_ADDR": cfg.master_addr,
         "MASTER_PORT": str(job.master_port),
         BITCOLL_PORT_ENV: str(job.bitcoll_master_port),

@@ -30,8 +30,10 @@ def tcp_env(rank: int, size: int, port: int) -> dict[str, str]:
 
 
 def _child(rank: int, size: int, port: int, comm_timeout: float, target: Callable[..., Any],
-           args: tuple[Any, ...], results: Any, comm_kwargs: dict[str, Any]) -> None:
+           args: tuple[Any, ...], results: Any, comm_kwargs: dict[str, Any],
+           extra_env: dict[str, str]) -> None:
     os.environ.update(tcp_env(rank, size, port))
+    os.environ.update(extra_env)
     os.environ["NUMBA_NUM_THREADS"] = "1"
     try:
         import bitcoll
@@ -48,14 +50,17 @@ def _child(rank: int, size: int, port: int, comm_timeout: float, target: Callabl
 
 def run_world(size: int, target: Callable[..., Any], *args: Any, timeout: float = 120.0,
               comm_timeout: float = 120.0, port: int | None = None,
+              rank_env: dict[int, dict[str, str]] | None = None,
               **comm_kwargs: Any) -> list[Any]:
     """Run ``target(comm, *args)`` on ``size`` TCP ranks; return the results in rank order.
-    ``port``: bitcoll's store port (default: a free one)."""
+    ``port``: bitcoll's store port (default: a free one); ``rank_env``: extra environment
+    variables of some ranks."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port() if port is None else port
     procs = [ctx.Process(target=_child, args=(r, size, port, comm_timeout, target, args,
-                                              results, comm_kwargs), daemon=True)
+                                              results, comm_kwargs,
+                                              (rank_env or {}).get(r, {})), daemon=True)
              for r in range(size)]
     for p in procs:
         p.start()

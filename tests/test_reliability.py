@@ -152,3 +152,39 @@ def test_soak_leaks_nothing() -> None:
         assert growth["fds"] <= 0, growth
         assert growth["threads"] <= 0, growth
         assert growth["rss_mib"] < 64, growth
+
+
+def _leave_with_exception(rank: int, port: int, q: Any) -> None:
+    os.environ.update(tcp_env(rank, 2, port))
+    comm = bitcoll.init("tcp", timeout=60)
+    if rank == 1:
+        t0 = time.monotonic()
+        try:
+            with comm:
+                # Rank 0 never joins this all-reduce: closing must not wait for it.
+                comm.allreduce(np.ones(1 << 16, np.float32), async_op=True, timeout=60)
+                raise ValueError("the training step failed")
+        except ValueError:
+            q.put((1, time.monotonic() - t0, ""))
+        return
+    deadline = time.monotonic() + 50
+    while comm.transport.failure is None and time.monotonic() < deadline:
+        time.sleep(0.01)  # waits for a condition (the peer's abort), not for an interleaving
+    q.put((0, 0.0, str(comm.transport.failure)))
+    comm.close()
+
+
+@pytest.mark.timeout(120)
+def test_an_exception_leaving_with_aborts_at_once() -> None:
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_leave_with_exception, args=(r, port, q), daemon=True)
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    got = {r: (t, msg) for r, t, msg in (q.get(timeout=100) for _ in range(2))}
+    for p in procs:
+        p.join(10)
+    assert got[1][0] < 30, got  # not the 60 s deadline of the pending all-reduce
+    assert "rank 1 aborted" in got[0][1] and "the training step failed" in got[0][1], got

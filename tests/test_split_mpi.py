@@ -64,3 +64,11 @@ def test_split_siblings_from_threads(comm: Communicator) -> None:
     a.close()
     b.close()
     assert not errors, errors
+
+
+@pytest.mark.mpi(min_size=2)
+def test_topology_one_host(comm: Communicator) -> None:
+    assert (comm.host_index, comm.num_hosts, comm.local_size) == (0, 1, comm.size)
+    assert comm.local_rank == comm.rank
+    host = comm.host_comm()
+    assert host.size == comm.size and comm.cross_host_comm().size == 1
