@@ -12,7 +12,7 @@ Quick start (run under ``python -m launch -n 4 script.py`` or ``mpiexec -n 4 pyt
 See the README for the full manual; errors are documented in :mod:`bitcoll.errors`.
 """
 
-from . import errors
+from . import arrays, errors, layout
 from .bootstrap import detect_backend, init
 from .communicator import DEFAULT_PACKED_SEGMENT_BYTES, DEFAULT_SEGMENT_BYTES, Communicator
 from .errors import (
@@ -42,6 +42,8 @@ __all__ = [
     "partition",
     "block",
     "errors",
+    "layout",
+    "arrays",
     "BitcollError",
     "UsageError",
     "CommError",

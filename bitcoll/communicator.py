@@ -5,10 +5,15 @@ arguments (same op, dtype, length, algorithm, root). Mismatches are detected fro
 headers and raise :class:`~bitcoll.errors.ProtocolError` on the rank that sees them and
 :class:`~bitcoll.errors.PeerLostError` on the others (the communicator is then aborted).
 
-Arrays: numpy arrays in and out. An input of any shape is read as its flattened (C order)
-view; a non-contiguous input is copied first. An ``out`` array must have the documented
-dtype and number of elements, be C-contiguous and writeable, else
-:class:`~bitcoll.errors.UsageError`. Inputs must not be modified, and outputs not read, until
+Arrays: numpy arrays, CPU arrays that export DLPack (torch CPU tensors, JAX CPU arrays) and
+objects that export the buffer protocol, in and out, without copies (see
+:mod:`bitcoll.arrays`). An input of any shape is read as its flattened (C order) view; a
+non-contiguous input is copied first. An ``out`` array must have the documented dtype and
+number of elements, be C-contiguous and writeable, else :class:`~bitcoll.errors.UsageError`;
+it is written in place and returned as it was passed. Without ``out`` a collective returns a
+new numpy array (a torch.bfloat16 tensor for bfloat16 input). bfloat16 (torch tensors) is
+supported by the dense collectives: reductions run in float32 and are rounded once to
+bfloat16 (to nearest, ties to even). Inputs must not be modified, and outputs not read, until
 the collective has completed (for ``async_op=True``: until ``Work.wait`` returned).
 
 Every collective takes ``timeout`` (seconds, default: the communicator's) and
@@ -25,23 +30,29 @@ import threading
 import time
 import weakref
 import zlib
-from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from collections.abc import Callable, Collection, Iterator
+from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 import numpy.typing as npt
 
 from .algorithms.allgather_ring import allgather_ring
 from .algorithms.allreduce_recursive_doubling import allreduce_recursive_doubling
-from .algorithms.allreduce_ring import allreduce_ring, reduce_scatter_ring
+from .algorithms.allreduce_ring import (
+    allreduce_ring,
+    allreduce_ring_narrowed,
+    reduce_scatter_ring,
+)
 from .algorithms.alltoall_direct import alltoall_direct
 from .algorithms.barrier_dissemination import barrier_dissemination
 from .algorithms.broadcast_tree import broadcast_tree
 from .algorithms.context import OpContext
+from .arrays import BFLOAT16, HostArray, bf16_tensor, to_numpy, type_name
 from .config import DEFAULT_TIMEOUT
 from .errors import BitcollError, CommError, PeerLostError, ProtocolError, UsageError
 from .ops import ReduceOp, check_dtype, parse_op
 from .partition import block, block_bounds
+from .topology import Topology, digest, host_key
 from .transport.base import TrafficStats, Transport
 from .work import Work
 
@@ -85,12 +96,37 @@ INT_DTYPES = frozenset(np.dtype(t) for t in (np.int8, np.int16, np.int32, np.int
 MAX_SUM_RANGE = (1 << 15) - 1
 
 
+class Vector(NamedTuple):
+    """A collective's input as the algorithms see it (see :func:`intake`)."""
+
+    flat: Array
+    """1-D and C-contiguous: a view of the input, or a copy of a non-contiguous one; for
+    bfloat16 the raw bits (uint16)."""
+    shape: tuple[int, ...]
+    """The input's shape."""
+    bf16: bool
+    """Whether the elements are bfloat16."""
+
+    @property
+    def label(self) -> str:
+        """The element type in frame signatures: the dtype string, or "bfloat16"."""
+        return BFLOAT16 if self.bf16 else self.flat.dtype.str
+
+
+def intake(x: object, name: str = "x") -> Vector:
+    """Read the input array ``x`` (numpy, DLPack or buffer protocol: :mod:`bitcoll.arrays`)
+    as a 1-D C-contiguous numpy vector, a view (a copy only when ``x`` is not C-contiguous);
+    UsageError unless its dtype is supported (bfloat16 is)."""
+    arr, bf16 = to_numpy(x, name)
+    if not bf16:
+        check_dtype(arr.dtype)
+    return Vector(np.ascontiguousarray(arr).reshape(-1), arr.shape, bf16)
+
+
 def as_vector(x: object, name: str = "x") -> Array:
-    """Return the 1-D C-contiguous view (or copy) of the numpy array ``x``; check its dtype."""
-    if not isinstance(x, np.ndarray):
-        raise UsageError(f"{name} must be a numpy.ndarray, got {type(x).__name__}")
-    check_dtype(x.dtype)
-    return np.ascontiguousarray(x).reshape(-1)
+    """The 1-D C-contiguous view (or copy) of the array ``x``, dtype checked: ``intake``'s
+    ``flat``."""
+    return intake(x, name).flat
 
 
 def in_place(flat: Array, vec: Array) -> bool:
@@ -106,22 +142,53 @@ def in_place(flat: Array, vec: Array) -> bool:
 
 
 def output(out: object, size: int, dtype: np.dtype[Any], shape: tuple[int, ...] | None = None,
-           name: str = "out") -> tuple[Array, Array]:
-    """Validate or allocate an output; return (array as the user sees it, its 1-D view)."""
+           name: str = "out", *, bf16: bool = False,
+           accept: Collection[np.dtype[Any]] = ()) -> tuple[Any, Array]:
+    """The one validator of the collectives' outputs: allocate an output, or check ``out``.
+
+    Returns (what the collective returns, its 1-D numpy view). Without ``out``: a new numpy
+    array of ``shape`` (default ``(size,)``) and ``dtype``, or for bfloat16 (``bf16``, with
+    ``dtype`` uint16) a torch.bfloat16 tensor over new memory. With ``out`` (numpy, DLPack or
+    buffer protocol, see :mod:`bitcoll.arrays`): ``out`` itself, once checked to have
+    ``dtype`` (or one of ``accept``; bfloat16 exactly when ``bf16``) and ``size`` elements and
+    to be C-contiguous and writeable; else UsageError.
+    """
     if out is None:
         arr = np.empty(shape if shape is not None else (size,), dtype=dtype)
-        return arr, arr.reshape(-1)
-    if not isinstance(out, np.ndarray):
-        raise UsageError(f"{name} must be a numpy.ndarray, got {type(out).__name__}")
-    if out.dtype != dtype:
-        raise UsageError(f"{name} has dtype {out.dtype}, expected {dtype}")
-    if out.size != size:
-        raise UsageError(f"{name} has {out.size} elements, expected {size}")
-    if not out.flags.c_contiguous:
+        return (bf16_tensor(arr) if bf16 else arr), arr.reshape(-1)
+    view, out_bf16 = to_numpy(out, name)
+    if out_bf16 != bf16 or (not bf16 and view.dtype != dtype and view.dtype not in accept):
+        want = BFLOAT16 if bf16 else str(dtype)
+        if accept:
+            want = "one of " + ", ".join(sorted({str(d) for d in accept} | {want}))
+        raise UsageError(f"{name} has dtype {type_name(view, out_bf16)}, expected {want}")
+    if view.size != size:
+        raise UsageError(f"{name} has {view.size} elements, expected {size}")
+    if not view.flags.c_contiguous:
         raise UsageError(f"{name} must be C-contiguous so that it can be written in place")
-    if not out.flags.writeable:
+    if not view.flags.writeable:
         raise UsageError(f"{name} is read-only")
-    return out, out.reshape(-1)
+    return out, view.reshape(-1)
+
+
+def _widened(ctx: OpContext, bits: Array) -> Array:
+    """bfloat16 bits widened to float32 (exact) in the communicator's work buffer 7."""
+    from . import kernels
+
+    return kernels.bf16_to_float32(bits, out=ctx.scratch(7, bits.size, np.dtype(np.float32)))
+
+
+def _narrow(src: Array, dst: Array) -> None:
+    """float32 ``src`` rounded once to bfloat16 bits in ``dst`` (to nearest, ties to even)."""
+    from . import kernels
+
+    kernels.float32_to_bf16(src, out=dst)
+
+
+def _count(count: object) -> int:
+    if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or count < 0:
+        raise UsageError(f"count must be an integer >= 0, got {count!r}")
+    return int(count)
 
 
 def signature(*fields: object) -> int:
@@ -158,7 +225,9 @@ class Communicator:
         self._call_lock = threading.Lock()  # held by the thread inside a collective call
         self._call_owner = ""
         self._splits = 0  # split() calls so far: names the sub-groups' namespaces
-        self._agreed_failure: CommError | None = None  # see _AgreedError
+        self._agreed_failure: CommError | None = None  # see _AGREED
+        self._topology: Topology | None = None
+        self._host_comms: dict[str, Communicator] = {}  # host_comm() / cross_host_comm()
 
     # ------------------------------------------------------------------ properties
     @property
@@ -181,6 +250,57 @@ class Communicator:
         """Bytes and messages sent and received by this rank since init (or ``reset()``)."""
         return self._transport.stats
 
+    # ------------------------------------------------------------------ topology
+    @property
+    def topology(self) -> Topology:
+        """Which ranks share a host (:mod:`bitcoll.topology`). ``bitcoll.init`` exchanges the
+        host keys once (one small all-gather) and ``split`` passes them on; on a communicator
+        built by hand the first access is that all-gather, so every rank must make it."""
+        if self._topology is None:
+            keys = self.allgather(np.array([digest(host_key())], dtype=np.int64))
+            self._topology = Topology.from_digests([int(k) for k in keys], self.rank)
+        return self._topology
+
+    @property
+    def local_rank(self) -> int:
+        """This rank's index among the ranks of its host (rank order)."""
+        return self.topology.local_rank
+
+    @property
+    def local_size(self) -> int:
+        """How many ranks run on this rank's host (hosts may differ)."""
+        return self.topology.local_size
+
+    @property
+    def host_index(self) -> int:
+        """This rank's host, numbered ``0..num_hosts-1`` in the order of their lowest rank."""
+        return self.topology.host_index
+
+    @property
+    def num_hosts(self) -> int:
+        """How many hosts the ranks run on."""
+        return self.topology.num_hosts
+
+    def host_comm(self) -> Communicator:
+        """The sub-communicator of the ranks on this rank's host (ordered by local rank).
+        Collective over this communicator on the first call (a :meth:`split`), cached after;
+        closed with this communicator."""
+        return self._cached_split("host", self.host_index, self.local_rank)
+
+    def cross_host_comm(self) -> Communicator:
+        """The sub-communicator of the ranks with this rank's local rank, one per host
+        (ordered by host). Hosts with fewer ranks have no rank for the higher local ranks.
+        Collective on the first call, cached after; closed with this communicator."""
+        return self._cached_split("cross", self.local_rank, self.host_index)
+
+    def _cached_split(self, name: str, color: int, key: int) -> Communicator:
+        sub = self._host_comms.get(name)
+        if sub is None:
+            made = self.split(color, key)
+            assert made is not None
+            sub = self._host_comms[name] = made
+        return sub
+
     @property
     def majority_calls(self) -> int:
         """Majority collectives started so far on this communicator: the ``k`` of the
@@ -201,6 +321,8 @@ class Communicator:
         Idempotent."""
         if self._closed:
             return
+        for sub in self._host_comms.values():
+            sub.close()
         try:
             self._drain()
         except BitcollError:
@@ -214,7 +336,13 @@ class Communicator:
     def __enter__(self) -> Communicator:
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: object) -> None:
+        """Close; when an exception leaves the ``with`` block, first abort (on more than one
+        rank) so that the peers fail at once and pending work is not waited for."""
+        if exc is not None and self.size > 1 and not self._closed and \
+                self._transport.failure is None:
+            self._transport.abort(f"{type(exc).__name__} on rank {self.rank}: {exc}")
         self.close()
 
     # ------------------------------------------------------------------ machinery
@@ -336,8 +464,9 @@ class Communicator:
         return execute()
 
     # ------------------------------------------------------------------ dense collectives
-    def allreduce(self, x: Array, op: ReduceOp | str = ReduceOp.SUM, out: Array | None = None,
-                  *, async_op: bool = False, timeout: float | None = None,
+    def allreduce(self, x: HostArray, op: ReduceOp | str = ReduceOp.SUM,
+                  out: HostArray | None = None, *, async_op: bool = False,
+                  timeout: float | None = None,
                   algorithm: str | None = None) -> Any:
         """Element-wise reduction of ``x`` over all ranks; every rank gets the same bits.
 
@@ -345,21 +474,36 @@ class Communicator:
         dtypes only), "max", "min". Returns ``out`` (same dtype and shape as ``x``; ``out=x``
         reduces in place), or a Work with ``async_op=True``. ``algorithm``: "auto" (recursive
         doubling up to 64 KiB, ring above), "ring", "recursive_doubling", "native" (MPI's
-        own, MPI backend only).
+        own, MPI backend only). bfloat16 (torch tensors) is reduced in float32 and rounded
+        once to bfloat16 (to nearest, ties to even) at each block's owner; the ring's
+        reduce-scatter moves float32, its all-gather bfloat16.
 
         Example, 2 ranks: rank 0 ``x=[1, 2]``, rank 1 ``x=[3, 4]`` → both get ``[4, 6]``.
         """
         with self._validating("allreduce"):
             rop = parse_op(op)
-            vec = as_vector(x)
-            check_dtype(vec.dtype, rop)
-            res, flat = output(out, vec.size, vec.dtype, x.shape)
+            v = intake(x)
+            vec = v.flat
+            if not v.bf16:
+                check_dtype(vec.dtype, rop)
+            res, flat = output(out, vec.size, vec.dtype, v.shape, bf16=v.bf16)
             auto = "recursive_doubling" if vec.nbytes <= SMALL_MESSAGE_BYTES else "ring"
             algo = self._algorithm("allreduce", algorithm, auto)
 
             inplace = in_place(flat, vec)
 
-        def body(ctx: OpContext) -> Array:
+        def body(ctx: OpContext) -> Any:
+            if v.bf16:
+                wide = _widened(ctx, vec)  # read before anything is written (out may be x)
+                if algo == "ring":
+                    allreduce_ring_narrowed(ctx, wide, rop, flat, _narrow)
+                    return res
+                if algo == "native":
+                    self._native_allreduce(ctx, wide, rop)
+                else:
+                    allreduce_recursive_doubling(ctx, wide, rop)
+                _narrow(wide, flat)
+                return res
             if algo == "ring":
                 # Out of place, the ring reads x directly: no copy of the input.
                 allreduce_ring(ctx, flat, rop, src=None if inplace else vec)
@@ -372,7 +516,7 @@ class Communicator:
                 allreduce_recursive_doubling(ctx, flat, rop)
             return res
 
-        return self.run("allreduce", (rop.value, vec.dtype.str, vec.size, algo), body,
+        return self.run("allreduce", (rop.value, v.label, vec.size, algo), body,
                         async_op, timeout)
 
     def _native(self, method: str) -> Any:
@@ -386,32 +530,44 @@ class Communicator:
         if op is ReduceOp.AVG:
             np.divide(flat, np.asarray(self.size, dtype=flat.dtype), out=flat)
 
-    def reduce_scatter(self, x: Array, op: ReduceOp | str = ReduceOp.SUM,
-                       out: Array | None = None, *, async_op: bool = False,
+    def reduce_scatter(self, x: HostArray, op: ReduceOp | str = ReduceOp.SUM,
+                       out: HostArray | None = None, *, async_op: bool = False,
                        timeout: float | None = None, algorithm: str | None = None) -> Any:
         """Reduce ``x`` over ranks and give rank ``r`` only block ``r`` of
         ``bitcoll.partition(x.size, size)`` (the first ``n mod p`` ranks get one element more).
 
         Returns ``out`` (1-D, ``stop_r - start_r`` elements, dtype of ``x``) or a Work.
-        ``algorithm``: "auto"/"ring", or "native" (MPI backend).
+        ``algorithm``: "auto"/"ring", or "native" (MPI backend). bfloat16 is reduced in
+        float32 and rounded once, as in :meth:`allreduce`.
         """
         with self._validating("reduce_scatter"):
             rop = parse_op(op)
-            vec = as_vector(x)
-            check_dtype(vec.dtype, rop)
+            v = intake(x)
+            vec = v.flat
+            if not v.bf16:
+                check_dtype(vec.dtype, rop)
             start, stop = block(vec.size, self.size, self.rank)
-            res, flat = output(out, stop - start, vec.dtype)
+            res, flat = output(out, stop - start, vec.dtype, bf16=v.bf16)
             algo = self._algorithm("reduce_scatter", algorithm, "ring")
 
-        def body(ctx: OpContext) -> Array:
+        def body(ctx: OpContext) -> Any:
+            src = _widened(ctx, vec) if v.bf16 else vec
             if algo == "native":
                 bounds = block_bounds(vec.size, self.size)
                 counts = [int(c) for c in np.diff(bounds)]
                 native = self._native("native_reduce_scatter")
-                native(vec, flat, counts, "sum" if rop is ReduceOp.AVG else rop.value,
+                dst = np.empty(stop - start, src.dtype) if v.bf16 else flat
+                native(src, dst, counts, "sum" if rop is ReduceOp.AVG else rop.value,
                        ctx.deadline)
                 if rop is ReduceOp.AVG:
-                    np.divide(flat, np.asarray(self.size, dtype=flat.dtype), out=flat)
+                    np.divide(dst, np.asarray(self.size, dtype=dst.dtype), out=dst)
+                if v.bf16:
+                    _narrow(dst, flat)
+                return res
+            if v.bf16:
+                # The widened copy is this rank's own: reduce it in place.
+                reduce_scatter_ring(ctx, src, rop)
+                _narrow(src[start:stop], flat)
                 return res
             # The input is read where it is; partial sums go to a reused work buffer.
             work = ctx.scratch(2, vec.size, vec.dtype)
@@ -419,10 +575,10 @@ class Communicator:
             np.copyto(flat, work[start:stop])
             return res
 
-        return self.run("reduce_scatter", (rop.value, vec.dtype.str, vec.size, algo), body,
+        return self.run("reduce_scatter", (rop.value, v.label, vec.size, algo), body,
                         async_op, timeout)
 
-    def allgather(self, x: Array, out: Array | None = None, *, async_op: bool = False,
+    def allgather(self, x: HostArray, out: HostArray | None = None, *, async_op: bool = False,
                   timeout: float | None = None, algorithm: str | None = None) -> Any:
         """Concatenate every rank's ``x`` (same length and dtype on every rank) in rank order.
 
@@ -430,12 +586,13 @@ class Communicator:
         ``out[j * x.size:(j + 1) * x.size]`` on every rank.
         """
         with self._validating("allgather"):
-            vec = as_vector(x)
+            v = intake(x)
+            vec = v.flat
             m, p = vec.size, self.size
-            res, flat = output(out, m * p, vec.dtype)
+            res, flat = output(out, m * p, vec.dtype, bf16=v.bf16)
             algo = self._algorithm("allgather", algorithm, "ring")
 
-        def body(ctx: OpContext) -> Array:
+        def body(ctx: OpContext) -> Any:
             if algo == "native":
                 native = self._native("native_allgather")
                 native(vec, flat, ctx.deadline)
@@ -444,9 +601,9 @@ class Communicator:
             allgather_ring(ctx, flat, [j * m for j in range(p + 1)])
             return res
 
-        return self.run("allgather", (vec.dtype.str, m, algo), body, async_op, timeout)
+        return self.run("allgather", (v.label, m, algo), body, async_op, timeout)
 
-    def broadcast(self, x: Array, root: int = 0, *, async_op: bool = False,
+    def broadcast(self, x: HostArray, root: int = 0, *, async_op: bool = False,
                   timeout: float | None = None, algorithm: str | None = None) -> Any:
         """Copy the root's ``x`` into ``x`` on every rank, in place (``x`` must be C-contiguous
         and writeable everywhere). Returns ``x`` or a Work.
@@ -454,15 +611,16 @@ class Communicator:
         Every rank must pass the same ``root``: the roots are compared first (one small
         all-reduce), and a mismatch is a ProtocolError on every rank."""
         with self._validating("broadcast"):
-            _, flat = output(x, getattr(x, "size", 0),
-                             getattr(x, "dtype", np.dtype(np.float32)), name="x")
-            check_dtype(flat.dtype)
+            arr, bf16 = to_numpy(x, "x")
+            _, flat = output(x, arr.size, arr.dtype, name="x", bf16=bf16)
+            if not bf16:
+                check_dtype(flat.dtype)
             if isinstance(root, bool) or not isinstance(root, (int, np.integer)) or \
                     not 0 <= root < self.size:
                 raise UsageError(f"root must be a rank in [0, {self.size}), got {root!r}")
             algo = self._algorithm("broadcast", algorithm, "tree")
 
-        def body(ctx: OpContext) -> Array:
+        def body(ctx: OpContext) -> Any:
             _check_same_root(ctx, int(root))
             if algo == "native":
                 native = self._native("native_bcast")
@@ -472,25 +630,26 @@ class Communicator:
             return x
 
         # The root is not in the signature: _check_same_root compares it across ranks first.
-        return self.run("broadcast", (flat.dtype.str, flat.size, algo), body, async_op,
-                        timeout)
+        return self.run("broadcast", (BFLOAT16 if bf16 else flat.dtype.str, flat.size, algo),
+                        body, async_op, timeout)
 
-    def alltoall(self, x: Array, out: Array | None = None, *, async_op: bool = False,
+    def alltoall(self, x: HostArray, out: HostArray | None = None, *, async_op: bool = False,
                  timeout: float | None = None, algorithm: str | None = None) -> Any:
         """All-to-all exchange: ``x`` holds ``size`` equal blocks; block ``j`` goes to rank
         ``j`` and lands there as block ``rank``. ``x.size`` must be a multiple of ``size``.
         Returns ``out`` (1-D, ``x.size`` elements) or a Work. ``out=x`` exchanges in place
         (through a copy of ``x``); an ``out`` overlapping ``x`` otherwise is a UsageError."""
         with self._validating("alltoall"):
-            vec = as_vector(x)
+            v = intake(x)
+            vec = v.flat
             if vec.size % self.size:
                 raise UsageError(f"alltoall needs a length divisible by the world size "
                                  f"{self.size}, got {vec.size}")
-            res, flat = output(out, vec.size, vec.dtype)
+            res, flat = output(out, vec.size, vec.dtype, bf16=v.bf16)
             algo = self._algorithm("alltoall", algorithm, "direct")
             inplace = in_place(flat, vec)
 
-        def body(ctx: OpContext) -> Array:
+        def body(ctx: OpContext) -> Any:
             # In place, the blocks are read from a copy: the exchange overwrites them.
             src = vec.copy() if inplace else vec
             if algo == "native":
@@ -500,7 +659,7 @@ class Communicator:
                 alltoall_direct(ctx, src, flat)
             return res
 
-        return self.run("alltoall", (vec.dtype.str, vec.size, algo), body, async_op, timeout)
+        return self.run("alltoall", (v.label, vec.size, algo), body, async_op, timeout)
 
     def barrier(self, *, async_op: bool = False, timeout: float | None = None,
                 algorithm: str | None = None) -> Any:
@@ -562,72 +721,140 @@ class Communicator:
             if self.size > 1 and self._transport.failure is None:
                 self._transport.abort(f"split failed on rank {self.rank}: {exc}")
             raise
-        return Communicator(transport, timeout=self.timeout, segment_bytes=self.segment_bytes,
-                            packed_segment_bytes=self.packed_segment_bytes)
+        sub = Communicator(transport, timeout=self.timeout, segment_bytes=self.segment_bytes,
+                           packed_segment_bytes=self.packed_segment_bytes)
+        if self._topology is not None:
+            sub._topology = self._topology.subset(members, members.index(self.rank))
+        return sub
 
     # ------------------------------------------------------------------ packed-bit collectives
-    def _packed(self, name: str, x: Array, codec_args: tuple[str, str, int], out: Array | None,
+    def _packed(self, name: str, x: Any, codec_args: tuple[str, str, int], out: Any,
                 out_dtype: np.dtype[Any], gather: bool, tie: str, async_op: bool,
                 timeout: float | None, algorithm: str | None) -> Any:
-        """Shared front of the four packed collectives (see :meth:`sign_allreduce`)."""
-        from .algorithms.sign_allreduce_allgather import packed_allgather
-        from .algorithms.sign_allreduce_direct import packed_direct
-        from .algorithms.sign_allreduce_ring import packed_ring
-        from .algorithms.votes import TIES, VoteCodec
-
+        """Shared front of the four packed collectives on values (see :meth:`sign_allreduce`)."""
         kind, source, levels = codec_args
         with self._validating(name):
             if kind not in ("majority", "sum"):
                 raise UsageError(f"{name} op must be 'majority' or 'sum', got {kind!r}")
-            if not isinstance(x, np.ndarray):
-                raise UsageError(f"x must be a numpy.ndarray, got {type(x).__name__}")
+            arr, bf16 = to_numpy(x, "x")
             allowed = SIGN_DTYPES if source == "sign" else INT_DTYPES
-            if x.dtype not in allowed:
+            if bf16 or arr.dtype not in allowed:
                 names = ", ".join(sorted(d.name for d in allowed))
-                raise UsageError(f"{name} takes {names} input, got {x.dtype}")
-            vec = np.ascontiguousarray(x).reshape(-1)
-            if tie not in TIE_RULES:
-                raise UsageError(f"unknown tie rule {tie!r}; expected one of "
-                                 f"{', '.join(TIE_RULES)}")
+                raise UsageError(f"{name} takes {names} input, got {type_name(arr, bf16)}")
+            vec = np.ascontiguousarray(arr).reshape(-1)
             n = vec.size
             lo, hi = (0, n) if gather else block(n, self.size, self.rank)
-            shape = x.shape if gather else (hi - lo,)
-            if out is not None and isinstance(out, np.ndarray) and kind == "sum":
-                if out.dtype not in INT_DTYPES:
-                    raise UsageError(f"out must have an integer dtype "
-                                     f"(int8/16/32/64), got {out.dtype}")
-                out_dtype = out.dtype
-                bound = levels * self.size
-                if bound > np.iinfo(out_dtype).max:
-                    raise UsageError(f"out dtype {out_dtype} cannot hold sums up to "
-                                     f"{bound} (levels {levels} x {self.size} ranks)")
-            res, flat = output(out, hi - lo, out_dtype, shape)
-            algo = self._algorithm("packed", algorithm, "direct")
-            tie_call = 0
-            if kind == "majority":
-                with self._lock:
-                    tie_call = self._majority_calls
-                    self._majority_calls += 1
-            codec = VoteCodec(kind, source, levels, self.size, TIES[tie], tie_call)
-        run_algo = {"direct": packed_direct, "ring": packed_ring,
-                    "allgather": packed_allgather}[algo]
+            shape = arr.shape if gather else (hi - lo,)
+            res, flat = output(out, hi - lo, out_dtype, shape,
+                               accept=INT_DTYPES if kind == "sum" else ())
+            bound = levels * self.size
+            if kind == "sum" and bound > np.iinfo(flat.dtype).max:
+                raise UsageError(f"out dtype {flat.dtype} cannot hold sums up to {bound} "
+                                 f"(levels {levels} x {self.size} ranks)")
+            codec, algo = self._packed_codec(kind, source, levels, tie, algorithm, False)
 
-        def body(ctx: OpContext) -> Array:
+        def check() -> None:
             if source == "int" and n and (vec.min() < -levels or vec.max() > levels):
                 bad = int(np.argmax((vec < -levels) | (vec > levels)))
                 raise UsageError(f"{name}: value {int(vec[bad])} at index {bad} is "
                                  f"outside [-{levels}, {levels}]")
-            if ctx.size == 1:
-                codec.local(vec, flat)
-            else:
-                run_algo(ctx, codec, vec, flat, gather)
-            return res
 
         fields = (kind, source, levels, tie, vec.dtype.str, n, algo, gather)
+        return self._run_packed(name, fields, codec, algo, vec, flat, res, n, gather, check,
+                                async_op, timeout)
+
+    def _packed_codec(self, kind: str, source: str, levels: int, tie: str,
+                      algorithm: str | None, packed_io: bool) -> tuple[Any, str]:
+        """The tie rule and algorithm checked, the majority call counted: the call's codec
+        and algorithm (the last step of a packed collective's validation)."""
+        from .algorithms.votes import TIES, VoteCodec
+
+        if tie not in TIE_RULES:
+            raise UsageError(f"unknown tie rule {tie!r}; expected one of "
+                             f"{', '.join(TIE_RULES)}")
+        algo = self._algorithm("packed", algorithm, "direct")
+        tie_call = 0
+        if kind == "majority":
+            with self._lock:
+                tie_call = self._majority_calls
+                self._majority_calls += 1
+        codec = VoteCodec(kind, source, levels, self.size, TIES[tie], tie_call,
+                          packed_in=packed_io, packed_out=packed_io)
+        return codec, algo
+
+    def _run_packed(self, name: str, fields: tuple[object, ...], codec: Any, algo: str,
+                    vec: Array, flat: Array, res: Any, n: int, gather: bool,
+                    check: Callable[[], None], async_op: bool, timeout: float | None) -> Any:
+        """Run a validated packed collective: ``check()`` (the input's range, a UsageError
+        on this rank), then the algorithm, which reads ``vec`` and writes ``flat`` through
+        ``codec`` (values or packed streams alike)."""
+        from .algorithms.sign_allreduce_allgather import packed_allgather
+        from .algorithms.sign_allreduce_direct import packed_direct
+        from .algorithms.sign_allreduce_ring import packed_ring
+
+        run_algo = {"direct": packed_direct, "ring": packed_ring,
+                    "allgather": packed_allgather}[algo]
+
+        def body(ctx: OpContext) -> Any:
+            check()
+            if codec.packed_out and flat.size:
+                flat[-1] = 0  # the padding bits: decoding writes only the results' bits
+            if ctx.size == 1:
+                codec.local(vec, flat, n)
+            else:
+                run_algo(ctx, codec, vec, flat, gather, n)
+            return res
+
         return self.run(name, fields, body, async_op, timeout, packed=True)
 
-    def sign_allreduce(self, x: Array, op: str = "majority", tie: str = "alternate",
-                       out: Array | None = None, *, async_op: bool = False,
+    def _packed_io(self, name: str, data: Any, arg: str, count: int, kind: str, levels: int,
+                   tie: str, out: Any, gather: bool, async_op: bool, timeout: float | None,
+                   algorithm: str | None) -> Any:
+        """Shared front of the four collectives on packed streams (see
+        :meth:`packed_sign_allreduce`)."""
+        from .algorithms.votes import field_width
+
+        with self._validating(name):
+            n = _count(count)
+            arr, bf16 = to_numpy(data, arg)
+            if bf16 or arr.dtype != np.uint8:
+                raise UsageError(f"{arg} must have dtype uint8 (a packed stream), got "
+                                 f"{type_name(arr, bf16)}")
+            if not arr.flags.c_contiguous:
+                raise UsageError(f"{arg} must be C-contiguous")
+            vec = arr.reshape(-1)
+            w_in = 1 if kind == "majority" else field_width(levels)
+            w_out = 1 if kind == "majority" else field_width(levels * self.size)
+            need = (n * w_in + 7) // 8
+            if vec.size != need:
+                raise UsageError(f"{arg} must hold exactly ceil({n} * {w_in} / 8) = {need} "
+                                 f"bytes for count {n}, got {vec.size}")
+            lo, hi = (0, n) if gather else block(n, self.size, self.rank)
+            res, flat = output(out, ((hi - lo) * w_out + 7) // 8, np.dtype(np.uint8))
+            if flat.size and vec.size and np.shares_memory(flat, vec):
+                raise UsageError(f"out overlaps {arg}; pass a separate array")
+            codec, algo = self._packed_codec(kind, "int" if kind == "sum" else "sign", levels,
+                                             tie, algorithm, True)
+
+        def check() -> None:
+            if kind != "sum" or not n:
+                return
+            from . import kernels
+
+            bad = kernels.first_field_above(vec, n, w_in, 2 * levels)
+            if bad >= 0:
+                field = int.from_bytes(kernels.extract_bits(vec, bad * w_in, w_in).tobytes(),
+                                       "little")
+                raise UsageError(f"{name}: field {bad} of {arg} is {field}, outside [0, "
+                                 f"{2 * levels}] (fields hold value + {levels}, values lie "
+                                 f"in [-{levels}, {levels}])")
+
+        fields = (kind, levels, tie, "packed", n, algo, gather)
+        return self._run_packed(name, fields, codec, algo, vec, flat, res, n, gather, check,
+                                async_op, timeout)
+
+    def sign_allreduce(self, x: HostArray, op: str = "majority", tie: str = "alternate",
+                       out: HostArray | None = None, *, async_op: bool = False,
                        timeout: float | None = None, algorithm: str | None = None) -> Any:
         """All-reduce of the signs of ``x`` (float16/32/64, any shape, read flattened).
 
@@ -655,8 +882,8 @@ class Communicator:
                             np.dtype(np.int8 if op == "majority" else np.int32), True, tie,
                             async_op, timeout, algorithm)
 
-    def sign_reduce_scatter(self, x: Array, op: str = "majority", tie: str = "alternate",
-                            out: Array | None = None, *, async_op: bool = False,
+    def sign_reduce_scatter(self, x: HostArray, op: str = "majority", tie: str = "alternate",
+                            out: HostArray | None = None, *, async_op: bool = False,
                             timeout: float | None = None,
                             algorithm: str | None = None) -> Any:
         """:meth:`sign_allreduce`, but rank ``r`` receives only block ``r`` of
@@ -673,7 +900,7 @@ class Communicator:
                              f"{MAX_SUM_RANGE} (16-bit result fields)")
         return int(levels)
 
-    def quantized_allreduce(self, q: Array, levels: int, out: Array | None = None, *,
+    def quantized_allreduce(self, q: HostArray, levels: int, out: HostArray | None = None, *,
                             async_op: bool = False, timeout: float | None = None,
                             algorithm: str | None = None) -> Any:
         """Exact sum over ranks of integers ``q`` (int8/16/32/64) in ``[-levels, levels]``.
@@ -691,7 +918,7 @@ class Communicator:
                             np.dtype(np.int32), True, "alternate", async_op, timeout,
                             algorithm)
 
-    def quantized_reduce_scatter(self, q: Array, levels: int, out: Array | None = None, *,
+    def quantized_reduce_scatter(self, q: HostArray, levels: int, out: HostArray | None = None, *,
                                  async_op: bool = False, timeout: float | None = None,
                                  algorithm: str | None = None) -> Any:
         """:meth:`quantized_allreduce`, but rank ``r`` receives only block ``r`` of
@@ -701,6 +928,76 @@ class Communicator:
         return self._packed("quantized_reduce_scatter", q, ("sum", "int", lv), out,
                             np.dtype(np.int32), False, "alternate", async_op, timeout,
                             algorithm)
+
+    # ------------------------------------------------------------------ packed input and output
+    def packed_sign_allreduce(self, bits: HostArray, count: int, tie: str = "alternate",
+                              out: HostArray | None = None, *, async_op: bool = False,
+                              timeout: float | None = None,
+                              algorithm: str | None = None) -> Any:
+        """Majority vote over ranks of ``count`` packed sign votes: :meth:`sign_allreduce`
+        (op "majority") for callers that pack and unpack the votes themselves (a GPU kernel,
+        another framework), without bitcoll's packing and unpacking passes.
+
+        ``bits``: uint8, C-contiguous, exactly ``ceil(count / 8)`` bytes (any shape, read
+        flattened); vote ``i`` is bit ``i % 8`` of byte ``i // 8`` (1 votes +1, 0 votes -1:
+        :func:`bitcoll.layout.pack_signs`). The padding bits after vote ``count - 1`` are
+        ignored. Returns ``out`` (uint8, ``ceil(count / 8)`` bytes, written in place) or a new
+        1-D uint8 array: bit ``i`` is the majority at element ``i`` (1 = +1), ties by
+        ``tie`` exactly as in :meth:`sign_allreduce` (this call counts in
+        ``majority_calls``), padding bits 0; identical on every rank, and bit for bit
+        ``pack_signs`` of what :meth:`sign_allreduce` returns for the same votes. Same
+        algorithms and bytes on the wire. ``out`` must not overlap ``bits``.
+        """
+        return self._packed_io("packed_sign_allreduce", bits, "bits", count, "majority", 1,
+                               tie, out, True, async_op, timeout, algorithm)
+
+    def packed_sign_reduce_scatter(self, bits: HostArray, count: int, tie: str = "alternate",
+                                   out: HostArray | None = None, *, async_op: bool = False,
+                                   timeout: float | None = None,
+                                   algorithm: str | None = None) -> Any:
+        """:meth:`packed_sign_allreduce`, but rank ``r`` receives only the majority bits of
+        block ``r`` of ``bitcoll.partition(count, size)``, ``[start, stop)``: uint8
+        ``ceil((stop - start) / 8)`` bytes, element ``start`` at bit 0, padding bits 0. Tie
+        indices are global element indices."""
+        return self._packed_io("packed_sign_reduce_scatter", bits, "bits", count, "majority",
+                               1, tie, out, False, async_op, timeout, algorithm)
+
+    def packed_quantized_allreduce(self, fields: HostArray, count: int, levels: int,
+                                   out: HostArray | None = None, *, async_op: bool = False,
+                                   timeout: float | None = None,
+                                   algorithm: str | None = None) -> Any:
+        """Exact sum over ranks of ``count`` packed integers in ``[-levels, levels]``:
+        :meth:`quantized_allreduce` for callers that pack and unpack themselves.
+
+        ``fields``: uint8, C-contiguous, exactly ``ceil(count * w_in / 8)`` bytes with
+        ``w_in = ceil(log2(2 levels + 1))``: value ``i`` is stored as the unsigned field
+        ``value + levels`` at stream bits ``[i w_in, (i + 1) w_in)``, least significant bit
+        first, stream bit ``j`` being bit ``j % 8`` of byte ``j // 8``
+        (:func:`bitcoll.layout.pack_fields`). Padding bits are ignored; a field above
+        ``2 levels`` is a UsageError on this rank (its peers get PeerLostError). Returns
+        ``out`` (uint8, written in place) or a new 1-D uint8 array of
+        ``ceil(count * w_out / 8)`` bytes, ``w_out = ceil(log2(2 levels size + 1))``: sum
+        ``i`` as the field ``sum + levels * size`` at bits ``[i w_out, (i + 1) w_out)``,
+        padding bits 0; identical on every rank. Requires ``levels * size <= 32767``.
+        ``out`` must not overlap ``fields``.
+        """
+        with self._validating("packed_quantized_allreduce"):
+            lv = self._levels(levels)
+        return self._packed_io("packed_quantized_allreduce", fields, "fields", count, "sum",
+                               lv, "alternate", out, True, async_op, timeout, algorithm)
+
+    def packed_quantized_reduce_scatter(self, fields: HostArray, count: int, levels: int,
+                                        out: HostArray | None = None, *, async_op: bool = False,
+                                        timeout: float | None = None,
+                                        algorithm: str | None = None) -> Any:
+        """:meth:`packed_quantized_allreduce`, but rank ``r`` receives only the sums of block
+        ``r`` of ``bitcoll.partition(count, size)``, ``[start, stop)``: uint8
+        ``ceil((stop - start) * w_out / 8)`` bytes, element ``start`` at bit 0."""
+        with self._validating("packed_quantized_reduce_scatter"):
+            lv = self._levels(levels)
+        return self._packed_io("packed_quantized_reduce_scatter", fields, "fields", count,
+                               "sum", lv, "alternate", out, False, async_op, timeout,
+                               algorithm)
 
 
 #: Errors every rank detects from the same exchanged data (so every rank raises its own);

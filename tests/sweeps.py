@@ -198,8 +198,11 @@ def packed_sweep(comm: Communicator, seed: int = 0,
     return checks
 
 
-def packed_bandwidth(comm: Communicator, n: int = 100_003, levels: int = 7) -> dict[str, Any]:
-    """Bytes each rank sends, checked exactly against the cost model (headers excluded)."""
+def packed_bandwidth(comm: Communicator, n: int = 100_003, levels: int = 7,
+                     packed: bool = False) -> dict[str, Any]:
+    """Bytes each rank sends, checked exactly against the cost model (headers excluded).
+    ``packed``: run the packed-input forms (packed_sign_allreduce, packed_quantized_allreduce)
+    on the same votes and values, packed beforehand (the same model must hold)."""
     from bitcoll.algorithms.votes import field_width
     from bitcoll.transport.base import HEADER_SIZE
 
@@ -208,6 +211,10 @@ def packed_bandwidth(comm: Communicator, n: int = 100_003, levels: int = 7) -> d
     q = np.random.default_rng([r, 9]).integers(-levels, levels + 1, n).astype(np.int8)
     lens = [b - a for a, b in bitcoll.partition(n, p)]
     report: dict[str, Any] = {}
+    if packed:
+        bits = pack_bits_ref(x >= 0)
+        fields = pack_fields_ref(q, field_width(levels), levels)
+        comm = _PackedFront(comm, bits, fields, n)  # type: ignore[assignment]
 
     def payload(fn: Any) -> tuple[int, int]:
         comm.barrier()
@@ -236,3 +243,111 @@ def packed_bandwidth(comm: Communicator, n: int = 100_003, levels: int = 7) -> d
     assert sent == exact and sent <= bound, (sent, exact, bound)
     report["quantized_direct"] = (sent, msgs)
     return report
+
+
+# ---------------------------------------------------------------------- packed input and output
+PACKED_IO_LENGTHS = (0, 1, 7, 8, 9, 63, 64, 65, 1000, 100_003)
+
+
+def pack_bits_ref(bits: Array) -> Array:
+    """numpy's packing of booleans, bit i = element i, little-endian within each byte."""
+    return np.packbits(np.asarray(bits, dtype=bool).reshape(-1), bitorder="little")
+
+
+def pack_fields_ref(values: Array, width: int, bias: int) -> Array:
+    """``values + bias`` as ``width``-bit fields, element i at stream bits [i w, (i+1) w),
+    least significant bit first (numpy only)."""
+    f = values.astype(np.int64).reshape(-1) + bias
+    assert f.size == 0 or (f.min() >= 0 and f.max() < (1 << width))
+    bits = (f[:, None] >> np.arange(width)) & 1
+    return np.packbits(bits.reshape(-1).astype(np.uint8), bitorder="little")
+
+
+def set_padding(packed: Array, nbits: int) -> Array:
+    """A copy of ``packed`` with every padding bit after stream bit ``nbits - 1`` set."""
+    out = packed.copy()
+    if nbits % 8:
+        out[-1] |= np.uint8(0xFF & ~((1 << (nbits % 8)) - 1))
+    return out
+
+
+class _PackedFront:
+    """Runs packed_bandwidth's calls through the packed forms on pre-packed inputs."""
+
+    def __init__(self, comm: Communicator, bits: Array, fields: Array, n: int) -> None:
+        self.comm, self.bits, self.fields, self.n = comm, bits, fields, n
+        self.size, self.rank, self.stats = comm.size, comm.rank, comm.stats
+
+    def barrier(self) -> None:
+        self.comm.barrier()
+
+    def sign_allreduce(self, x: Array, algorithm: str | None = None) -> Any:
+        return self.comm.packed_sign_allreduce(self.bits, self.n, algorithm=algorithm)
+
+    def quantized_allreduce(self, q: Array, levels: int) -> Any:
+        return self.comm.packed_quantized_allreduce(self.fields, self.n, levels)
+
+
+def packed_io_sweep(comm: Communicator, seed: int = 0,
+                    lengths: tuple[int, ...] = PACKED_IO_LENGTHS,
+                    algorithms: tuple[str, ...] = PACKED_ALGOS,
+                    levels_list: tuple[int, ...] = (1, 3, 7, 127)) -> tuple[int, list[int]]:
+    """The packed-input/-output collectives against the unpacked ones, bit for bit.
+
+    Each packed result must equal the unpacked collective's result packed by numpy
+    (``numpy.packbits(bitorder="little")``, a numpy field packer), padding bits zero, also
+    with every padding bit of the input set and ``out`` pre-filled with ones. Tie rules:
+    calls k (unpacked all-reduce), k+1 (unpacked reduce-scatter), k+2 (packed all-reduce),
+    k+3 (packed reduce-scatter), so the alternate rule's parity matches pairwise. Returns
+    (#checks, crc32 of every all-reduce result: identical on every rank)."""
+    import zlib
+
+    from bitcoll.algorithms.votes import field_width
+
+    p, r = comm.size, comm.rank
+    checks = 0
+    digests: list[int] = []
+    for n in lengths:
+        lo, hi = bitcoll.block(n, p, r)
+        xs = [vote_input(seed, j, n, "float32") for j in range(p)]
+        bits = pack_bits_ref(xs[r] >= 0)
+        for case, algo in enumerate(algorithms):
+            for tie in TIES:
+                dirty = case % 2 == 1  # padding set, out pre-filled with ones
+                src = set_padding(bits, n) if dirty else bits
+                call = comm.majority_calls
+                whole = comm.sign_allreduce(xs[r], tie=tie, algorithm=algo)
+                part = comm.sign_reduce_scatter(xs[r], tie=tie, algorithm=algo)
+                _eq(whole, expected_majority(xs, tie, call), f"majority n={n} {algo} {tie}")
+                out = np.full(-(-n // 8), 0xFF, np.uint8) if dirty else None
+                got = comm.packed_sign_allreduce(src, n, tie=tie, algorithm=algo, out=out)
+                assert out is None or got is out
+                _eq(got, pack_bits_ref(whole > 0),
+                    f"packed_sign_allreduce n={n} {algo} tie={tie} p={p} dirty={dirty}")
+                got = comm.packed_sign_reduce_scatter(src, n, tie=tie, algorithm=algo)
+                _eq(got, pack_bits_ref(part > 0),
+                    f"packed_sign_reduce_scatter n={n} {algo} tie={tie} p={p} [{lo}, {hi})")
+                digests.append(zlib.crc32(comm.packed_sign_allreduce(bits, n, tie=tie,
+                                                                     algorithm=algo)))
+                checks += 3
+            for levels in levels_list:
+                if levels * p > 32767 or (levels == 127 and n > 1000):
+                    continue
+                w_in, w_out = field_width(levels), field_width(levels * p)
+                qs = [np.random.default_rng([seed, j, n, levels]).integers(
+                    -levels, levels + 1, n).astype(np.int8) for j in range(p)]
+                fields = pack_fields_ref(qs[r], w_in, levels)
+                dirty = (case + levels) % 2 == 1
+                src = set_padding(fields, n * w_in) if dirty else fields
+                whole = comm.quantized_allreduce(qs[r], levels, algorithm=algo)
+                part = comm.quantized_reduce_scatter(qs[r], levels, algorithm=algo)
+                out = np.full(-(-n * w_out // 8), 0xFF, np.uint8) if dirty else None
+                got = comm.packed_quantized_allreduce(src, n, levels, algorithm=algo, out=out)
+                _eq(got, pack_fields_ref(whole, w_out, levels * p),
+                    f"packed_quantized_allreduce n={n} L={levels} {algo} p={p} dirty={dirty}")
+                digests.append(zlib.crc32(got))
+                got = comm.packed_quantized_reduce_scatter(src, n, levels, algorithm=algo)
+                _eq(got, pack_fields_ref(part, w_out, levels * p),
+                    f"packed_quantized_reduce_scatter n={n} L={levels} {algo} p={p}")
+                checks += 2
+    return checks, digests

@@ -88,7 +88,8 @@ class OpContext:
         Buffers live as long as the communicator, so large collectives do not fault in fresh
         pages on every call; a slot's contents are undefined on entry. Slots in use: 0-1 the
         ring's landing buffers, 2 the reduce-scatter's partial sums, 3-6 the packed direct
-        pipeline (contributions, results, two segments' rows)."""
+        pipeline (contributions, results, two segments' rows), 7 the widened (float32) copy
+        of a bfloat16 vector."""
         nbytes = count * dtype.itemsize
         buf = self._scratch.get(slot)
         if buf is None or buf.size < nbytes:

@@ -21,12 +21,13 @@ Array = npt.NDArray[Any]
 
 
 def packed_allgather(ctx: OpContext, codec: VoteCodec, x: Array, out: Array,
-                     gather: bool) -> None:
+                     gather: bool, n: int | None = None) -> None:
     """Same contract as :func:`~bitcoll.algorithms.sign_allreduce_direct.packed_direct`."""
-    p, r, n = ctx.size, ctx.rank, x.size
+    p, r = ctx.size, ctx.rank
+    n = x.size if n is None else n
     nb = kernels.packed_nbytes(n, codec.w_in)
     rows = np.empty((p, nb), np.uint8)
-    codec.encode(x, rows[r])
+    codec.encode(x, 0, n, rows[r])
     ring_pass(ctx, rows.reshape(-1), [j * nb for j in range(p + 1)], b0=r, steps=p - 1,
               reduce=None)
     lo, hi = (0, n) if gather else block(n, p, r)
@@ -36,6 +37,6 @@ def packed_allgather(ctx: OpContext, codec: VoteCodec, x: Array, out: Array,
     m = hi - start
     res = np.empty(kernels.packed_nbytes(m, codec.w_out), np.uint8)
     codec.combine(sub, m, start, res)
-    full = np.empty(m, out.dtype)
-    codec.decode(res, full)
-    out[:] = full[lo - start:]
+    if lo > start:  # drop the leading elements: move the rest to bit 0
+        res = kernels.extract_bits(res, (lo - start) * codec.w_out, (hi - lo) * codec.w_out)
+    codec.decode(res, out, 0, hi - lo)

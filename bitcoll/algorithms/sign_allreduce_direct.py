@@ -58,13 +58,16 @@ def _bytes(lo: int, hi: int, width: int) -> tuple[int, int]:
 
 
 def packed_direct(ctx: OpContext, codec: VoteCodec, x: Array, out: Array,
-                  gather: bool) -> None:
-    """Run the packed collective on ``x`` (this rank's full input, 1-D).
+                  gather: bool, n: int | None = None) -> None:
+    """Run the packed collective on ``x`` (this rank's full input, 1-D) of ``n`` elements
+    (default ``x.size``; a packed input holds them as a bit stream).
 
-    ``gather=True``: all-reduce, ``out`` has ``x.size`` elements. ``gather=False``:
-    reduce-scatter, ``out`` has the elements of block ``rank``.
+    ``gather=True``: all-reduce, ``out`` has the ``n`` elements. ``gather=False``:
+    reduce-scatter, ``out`` has the elements of block ``rank``. Inputs and outputs are
+    addressed by element range through ``codec`` (values or packed streams).
     """
-    p, r, n = ctx.size, ctx.rank, x.size
+    p, r = ctx.size, ctx.rank
+    n = x.size if n is None else n
     bounds = [int(b) for b in block_bounds(n, p)]
     lens = [bounds[j + 1] - bounds[j] for j in range(p)]
     w_in, w_out = codec.w_in, codec.w_out
@@ -97,9 +100,9 @@ def packed_direct(ctx: OpContext, codec: VoteCodec, x: Array, out: Array,
             jlo, jhi = local(j, k)
             c0, c1 = _bytes(jlo, jhi, w_in)
             buf = contrib[j][c0:c1]
-            codec.encode(x[bounds[j] + jlo:bounds[j] + jhi], buf)
+            codec.encode(x, bounds[j] + jlo, bounds[j] + jhi, buf)
             sends.append(ctx.isend(j, buf))
-        codec.encode(x[bounds[r] + lo:bounds[r] + hi], mine[r])
+        codec.encode(x, bounds[r] + lo, bounds[r] + hi, mine[r])
 
     def phase2(k: int) -> None:
         mine, reqs = rows.pop(k)
@@ -120,7 +123,7 @@ def packed_direct(ctx: OpContext, codec: VoteCodec, x: Array, out: Array,
                 posted.append((j, ctx.irecv(j, jres[j0:j1])))
             gathering[k] = posted
         start = bounds[r] + lo - out_base
-        codec.decode(buf, out[start:start + hi - lo])
+        codec.decode(buf, out, start, start + hi - lo)
 
     def finish(k: int) -> None:
         for j, req in gathering.pop(k):
@@ -129,7 +132,7 @@ def packed_direct(ctx: OpContext, codec: VoteCodec, x: Array, out: Array,
             j0, j1 = _bytes(jlo, jhi, w_out)
             jres = result[j]
             assert jres is not None
-            codec.decode(jres[j0:j1], out[bounds[j] + jlo:bounds[j] + jhi])
+            codec.decode(jres[j0:j1], out, bounds[j] + jlo, bounds[j] + jhi)
 
     phase1(0)
     for k in range(nseg):

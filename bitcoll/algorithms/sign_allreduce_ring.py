@@ -32,16 +32,19 @@ __all__ = ["packed_ring"]
 Array = npt.NDArray[Any]
 
 
-def _own(codec: VoteCodec, x: Array) -> Array:
-    """This rank's contribution as integers: vote bit (majority) or field value (sums)."""
-    packed = np.empty(kernels.packed_nbytes(x.size, codec.w_in), np.uint8)
-    codec.encode(x, packed)
-    return kernels.unpack_fields(packed, x.size, codec.w_in, codec.bias_in, dtype=np.int32)
+def _own(codec: VoteCodec, x: Array, lo: int, hi: int) -> Array:
+    """Elements ``[lo, hi)`` of this rank's contribution as integers: vote bit (majority) or
+    field value (sums)."""
+    packed = np.empty(kernels.packed_nbytes(hi - lo, codec.w_in), np.uint8)
+    codec.encode(x, lo, hi, packed)
+    return kernels.unpack_fields(packed, hi - lo, codec.w_in, codec.bias_in, dtype=np.int32)
 
 
-def packed_ring(ctx: OpContext, codec: VoteCodec, x: Array, out: Array, gather: bool) -> None:
+def packed_ring(ctx: OpContext, codec: VoteCodec, x: Array, out: Array, gather: bool,
+                n: int | None = None) -> None:
     """Same contract as :func:`~bitcoll.algorithms.sign_allreduce_direct.packed_direct`."""
-    p, r, n = ctx.size, ctx.rank, x.size
+    p, r = ctx.size, ctx.rank
+    n = x.size if n is None else n
     bounds = [int(b) for b in block_bounds(n, p)]
     right, left = (r + 1) % p, (r - 1) % p
     majority = codec.kind == "majority"
@@ -54,14 +57,12 @@ def packed_ring(ctx: OpContext, codec: VoteCodec, x: Array, out: Array, gather: 
     def bias(contributions: int) -> int:
         return 0 if majority else codec.levels * contributions
 
-    def blk(j: int) -> Array:
-        return x[bounds[j]:bounds[j + 1]]
-
     acc: Array | None = None
     if p > 1:
         sb = (r - 1) % p
-        packed = np.empty(kernels.packed_nbytes(blk(sb).size, codec.w_in), np.uint8)
-        codec.encode(blk(sb), packed)
+        packed = np.empty(kernels.packed_nbytes(bounds[sb + 1] - bounds[sb], codec.w_in),
+                          np.uint8)
+        codec.encode(x, bounds[sb], bounds[sb + 1], packed)
         pending = ctx.isend(right, packed)
         for s in range(p - 1):
             rb = (r - s - 2) % p
@@ -70,7 +71,7 @@ def packed_ring(ctx: OpContext, codec: VoteCodec, x: Array, out: Array, gather: 
             incoming = np.empty(kernels.packed_nbytes(m, w), np.uint8)
             ctx.wait(ctx.irecv(left, incoming))
             acc = kernels.unpack_fields(incoming, m, w, bs, dtype=np.int32)
-            acc += _own(codec, blk(rb))
+            acc += _own(codec, x, bounds[rb], bounds[rb + 1])
             if s + 1 < p - 1:
                 w2 = width(s + 2)
                 nxt = kernels.pack_fields(acc, w2, bias(s + 2))
@@ -78,7 +79,7 @@ def packed_ring(ctx: OpContext, codec: VoteCodec, x: Array, out: Array, gather: 
                 pending = ctx.isend(right, nxt)
         ctx.wait(pending)
     else:
-        acc = _own(codec, x)
+        acc = _own(codec, x, 0, n)
     assert acc is not None
     m = bounds[r + 1] - bounds[r]
     result = np.empty(kernels.packed_nbytes(m, codec.w_out), np.uint8)
@@ -92,7 +93,7 @@ def packed_ring(ctx: OpContext, codec: VoteCodec, x: Array, out: Array, gather: 
     else:
         kernels.pack_fields(acc, codec.w_out, codec.bias_out, out=result)
     if not gather:
-        codec.decode(result, out)
+        codec.decode(result, out, 0, m)
         return
     nbytes = [kernels.packed_nbytes(bounds[j + 1] - bounds[j], codec.w_out) for j in range(p)]
     offs = [0]
@@ -102,4 +103,4 @@ def packed_ring(ctx: OpContext, codec: VoteCodec, x: Array, out: Array, gather: 
     allres[offs[r]:offs[r + 1]] = result
     ring_pass(ctx, allres, offs, b0=r, steps=p - 1, reduce=None)
     for j in range(p):
-        codec.decode(allres[offs[j]:offs[j + 1]], out[bounds[j]:bounds[j + 1]])
+        codec.decode(allres[offs[j]:offs[j + 1]], out, bounds[j], bounds[j + 1])

@@ -14,6 +14,14 @@ A codec fixes three things for one packed collective:
 Bit order everywhere: element ``i`` occupies stream bits ``[i w, (i + 1) w)``, little-endian
 (``numpy.packbits(bits, bitorder="little")`` is the 1-bit layout). Segments of a block are
 multiples of 8 elements, so the packing of a block is the concatenation of its segments'.
+
+Packed input and output (``packed_in`` / ``packed_out``, the ``packed_*`` collectives): the
+caller's input already is the ``w_in``-bit field stream of its contribution, and its output is
+the ``w_out``-bit field stream of the result. These are the two ends of the same pipeline:
+encoding elements ``[lo, hi)`` then only moves stream bits ``[lo w_in, hi w_in)`` to bit 0 of
+the wire buffer, and decoding moves the result's bits into place in the output stream. The
+algorithms address inputs and outputs by element range only (:meth:`VoteCodec.encode`,
+:meth:`VoteCodec.decode`), so every algorithm serves both forms unchanged.
 """
 
 from __future__ import annotations
@@ -46,6 +54,9 @@ class VoteCodec:
     ``kind``: "majority" or "sum". ``source``: "sign" (float votes, 1-bit for majority,
     ternary for sum) or "int" (integers in ``[-levels, levels]``). ``size``: the world size.
     ``tie``: a kernels.TIE_* constant; ``tie_call``: the communicator's majority call counter.
+    ``packed_in``: the input is the ``w_in``-bit field stream of the contribution (uint8)
+    instead of values; ``packed_out``: the output is the ``w_out``-bit field stream of the
+    result (uint8) instead of values. Element ranges are the same either way.
     """
 
     kind: str
@@ -54,6 +65,8 @@ class VoteCodec:
     size: int
     tie: int = kernels.TIE_ALTERNATE
     tie_call: int = 0
+    packed_in: bool = False
+    packed_out: bool = False
 
     @property
     def w_in(self) -> int:
@@ -73,14 +86,17 @@ class VoteCodec:
     def bias_out(self) -> int:
         return 0 if self.kind == "majority" else self.levels * self.size
 
-    def encode(self, x: Array, out: Array) -> None:
-        """Pack this rank's contribution ``x`` (a slice of the input) into ``out`` (uint8)."""
-        if self.kind == "majority":
-            kernels.pack_signs(x, out=out)
+    def encode(self, x: Array, lo: int, hi: int, out: Array) -> None:
+        """Pack elements ``[lo, hi)`` of this rank's input ``x`` into ``out`` (uint8,
+        ``ceil((hi - lo) w_in / 8)`` bytes, from bit 0; padding bits 0)."""
+        if self.packed_in:
+            kernels.extract_bits(x, lo * self.w_in, (hi - lo) * self.w_in, out=out)
+        elif self.kind == "majority":
+            kernels.pack_signs(x[lo:hi], out=out)
         elif self.source == "sign":
-            kernels.pack_ternary(x, out=out)
+            kernels.pack_ternary(x[lo:hi], out=out)
         else:
-            kernels.pack_fields(x, self.w_in, self.bias_in, out=out)
+            kernels.pack_fields(x[lo:hi], self.w_in, self.bias_in, out=out)
 
     def combine(self, rows: Array, n: int, first: int, out: Array) -> None:
         """Aggregate ``rows`` (uint8 ``(p, nbytes)``, one packed contribution per rank) for
@@ -93,23 +109,38 @@ class VoteCodec:
             kernels.add_fields(row, n, self.w_in, self.bias_in, acc)
         kernels.pack_fields(acc, self.w_out, self.bias_out, out=out)
 
-    def decode(self, packed: Array, out: Array) -> None:
-        """Unpack a result segment into ``out`` (int8 +-1 for majority, else the sums)."""
+    def decode(self, packed: Array, out: Array, lo: int, hi: int) -> None:
+        """Write the ``hi - lo`` results packed in ``packed`` (from bit 0, ``w_out`` bits each)
+        to elements ``[lo, hi)`` of ``out``: int8 +-1 for majority, else the sums in ``out``'s
+        integer dtype; with ``packed_out``, to stream bits ``[lo w_out, hi w_out)`` of ``out``
+        (its other bits are left as they are)."""
+        if self.packed_out:
+            kernels.insert_bits(out, lo * self.w_out, packed, (hi - lo) * self.w_out)
+            return
+        dst = out[lo:hi]
         if self.kind == "majority":
-            kernels.unpack_signs(packed, out.size, out=out, dtype=out.dtype)
-        elif (1 << self.w_out) - 1 - self.bias_out <= np.iinfo(out.dtype).max:
-            kernels.unpack_fields(packed, out.size, self.w_out, self.bias_out, out=out,
-                                  dtype=out.dtype)
+            kernels.unpack_signs(packed, dst.size, out=dst, dtype=dst.dtype)
+        elif (1 << self.w_out) - 1 - self.bias_out <= np.iinfo(dst.dtype).max:
+            kernels.unpack_fields(packed, dst.size, self.w_out, self.bias_out, out=dst,
+                                  dtype=dst.dtype)
         else:
             # The sums fit ``out`` (checked by the communicator) but the field's full range
             # does not: decode wider, then narrow.
-            wide = kernels.unpack_fields(packed, out.size, self.w_out, self.bias_out,
+            wide = kernels.unpack_fields(packed, dst.size, self.w_out, self.bias_out,
                                          dtype=np.int32)
-            np.copyto(out, wide, casting="unsafe")
+            np.copyto(dst, wide, casting="unsafe")
 
-    def local(self, x: Array, out: Array) -> None:
-        """The result of a one-rank world: each vote or value is its own aggregate."""
-        if self.kind == "majority":
+    def local(self, x: Array, out: Array, n: int) -> None:
+        """The result of a one-rank world (``n`` elements): each vote or value is its own
+        aggregate."""
+        if self.packed_in or self.packed_out:
+            # Through the codec's own steps: encode, aggregate one row, decode.
+            row = np.empty((1, kernels.packed_nbytes(n, self.w_in)), np.uint8)
+            self.encode(x, 0, n, row[0])
+            res = np.empty(kernels.packed_nbytes(n, self.w_out), np.uint8)
+            self.combine(row, n, 0, res)
+            self.decode(res, out, 0, n)
+        elif self.kind == "majority":
             kernels.unpack_signs(kernels.pack_signs(x), x.size, out=out, dtype=out.dtype)
         elif self.source == "sign":
             kernels.unpack_fields(kernels.pack_ternary(x), x.size, 2, 1, out=out,

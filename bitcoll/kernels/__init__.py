@@ -67,6 +67,11 @@ __all__ = [
     "unpack_fields",
     "add_fields",
     "pack_ternary",
+    "extract_bits",
+    "insert_bits",
+    "first_field_above",
+    "bf16_to_float32",
+    "float32_to_bf16",
     "get_num_threads",
     "set_num_threads",
 ]
@@ -478,3 +483,87 @@ def add_fields(packed: npt.NDArray[np.uint8], n: int, width: int, bias: int,
     _dispatch(n, kern.unpack_serial, kern.unpack_parallel, (a, target, np.int64(b), True),
               _CHUNK_ELEMENTS // _k.GROUP)
     return target
+
+
+# --------------------------------------------------------------------------------------------
+# Bit ranges of packed streams, and bfloat16
+# --------------------------------------------------------------------------------------------
+
+
+def _bit_range(start: object, nbits: object, stream_bytes: int, name: str) -> tuple[int, int]:
+    s = _as_int(start, "start")
+    k = _as_int(nbits, "nbits")
+    if s < 0 or k < 0:
+        raise UsageError(f"start and nbits must be >= 0, got {s} and {k}")
+    if s + k > 8 * stream_bytes:
+        raise UsageError(f"bits [{s}, {s + k}) lie beyond the {stream_bytes} bytes of {name}")
+    return s, k
+
+
+def extract_bits(src: npt.NDArray[np.uint8], start: int, nbits: int,
+                 out: npt.NDArray[np.uint8] | None = None) -> npt.NDArray[np.uint8]:
+    """Bits ``[start, start + nbits)`` of the packed stream ``src`` (``uint8``, 1-D), moved
+    to bit 0: returns ``uint8[ceil(nbits/8)]`` whose bit ``j`` is stream bit ``start + j``
+    (stream bit ``i`` is bit ``i % 8`` of byte ``i // 8``); the padding bits of the last byte
+    are 0. ``start + nbits`` must not exceed ``8 * src.size``. Bad arguments raise
+    :class:`UsageError`.
+    """
+    a = _vector(src, "src", (np.dtype(np.uint8),))
+    s, k = _bit_range(start, nbits, a.size, "src")
+    res = _out(out, np.dtype(np.uint8), packed_nbytes(k))
+    _k.extract_bits(a, s, k, res)
+    return res
+
+
+def insert_bits(dst: npt.NDArray[np.uint8], start: int, src: npt.NDArray[np.uint8],
+                nbits: int) -> npt.NDArray[np.uint8]:
+    """Write bits ``[0, nbits)`` of ``src`` (exactly ``uint8[ceil(nbits/8)]``) to bits
+    ``[start, start + nbits)`` of the packed stream ``dst`` (writeable ``uint8``, 1-D), in
+    place; every other bit of ``dst`` keeps its value, and the padding bits of ``src`` are
+    ignored. Returns ``dst``. Bad arguments raise :class:`UsageError`.
+    """
+    d = _vector(dst, "dst", (np.dtype(np.uint8),))
+    if not d.flags.writeable:
+        raise UsageError("dst must be writeable")
+    s, k = _bit_range(start, nbits, d.size, "dst")
+    a = _bits_input(src, packed_nbytes(k), "src")
+    _k.insert_bits(d, s, a, k)
+    return d
+
+
+def first_field_above(packed: npt.NDArray[np.uint8], n: int, width: int, limit: int) -> int:
+    """The index of the first of the ``n`` ``width``-bit fields of ``packed`` (exactly
+    ``uint8[ceil(n*width/8)]``, the field layout) whose unsigned value exceeds ``limit``,
+    or -1 when none does. Bad arguments raise :class:`UsageError`.
+    """
+    n = _length(n)
+    w = _width(width)
+    a = _bits_input(packed, packed_nbytes(n, w), "packed")
+    lim = _as_int(limit, "limit")
+    if lim >= (1 << w) - 1:
+        return -1
+    if lim < 0:
+        return 0 if n else -1
+    return int(_k.first_field_above(a, n, w, lim))
+
+
+def bf16_to_float32(bits: npt.NDArray[np.uint16],
+                    out: npt.NDArray[np.float32] | None = None) -> npt.NDArray[np.float32]:
+    """Widen bfloat16 values, given as their raw bits (``uint16`` or ``int16``, 1-D), to
+    ``float32[n]``: float32 bits = bfloat16 bits << 16 (exact, NaN payloads included)."""
+    b = _vector(bits, "bits", (np.dtype(np.uint16), np.dtype(np.int16)))
+    res = _out(out, np.dtype(np.float32), b.size)
+    _k.bf16_widen(b.view(np.uint16), res.view(np.uint32))
+    return res
+
+
+def float32_to_bf16(x: npt.NDArray[np.float32],
+                    out: npt.NDArray[np.uint16] | None = None) -> npt.NDArray[np.uint16]:
+    """Round ``float32`` values (1-D) to bfloat16, returned as raw bits ``uint16[n]``: to
+    nearest, ties to even (overflow gives +-inf, subnormals are kept); every NaN becomes the
+    quiet NaN ``0x7FC0``. For every other value this is bit for bit what
+    ``torch.Tensor.to(torch.bfloat16)`` gives (torch's own NaN bits vary by code path)."""
+    a = _vector(x, "x", (np.dtype(np.float32),))
+    res = _out(out, np.dtype(np.uint16), a.size)
+    _k.bf16_narrow(a.view(np.uint32), res)
+    return res

@@ -49,6 +49,11 @@ __all__ = [
     "majority_parallel",
     "FieldKernels",
     "field_kernels",
+    "extract_bits",
+    "insert_bits",
+    "first_field_above",
+    "bf16_widen",
+    "bf16_narrow",
     "BLOCK",
     "GROUP",
 ]
@@ -160,6 +165,26 @@ _store_u64: Callable[..., Any] = intrinsic(_store_u64_typer)
 vector compare that produced ``v``. (Little-endian targets only, like every other layout
 assumption here.)
 """
+
+
+def _load_u64_typer(typingctx: Any, arr: Any, idx: Any) -> Any:
+    if not (isinstance(arr, types.Array) and arr.dtype == types.uint8
+            and isinstance(idx, types.Integer)):
+        return None
+    sig = types.uint64(arr, idx)
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        ary = context.make_array(signature.args[0])(context, builder, args[0])
+        ptr = builder.gep(ary.data, [args[1]])
+        wptr = builder.bitcast(ptr, ir.IntType(64).as_pointer())
+        return builder.load(wptr, align=1)
+
+    return sig, codegen
+
+
+_load_u64: Callable[..., Any] = intrinsic(_load_u64_typer)
+"""``_load_u64(a, j)``: the 8 bytes ``a[j:j+8]`` of a 1-D uint8 array as a little-endian
+word (one unaligned load; at least ``j + 8`` elements, not checked)."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -755,3 +780,152 @@ def _make_field_kernels(width: int) -> FieldKernels:
         return 0
 
     return FieldKernels(pack_serial, pack_parallel, unpack_serial, unpack_parallel)
+
+
+# --------------------------------------------------------------------------------------------
+# Bit ranges: copy ``nbits`` bits between streams at any bit offsets (packed collectives with
+# packed input and output), and the check of a field stream's values.
+# --------------------------------------------------------------------------------------------
+
+
+@_helper()
+def _copy_bytes(src: Any, i: int, out: Any, o: int, count: int) -> None:
+    """``out[o:o + count] = src[i:i + count]``, 8 bytes at a time."""
+    k0 = 0
+    while k0 + 8 <= count:
+        _store_u64(out, o + k0, _load_u64(src, i + k0))
+        k0 += 8
+    for k in range(k0, count):
+        out[o + k] = src[i + k]
+
+
+@_helper()
+def _shift_bytes(src: Any, i: int, t: int, out: Any, o: int, count: int) -> None:
+    """``out[o + k] = bits [8 (i + k) + t, 8 (i + k) + t + 8)`` of ``src`` for ``k < count``
+    (``1 <= t <= 7``; bits past the end of ``src`` read as 0)."""
+    full = max(0, min(count, src.size - i - 1))  # bytes whose two source bytes both exist
+    k0 = 0
+    while k0 + 8 <= full:  # 8 bytes at a time (their 9 source bytes exist)
+        lo = _load_u64(src, i + k0)
+        hi = np.uint64(src[i + k0 + 8])
+        _store_u64(out, o + k0, (lo >> np.uint64(t)) | (hi << np.uint64(64 - t)))
+        k0 += 8
+    for k in range(k0, full):
+        out[o + k] = np.uint8(((np.int64(src[i + k]) >> t)
+                               | (np.int64(src[i + k + 1]) << (8 - t))) & 0xFF)
+    for k in range(max(0, full), count):
+        out[o + k] = np.uint8(np.int64(src[i + k]) >> t)
+
+
+@_kernel()
+def extract_bits(src: Any, start: int, nbits: int, out: Any) -> int:
+    """Bits ``[start, start + nbits)`` of ``src`` to ``out`` from bit 0 (``ceil(nbits/8)``
+    bytes); the padding bits of the last byte are written as 0."""
+    nb = (nbits + 7) >> 3
+    b0 = start >> 3
+    t = start & 7
+    if t == 0:
+        _copy_bytes(src, b0, out, 0, nb)
+    else:
+        _shift_bytes(src, b0, t, out, 0, nb)
+    tail = nbits & 7
+    if tail:
+        out[nb - 1] = np.uint8(np.int64(out[nb - 1]) & ((1 << tail) - 1))
+    return 0
+
+
+@_kernel()
+def insert_bits(dst: Any, start: int, src: Any, nbits: int) -> int:
+    """Bits ``[0, nbits)`` of ``src`` to bits ``[start, start + nbits)`` of ``dst``; every
+    other bit of ``dst`` keeps its value."""
+    if nbits == 0:
+        return 0
+    s = start & 7
+    b0 = start >> 3
+    b_last = (start + nbits - 1) >> 3
+    e = (start + nbits - 1) & 7  # last bit written in byte b_last
+    if s == 0:
+        full = nbits >> 3
+        _copy_bytes(src, 0, dst, b0, full)
+        if nbits & 7:
+            m = (1 << (nbits & 7)) - 1
+            dst[b0 + full] = np.uint8((np.int64(dst[b0 + full]) & ~m & 0xFF)
+                                      | (np.int64(src[full]) & m))
+        return 0
+    # first byte: its bits s..7 (fewer when the range ends in it) come from src bits 0..
+    m0 = ((1 << min(8 - s, nbits)) - 1) << s
+    dst[b0] = np.uint8((np.int64(dst[b0]) & ~m0 & 0xFF) | ((np.int64(src[0]) << s) & m0))
+    if b_last == b0:
+        return 0
+    # interior bytes b0+1 .. b_last-1: every bit written; dst byte d holds src bits from
+    # 8 (d - b0) - s = 8 k + (8 - s) with k = d - b0 - 1
+    _shift_bytes(src, 0, 8 - s, dst, b0 + 1, b_last - b0 - 1)
+    k = b_last - b0 - 1
+    v = np.int64(src[k]) >> (8 - s)
+    if k + 1 < src.size:
+        v |= (np.int64(src[k + 1]) << s) & 0xFF
+    m1 = (1 << (e + 1)) - 1
+    dst[b_last] = np.uint8((np.int64(dst[b_last]) & ~m1 & 0xFF) | (v & m1))
+    return 0
+
+
+@_kernel()
+def first_field_above(packed: Any, n: int, w: int, limit: int) -> int:
+    """Index of the first of ``n`` ``w``-bit fields (``w <= 16``) above ``limit``, or -1."""
+    fmask = np.uint64((1 << w) - 1)
+    lim = np.uint64(limit)
+    for g in range(n // 8):  # 8 fields are w bytes
+        o = g * w
+        lw = np.uint64(0)
+        hw = np.uint64(0)
+        for b in range(min(w, 8)):
+            lw |= np.uint64(packed[o + b]) << np.uint64(8 * b)
+        for b in range(8, w):
+            hw |= np.uint64(packed[o + b]) << np.uint64(8 * (b - 8))
+        for k in range(8):
+            pos = k * w
+            if pos + w <= 64:
+                f = (lw >> np.uint64(pos)) & fmask
+            elif pos < 64:
+                f = ((lw >> np.uint64(pos)) | (hw << np.uint64(64 - pos))) & fmask
+            else:
+                f = (hw >> np.uint64(pos - 64)) & fmask
+            if f > lim:
+                return 8 * g + k
+    for i in range((n // 8) * 8, n):
+        bit = i * w
+        v = np.uint64(0)
+        for b in range(3):  # a field of <= 16 bits at bit offset <= 7 spans <= 3 bytes
+            j = (bit >> 3) + b
+            if j < packed.size:
+                v |= np.uint64(packed[j]) << np.uint64(8 * b)
+        if (v >> np.uint64(bit & 7)) & fmask > lim:
+            return i
+    return -1
+
+
+# --------------------------------------------------------------------------------------------
+# bfloat16 <-> float32 (bfloat16 is the upper half of a float32's bits)
+# --------------------------------------------------------------------------------------------
+
+
+@_kernel()
+def bf16_widen(bits: Any, out: Any) -> int:
+    """``out[i]`` (uint32 view of float32) = ``bits[i] << 16``: exact."""
+    for i in range(bits.size):
+        out[i] = np.uint32(bits[i]) << np.uint32(16)
+    return 0
+
+
+@_kernel()
+def bf16_narrow(u: Any, out: Any) -> int:
+    """``out[i]`` = float32 bits ``u[i]`` rounded to bfloat16, to nearest, ties to even; NaN
+    becomes the quiet NaN ``0x7FC0`` (torch's scalar conversion; the rest is torch's too)."""
+    for i in range(u.size):
+        v = u[i]
+        if (v & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
+            out[i] = np.uint16(0x7FC0)
+        else:
+            bias = ((v >> np.uint32(16)) & np.uint32(1)) + np.uint32(0x7FFF)
+            out[i] = np.uint16((v + bias) >> np.uint32(16))
+    return 0

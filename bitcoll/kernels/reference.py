@@ -28,6 +28,10 @@ __all__ = [
     "unpack_fields",
     "add_fields",
     "pack_ternary",
+    "extract_bits",
+    "insert_bits",
+    "bf16_to_float32",
+    "float32_to_bf16",
 ]
 
 TIE_POSITIVE = 0
@@ -129,3 +133,29 @@ def pack_ternary(x: npt.NDArray[np.floating[Any]]) -> U8:
     """sign(x) + 1 (0 for x < 0, 1 for x == 0 or -0.0, 2 for x > 0) as 2-bit fields."""
     _check_nan(x)
     return _bits_to_fields(np.sign(x).astype(np.int64) + 1, 2)
+
+
+def extract_bits(src: U8, start: int, nbits: int) -> U8:
+    """Stream bits ``[start, start + nbits)`` of ``src`` moved to bit 0 (padding 0)."""
+    return np.packbits(np.unpackbits(src, bitorder="little")[start:start + nbits],
+                       bitorder="little")
+
+
+def insert_bits(dst: U8, start: int, src: U8, nbits: int) -> U8:
+    """``dst`` with stream bits ``[start, start + nbits)`` replaced by bits ``[0, nbits)`` of
+    ``src`` (a new array)."""
+    bits = np.unpackbits(dst, bitorder="little")
+    bits[start:start + nbits] = np.unpackbits(src, count=nbits, bitorder="little")
+    return np.packbits(bits, bitorder="little")
+
+
+def bf16_to_float32(bits: npt.NDArray[np.uint16]) -> npt.NDArray[np.float32]:
+    """float32 whose bits are the bfloat16 bits shifted up by 16."""
+    return (bits.astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+
+def float32_to_bf16(x: npt.NDArray[np.float32]) -> npt.NDArray[np.uint16]:
+    """bfloat16 bits of ``x`` rounded to nearest, ties to even; NaN -> 0x7FC0."""
+    u = x.view(np.uint32).astype(np.uint64)
+    rounded = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    return np.where(np.isnan(x), np.uint16(0x7FC0), rounded)
