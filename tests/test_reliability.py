@@ -65,7 +65,7 @@ def test_a_stopped_rank_is_named_by_every_survivor() -> None:
         if msg.startswith("CommTimeoutError"):
             assert silent == 2, (rank, msg)
         else:
-            assert "rank 2" in msg and "went silent" in msg or "from rank 2" in msg, (rank, msg)
+            assert ("rank 2" in msg and "went silent" in msg) or "from rank 2" in msg, (rank, msg)
 
 
 def _stranger(port: int, secret: bytes | None) -> str:
@@ -167,10 +167,12 @@ def _leave_with_exception(rank: int, port: int, q: Any) -> None:
         except ValueError:
             q.put((1, time.monotonic() - t0, ""))
         return
-    deadline = time.monotonic() + 50
-    while comm.transport.failure is None and time.monotonic() < deadline:
-        time.sleep(0.01)  # waits for a condition (the peer's abort), not for an interleaving
-    q.put((0, 0.0, str(comm.transport.failure)))
+    t0 = time.monotonic()
+    try:
+        comm.barrier(timeout=60)  # its next collective learns why rank 1 left, at once
+        q.put((0, time.monotonic() - t0, "no error"))
+    except BitcollError as exc:
+        q.put((0, time.monotonic() - t0, f"{type(exc).__name__}: {exc}"))
     comm.close()
 
 
@@ -187,4 +189,6 @@ def test_an_exception_leaving_with_aborts_at_once() -> None:
     for p in procs:
         p.join(10)
     assert got[1][0] < 30, got  # not the 60 s deadline of the pending all-reduce
+    assert got[0][0] < 30, got
+    assert got[0][1].startswith("PeerLostError"), got
     assert "rank 1 aborted" in got[0][1] and "the training step failed" in got[0][1], got

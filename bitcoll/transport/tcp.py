@@ -809,7 +809,11 @@ class TCPTransport(Transport):
                 msg = header.mismatch(req.header, p.rank)
                 if msg is not None:
                     p.current = None
-                    self._fail(ProtocolError(msg))
+                    # A peer that aborted in the middle of a frame left that frame's header
+                    # here: its reason explains the mismatch better than the headers do.
+                    aborted = self._abort_reason(p.rank)
+                    self._fail(ProtocolError(msg) if aborted is None
+                               else PeerLostError(aborted))
                     req._finish(self._failure)
                     break
                 body = got - HEADER_SIZE
@@ -909,17 +913,26 @@ class TCPTransport(Transport):
         if req is not None:
             req._finish(self._failure or UsageError("the TCP transport is closed"))
 
+    def _abort_reason(self, peer: int) -> str | None:
+        """``"rank <peer> aborted: <reason>"`` when ``peer`` left an abort reason in the
+        store, else None."""
+        store = self._store
+        if store is None:
+            return None
+        try:
+            raw = store.try_get(self._key(KEY_ABORT.format(peer)),
+                                time.monotonic() + ABORT_STORE_SECONDS)
+        except CommError:
+            return None
+        if raw is None:
+            return None
+        return f"rank {peer} aborted: {raw.decode('utf-8', errors='replace')}"
+
     def _lost_message(self, peer: int, exc: BaseException | None) -> str:
         """Why the connection to ``peer`` ended: its abort reason from the store if any."""
-        store = self._store
-        if store is not None:
-            try:
-                raw = store.try_get(self._key(KEY_ABORT.format(peer)),
-                                    time.monotonic() + ABORT_STORE_SECONDS)
-            except CommError:
-                raw = None
-            if raw is not None:
-                return f"rank {peer} aborted: {raw.decode('utf-8', errors='replace')}"
+        reason = self._abort_reason(peer)
+        if reason is not None:
+            return reason
         how = f" ({exc})" if exc is not None else ""
         return (f"lost the connection to rank {peer}{how}: rank {peer} exited, was killed or "
                 "closed its transport")
