@@ -75,6 +75,13 @@ DEFAULT_PACKED_SEGMENT_BYTES = 1 << 20
 64M-element sign all-reduce on 4 ranks packs, counts and decodes in 2 segments per block."""
 #: At or below this many bytes the dense all-reduce uses recursive doubling (latency-bound).
 SMALL_MESSAGE_BYTES = 64 << 10
+#: Over MPI, all-reduces of at most this many bytes use MPI's own collective by default
+#: (``algorithm="auto"``): below it MPI's latency-optimized algorithms beat a ring of frames.
+MPI_NATIVE_MAX_BYTES = 64 << 10
+#: The packed collectives' default is the all-gather baseline while it sends at most this many
+#: bytes more per rank than the bandwidth-optimal direct exchange (one round of messages
+#: instead of two), the direct exchange above: see :func:`packed_auto_algorithm`.
+PACKED_ALLGATHER_MAX_EXCESS = 128 << 10
 
 _ALGORITHMS: dict[str, tuple[str, ...]] = {
     "allreduce": ("auto", "ring", "recursive_doubling", "native"),
@@ -227,6 +234,7 @@ class Communicator:
         self._splits = 0  # split() calls so far: names the sub-groups' namespaces
         self._agreed_failure: CommError | None = None  # see _AGREED
         self._topology: Topology | None = None
+        self._mpi_native = hasattr(transport, "native_allreduce")
         self._host_comms: dict[str, Communicator] = {}  # host_comm() / cross_host_comm()
 
     # ------------------------------------------------------------------ properties
@@ -472,11 +480,12 @@ class Communicator:
 
         ``x``: any supported dtype and shape (read flattened). ``op``: "sum", "avg" (floating
         dtypes only), "max", "min". Returns ``out`` (same dtype and shape as ``x``; ``out=x``
-        reduces in place), or a Work with ``async_op=True``. ``algorithm``: "auto" (recursive
-        doubling up to 64 KiB, ring above), "ring", "recursive_doubling", "native" (MPI's
-        own, MPI backend only). bfloat16 (torch tensors) is reduced in float32 and rounded
-        once to bfloat16 (to nearest, ties to even) at each block's owner; the ring's
-        reduce-scatter moves float32, its all-gather bfloat16.
+        reduces in place), or a Work with ``async_op=True``. ``algorithm``: "auto" (over MPI:
+        MPI's own collective up to :data:`MPI_NATIVE_MAX_BYTES` except float16; otherwise
+        recursive doubling up to 64 KiB, ring above), "ring", "recursive_doubling", "native"
+        (MPI's own, MPI backend only; not float16: UsageError). bfloat16 (torch tensors) is
+        reduced in float32 and rounded once to bfloat16 (to nearest, ties to even) at each
+        block's owner; the ring's reduce-scatter moves float32, its all-gather bfloat16.
 
         Example, 2 ranks: rank 0 ``x=[1, 2]``, rank 1 ``x=[3, 4]`` → both get ``[4, 6]``.
         """
@@ -488,7 +497,13 @@ class Communicator:
                 check_dtype(vec.dtype, rop)
             res, flat = output(out, vec.size, vec.dtype, v.shape, bf16=v.bf16)
             auto = "recursive_doubling" if vec.nbytes <= SMALL_MESSAGE_BYTES else "ring"
+            if self._mpi_native and vec.nbytes <= MPI_NATIVE_MAX_BYTES and \
+                    vec.dtype != np.float16:
+                auto = "native"
             algo = self._algorithm("allreduce", algorithm, auto)
+            if algo == "native" and vec.dtype == np.float16:
+                raise UsageError("algorithm='native' cannot reduce float16 (MPI has no float16 "
+                                 "reduction); leave algorithm at its default")
 
             inplace = in_place(flat, vec)
 
@@ -751,7 +766,7 @@ class Communicator:
             if kind == "sum" and bound > np.iinfo(flat.dtype).max:
                 raise UsageError(f"out dtype {flat.dtype} cannot hold sums up to {bound} "
                                  f"(levels {levels} x {self.size} ranks)")
-            codec, algo = self._packed_codec(kind, source, levels, tie, algorithm, False)
+            codec, algo = self._packed_codec(kind, source, levels, tie, algorithm, False, n)
 
         def check() -> None:
             if source == "int" and n and (vec.min() < -levels or vec.max() > levels):
@@ -764,7 +779,7 @@ class Communicator:
                                 async_op, timeout)
 
     def _packed_codec(self, kind: str, source: str, levels: int, tie: str,
-                      algorithm: str | None, packed_io: bool) -> tuple[Any, str]:
+                      algorithm: str | None, packed_io: bool, count: int) -> tuple[Any, str]:
         """The tie rule and algorithm checked, the majority call counted: the call's codec
         and algorithm (the last step of a packed collective's validation)."""
         from .algorithms.votes import TIES, VoteCodec
@@ -772,7 +787,12 @@ class Communicator:
         if tie not in TIE_RULES:
             raise UsageError(f"unknown tie rule {tie!r}; expected one of "
                              f"{', '.join(TIE_RULES)}")
-        algo = self._algorithm("packed", algorithm, "direct")
+        from .algorithms.votes import field_width
+
+        w_in = field_width(levels) if kind == "sum" else 1
+        w_out = field_width(levels * self.size) if kind == "sum" else 1
+        algo = self._algorithm("packed", algorithm,
+                               packed_auto_algorithm(count, self.size, w_in, w_out))
         tie_call = 0
         if kind == "majority":
             with self._lock:
@@ -834,7 +854,7 @@ class Communicator:
             if flat.size and vec.size and np.shares_memory(flat, vec):
                 raise UsageError(f"out overlaps {arg}; pass a separate array")
             codec, algo = self._packed_codec(kind, "int" if kind == "sum" else "sign", levels,
-                                             tie, algorithm, True)
+                                             tie, algorithm, True, n)
 
         def check() -> None:
             if kind != "sum" or not n:
@@ -868,12 +888,13 @@ class Communicator:
           int32 by default (``out`` may be int8/16/32/64 if it holds ``+-size``).
 
         NaN in ``x`` raises UsageError (found while packing; the peers get PeerLostError).
-        ``algorithm``: "direct" (default: bandwidth-optimal direct-exchange reduce-scatter of
-        packed bits, aggregation at each block's owner, all-gather of the packed result,
-        pipelined in segments), "ring" (partial counts forwarded round a ring), "allgather"
-        (every rank gathers every rank's bits and votes locally; the Distributed Lion
-        baseline). Bytes sent per rank by "direct" for majority: about
-        ``2 (p - 1) / p * n / 8`` plus headers.
+        ``algorithm``: "auto" (default: "allgather" for small vectors, where one round of
+        messages beats two, "direct" above; see :func:`packed_auto_algorithm`), "direct"
+        (bandwidth-optimal direct-exchange reduce-scatter of packed bits, aggregation at each
+        block's owner, all-gather of the packed result, pipelined in segments), "ring"
+        (partial counts forwarded round a ring), "allgather" (every rank gathers every rank's
+        bits and votes locally; the Distributed Lion baseline). Bytes sent per rank by
+        "direct" for majority: about ``2 (p - 1) / p * n / 8`` plus headers.
 
         Example, 3 ranks with ``x = [1., -2.]``, ``[-1., -1.]``, ``[3., 0.]``: majority gives
         ``[1, -1]`` and sum gives ``[1, -2]`` on every rank.
@@ -1018,6 +1039,18 @@ def _check_same_root(ctx: OpContext, root: int) -> None:
                             f"to {hi}; this rank passed {root})")
         _AGREED.add(exc)
         raise exc
+
+
+def packed_auto_algorithm(count: int, size: int, w_in: int = 1, w_out: int = 1) -> str:
+    """The default algorithm of a packed collective of ``count`` elements on ``size`` ranks
+    with ``w_in``-bit votes and ``w_out``-bit results: "allgather" (one round: every rank
+    sends its ``(size - 1) * count * w_in / 8`` bytes) while that is at most
+    :data:`PACKED_ALLGATHER_MAX_EXCESS` bytes more than the direct exchange's
+    ``(size - 1) / size * count * (w_in + w_out) / 8`` (two rounds), else "direct". With 2
+    ranks the all-gather never sends more, so it is always chosen."""
+    allgather = (size - 1) * count * w_in / 8
+    direct = (size - 1) / size * count * (w_in + w_out) / 8
+    return "allgather" if allgather - direct <= PACKED_ALLGATHER_MAX_EXCESS else "direct"
 
 
 def _check_timeout(timeout: float) -> float:

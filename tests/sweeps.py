@@ -225,7 +225,7 @@ def packed_bandwidth(comm: Communicator, n: int = 100_003, levels: int = 7,
         return s["bytes_sent"] - HEADER_SIZE * s["messages_sent"], s["messages_sent"]
 
     # majority, direct: every other block's bits once, then this block's result to p-1 peers
-    sent, msgs = payload(lambda: comm.sign_allreduce(x))
+    sent, msgs = payload(lambda: comm.sign_allreduce(x, algorithm="direct"))
     exact = sum(-(-lens[j] // 8) for j in range(p) if j != r) + (p - 1) * -(-lens[r] // 8)
     bound = 2 * (p - 1) / p * n / 8 + 2 * (p - 1)
     assert sent == exact and sent <= bound, (sent, exact, bound)
@@ -236,7 +236,7 @@ def packed_bandwidth(comm: Communicator, n: int = 100_003, levels: int = 7,
     report["majority_allgather"] = (sent, msgs)
     # exact sums: w_in bits to each owner, w_out bits back
     w_in, w_out = field_width(levels), field_width(levels * p)
-    sent, msgs = payload(lambda: comm.quantized_allreduce(q, levels))
+    sent, msgs = payload(lambda: comm.quantized_allreduce(q, levels, algorithm="direct"))
     exact = (sum(-(-lens[j] * w_in // 8) for j in range(p) if j != r)
              + (p - 1) * -(-lens[r] * w_out // 8))
     bound = (p - 1) / p * n * (w_in + w_out) / 8 + 2 * (p - 1)
@@ -284,8 +284,9 @@ class _PackedFront:
     def sign_allreduce(self, x: Array, algorithm: str | None = None) -> Any:
         return self.comm.packed_sign_allreduce(self.bits, self.n, algorithm=algorithm)
 
-    def quantized_allreduce(self, q: Array, levels: int) -> Any:
-        return self.comm.packed_quantized_allreduce(self.fields, self.n, levels)
+    def quantized_allreduce(self, q: Array, levels: int, algorithm: str | None = None) -> Any:
+        return self.comm.packed_quantized_allreduce(self.fields, self.n, levels,
+                                                    algorithm=algorithm)
 
 
 def packed_io_sweep(comm: Communicator, seed: int = 0,
