@@ -218,7 +218,7 @@ def init(backend: str = "auto", timeout: float = DEFAULT_TIMEOUT,
          segment_bytes: int = DEFAULT_SEGMENT_BYTES,
          packed_segment_bytes: int = DEFAULT_PACKED_SEGMENT_BYTES, *,
          comm: object | None = None, store: object | None = None,
-         integrity: bool | None = None) -> Communicator:
+         integrity: bool | None = None, shm: bool | None = None) -> Communicator:
     """Create the communicator of this process's world.
 
     ``backend``: "auto", "mpi", "tcp" or "local" (see the module docstring for how "auto"
@@ -233,7 +233,10 @@ def init(backend: str = "auto", timeout: float = DEFAULT_TIMEOUT,
     ``BITCOLL_INTEGRITY=1`` in the environment, else off): every data frame carries a keyed
     MAC checked on arrival, so a frame altered on the wire is a ProtocolError rather than a
     wrong result (every rank must use the same setting; costs a hash pass over the bytes on
-    each side, see the README).
+    each side, see the README). ``shm`` (TCP backend; default: ``BITCOLL_SHM`` in the
+    environment, ``0`` or ``1``, else on): ranks that share a host exchange frames through
+    shared memory instead of TCP (:mod:`bitcoll.transport.hybrid`); ignored by the other
+    backends.
 
     Raises UsageError for an unknown backend, ``comm`` that is not an mpi4py
     intra-communicator, ``comm`` with a non-MPI backend, ``store`` lacking a method or with a
@@ -260,6 +263,9 @@ def init(backend: str = "auto", timeout: float = DEFAULT_TIMEOUT,
                              "contradicts it")
         backend = "tcp"
     check = _integrity(integrity)
+    from .transport.hybrid import shm_enabled
+
+    use_shm = shm_enabled(shm)
     if backend == "auto":
         backend = detect_backend()
     if integrity and backend != "tcp":
@@ -281,4 +287,21 @@ def init(backend: str = "auto", timeout: float = DEFAULT_TIMEOUT,
     except BaseException:
         comm.close()
         raise
+    # -- shared memory between the ranks of one host (bitcoll.transport.hybrid) ----------------
+    if backend == "tcp" and use_shm and comm.local_size > 1:
+        from .transport.hybrid import HybridTransport
+        from .transport.tcp import TCPTransport
+
+        assert isinstance(transport, TCPTransport)
+        try:
+            wrapped = HybridTransport.create(transport, comm.topology.hosts, timeout)
+        except BaseException:
+            comm.close()
+            raise
+        if wrapped is not transport:
+            topology = comm.topology
+            comm = Communicator(wrapped, timeout=timeout, segment_bytes=segment_bytes,
+                                packed_segment_bytes=packed_segment_bytes)
+            comm._topology = topology  # known: no second exchange of host keys
+    # -- end of shared memory ----------------------------------------------------------------
     return comm

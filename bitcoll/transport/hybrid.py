@@ -1,0 +1,842 @@
+"""The TCP backend with shared memory between the ranks of one host.
+
+:class:`HybridTransport` wraps a connected :class:`~bitcoll.transport.tcp.TCPTransport`:
+frames to a peer on this rank's host go through a shared-memory ring
+(:mod:`bitcoll.transport.shm`), frames to every other peer through the TCP transport
+unchanged. ``bitcoll.init`` builds it when some rank shares this rank's host (the host keys of
+:mod:`bitcoll.topology`) unless ``shm=False`` or ``BITCOLL_SHM=0``; the algorithms do not
+change. Its ``name`` stays ``"tcp"`` (``comm.backend``).
+
+Contract (that of :class:`~bitcoll.transport.base.Transport`, kept per peer)
+--------------------------------------------------------------------------
+* Each peer uses one path for the transport's whole life, so frames to one peer leave in
+  ``isend`` order and receives from one peer match frames in posting order, whatever the path.
+* A shared-memory frame is the same 32-byte header and payload as on TCP (plus up to 7 bytes
+  of ring padding, not counted); the receiver checks the header exactly like TCP: a mismatch
+  is a :class:`~bitcoll.errors.ProtocolError` and aborts the transport (a
+  :class:`~bitcoll.errors.PeerLostError` with the peer's reason when the peer aborted: the
+  frame is then one of the collective it abandoned; its abort is waited for up to
+  :data:`MISMATCH_GRACE_SECONDS`).
+* ``stats`` counts ``HEADER_SIZE + payload`` bytes and one message per frame on both paths (a
+  send when its last byte is in the ring, a receive when complete). ``stats_local`` counts
+  the shared-memory frames alone and ``stats_remote`` (the TCP transport's own ``stats``) the
+  TCP frames; ``stats`` is their sum and ``stats.reset()`` resets both. Integrity tags
+  (``integrity=True``) are only on TCP frames: shared memory never leaves the host and only
+  this user can map it.
+* ``irecv_consume`` hands the consumer pieces of the ring itself (at most
+  :data:`~bitcoll.transport.shm.CHUNK_BYTES`, multiples of 8 bytes except the last): a ring
+  reduction reads the peer's bytes straight from shared memory, without a landing copy.
+
+Data path
+---------
+Per shared-memory peer, like TCP: one *sender* thread takes frames from a FIFO queue and
+copies them into the out ring chunk by chunk, waiting on the "space" doorbell when the ring is
+full; ``isend`` first copies what fits without waiting itself when nothing is queued for that
+peer (small frames complete in the caller). One *receiver* thread serves posted receives in
+order: it waits on the "data" doorbell for the header, checks it, then copies (or consumes)
+the payload as it is published, advancing the ring's ``read`` counter after every chunk so
+that the sender can stream a frame larger than the ring. The numpy copies release the GIL.
+
+Failure
+-------
+* :meth:`HybridTransport.abort` (and every internal failure) records the error, writes the
+  reason into every shared segment (this side's abort state) and rings both doorbells of every
+  shared-memory peer, wakes this rank's own waiting threads, and aborts the TCP transport (which
+  tells the TCP peers and leaves the reason in the store). A shared-memory peer waiting on this
+  rank fails at once with ``PeerLostError("rank <r> aborted: <reason>")``.
+* A peer that exits, is killed or closes its transport closes its doorbell ends: a waiter
+  sees end of file at once and, unless the bytes it waits for are already in the ring, fails
+  with ``PeerLostError`` naming that rank (a peer that only closed between frames while
+  nothing is posted from it fails nothing, as on TCP).
+* A failure of the TCP transport (a remote peer lost or aborted) fails this transport too:
+  seen at once by a caller waiting on a TCP request, within :data:`~bitcoll.transport.shm.
+  WATCH_SECONDS` by a thread waiting on a doorbell.
+* ``Request.wait`` past its deadline raises :class:`~bitcoll.errors.CommTimeoutError` naming
+  the rank the silence started from (the TCP transport's store record,
+  ``TCPTransport.silent_origin``) and leaves the transport as it is.
+* After a failure every pending request fails with it and every ``isend``/``irecv`` raises it.
+
+``close()`` lets queued sends finish (within the TCP transport's ``close_timeout``), stops the
+threads, closes the doorbells, unmaps the segments and closes the TCP transport. The segments
+were unlinked at set-up (:mod:`bitcoll.transport.shm`), so nothing is left in ``/dev/shm``
+even when a rank is killed.
+
+What this module reads of the TCP transport: its public ``rank``, ``size``, ``stats``,
+``job_id``, ``close_timeout``, ``failure``, ``isend``/``irecv``/``irecv_consume``,
+``abort``, ``close``, ``subgroup`` and ``silent_origin``; set-up frames travel on the TCP
+connections themselves (sequence number :data:`SETUP_SEQ`), so segment names only ever cross
+authenticated connections.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import queue
+import select
+import threading
+import time
+import zlib
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Final
+
+import numpy as np
+
+from ..errors import (
+    BitcollError,
+    CommError,
+    CommTimeoutError,
+    PeerLostError,
+    ProtocolError,
+    UsageError,
+)
+from . import shm
+from .base import (
+    HEADER_SIZE,
+    Consumer,
+    FrameHeader,
+    Request,
+    TrafficStats,
+    Transport,
+    byte_view,
+)
+
+if TYPE_CHECKING:
+    from .tcp import TCPTransport
+
+__all__ = ["HybridTransport", "CombinedStats", "ENV_SHM", "DEFAULT_SHM", "shm_enabled",
+           "SETUP_SEQ"]
+
+#: Environment variable: "0" turns shared memory off, "1" on (default :data:`DEFAULT_SHM`).
+ENV_SHM: Final = "BITCOLL_SHM"
+#: Whether ``bitcoll.init`` uses shared memory when neither ``shm=`` nor ``BITCOLL_SHM`` say.
+DEFAULT_SHM: Final = False
+#: Sequence number of the set-up frames on the TCP connections (no collective has it).
+SETUP_SEQ: Final = 2**64 - 2
+_SETUP_SIG: Final = zlib.crc32(b"bitcoll shared-memory set-up")
+#: How long a receiver that found a mismatched header waits for the peer's abort reason.
+MISMATCH_GRACE_SECONDS: Final = 0.2
+
+_log = logging.getLogger("bitcoll.shm")
+
+
+def shm_enabled(value: bool | None) -> bool:
+    """The ``shm`` setting of ``bitcoll.init``: ``value`` when given, else ``BITCOLL_SHM``
+    ("0" or "1"), else :data:`DEFAULT_SHM`. UsageError for anything else."""
+    if value is None:
+        env = os.environ.get(ENV_SHM, "")
+        if env not in ("0", "1", ""):
+            raise UsageError(f"{ENV_SHM} must be 0 or 1, got {env!r}")
+        return DEFAULT_SHM if env == "" else env == "1"
+    if not isinstance(value, bool):
+        raise UsageError(f"shm must be True, False or None, got {value!r}")
+    return value
+
+
+class CombinedStats(TrafficStats):
+    """The sum of several :class:`TrafficStats` (``stats_local`` + ``stats_remote``).
+
+    The counters are read-only sums; ``reset()`` resets every part; ``add_sent`` /
+    ``add_received`` count into the first part."""
+
+    def __init__(self, *parts: TrafficStats) -> None:  # no super().__init__: no own counters
+        self._parts = parts
+
+    def _sum(self, key: str) -> int:
+        return sum(p.snapshot()[key] for p in self._parts)
+
+    @staticmethod
+    def _read_only(value: int) -> None:
+        raise AttributeError("CombinedStats is a sum of counters: reset() it, or count into "
+                             "its parts")
+
+    @property
+    def bytes_sent(self) -> int:
+        return self._sum("bytes_sent")
+
+    @bytes_sent.setter
+    def bytes_sent(self, value: int) -> None:
+        self._read_only(value)
+
+    @property
+    def bytes_received(self) -> int:
+        return self._sum("bytes_received")
+
+    @bytes_received.setter
+    def bytes_received(self, value: int) -> None:
+        self._read_only(value)
+
+    @property
+    def messages_sent(self) -> int:
+        return self._sum("messages_sent")
+
+    @messages_sent.setter
+    def messages_sent(self, value: int) -> None:
+        self._read_only(value)
+
+    @property
+    def messages_received(self) -> int:
+        return self._sum("messages_received")
+
+    @messages_received.setter
+    def messages_received(self, value: int) -> None:
+        self._read_only(value)
+
+    def add_sent(self, nbytes: int, messages: int = 1) -> None:
+        self._parts[0].add_sent(nbytes, messages)
+
+    def add_received(self, nbytes: int, messages: int = 1) -> None:
+        self._parts[0].add_received(nbytes, messages)
+
+    def snapshot(self) -> dict[str, int]:
+        total = {"bytes_sent": 0, "bytes_received": 0, "messages_sent": 0,
+                 "messages_received": 0}
+        for p in self._parts:
+            for k, v in p.snapshot().items():
+                total[k] += v
+        return total
+
+    def reset(self) -> None:
+        for p in self._parts:
+            p.reset()
+
+
+class _Stop(Exception):
+    """A transport thread must stop serving: the transport failed or is closing."""
+
+
+class _ConsumerFailed(Exception):
+    """A consumer of ``irecv_consume`` raised (the transport has failed)."""
+
+
+def _align8(n: int) -> int:
+    return (n + 7) & ~7
+
+
+class _ShmRequest(Request):
+    """A pending shared-memory send or receive (completion releases a lock, as on TCP)."""
+
+    __slots__ = ("_done", "_error", "_lock", "_owner", "consume", "data", "head", "header",
+                 "is_send", "peer", "pos", "posted", "total")
+
+    def __init__(self, owner: HybridTransport, peer: int, header: FrameHeader,
+                 view: memoryview, is_send: bool) -> None:
+        self._lock = threading.Lock()
+        self._lock.acquire()
+        self._done = False
+        self._error: BitcollError | None = None
+        self._owner = owner
+        self.peer = peer
+        self.header = header
+        self.is_send = is_send
+        self.data = np.frombuffer(view, np.uint8) if len(view) else np.empty(0, np.uint8)
+        self.head = np.frombuffer(header.pack(), np.uint8) if is_send else self.data[:0]
+        self.total = _align8(HEADER_SIZE + header.length)  # frame bytes in the ring
+        self.pos = 0  # frame bytes already in the ring (sends)
+        self.posted = time.monotonic()
+        self.consume: Consumer | None = None
+
+    def _finish(self, error: BitcollError | None) -> None:
+        if self._done:
+            return
+        self._error = error
+        self._done = True
+        with contextlib.suppress(RuntimeError):
+            self._lock.release()
+
+    def done(self) -> bool:
+        return self._done
+
+    def wait(self, deadline: float) -> None:
+        if not self._done:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._lock.acquire(timeout=min(left, threading.TIMEOUT_MAX)):
+                raise self._owner._timed_out(self.peer, self.header, self.is_send, self.posted)
+            self._lock.release()
+        if self._error is not None:
+            raise self._error.with_traceback(None)
+
+
+class _Routed(Request):
+    """A TCP request of the hybrid transport: a TCP failure fails the hybrid transport too
+    (so that shared-memory peers learn of it at once), and a failure that started on the
+    shared-memory side is reported as itself."""
+
+    __slots__ = ("_inner", "_owner")
+
+    def __init__(self, owner: HybridTransport, inner: Request) -> None:
+        self._owner = owner
+        self._inner = inner
+
+    def done(self) -> bool:
+        return self._inner.done()
+
+    def wait(self, deadline: float) -> None:
+        try:
+            self._inner.wait(deadline)
+        except CommTimeoutError:
+            raise
+        except CommError as exc:
+            own = self._owner._own_failure()
+            if own is not None and own is not exc:
+                raise own.with_traceback(None) from None
+            self._owner._fail(exc)
+            raise
+
+
+class _Peer:
+    """One shared-memory peer: its channel, queues and two threads."""
+
+    def __init__(self, ch: shm.ShmChannel) -> None:
+        self.rank = ch.peer
+        self.ch = ch
+        self.send_q: queue.SimpleQueue[_ShmRequest | None] = queue.SimpleQueue()
+        self.recv_q: queue.SimpleQueue[_ShmRequest | None] = queue.SimpleQueue()
+        self.send_lock = threading.Lock()  # held while a frame is being copied in
+        self.state = threading.Lock()  # guards ``queued``
+        self.queued = 0
+        self.current: _ShmRequest | None = None  # the receive being served
+        self.sender: threading.Thread | None = None
+        self.receiver: threading.Thread | None = None
+
+
+class HybridTransport(Transport):
+    """TCP for peers on other hosts, shared memory for peers on this one. Build it with
+    :meth:`create` over a connected TCP transport (which it then owns)."""
+
+    name = "tcp"
+    consumes_on_receive = True
+
+    def __init__(self, tcp: TCPTransport, hosts: Sequence[int],
+                 channels: dict[int, shm.ShmChannel], ring_bytes: int,
+                 fallbacks: dict[int, str] | None = None) -> None:
+        self.rank = tcp.rank
+        self.size = tcp.size
+        self.job_id = tcp.job_id
+        self.close_timeout = tcp.close_timeout
+        self.hosts = tuple(hosts)
+        self.ring_bytes = ring_bytes
+        #: Peers on this host that use TCP after all, and why (set-up refused shared memory).
+        self.fallbacks = dict(fallbacks or {})
+        self._tcp = tcp
+        #: Frames through shared memory only.
+        self.stats_local = TrafficStats()
+        #: Frames through TCP only (the TCP transport's own counters).
+        self.stats_remote = tcp.stats
+        self.stats = CombinedStats(self.stats_local, self.stats_remote)
+        self._lock = threading.Lock()
+        self._failure: CommError | None = None
+        self._closed = False
+        self._closing = False
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._peers: dict[int, _Peer] = {p: _Peer(ch) for p, ch in channels.items()}
+        for peer in self._peers.values():
+            peer.sender = threading.Thread(target=self._send_loop, args=(peer,), daemon=True,
+                                           name=f"bitcoll-shm-send-{self.rank}-to-{peer.rank}")
+            peer.receiver = threading.Thread(
+                target=self._recv_loop, args=(peer,), daemon=True,
+                name=f"bitcoll-shm-recv-{self.rank}-from-{peer.rank}")
+            peer.sender.start()
+            peer.receiver.start()
+
+    # ---------------------------------------------------------------- set-up
+
+    @classmethod
+    def create(cls, tcp: TCPTransport, hosts: Sequence[int], timeout: float,
+               ring_bytes: int | None = None) -> Transport:
+        """Give the peers of ``tcp`` on this rank's host (``hosts[r]``: rank ``r``'s host,
+        the same list on every rank) shared-memory channels; return the hybrid transport,
+        or ``tcp`` itself when no peer shares this host or none could map a segment.
+
+        Collective over the ranks of ``tcp``'s host (the others return at once). ``timeout``
+        (seconds) bounds the exchange. A pair that cannot use shared memory uses TCP (see
+        :mod:`bitcoll.transport.shm`). On an error (a peer lost during set-up, the deadline)
+        the TCP transport is aborted, nothing is left in ``/dev/shm``, and the error is
+        raised. ``ring_bytes``: bytes of each direction's ring (default
+        :data:`~bitcoll.transport.shm.DEFAULT_RING_BYTES`)."""
+        if ring_bytes is None:
+            ring_bytes = shm.DEFAULT_RING_BYTES
+        if len(hosts) != tcp.size:
+            raise UsageError(f"hosts has {len(hosts)} entries for {tcp.size} ranks")
+        if ring_bytes < 4096 or ring_bytes % 4096:
+            raise UsageError(f"ring_bytes must be a multiple of 4096, got {ring_bytes}")
+        rank = tcp.rank
+        local = [p for p in range(tcp.size) if p != rank and hosts[p] == hosts[rank]]
+        if not local:
+            return tcp
+        deadline = time.monotonic() + timeout
+        offers: dict[int, shm.Offer] = {}
+        channels: dict[int, shm.ShmChannel] = {}
+        fallbacks: dict[int, str] = {}
+        keep: list[Any] = []  # buffers of the set-up frames, alive until sent / received
+        sends: list[Request] = []
+        try:
+            inbox: dict[int, tuple[Request, bytearray]] = {}
+            for p in local:
+                buf = bytearray(shm.ANSWER_BYTES if rank < p else shm.OFFER_BYTES)
+                step = 1 if rank < p else 0
+                inbox[p] = (tcp.irecv(p, memoryview(buf), _setup_header(step, len(buf))), buf)
+            for p in local:
+                if rank < p:  # this rank is side 0 of the pair: it offers
+                    made = offers[p] = shm.offer(tcp.job_id, ring_bytes)
+                    keep.append(made.message)
+                    sends.append(tcp.isend(p, memoryview(made.message),
+                                           _setup_header(0, len(made.message))))
+            for p in local:
+                if p < rank:  # side 1: answer the offer
+                    req, buf = inbox[p]
+                    req.wait(deadline)
+                    ch, answer, why = shm.accept(p, bytes(buf))
+                    if ch is None:
+                        fallbacks[p] = why
+                    else:
+                        channels[p] = ch
+                    keep.append(answer)
+                    sends.append(tcp.isend(p, memoryview(answer),
+                                           _setup_header(1, len(answer))))
+            for p in local:
+                if rank < p:
+                    req, buf = inbox[p]
+                    req.wait(deadline)
+                    ch, why = shm.finish_offer(offers.pop(p), p, bytes(buf))
+                    if ch is None:
+                        fallbacks[p] = why
+                    else:
+                        channels[p] = ch
+            for s in sends:
+                s.wait(deadline)
+        except BaseException as exc:
+            for made in offers.values():
+                shm.discard_offer(made)
+            for ch in channels.values():
+                ch.close()
+            tcp.abort(f"shared-memory set-up failed on rank {rank}: "
+                      f"{type(exc).__name__}: {exc}")
+            raise
+        for p, why in fallbacks.items():
+            _log.info("rank %d: rank %d shares this host but uses TCP: %s", rank, p, why)
+        if not channels:
+            return tcp
+        return cls(tcp, hosts, channels, ring_bytes, fallbacks)
+
+    def subgroup(self, members: list[int], tag: str, timeout: float) -> Transport:
+        """A new transport over ``members`` (see :meth:`Transport.subgroup`): the TCP
+        transport's sub-group, with shared memory between the members that share a host."""
+        deadline = time.monotonic() + timeout
+        sub = self._tcp.subgroup(members, tag, timeout)
+        if sub.size == 1:
+            return sub
+        return HybridTransport.create(sub, [self.hosts[m] for m in members],
+                                      max(0.001, deadline - time.monotonic()), self.ring_bytes)
+
+    # ---------------------------------------------------------------- state
+
+    @property
+    def tcp(self) -> TCPTransport:
+        """The wrapped TCP transport (frames to the other hosts)."""
+        return self._tcp
+
+    @property
+    def shm_peers(self) -> list[int]:
+        """The peers reached through shared memory."""
+        return sorted(self._peers)
+
+    @property
+    def failure(self) -> CommError | None:
+        """The error that aborted this transport (or its TCP side), or None."""
+        return self._failure or self._tcp.failure
+
+    def _own_failure(self) -> CommError | None:
+        """The failure recorded by this transport itself (not its TCP side's)."""
+        return self._failure
+
+    def silent_origin(self, peer: int) -> int:
+        """See ``TCPTransport.silent_origin``."""
+        return self._tcp.silent_origin(peer)
+
+    def _check_usable(self, peer: int) -> _Peer:
+        if self._closed:
+            raise UsageError("the TCP transport is closed")
+        failure = self.failure
+        if failure is not None:
+            raise failure.with_traceback(None)
+        p = self._peers.get(peer)
+        if p is None:  # pragma: no cover - callers route other peers to TCP
+            raise UsageError(f"peer {peer} is not a shared-memory peer of rank {self.rank}")
+        return p
+
+    def _timed_out(self, peer: int, h: FrameHeader, is_send: bool,
+                   posted: float) -> CommTimeoutError:
+        what = f"send to rank {peer}" if is_send else f"receive from rank {peer}"
+        waited = time.monotonic() - posted
+        silent = self._tcp.silent_origin(peer)
+        why = "" if silent == peer else (
+            f"; rank {peer} was itself waiting: rank {silent} is the one that went silent")
+        return CommTimeoutError(
+            f"rank {self.rank}: {what} (collective #{h.seq}, step {h.step}, {h.length} bytes) "
+            f"did not complete before the deadline ({waited:.3g} s after it was posted; "
+            f"shared memory){why}", rank=self.rank, peer=peer, sequence=h.seq, silent=silent)
+
+    # ---------------------------------------------------------------- frames
+
+    def isend(self, peer: int, payload: memoryview, header: FrameHeader) -> Request:
+        """Send through shared memory to a peer of this host, through TCP otherwise (see
+        :meth:`Transport.isend`)."""
+        if peer not in self._peers:
+            return self._routed(lambda: self._tcp.isend(peer, payload, header))
+        p = self._check_usable(peer)
+        mv = byte_view(payload, writable=False, what="payload")
+        if header.length != mv.nbytes:
+            raise UsageError(f"header.length is {header.length} but the payload has "
+                             f"{mv.nbytes} bytes")
+        req = _ShmRequest(self, peer, header, mv, True)
+        with p.state:
+            inline = p.queued == 0 and p.send_lock.acquire(blocking=False)
+            if not inline:
+                p.queued += 1
+        if inline:
+            try:
+                complete = self._put(p, req, block=False)
+            except _Stop:
+                req._finish(self._failure or UsageError("the TCP transport is closed"))
+                complete = False
+            finally:
+                p.send_lock.release()
+            if complete:
+                self.stats_local.add_sent(HEADER_SIZE + header.length)
+                req._finish(None)
+            elif not req.done():
+                with p.state:
+                    p.queued += 1
+                p.send_q.put(req)
+        else:
+            p.send_q.put(req)
+        if self._failure is not None:
+            self._drain(p, self._failure)
+        return req
+
+    def irecv(self, peer: int, payload: memoryview, header: FrameHeader) -> Request:
+        """Receive through shared memory from a peer of this host, through TCP otherwise
+        (see :meth:`Transport.irecv`)."""
+        if peer not in self._peers:
+            return self._routed(lambda: self._tcp.irecv(peer, payload, header))
+        p = self._check_usable(peer)
+        mv = byte_view(payload, writable=True, what="payload")
+        return self._post_receive(p, header, mv.nbytes, mv, None)
+
+    def irecv_consume(self, peer: int, nbytes: int, header: FrameHeader,
+                      consume: Consumer) -> Request:
+        """See :meth:`Transport.irecv_consume`; from a shared-memory peer the pieces are
+        views of the ring itself."""
+        if peer not in self._peers:
+            return self._routed(lambda: self._tcp.irecv_consume(peer, nbytes, header,
+                                                                 consume))
+        return self._post_receive(self._check_usable(peer), header, nbytes, memoryview(b""),
+                                  consume)
+
+    def _post_receive(self, p: _Peer, header: FrameHeader, nbytes: int, view: memoryview,
+                      consume: Consumer | None) -> _ShmRequest:
+        if header.length != nbytes:
+            raise UsageError(f"header.length is {header.length} but the payload has "
+                             f"{nbytes} bytes")
+        req = _ShmRequest(self, p.rank, header, view, False)
+        req.consume = consume
+        p.recv_q.put(req)
+        if self._failure is not None:
+            self._drain(p, self._failure)
+        return req
+
+    def _routed(self, start: Callable[[], Request]) -> Request:
+        """Start a TCP request; a TCP failure fails this transport too."""
+        if self._closed:
+            raise UsageError("the TCP transport is closed")
+        if self._failure is not None:
+            raise self._failure.with_traceback(None)
+        try:
+            return _Routed(self, start())
+        except CommError as exc:
+            own = self._own_failure()
+            if own is not None and own is not exc:
+                raise own.with_traceback(None) from None
+            self._fail(exc)
+            raise
+
+    # ---------------------------------------------------------------- ring work
+
+    def _wait(self, p: _Peer, poller: select.poll, fd: int, ready: Callable[[], bool]) -> None:
+        """Block until ``ready()``; raise _Stop when this transport failed or closes (failing
+        it first when the peer aborted or went away, or the TCP side failed)."""
+        ch = p.ch
+        while not ready():
+            if self._failure is not None or self._closing:
+                raise _Stop
+            reason = ch.peer_abort_reason()
+            if reason is not None:
+                self._fail(PeerLostError(f"rank {p.rank} aborted: {reason}"))
+                raise _Stop
+            if ch.eof:
+                if ready():
+                    return
+                self._fail(PeerLostError(
+                    f"rank {self.rank}: lost rank {p.rank} (shared memory): rank {p.rank} "
+                    "exited, was killed or closed its transport"))
+                raise _Stop
+            tcp_failure = self._tcp.failure
+            if tcp_failure is not None:
+                self._fail(tcp_failure)
+                raise _Stop
+            for got, _ in shm.wait_bell(poller, shm.WATCH_SECONDS):
+                if got == fd:
+                    ch.drain(fd)
+
+    def _abort_reason(self, p: _Peer, poller: select.poll) -> str | None:
+        """The peer's abort reason, waiting up to :data:`MISMATCH_GRACE_SECONDS` for it (its
+        abort rings the data bell, so an abort in progress is seen at once)."""
+        ch = p.ch
+        end = time.monotonic() + MISMATCH_GRACE_SECONDS
+        while True:
+            reason = ch.peer_abort_reason()
+            left = end - time.monotonic()
+            if reason is not None or ch.eof or left <= 0 or self._failure is not None or \
+                    self._closing:
+                return reason
+            for got, _ in shm.wait_bell(poller, left):
+                if got == ch.data_in:
+                    ch.drain(got)
+
+    def _put(self, p: _Peer, req: _ShmRequest, block: bool) -> bool:
+        """Copy the rest of ``req``'s frame into the out ring (send lock held); False when
+        ``block`` is off and the ring filled up first."""
+        ch = p.ch
+        ring_bytes = ch.ring_bytes
+        total = req.total
+        n = req.header.length
+        poller: select.poll | None = None
+        while req.pos < total:
+            free = ch.out_free()
+            if free <= 0:
+                if not block:
+                    return False
+                if poller is None:
+                    poller = self._poller(ch.space_out)
+                self._wait(p, poller, ch.space_out, lambda: ch.out_free() > 0)
+                continue
+            off = ch.written % ring_bytes
+            a = req.pos
+            b = a + min(free, ring_bytes - off, total - a, shm.CHUNK_BYTES)
+            if a < HEADER_SIZE:
+                k = min(b, HEADER_SIZE)
+                ch.ring_out[off:off + k - a] = req.head[a:k]
+            lo, hi = max(a, HEADER_SIZE), min(b, HEADER_SIZE + n)
+            if lo < hi:
+                ch.ring_out[off + lo - a:off + hi - a] = \
+                    req.data[lo - HEADER_SIZE:hi - HEADER_SIZE]
+            ch.publish_written(b - a)
+            req.pos = b
+        return True
+
+    def _poller(self, fd: int) -> select.poll:
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        poller.register(self._wake_r, select.POLLIN)
+        return poller
+
+    def _take(self, p: _Peer, req: _ShmRequest, poller: select.poll) -> None:
+        """Receive the next frame of the in ring into ``req`` (receiver thread)."""
+        ch = p.ch
+        ring_bytes = ch.ring_bytes
+        start = ch.read
+        self._wait(p, poller, ch.data_in, lambda: ch.in_avail() >= HEADER_SIZE)
+        header = FrameHeader.unpack(ch.read_in(start, HEADER_SIZE))
+        msg = header.mismatch(req.header, p.rank)
+        if msg is not None:
+            # A peer that aborted left the frames of the collective it abandoned here: its
+            # reason explains the mismatch better than the headers do.
+            reason = self._abort_reason(p, poller)
+            self._fail(ProtocolError(msg) if reason is None
+                       else PeerLostError(f"rank {p.rank} aborted: {reason}"))
+            raise _Stop
+        n = header.length
+        end = start + _align8(HEADER_SIZE + n)
+        cursor = start + HEADER_SIZE
+        consume = req.consume
+        while cursor < end:
+            avail = ch.written_in() - cursor
+            if avail <= 0:
+                if cursor > ch.read:
+                    ch.publish_read(cursor - ch.read)  # let the sender go on
+                self._wait(p, poller, ch.data_in, _beyond(ch, cursor))
+                continue
+            off = cursor % ring_bytes
+            span = min(avail, ring_bytes - off, end - cursor, shm.CHUNK_BYTES)
+            at = cursor - start - HEADER_SIZE  # payload offset
+            k = min(span, n - at)
+            if k > 0:
+                if consume is not None:
+                    try:
+                        consume(at, ch.ring_in_mv[off:off + k])
+                    except Exception as exc:
+                        self._fail(CommError(f"rank {self.rank}: consuming a frame from rank "
+                                             f"{p.rank} failed: {type(exc).__name__}: {exc}"))
+                        raise _ConsumerFailed from exc
+                else:
+                    req.data[at:at + k] = ch.ring_in[off:off + k]
+            cursor += span
+            ch.publish_read(cursor - ch.read)
+        if cursor > ch.read:
+            ch.publish_read(cursor - ch.read)
+
+    # ---------------------------------------------------------------- threads
+
+    def _send_loop(self, p: _Peer) -> None:
+        stats = self.stats_local
+        while True:
+            req = p.send_q.get()
+            if req is None:
+                return
+            error: BitcollError | None
+            with p.send_lock:
+                failure = self._failure
+                if failure is not None:
+                    error = failure
+                else:
+                    try:
+                        self._put(p, req, block=True)
+                        error = None
+                    except _Stop:
+                        error = self._failure or UsageError("the TCP transport is closed")
+                    except Exception as exc:  # pragma: no cover - a bug; never hang a peer
+                        self._fail(CommError(f"rank {self.rank}: shared-memory send to rank "
+                                             f"{p.rank} failed: {type(exc).__name__}: {exc}"))
+                        error = self._failure
+            with p.state:
+                p.queued -= 1
+            if error is None:
+                stats.add_sent(HEADER_SIZE + req.header.length)
+            req._finish(error)
+
+    def _recv_loop(self, p: _Peer) -> None:
+        stats = self.stats_local
+        poller = self._poller(p.ch.data_in)
+        while self._failure is None:
+            req = p.recv_q.get()
+            if req is None:
+                return
+            p.current = req
+            try:
+                self._take(p, req, poller)
+            except (_Stop, _ConsumerFailed):
+                p.current = None
+                req._finish(self._failure or UsageError("the TCP transport is closed"))
+                return
+            except ProtocolError as exc:  # bad magic or version
+                self._fail(ProtocolError(f"from rank {p.rank}: {exc}"))
+                p.current = None
+                req._finish(self._failure)
+                return
+            except Exception as exc:  # pragma: no cover - a bug; never hang a peer
+                self._fail(CommError(f"rank {self.rank}: shared-memory receive from rank "
+                                     f"{p.rank} failed: {type(exc).__name__}: {exc}"))
+                p.current = None
+                req._finish(self._failure)
+                return
+            p.current = None
+            stats.add_received(HEADER_SIZE + req.header.length)
+            req._finish(None)
+
+    # ---------------------------------------------------------------- abort / close
+
+    def _drain(self, p: _Peer, error: BitcollError) -> None:
+        """Fail every request still queued for ``p`` and wake its threads."""
+        for q in (p.send_q, p.recv_q):
+            while True:
+                try:
+                    r = q.get_nowait()
+                except queue.Empty:
+                    break
+                if r is not None:
+                    if r.is_send:
+                        with p.state:
+                            p.queued -= 1
+                    r._finish(error)
+            q.put(None)
+
+    def _wake_all(self) -> None:
+        """Wake every thread of this rank waiting on a doorbell (the byte stays: every later
+        wait returns at once too, which is what a failed or closing transport wants)."""
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"!")
+
+    def _fail(self, error: CommError, reason: str | None = None) -> None:
+        """Record the first failure, tell every peer (shared memory and TCP), stop
+        everything. Never raises."""
+        with self._lock:
+            if self._failure is not None or self._closed:
+                return
+            self._failure = error
+        text = str(error) if reason is None else reason
+        raw = text.encode("utf-8", errors="replace")[:shm.MAX_REASON_BYTES]
+        for p in self._peers.values():
+            with contextlib.suppress(ValueError, BufferError):
+                p.ch.set_aborted(raw)
+        self._wake_all()
+        self._tcp.abort(raw.decode("utf-8", errors="replace"))
+        for p in self._peers.values():
+            self._drain(p, error)
+            current = p.current
+            if current is not None:
+                current._finish(error)
+
+    def abort(self, reason: str) -> None:
+        """Fail every pending and future request here and make every peer fail promptly
+        (see the module docstring). Idempotent; never raises; a no-op after close."""
+        self._fail(CommError(f"rank {self.rank} aborted: {reason}"), reason)
+
+    def close(self, timeout: float | None = None) -> None:
+        """Let queued sends finish (within ``timeout``, default the TCP transport's
+        ``close_timeout``), stop the threads, unmap the segments, close the TCP transport.
+        Requests still pending fail with UsageError. Idempotent; never raises."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        deadline = time.monotonic() + (self.close_timeout if timeout is None else timeout)
+        closed = UsageError("the TCP transport is closed")
+        for p in self._peers.values():
+            p.send_q.put(None)  # senders exit after the frames queued before it
+        for p in self._peers.values():
+            if p.sender is not None:
+                p.sender.join(max(0.0, deadline - time.monotonic()))
+        self._closing = True
+        self._wake_all()
+        for p in self._peers.values():
+            self._drain(p, closed)
+        for p in self._peers.values():
+            for t in (p.sender, p.receiver):
+                if t is not None:
+                    t.join(5.0)
+            self._drain(p, closed)
+            current = p.current
+            if current is not None:
+                current._finish(closed)
+            p.ch.close()
+        for fd in (self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._tcp.close(max(0.0, deadline - time.monotonic()))
+
+    def __enter__(self) -> HybridTransport:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _beyond(ch: shm.ShmChannel, cursor: int) -> Callable[[], bool]:
+    """Whether the in ring holds bytes past stream position ``cursor``."""
+    return lambda: ch.written_in() > cursor
+
+
+def _setup_header(step: int, length: int) -> FrameHeader:
+    return FrameHeader(seq=SETUP_SEQ, step=step, signature=_SETUP_SIG, length=length)

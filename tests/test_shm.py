@@ -1,0 +1,410 @@
+"""Shared memory between the ranks of one host (bitcoll.transport.shm / hybrid).
+
+In-process tests build pairs of transports in threads (fast); multi-process tests use real
+ranks (tests/multiproc.py run_world puts every rank on this host; GROUP_RANK fakes hosts).
+"""
+
+from __future__ import annotations
+
+import glob
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pytest
+from multiproc import free_port, run_world, tcp_env
+from sweeps import dense_sweep, inplace_and_async, packed_bandwidth, packed_sweep
+
+import bitcoll
+from bitcoll.communicator import Communicator
+from bitcoll.errors import CommTimeoutError, PeerLostError, ProtocolError, UsageError
+from bitcoll.transport import shm
+from bitcoll.transport.base import HEADER_SIZE, FrameHeader, Transport
+from bitcoll.transport.hybrid import HybridTransport, shm_enabled
+from bitcoll.transport.tcp import TCPTransport
+
+pytestmark = pytest.mark.skipif(not shm.supported(), reason="no shared memory rings here")
+
+
+def _leftovers(job_id: int) -> list[str]:
+    return glob.glob(os.path.join(shm.SHM_DIR, f"bitcoll-shm-{job_id:016x}-*"))
+
+
+# ------------------------------------------------------------------ in-process worlds
+
+
+def _thread_world(size: int, hosts: Sequence[int] | None = None,
+                  ring_bytes: int | None = None) -> list[Transport]:
+    """``size`` transports built in threads of this process (TCP, then the shared memory
+    set-up, both collective)."""
+    port = free_port()
+    out: dict[int, Transport | BaseException] = {}
+
+    def rank(r: int) -> None:
+        try:
+            t = TCPTransport.create(r, size, "127.0.0.1", port, timeout=20, close_timeout=5)
+            out[r] = HybridTransport.create(t, hosts or [0] * size, 20, ring_bytes)
+        except BaseException as exc:
+            out[r] = exc
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    got = [out[r] for r in range(size)]
+    for g in got:
+        if isinstance(g, BaseException):
+            raise g
+    return got  # type: ignore[return-value]
+
+
+def _close(ts: Sequence[Transport]) -> None:
+    closers = [threading.Thread(target=t.close) for t in ts]
+    for c in closers:
+        c.start()
+    for c in closers:
+        c.join(30)
+
+
+def _h(step: int, n: int, seq: int = 7) -> FrameHeader:
+    return FrameHeader(seq=seq, step=step, signature=99, length=n)
+
+
+SIZES = (0, 1, 7, 8, 31, 4096, 8191, 100_000, (1 << 20) + 3)
+
+
+def test_frames_wrap_the_ring_and_counters_are_exact() -> None:
+    """Frames smaller and larger than an 8 KiB ring, both directions, irecv and
+    irecv_consume; payloads exact, consumer pieces aligned, byte counters exact."""
+    t0, t1 = _thread_world(2, ring_bytes=8192)
+    try:
+        assert isinstance(t0, HybridTransport) and isinstance(t1, HybridTransport)
+        assert t0.shm_peers == [1] and t1.shm_peers == [0] and t0.name == "tcp"
+        assert not _leftovers(t0.job_id)
+        for t in (t0, t1):
+            t.stats.reset()
+        rng = np.random.default_rng(3)
+        payloads = [rng.integers(0, 256, n, dtype=np.uint8) for n in SIZES]
+        got = [np.zeros(n, np.uint8) for n in SIZES]
+        pieces: list[list[tuple[int, int]]] = [[] for _ in SIZES]
+        consumed = [np.zeros(n, np.uint8) for n in SIZES]
+
+        def sink(i: int) -> Any:
+            def consume(offset: int, chunk: memoryview) -> None:
+                pieces[i].append((offset, len(chunk)))
+                consumed[i][offset:offset + len(chunk)] = np.frombuffer(chunk, np.uint8)
+            return consume
+
+        reqs = []
+        for i, n in enumerate(SIZES):  # 1 -> 0 into buffers, 0 -> 1 consumed
+            reqs.append(t0.irecv(1, got[i].data, _h(i, n)))
+            reqs.append(t1.irecv_consume(0, n, _h(i, n), sink(i)))
+        for i, n in enumerate(SIZES):
+            reqs.append(t1.isend(0, payloads[i].data, _h(i, n)))
+            reqs.append(t0.isend(1, payloads[i].data, _h(i, n)))
+        deadline = time.monotonic() + 30
+        for r in reqs:
+            r.wait(deadline)
+        for i, n in enumerate(SIZES):
+            np.testing.assert_array_equal(got[i], payloads[i])
+            np.testing.assert_array_equal(consumed[i], payloads[i])
+            offs = [o for o, _ in pieces[i]]
+            lens = [k for _, k in pieces[i]]
+            assert offs == sorted(offs) and sum(lens) == n
+            assert all(k % 8 == 0 and k <= shm.CHUNK_BYTES for k in lens[:-1]), lens
+        want = sum(HEADER_SIZE + n for n in SIZES)
+        for t in (t0, t1):
+            assert t.stats_local.snapshot() == {
+                "bytes_sent": want, "bytes_received": want,
+                "messages_sent": len(SIZES), "messages_received": len(SIZES)}
+            assert t.stats_remote.snapshot()["bytes_sent"] == 0
+            assert t.stats.snapshot() == t.stats_local.snapshot()
+            assert t.stats.bytes_sent == want
+    finally:
+        _close([t0, t1])
+
+
+def test_header_mismatch_is_a_protocol_error_and_aborts_the_peer() -> None:
+    t0, t1 = _thread_world(2)
+    try:
+        deadline = time.monotonic() + 20
+        data = np.arange(16, dtype=np.uint8)
+        t0.isend(1, data.data, _h(0, 16)).wait(deadline)
+        with pytest.raises(ProtocolError, match="step 0, expected step 1"):
+            t1.irecv(0, np.zeros(16, np.uint8).data, _h(1, 16)).wait(deadline)
+        with pytest.raises(PeerLostError, match="rank 1 aborted"):
+            t0.irecv(1, np.zeros(4, np.uint8).data, _h(0, 4)).wait(deadline)
+    finally:
+        _close([t0, t1])
+
+
+def test_abort_fails_a_blocked_receive_and_a_blocked_send_at_once() -> None:
+    """Rank 1 waits in a receive and in a send larger than the ring that rank 0 never
+    reads; rank 0 aborts: both fail within a fraction of a second, naming rank 0's reason."""
+    t0, t1 = _thread_world(2, ring_bytes=8192)
+    try:
+        recv = t1.irecv(0, np.zeros(8, np.uint8).data, _h(0, 8))
+        big = np.ones(1 << 20, np.uint8)
+        send = t1.isend(0, big.data, _h(0, big.size))
+        assert not send.done()  # the ring is full: the sender thread waits for space
+        start = time.monotonic()
+        t0.abort("the optimizer diverged")
+        for req in (recv, send):
+            with pytest.raises(PeerLostError, match="rank 0 aborted: the optimizer diverged"):
+                req.wait(start + 20)
+        assert time.monotonic() - start < 2.0
+        assert isinstance(t1.failure, PeerLostError)
+    finally:
+        _close([t0, t1])
+
+
+def test_receive_nobody_sends_times_out_and_leaves_the_transport_healthy() -> None:
+    t0, t1 = _thread_world(2)
+    try:
+        start = time.monotonic()
+        req = t0.irecv(1, np.zeros(4, np.uint8).data, _h(0, 4))
+        with pytest.raises(CommTimeoutError, match="receive from rank 1") as info:
+            req.wait(start + 0.3)
+        assert info.value.silent == 1 and t0.failure is None
+        t1.isend(0, np.ones(4, np.uint8).data, _h(0, 4))
+        req.wait(time.monotonic() + 10)  # the same receive completes later
+    finally:
+        _close([t0, t1])
+
+
+def test_frames_sent_before_close_arrive_then_the_peer_is_lost() -> None:
+    t0, t1 = _thread_world(2)
+    data = np.arange(100, dtype=np.uint8)
+    t0.isend(1, data.data, _h(0, 100)).wait(time.monotonic() + 10)
+    t0.close()
+    try:
+        got = np.zeros(100, np.uint8)
+        t1.irecv(0, got.data, _h(0, 100)).wait(time.monotonic() + 10)
+        np.testing.assert_array_equal(got, data)
+        with pytest.raises(PeerLostError, match="lost rank 0"):
+            t1.irecv(0, got.data, _h(1, 100)).wait(time.monotonic() + 10)
+    finally:
+        t1.close()
+
+
+# ------------------------------------------------------------------ set-up and security
+
+
+def _offer_and_tamper(tamper: Any) -> tuple[shm.ShmChannel | None, str]:
+    made = shm.offer(0x1234, 4096)
+    assert made.mm is not None
+    paths = shm.segment_names(made.base)
+    for path in paths:
+        assert os.stat(path).st_mode & 0o777 == 0o600
+    message = tamper(made, paths)
+    try:
+        ch, _, why = shm.accept(0, message)
+        if ch is not None:
+            ch.close()
+        return ch, why
+    finally:
+        shm.discard_offer(made)
+        assert not any(os.path.lexists(p) for p in paths)
+
+
+def test_a_good_offer_is_accepted_and_every_name_unlinked() -> None:
+    ch, why = _offer_and_tamper(lambda made, paths: made.message)
+    assert ch is not None and why == ""
+
+
+@pytest.mark.parametrize("how", ["mode", "owner", "nonce", "name", "symlink", "size"])
+def test_a_doubtful_segment_is_refused(how: str) -> None:
+    def tamper(made: shm.Offer, paths: list[str]) -> bytes:
+        msg = bytearray(made.message)
+        if how == "mode":
+            os.chmod(paths[0], 0o644)
+        elif how == "owner":
+            if os.geteuid() != 0:
+                pytest.skip("chown needs root")
+            os.chown(paths[0], 4242, -1)
+        elif how == "nonce":
+            msg[16] ^= 1
+        elif how == "name":
+            msg[32:44] = b"../../etc/pw"
+        elif how == "symlink":
+            os.rename(paths[0], paths[0] + "-real")
+            os.symlink(paths[0] + "-real", paths[0])
+        else:
+            os.truncate(paths[0], 8192)
+        return bytes(msg)
+
+    try:
+        ch, why = _offer_and_tamper(tamper)
+    finally:
+        for p in glob.glob(os.path.join(shm.SHM_DIR, "bitcoll-shm-0000000000001234-*")):
+            os.unlink(p)
+    assert ch is None and why, why
+
+
+def test_shm_setting() -> None:
+    env = os.environ.get("BITCOLL_SHM")
+    try:
+        os.environ["BITCOLL_SHM"] = "0"
+        assert shm_enabled(None) is False and shm_enabled(True) is True
+        os.environ["BITCOLL_SHM"] = "1"
+        assert shm_enabled(None) is True and shm_enabled(False) is False
+        os.environ["BITCOLL_SHM"] = "yes"
+        with pytest.raises(UsageError, match="BITCOLL_SHM"):
+            shm_enabled(None)
+        with pytest.raises(UsageError, match="shm"):
+            shm_enabled(1)  # type: ignore[arg-type]
+    finally:
+        if env is None:
+            os.environ.pop("BITCOLL_SHM", None)
+        else:
+            os.environ["BITCOLL_SHM"] = env
+
+
+# ------------------------------------------------------------------ real processes
+
+
+def _sweeps(comm: Communicator) -> tuple[str, list[int], int]:
+    t = comm.transport
+    assert isinstance(t, HybridTransport) and comm.backend == "tcp"
+    assert not _leftovers(t.job_id)
+    n = dense_sweep(comm, lengths=(0, 1, 9, 1000, 300_007),
+                    dtypes=("float32", "float64", "int8", "uint16"))
+    comm.segment_bytes = 40  # many tiny frames through the rings
+    n += dense_sweep(comm, lengths=(9, 1000), dtypes=("float32",))
+    comm.segment_bytes = bitcoll.DEFAULT_SEGMENT_BYTES
+    n += inplace_and_async(comm)
+    n += packed_sweep(comm, lengths=(0, 9, 65, 100_003), algorithms=("direct", "allgather"))
+    comm.packed_segment_bytes = 8
+    n += packed_sweep(comm, lengths=(4099,), algorithms=("direct",))
+    comm.packed_segment_bytes = bitcoll.DEFAULT_PACKED_SEGMENT_BYTES
+    packed_bandwidth(comm)  # exact byte counts through comm.stats
+    assert t.stats_remote.snapshot()["bytes_sent"] <= 4 * 256  # set-up frames only
+    return type(t).__name__, t.shm_peers, n
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_sweeps_over_shared_memory(size: int) -> None:
+    res = run_world(size, _sweeps, timeout=180, shm=True)
+    for r, (kind, peers, n) in enumerate(res):
+        assert kind == "HybridTransport" and peers == [p for p in range(size) if p != r]
+        assert n == res[0][2] > 100
+
+
+def _mixed(comm: Communicator) -> dict[str, Any]:
+    t = comm.transport
+    assert isinstance(t, HybridTransport)
+    dense_sweep(comm, lengths=(1, 1000, 100_003), dtypes=("float32", "int16"))
+    packed_sweep(comm, lengths=(65, 4099), algorithms=("direct",))
+    # One frame to and from every peer: each counted on its own path, exactly.
+    comm.barrier()
+    t.stats.reset()
+    deadline = time.monotonic() + 30
+    n = 1000 + comm.rank
+    reqs = []
+    for p in range(comm.size):
+        if p != comm.rank:
+            reqs.append(t.irecv(p, np.zeros(1000 + p, np.uint8).data,
+                                _h(0, 1000 + p, seq=1 << 40)))
+            reqs.append(t.isend(p, np.ones(n, np.uint8).data, _h(0, n, seq=1 << 40)))
+    for r in reqs:
+        r.wait(deadline)
+    local, remote = t.stats_local.snapshot(), t.stats_remote.snapshot()
+    host, cross = comm.host_comm(), comm.cross_host_comm()
+    host_peers = getattr(host.transport, "shm_peers", None)
+    out = {"peers": t.shm_peers, "local": local, "remote": remote,
+           "host": (type(host.transport).__name__, host_peers),
+           "cross": type(cross.transport).__name__,
+           "host_sum": int(host.allreduce(np.ones(3, np.int32))[0]),
+           "cross_sum": int(cross.allreduce(np.ones(3, np.int32))[0])}
+    return out
+
+
+@pytest.mark.timeout(200)
+def test_mixed_hosts_use_shared_memory_only_within_a_host() -> None:
+    """Ranks 0, 2 on one fake host and 1, 3 on another (GROUP_RANK)."""
+    env = {r: {"GROUP_RANK": str(r % 2)} for r in range(4)}
+    res = run_world(4, _mixed, timeout=180, rank_env=env, shm=True)
+    for r, out in enumerate(res):
+        mate = (r + 2) % 4
+        assert out["peers"] == [mate], out
+        others = [p for p in range(4) if p not in (r, mate)]
+        assert out["local"] == {"bytes_sent": HEADER_SIZE + 1000 + r,
+                                "bytes_received": HEADER_SIZE + 1000 + mate,
+                                "messages_sent": 1, "messages_received": 1}, out
+        assert out["remote"] == {"bytes_sent": 2 * (HEADER_SIZE + 1000 + r),
+                                 "bytes_received": sum(HEADER_SIZE + 1000 + p
+                                                       for p in others),
+                                 "messages_sent": 2, "messages_received": 2}, out
+        assert out["host"] == ("HybridTransport", [1 - r // 2]), out
+        assert out["cross"] == "TCPTransport" and out["host_sum"] == out["cross_sum"] == 2
+
+
+def _kind(comm: Communicator) -> str:
+    comm.allreduce(np.ones(10, np.float32))
+    return type(comm.transport).__name__
+
+
+@pytest.mark.timeout(120)
+def test_bitcoll_shm_0_gives_the_plain_tcp_transport() -> None:
+    env = {r: {"BITCOLL_SHM": "0"} for r in range(2)}
+    assert run_world(2, _kind, timeout=100, rank_env=env) == ["TCPTransport"] * 2
+    env = {r: {"BITCOLL_SHM": "1"} for r in range(2)}
+    assert run_world(2, _kind, timeout=100, rank_env=env, shm=False) == ["TCPTransport"] * 2
+
+
+def _victim(rank: int, size: int, port: int, q: Any) -> None:
+    os.environ.update(tcp_env(rank, size, port))
+    os.environ["NUMBA_NUM_THREADS"] = "1"
+    comm = bitcoll.init("tcp", timeout=60, shm=True)
+    t = comm.transport
+    assert isinstance(t, HybridTransport)
+    q.put((rank, "job", t.job_id, len(_leftovers(t.job_id))))
+    x = np.ones(1 << 20, np.float32)
+    comm.allreduce(x)
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)  # between two collectives, segments mapped
+    start = time.monotonic()
+    try:
+        comm.allreduce(x)
+        q.put((rank, "no error", "", 0.0))
+    except Exception as exc:
+        q.put((rank, type(exc).__name__, str(exc), time.monotonic() - start))
+    comm.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_rank_fails_the_others_fast_and_leaves_nothing_in_dev_shm() -> None:
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_victim, args=(r, 3, port, q), daemon=True) for r in range(3)]
+    for p in procs:
+        p.start()
+    jobs: set[int] = set()
+    outcome: dict[int, tuple[str, str, float]] = {}
+    try:
+        while len(outcome) < 2:
+            rank, kind, a, b = q.get(timeout=90)
+            if kind == "job":
+                jobs.add(a)
+                assert b == 0, "segments must be unlinked once both sides mapped them"
+            else:
+                outcome[rank] = (kind, a, b)
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    assert procs[1].exitcode == -signal.SIGKILL
+    assert sorted(outcome) == [0, 2], outcome
+    for kind, msg, elapsed in outcome.values():
+        assert kind == "PeerLostError" and "rank 1" in msg, outcome
+        assert elapsed < 10, outcome  # far below the 60 s deadline
+    assert len(jobs) == 1 and not _leftovers(jobs.pop())
