@@ -38,18 +38,21 @@ def all_inputs(seed: int, size: int, n: int, dtype: str) -> list[Array]:
 def expected_reduce(xs: list[Array], op: str) -> Array:
     stack = np.stack(xs) if xs[0].size else np.zeros((len(xs), 0), xs[0].dtype)
     dt = xs[0].dtype
+    result: Array
     if op == "sum":
-        return np.sum(stack, axis=0, dtype=dt)
-    if op == "avg":
-        return np.divide(np.sum(stack, axis=0, dtype=dt), np.asarray(len(xs), dtype=dt))
-    if op == "max":
-        return np.max(stack, axis=0, initial=np.iinfo(dt).min if dt.kind in "iu" else -np.inf)
-    return np.min(stack, axis=0, initial=np.iinfo(dt).max if dt.kind in "iu" else np.inf)
+        result = np.sum(stack, axis=0, dtype=dt)
+    elif op == "avg":
+        result = np.divide(np.sum(stack, axis=0, dtype=dt), np.asarray(len(xs), dtype=dt))
+    elif op == "max":
+        result = np.max(stack, axis=0, initial=np.iinfo(dt).min if dt.kind in "iu" else -np.inf)
+    else:
+        result = np.min(stack, axis=0, initial=np.iinfo(dt).max if dt.kind in "iu" else np.inf)
+    return result
 
 
 def _eq(got: Array, want: Array, what: str) -> None:
     if got.dtype != want.dtype or got.shape != want.shape or not np.array_equal(got, want):
-        bad = np.flatnonzero(got != want)[:5] if got.shape == want.shape else []
+        bad: Any = np.flatnonzero(got != want)[:5] if got.shape == want.shape else []
         raise AssertionError(f"{what}: got {got.dtype}{got.shape}, want {want.dtype}"
                              f"{want.shape}; first differences at {list(bad)}")
 
@@ -144,7 +147,8 @@ def expected_majority(xs: list[Array], tie: str, call: int) -> Array:
     else:
         idx = np.arange(n)
         out[ties] = np.where((idx[ties] + call) % 2 == 0, 1, -1)
-    return out
+    result: Array = out
+    return result
 
 
 def expected_sign_sum(xs: list[Array]) -> Array:

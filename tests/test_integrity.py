@@ -105,8 +105,8 @@ def test_a_flipped_bit_is_caught(flip: int | None, consume: bool) -> None:
 
             recv = t1.irecv_consume(0, payload.nbytes, header, sink)
         else:
-            recv = t1.irecv(0, memoryview(view), header)
-        send = t0.isend(1, memoryview(payload.view(np.uint8)), header)
+            recv = t1.irecv(0, view.data, header)
+        send = t0.isend(1, payload.view(np.uint8).data, header)
         deadline = time.monotonic() + 20
         if flip is None:
             recv.wait(deadline)

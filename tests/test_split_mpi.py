@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -12,9 +13,9 @@ from bitcoll.communicator import Communicator
 
 
 @pytest.fixture(scope="module")
-def comm() -> Communicator:
+def comm() -> Iterator[Communicator]:
     c = bitcoll.init("mpi", timeout=60)
-    yield c  # type: ignore[misc]
+    yield c
     c.close()
 
 

@@ -52,8 +52,10 @@ def main(mode: str) -> None:
 
         _torch_env()
         r, p = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), p,
-                              is_master=r == 0, timeout=datetime.timedelta(seconds=60))
+        # torch's stubs do not re-export TCPStore from torch.distributed, its public home
+        store = dist.TCPStore(  # type: ignore[attr-defined]
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), p, is_master=r == 0,
+            timeout=datetime.timedelta(seconds=60))
         dist.init_process_group("gloo", store=store, rank=r, world_size=p)
         comm = bitcoll.init(store=store, timeout=60)
     else:
