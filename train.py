@@ -46,7 +46,8 @@ optimizer reports for its collectives). Bytes are those the optimizer's collecti
 step. The per-step figures are averaged over ranks (one small all-reduce per step, excluded from
 the step time and byte counts, which also yields the mean training loss over ranks). The
 summary's mean step figures leave out the first three steps (one-time set-up). After training
-the ranks compare a digest of their parameters: replicas that differ are reported and the run
+the optimizer compares a checksum of every parameter across the ranks (``opt.check_replicas()``):
+replicas that differ are reported, naming the first differing rank and parameter, and the run
 exits with status 1.
 
 JSON log
@@ -96,6 +97,7 @@ import bitcoll
 import lioncub
 from bitcoll.errors import BitcollError, CommError, UsageError
 from lioncub.quantize import check_levels
+from lioncub.replicas import ReplicaMismatchError
 from lioncub.sync import parse_sync
 from lioncub.torch import DistributedLion
 
@@ -767,7 +769,12 @@ def run(args: argparse.Namespace, comm: bitcoll.Communicator,
             do_eval(step)
     train_time = time.perf_counter() - train_start
 
-    identical = all(_same_on_all_ranks(comm, [_params_digest(model)]))
+    mismatch: ReplicaMismatchError | None = None
+    try:
+        opt.check_replicas()  # every rank gets the same verdict
+    except ReplicaMismatchError as exc:
+        mismatch = exc
+    identical = mismatch is None
     # Mean step figures skip the first steps (first-call set-up: buffers, kernel loading).
     skip = min(3, len(steps) - 1)
     timed = steps[skip:]
@@ -797,9 +804,11 @@ def run(args: argparse.Namespace, comm: bitcoll.Communicator,
         if args.json_log is not None:
             _write_json(args.json_log, record)
             say(f"log written to {args.json_log}")
-    if not identical:
-        raise RuntimeError("the model replicas differ after training: the optimizer applied "
-                           "different updates on different ranks")
+    if mismatch is not None:
+        raise RuntimeError(f"the model replicas differ after training (rank {mismatch.rank}'s "
+                           f"parameter {mismatch.index} ({mismatch.name}) differs from rank "
+                           f"0's; {len(mismatch.indices)} parameters differ): the optimizer "
+                           "applied different updates on different ranks")
     return record
 
 

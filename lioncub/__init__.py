@@ -7,18 +7,24 @@
   2404.00438; majority vote or averaging over an all-gather of sign bits) and Lion Cub (arXiv
   2411.16462; 1-bit majority or exact p-bit sums of quantized votes through bandwidth-optimal
   all-reduces), with optional momentum synchronization schedules (:mod:`lioncub.sync`).
-* :mod:`lioncub.torch`: ``torch.optim`` front ends (``Lion``, ``DistributedLion``); it is the
-  only module that imports torch and is not imported here.
+  Construction broadcasts rank 0's parameters (or, with ``broadcast_parameters=False``,
+  checks that the ranks' parameters agree); ``check_replicas()`` checks at any time
+  (:mod:`lioncub.replicas`).
+* :class:`CommLike`: the communicator interface lioncub uses (:mod:`lioncub.comm`).
+* :mod:`lioncub.torch`: ``torch.optim`` front ends (``Lion``, ``DistributedLion``) and the DDP
+  hook ``no_allreduce_hook``; it is the only module that imports torch and is not imported
+  here.
 
 Example (run with ``python -m launch -n 4 script.py`` or ``mpiexec -n 4 python script.py``)::
 
     import numpy as np, bitcoll, lioncub
     with bitcoll.init() as comm:
-        w = np.zeros(1000, np.float32)                     # the same on every rank
+        w = np.zeros(1000, np.float32)                     # rank 0's copied to all ranks
         opt = lioncub.DistributedLion([w], comm, variant="lioncub-l1", lr=1e-3)
         for step in range(100):
             g = compute_gradient(w)                        # this rank's minibatch
             opt.step([g])                                  # w stays identical on all ranks
+        opt.check_replicas()                               # UsageError if the ranks differ
 
 Errors are :class:`bitcoll.errors.UsageError` (bad arguments) and bitcoll's ``CommError``
 family (communication).
@@ -27,9 +33,11 @@ family (communication).
 from bitcoll.errors import UsageError
 
 from .buckets import Bucket, Slot, make_buckets
+from .comm import CommLike
 from .distributed import DEFAULT_BUCKET_BYTES, TIE_RULES, DistributedLion
 from .lion import Hyper, lion_update
 from .quantize import METHODS, default_levels, quantize
+from .replicas import ReplicaMismatchError, ReplicaSet
 from .stats import StepStats
 from .sync import (
     Adaptive,
@@ -69,5 +77,8 @@ __all__ = [
     "Bucket",
     "Slot",
     "make_buckets",
+    "CommLike",
+    "ReplicaSet",
+    "ReplicaMismatchError",
     "UsageError",
 ]

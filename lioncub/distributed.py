@@ -5,6 +5,18 @@ gradients; the variant (:mod:`lioncub.variants`) decides what travels and how th
 formed. Every rank applies the same update, so the parameters stay bitwise identical on every
 rank after every step.
 
+Starting weights
+----------------
+The parameters must start identical on every rank. By default the constructor copies rank 0's
+values into every rank's parameters (``broadcast_parameters=True``, the convention of torch's
+DistributedDataParallel). With ``broadcast_parameters=False`` it checks instead: every rank
+hashes each of its parameters, the checksums are all-gathered, and every rank raises the same
+:class:`lioncub.replicas.ReplicaMismatchError` (a UsageError) naming the lowest rank whose
+parameters differ from rank 0's and the first differing parameter (index, and name when
+``names`` were given). :meth:`DistributedLion.check_replicas` runs that check at any time, e.g.
+after training; :meth:`DistributedLion.broadcast_parameters` copies a rank's parameters to
+every rank at any time (:mod:`lioncub.replicas`).
+
 How a step runs
 ---------------
 1. The parameters are packed, in order, into *buckets* of at most ``bucket_size`` bytes of
@@ -65,8 +77,10 @@ from bitcoll.errors import UsageError
 
 from . import kernels
 from .buckets import Bucket, Slot, fingerprint, make_buckets
+from .comm import CommLike
 from .lion import Hyper, check_hyper
 from .quantize import check_levels, default_levels, multiplier, tensor_scale
+from .replicas import ReplicaSet
 from .stats import StepStats
 from .sync import MomentumSync, parse_sync
 from .variants import get_spec
@@ -139,7 +153,7 @@ class DistributedLion:
         every rank; or torch-style param groups ``[{"params": [...], "lr": ..., "betas":
         ..., "weight_decay": ...}, ...]`` (missing keys take the defaults below).
     comm
-        a :class:`bitcoll.Communicator` (any object with its methods).
+        a :class:`bitcoll.Communicator` (or any :class:`lioncub.comm.CommLike`).
     variant
         one of :data:`lioncub.VARIANTS` (table in :mod:`lioncub.variants`).
     lr, betas, weight_decay
@@ -158,30 +172,44 @@ class DistributedLion:
     bucket_size
         bytes of float32 per bucket (default 25 MiB); a larger tensor gets its own bucket.
     names
-        one name per parameter (for selective sync and the stats); default ``"0"``,
-        ``"1"``, ... in parameter order.
+        one name per parameter (for selective sync, the stats and error messages); default
+        ``"0"``, ``"1"``, ... in parameter order (errors then name parameters by index only).
+    broadcast_parameters
+        True (default): after the checks below, every rank's parameters are overwritten with
+        rank 0's (:meth:`broadcast_parameters`). False: the ranks' parameters are compared
+        (:meth:`check_replicas`) and, if any rank's differ from rank 0's, every rank raises
+        :class:`lioncub.replicas.ReplicaMismatchError` (a UsageError).
+    replicas
+        the arrays that the initial broadcast or check and :meth:`check_replicas` cover, as a
+        :class:`lioncub.replicas.ReplicaSet`; default: the parameters, named by ``names``.
+        The torch front end passes every tensor of its param groups, frozen ones included.
 
-    Construction is collective: every rank must construct its optimizer at the same point
-    (one small all-reduce checks that the ranks agree on the layout, the variant, the
-    levels, the tie rule and the sync schedule; UsageError on every rank otherwise).
+    Construction is collective: every rank must construct its optimizer at the same point.
+    One small all-reduce checks that the ranks agree on the layout, the variant, the
+    levels, the tie rule, the sync schedule, the replica arrays' shapes and
+    ``broadcast_parameters`` (UsageError on every rank otherwise); then one broadcast per
+    8 MiB of parameters, or one all-gather of 8 bytes per parameter, makes or checks the
+    starting weights.
 
     Attributes: ``param_groups`` (dicts with ``params`` (the arrays), ``lr``, ``betas``,
     ``weight_decay``; changing the hyperparameters between steps is allowed), ``variant``,
     ``levels`` (effective vote levels: 1 for ternary signs), ``buckets``, ``names``,
-    ``momentum_sync``, ``step_count``, ``last_stats`` (:class:`lioncub.stats.StepStats` of
-    the last step, None before the first).
+    ``momentum_sync``, ``replicas``, ``step_count``, ``last_stats``
+    (:class:`lioncub.stats.StepStats` of the last step, None before the first).
     """
 
-    def __init__(self, params: Iterable[Any], comm: Any, variant: str = "lioncub-l1",
+    def __init__(self, params: Iterable[Any], comm: CommLike, variant: str = "lioncub-l1",
                  lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99),
                  weight_decay: float = 0.0, levels: int | None = None,
                  tie: str = "alternate",
                  momentum_sync: MomentumSync | str | None = None,
                  bucket_size: int = DEFAULT_BUCKET_BYTES,
-                 names: Sequence[str] | None = None) -> None:
+                 names: Sequence[str] | None = None, *,
+                 broadcast_parameters: bool = True,
+                 replicas: ReplicaSet | None = None) -> None:
         self.spec = get_spec(variant)
         self.variant = self.spec.name
-        self.comm = comm
+        self.comm: CommLike = comm
         self.world_size = int(comm.size)
         self.rank = int(comm.rank)
         check_hyper(lr, *_check_betas(betas), weight_decay)
@@ -210,6 +238,16 @@ class DistributedLion:
             if len(set(names)) != n:
                 raise UsageError("names must be unique")
             self.names = tuple(names)
+        if not isinstance(broadcast_parameters, bool):
+            raise UsageError(f"broadcast_parameters must be True or False, got "
+                             f"{broadcast_parameters!r}")
+        if replicas is None:
+            replicas = ReplicaSet(self.params, None if names is None else self.names,
+                                  unnamed="pass names= to name parameters")
+        elif not isinstance(replicas, ReplicaSet):
+            raise UsageError(f"replicas must be a lioncub.replicas.ReplicaSet, got "
+                             f"{type(replicas).__name__}")
+        self.replicas = replicas
 
         if levels is not None:
             levels = check_levels(levels)
@@ -249,7 +287,11 @@ class DistributedLion:
         self._tie_counter = 0
         self._comm_seconds = 0.0
         self.last_stats: StepStats | None = None
-        self._check_agreement_across_ranks()
+        self._check_agreement_across_ranks(broadcast_parameters)
+        if broadcast_parameters:
+            self.broadcast_parameters()
+        else:
+            self.check_replicas()
 
     # ------------------------------------------------------------------ set-up helpers
     @staticmethod
@@ -265,16 +307,18 @@ class DistributedLion:
             raise UsageError(f"parameter {index} appears twice")
         seen.add(id(p))
 
-    def _check_agreement_across_ranks(self) -> None:
+    def _check_agreement_across_ranks(self, broadcast: bool) -> None:
         """One tiny all-reduce: every rank must have the same layout and settings."""
         fp = fingerprint([p.shape for p in self.params], self.buckets, self.variant,
-                         self.levels, self.tie, self.momentum_sync.spec(), self.world_size)
+                         self.levels, self.tie, self.momentum_sync.spec(), self.world_size,
+                         self.replicas.layout(), broadcast)
         probe = np.array([fp, -fp], dtype=np.float64)
         self.comm.allreduce(probe, op="max", out=probe)
         if probe[0] != fp or -probe[1] != fp:
             raise UsageError("the ranks constructed DistributedLion differently (parameter "
-                             "shapes or order, bucket size, variant, levels, tie rule or "
-                             "momentum sync schedule differ)")
+                             "shapes or order, bucket size, variant, levels, tie rule, "
+                             "momentum sync schedule, replica arrays or "
+                             "broadcast_parameters differ)")
 
     def _buffer(self, k: int) -> _Buffers:
         while len(self._buffers) <= k:
@@ -501,16 +545,25 @@ class DistributedLion:
                 pos += s.size
         self._comm_seconds += time.perf_counter() - t0
 
+    # ------------------------------------------------------------------ replicas
     def broadcast_parameters(self, root: int = 0) -> None:
-        """Copy rank ``root``'s parameters to every rank (collective; one broadcast per
-        bucket). Use it once after construction when the ranks' initial values may differ."""
-        scratch = self._buffer(0).f
-        for b in self.buckets:
-            for s in b.slots:
-                scratch[s.offset:s.stop] = self._flat[s.index]
-            self.comm.broadcast(scratch[:b.size], root=root)
-            for s in b.slots:
-                self._flat[s.index][:] = scratch[s.offset:s.stop]
+        """Overwrite every rank's parameters (every array of :attr:`replicas`) with rank
+        ``root``'s, bitwise and in place (collective: every rank calls it). The constructor
+        calls it with ``root=0`` unless ``broadcast_parameters=False``.
+
+        Momenta are not touched (they are zero before the first step). Raises UsageError for
+        a bad ``root``; communication failures are bitcoll's CommError family."""
+        self.replicas.broadcast(self.comm, root)
+
+    def check_replicas(self) -> None:
+        """Check that every rank holds bitwise the same parameters (every array of
+        :attr:`replicas`) as rank 0 (collective: one all-gather of 8 bytes per parameter).
+
+        Returns None when they agree. Otherwise every rank raises the same
+        :class:`lioncub.replicas.ReplicaMismatchError` (a UsageError) naming the lowest rank
+        whose parameters differ from rank 0's and the first parameter where they do (index,
+        and name when ``names`` were given); the communicator stays usable."""
+        self.replicas.check(self.comm)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:

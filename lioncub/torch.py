@@ -13,6 +13,8 @@ as usual.
   buckets the collectives need. Its parameters must therefore be float32, dense, contiguous
   CPU tensors; do not replace a parameter's storage (``p.data = ...``) after construction
   (checked at every step).
+* :func:`no_allreduce_hook` is a DistributedDataParallel communication hook that leaves
+  every rank's gradients local, for models wrapped in DDP (see its docstring).
 
 Example, 4 ranks (``python -m launch -n 4 train.py``)::
 
@@ -26,25 +28,38 @@ Example, 4 ranks (``python -m launch -n 4 train.py``)::
         loss_fn(model(x), y).backward()
         opt.step()                          # parameters stay identical on every rank
         print(opt.last_stats.comm_seconds)
+    opt.check_replicas()                    # UsageError on every rank if the replicas differ
+
+With DistributedDataParallel (DDP would otherwise average the gradients before the
+optimizer, which makes every vote agree: Global Lion with extra traffic)::
+
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    ddp.register_comm_hook(state=None, hook=lioncub.torch.no_allreduce_hook)
+    opt = lioncub.torch.DistributedLion(ddp.module.named_parameters(), comm)
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.optim import Optimizer
 
 from bitcoll.errors import UsageError
 
+from .comm import CommLike
 from .distributed import DEFAULT_BUCKET_BYTES
 from .distributed import DistributedLion as _CoreDistributedLion
 from .lion import check_hyper
+from .replicas import ReplicaSet
 from .stats import StepStats
 from .sync import MomentumSync
 
-__all__ = ["Lion", "DistributedLion"]
+if TYPE_CHECKING:
+    from torch._C._distributed_c10d import GradBucket
+
+__all__ = ["Lion", "DistributedLion", "no_allreduce_hook"]
 
 _STATE_FORMAT = "lioncub.torch.DistributedLion/1"
 
@@ -122,8 +137,19 @@ class DistributedLion(Optimizer):
     ``weight_decay``). Every tensor must be float32, dense, contiguous and on the CPU.
     Tensors with ``requires_grad=False`` stay in the param groups but are left out of the
     distributed layout and never updated. ``names``: one name per tensor (overrides names
-    from ``named_parameters()``); names drive selective momentum sync and ``last_stats``;
-    default: the tensor's index in the flattened param groups.
+    from ``named_parameters()``); names drive selective momentum sync, ``last_stats`` and
+    error messages; default: the tensor's index in the flattened param groups (errors then
+    name tensors by that index only: pass ``model.named_parameters()`` or ``names=`` to get
+    names).
+
+    Starting weights (``broadcast_parameters``): True (default, as DDP does): construction
+    overwrites every tensor of the param groups, frozen ones included, with rank 0's values.
+    False: construction compares them across ranks instead and, if any rank's differ from
+    rank 0's, raises :class:`lioncub.replicas.ReplicaMismatchError` (a UsageError) on every
+    rank, naming the lowest differing rank and the first differing tensor (its index in the
+    flattened param groups, and its name when known). :meth:`check_replicas` runs that check
+    at any time (e.g. after training); :meth:`broadcast_parameters` copies a rank's values
+    at any time.
 
     The other arguments are those of :class:`lioncub.DistributedLion`, which this class
     drives on shared memory: at :meth:`step` every trainable tensor's ``grad`` (None counts
@@ -137,19 +163,21 @@ class DistributedLion(Optimizer):
     ``"lioncub"``); :meth:`load_state_dict` restores it exactly.
     """
 
-    def __init__(self, params: Iterable[Any], comm: Any, variant: str = "lioncub-l1",
+    def __init__(self, params: Iterable[Any], comm: CommLike, variant: str = "lioncub-l1",
                  lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99),
                  weight_decay: float = 0.0, levels: int | None = None,
                  tie: str = "alternate",
                  momentum_sync: MomentumSync | str | None = None,
                  bucket_size: int = DEFAULT_BUCKET_BYTES,
-                 names: Sequence[str] | None = None) -> None:
+                 names: Sequence[str] | None = None, *,
+                 broadcast_parameters: bool = True) -> None:
         b1, b2 = _betas(betas)
         check_hyper(lr, b1, b2, weight_decay)
         self._constructed = False
         super().__init__(params, {"lr": lr, "betas": (b1, b2), "weight_decay": weight_decay})
         self._all: list[torch.Tensor] = [p for g in self.param_groups for p in g["params"]]
-        all_names = self._names(names)
+        all_names, self._named = self._names(names)
+        self._all_names = all_names
         core_groups = []
         core_names: list[str] = []
         self._tensors: list[torch.Tensor] = []
@@ -171,23 +199,33 @@ class DistributedLion(Optimizer):
         self._core = _CoreDistributedLion(
             core_groups, comm, variant=variant, lr=lr, betas=(b1, b2),
             weight_decay=weight_decay, levels=levels, tie=tie, momentum_sync=momentum_sync,
-            bucket_size=bucket_size, names=core_names)
+            bucket_size=bucket_size, names=core_names,
+            broadcast_parameters=broadcast_parameters, replicas=self._replica_set())
         self._ptrs = [p.data_ptr() for p in self._tensors]
         for p, m in zip(self._tensors, self._core.momenta, strict=True):
             self.state[p]["momentum"] = torch.from_numpy(m)
         self._constructed = True
 
     # ------------------------------------------------------------------ set-up helpers
-    def _names(self, names: Sequence[str] | None) -> list[str]:
+    def _names(self, names: Sequence[str] | None) -> tuple[list[str], bool]:
+        """(one name per tensor, whether they are real names rather than indices)."""
         count = len(self._all)
         if names is not None:
             names = list(names)
             if len(names) != count or not all(isinstance(n, str) for n in names):
                 raise UsageError(f"names must be {count} strings (one per tensor)")
-            return names
+            return names, True
         if all("param_names" in g for g in self.param_groups):
-            return [str(n) for g in self.param_groups for n in g["param_names"]]
-        return [str(i) for i in range(count)]
+            return [str(n) for g in self.param_groups for n in g["param_names"]], True
+        return [str(i) for i in range(count)], False
+
+    def _replica_set(self) -> ReplicaSet:
+        """Every tensor of the param groups (frozen ones included), as it is now."""
+        for p, name in zip(self._all, self._all_names, strict=True):
+            self._check_tensor(p, name)
+        return ReplicaSet([p.detach().numpy() for p in self._all],
+                          self._all_names if self._named else None,
+                          unnamed="pass model.named_parameters() or names= to name tensors")
 
     @staticmethod
     def _check_tensor(p: torch.Tensor, name: str) -> None:
@@ -218,6 +256,25 @@ class DistributedLion(Optimizer):
     @property
     def variant(self) -> str:
         return self._core.variant
+
+    # ------------------------------------------------------------------ replicas
+    def broadcast_parameters(self, root: int = 0) -> None:
+        """Overwrite every tensor of the param groups (frozen ones included) on every rank
+        with rank ``root``'s values, bitwise and in place (collective). Construction does this
+        with ``root=0`` unless ``broadcast_parameters=False``. Raises UsageError for a bad
+        ``root``, or on the rank where a tensor is no longer a contiguous float32 CPU tensor
+        (the other ranks then fail in the collective, at their deadline)."""
+        self._replica_set().broadcast(self._core.comm, root)
+
+    def check_replicas(self) -> None:
+        """Check that every rank holds bitwise the same tensors (every tensor of the param
+        groups, frozen ones included) as rank 0 (collective: one all-gather of 8 bytes per
+        tensor). Returns None when they agree; otherwise every rank raises the same
+        :class:`lioncub.replicas.ReplicaMismatchError` (a UsageError) naming the lowest rank
+        that differs from rank 0 and the first differing tensor (index in the flattened
+        param groups, and name when known). A tensor that is no longer a contiguous float32
+        CPU tensor raises UsageError on its rank only, before the all-gather."""
+        self._replica_set().check(self._core.comm)
 
     # ------------------------------------------------------------------ step
     def _sync_hyper(self) -> None:
@@ -301,3 +358,34 @@ class DistributedLion(Optimizer):
             for k, v in group.items():
                 if k != "params":
                     mine[k] = tuple(v) if k == "betas" else v
+
+
+def no_allreduce_hook(state: object, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DistributedDataParallel communication hook that sends nothing: every rank keeps its
+    own gradients.
+
+    Plain DDP averages the gradients over the ranks during ``backward()``; every rank then
+    hands the same averaged gradient to the optimizer, every rank's vote agrees, and a
+    distributed Lion variant degenerates into Global Lion plus the traffic of a float32
+    all-reduce. Registered with ``ddp_model.register_comm_hook(state=None,
+    hook=lioncub.torch.no_allreduce_hook)``, DDP skips its all-reduce and every parameter's
+    ``grad`` after ``backward()`` is bitwise this rank's local gradient, as without DDP;
+    :class:`DistributedLion` then does the communication. DDP's other duties are unchanged
+    (rank 0's parameters and buffers are broadcast when the model is wrapped, buffers before
+    each forward unless ``broadcast_buffers=False``).
+
+    Returns an already completed future holding ``bucket.buffer()`` unchanged. ``state`` is
+    ignored.
+    """
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
+
+
+# DDP's register_comm_hook compares the hook's annotations with the classes themselves, and
+# this module's annotations are strings (``from __future__ import annotations``).
+if torch.distributed.is_available():
+    from torch._C._distributed_c10d import GradBucket as _GradBucket
+
+    no_allreduce_hook.__annotations__.update(
+        bucket=_GradBucket, state=object, **{"return": torch.futures.Future[torch.Tensor]})

@@ -489,11 +489,16 @@ def test_parallel_kernels_give_the_serial_bits(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(kernels, "PARALLEL_MIN_ELEMENTS", 0)
     monkeypatch.setattr(bitcoll.kernels, "_nb_get_num_threads", lambda: 2)
     calls: list[str] = []
+
+    def spy(name: str, kern: Any) -> Any:
+        def call(*a: Any) -> Any:
+            calls.append(name)
+            return kern(*a)
+        return call
+
     for name in ("_direction_blocks_par", "_quantize_scaled_par", "_apply_sign_par",
                  "_lion_step_par", "_log_abs_sum_blocks_par"):
-        kern = getattr(kernels, name)
-        monkeypatch.setattr(kernels, name,
-                            lambda *a, _k=kern, _n=name: calls.append(_n) or _k(*a))
+        monkeypatch.setattr(kernels, name, spy(name, getattr(kernels, name)))
     parallel = run()
     assert len(calls) == 5  # every kernel took the parallel path
     assert serial == parallel

@@ -107,6 +107,26 @@ def test_two_ranks_with_launcher(tmp_path: Path) -> None:
     assert f"{log['summary']['final_val_loss']:.4f}" in proc.stdout
 
 
+@pytest.mark.timeout(150)
+def test_replica_mismatch_is_reported(train: ModuleType, monkeypatch: pytest.MonkeyPatch,
+                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """The run ends with the optimizer's replica check: a mismatch is shown in the summary,
+    named on stderr (rank and parameter) and turns into exit status 1."""
+    import lioncub.torch
+    from lioncub.replicas import ReplicaMismatchError
+
+    def mismatch(self: object) -> None:
+        raise ReplicaMismatchError("replicas differ", 2, 5, "blocks.0.attn.qkv.weight",
+                                   (2,), (5, 6))
+
+    monkeypatch.setattr(lioncub.torch.DistributedLion, "check_replicas", mismatch)
+    assert train.main([*TINY, "--steps", "2", "--eval-every", "0"]) == 1
+    out, err = capsys.readouterr()
+    assert "replicas identical" in out and "NO" in out
+    assert ("rank 2's parameter 5 (blocks.0.attn.qkv.weight) differs from rank 0's; "
+            "2 parameters differ") in err
+
+
 def test_bad_options_exit_2(train: ModuleType, capsys: pytest.CaptureFixture[str]) -> None:
     for argv, needle in ((["--optimizer", "adam"], "invalid choice"),
                          (["--steps", "0"], "must be >= 1"),
