@@ -75,9 +75,6 @@ DEFAULT_PACKED_SEGMENT_BYTES = 1 << 20
 64M-element sign all-reduce on 4 ranks packs, counts and decodes in 2 segments per block."""
 #: At or below this many bytes the dense all-reduce uses recursive doubling (latency-bound).
 SMALL_MESSAGE_BYTES = 64 << 10
-#: Over MPI, all-reduces of at most this many bytes use MPI's own collective by default
-#: (``algorithm="auto"``): below it MPI's latency-optimized algorithms beat a ring of frames.
-MPI_NATIVE_MAX_BYTES = 64 << 10
 #: The packed collectives' default is the all-gather baseline while it sends at most this many
 #: bytes more per rank than the bandwidth-optimal direct exchange (one round of messages
 #: instead of two), the direct exchange above: see :func:`packed_auto_algorithm`.
@@ -234,7 +231,6 @@ class Communicator:
         self._splits = 0  # split() calls so far: names the sub-groups' namespaces
         self._agreed_failure: CommError | None = None  # see _AGREED
         self._topology: Topology | None = None
-        self._mpi_native = hasattr(transport, "native_allreduce")
         self._host_comms: dict[str, Communicator] = {}  # host_comm() / cross_host_comm()
 
     # ------------------------------------------------------------------ properties
@@ -480,12 +476,13 @@ class Communicator:
 
         ``x``: any supported dtype and shape (read flattened). ``op``: "sum", "avg" (floating
         dtypes only), "max", "min". Returns ``out`` (same dtype and shape as ``x``; ``out=x``
-        reduces in place), or a Work with ``async_op=True``. ``algorithm``: "auto" (over MPI:
-        MPI's own collective up to :data:`MPI_NATIVE_MAX_BYTES` except float16; otherwise
-        recursive doubling up to 64 KiB, ring above), "ring", "recursive_doubling", "native"
-        (MPI's own, MPI backend only; not float16: UsageError). bfloat16 (torch tensors) is
-        reduced in float32 and rounded once to bfloat16 (to nearest, ties to even) at each
-        block's owner; the ring's reduce-scatter moves float32, its all-gather bfloat16.
+        reduces in place), or a Work with ``async_op=True``. ``algorithm``: "auto" (recursive
+        doubling up to 64 KiB, ring above), "ring", "recursive_doubling", "native" (MPI's own,
+        MPI backend only; not float16: UsageError; MPI's collectives carry no bitcoll frame
+        headers, so a mismatch across ranks is caught only where MPI itself checks).
+        bfloat16 (torch tensors) is reduced in float32 and rounded once to bfloat16 (to
+        nearest, ties to even) at each block's owner; the ring's reduce-scatter moves float32,
+        its all-gather bfloat16.
 
         Example, 2 ranks: rank 0 ``x=[1, 2]``, rank 1 ``x=[3, 4]`` → both get ``[4, 6]``.
         """
@@ -497,9 +494,6 @@ class Communicator:
                 check_dtype(vec.dtype, rop)
             res, flat = output(out, vec.size, vec.dtype, v.shape, bf16=v.bf16)
             auto = "recursive_doubling" if vec.nbytes <= SMALL_MESSAGE_BYTES else "ring"
-            if self._mpi_native and vec.nbytes <= MPI_NATIVE_MAX_BYTES and \
-                    vec.dtype != np.float16:
-                auto = "native"
             algo = self._algorithm("allreduce", algorithm, auto)
             if algo == "native" and vec.dtype == np.float16:
                 raise UsageError("algorithm='native' cannot reduce float16 (MPI has no float16 "

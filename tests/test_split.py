@@ -3,11 +3,14 @@ test_split_mpi.py)."""
 
 from __future__ import annotations
 
+import multiprocessing as mp
+import os
 import threading
+from typing import Any
 
 import numpy as np
 import pytest
-from multiproc import run_world
+from multiproc import free_port, run_world, tcp_env
 
 import bitcoll
 from bitcoll.communicator import Communicator
@@ -67,22 +70,35 @@ def _checks(comm: Communicator) -> float:
     return float(comm.allreduce(np.ones(1))[0])
 
 
-def _bad_color(comm: Communicator) -> str:
-    """A color that is not an integer: UsageError on the rank that sees it first, the
-    others fail fast with that reason (PeerLostError) or raise UsageError themselves."""
+def _bad_color(rank: int, size: int, port: int, q: Any) -> None:
+    """A color that is not an integer: UsageError on the rank that sees it first; the others
+    fail fast with that reason (PeerLostError), possibly while still inside ``init``'s own
+    collective, or raise UsageError themselves."""
+    os.environ.update(tcp_env(rank, size, port))
     try:
+        comm = bitcoll.init("tcp", timeout=60)
         comm.split(1.5)  # type: ignore[arg-type]
+        q.put((rank, "no error"))
     except (UsageError, PeerLostError) as exc:
-        return f"{type(exc).__name__}: {exc}"
-    return "no error"
+        q.put((rank, f"{type(exc).__name__}: {exc}"))
 
 
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("size", [3, 4])
 def test_split_tcp(size: int) -> None:
     assert run_world(size, _checks, timeout=180) == [float(size)] * size
-    for msg in run_world(size, _bad_color, timeout=60):
-        assert "color must be an integer" in msg, msg
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_bad_color, args=(r, size, port, q), daemon=True)
+             for r in range(size)]
+    for p in procs:
+        p.start()
+    msgs = [q.get(timeout=60) for _ in range(size)]
+    for p in procs:
+        p.join(10)
+    for _, msg in msgs:
+        assert "color must be an integer" in msg, msgs
 
 
 def test_split_local() -> None:
