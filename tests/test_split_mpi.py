@@ -73,3 +73,18 @@ def test_topology_one_host(comm: Communicator) -> None:
     assert comm.local_rank == comm.rank
     host = comm.host_comm()
     assert host.size == comm.size and comm.cross_host_comm().size == 1
+
+
+@pytest.mark.mpi(min_size=3)
+def test_init_on_a_users_sub_communicator() -> None:
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    mine = world.Split(world.rank % 2, world.rank)
+    with bitcoll.init(comm=mine, timeout=60) as sub:
+        members = list(range(world.rank % 2, world.size, 2))
+        assert (sub.backend, sub.size, sub.rank) == ("mpi", len(members),
+                                                     members.index(world.rank))
+        total = sub.allreduce(np.full(3, world.rank, np.int64))
+        assert (total == sum(members)).all()
+    mine.Free()
