@@ -48,7 +48,7 @@ from .algorithms.barrier_dissemination import barrier_dissemination
 from .algorithms.broadcast_tree import broadcast_tree
 from .algorithms.context import OpContext
 from .arrays import BFLOAT16, HostArray, bf16_tensor, to_numpy, type_name
-from .config import DEFAULT_TIMEOUT
+from .config import DEFAULT_TIMEOUT, MAX_SUM_RANGE
 from .errors import BitcollError, CommError, PeerLostError, ProtocolError, UsageError
 from .ops import ReduceOp, check_dtype, parse_op
 from .partition import block, block_bounds
@@ -96,8 +96,6 @@ _NATIVE = {"allreduce": "native_allreduce", "reduce_scatter": "native_reduce_sca
 TIE_RULES = ("positive", "negative", "alternate")
 SIGN_DTYPES = frozenset(np.dtype(t) for t in (np.float16, np.float32, np.float64))
 INT_DTYPES = frozenset(np.dtype(t) for t in (np.int8, np.int16, np.int32, np.int64))
-#: Largest ``levels * size`` of the exact-sum collectives (16-bit result fields).
-MAX_SUM_RANGE = (1 << 15) - 1
 
 
 class Vector(NamedTuple):

@@ -73,6 +73,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from bitcoll.config import MAX_SUM_RANGE
 from bitcoll.errors import UsageError
 
 from . import kernels
@@ -94,7 +95,7 @@ Array = npt.NDArray[Any]
 DEFAULT_BUCKET_BYTES = 25 * 2**20
 TIE_RULES = ("alternate", "positive", "negative", "elementwise")
 _STATE_FORMAT = "lioncub.DistributedLion/1"
-_MAX_SUM = 32767  # bitcoll's exact sums travel in at most 16-bit fields
+_MAX_SUM = MAX_SUM_RANGE  # bitcoll's exact sums travel in at most 16-bit fields
 
 
 @dataclass

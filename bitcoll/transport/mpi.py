@@ -150,6 +150,7 @@ from typing import TYPE_CHECKING, Any, Final, cast
 import numpy as np
 import numpy.typing as npt
 
+from ..config import DEFAULT_TIMEOUT
 from ..errors import CommError, CommTimeoutError, PeerLostError, ProtocolError, UsageError
 from .base import (
     HEADER_SIZE,
@@ -773,7 +774,8 @@ class MPITransport(Transport):
         _install_excepthook()
 
     @classmethod
-    def create(cls, comm: object | None = None, timeout: float = 300.0) -> MPITransport:
+    def create(cls, comm: object | None = None,
+               timeout: float = DEFAULT_TIMEOUT) -> MPITransport:
         """Duplicate ``comm`` (default ``MPI.COMM_WORLD``) and build a transport on the copy.
 
         Collective: every rank of ``comm`` must call it. The duplicate gets the
