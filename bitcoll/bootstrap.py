@@ -288,20 +288,9 @@ def init(backend: str = "auto", timeout: float = DEFAULT_TIMEOUT,
         comm.close()
         raise
     # -- shared memory between the ranks of one host (bitcoll.transport.hybrid) ----------------
-    if backend == "tcp" and use_shm and comm.local_size > 1:
-        from .transport.hybrid import HybridTransport
-        from .transport.tcp import TCPTransport
+    if backend == "tcp" and comm.topology.num_hosts < comm.size:
+        from .transport.hybrid import share_hosts
 
-        assert isinstance(transport, TCPTransport)
-        try:
-            wrapped = HybridTransport.create(transport, comm.topology.hosts, timeout)
-        except BaseException:
-            comm.close()
-            raise
-        if wrapped is not transport:
-            topology = comm.topology
-            comm = Communicator(wrapped, timeout=timeout, segment_bytes=segment_bytes,
-                                packed_segment_bytes=packed_segment_bytes)
-            comm._topology = topology  # known: no second exchange of host keys
+        comm = share_hosts(comm, use_shm, timeout)  # closes comm when it raises
     # -- end of shared memory ----------------------------------------------------------------
     return comm

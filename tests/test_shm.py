@@ -79,13 +79,19 @@ def _h(step: int, n: int, seq: int = 7) -> FrameHeader:
 SIZES = (0, 1, 7, 8, 31, 4096, 8191, 100_000, (1 << 20) + 3)
 
 
-def test_frames_wrap_the_ring_and_counters_are_exact() -> None:
+@pytest.mark.parametrize("single_copy", [False, True])
+def test_frames_wrap_the_ring_and_counters_are_exact(single_copy: bool,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """Frames smaller and larger than an 8 KiB ring, both directions, irecv and
-    irecv_consume; payloads exact, consumer pieces aligned, byte counters exact."""
+    irecv_consume, through the ring or by single copy from 4 KiB up; payloads exact,
+    consumer pieces aligned, byte counters exact."""
+    monkeypatch.setattr(shm, "SINGLE_COPY", single_copy)
+    monkeypatch.setattr(shm, "SINGLE_COPY_MIN_BYTES", 4096)
     t0, t1 = _thread_world(2, ring_bytes=8192)
     try:
         assert isinstance(t0, HybridTransport) and isinstance(t1, HybridTransport)
         assert t0.shm_peers == [1] and t1.shm_peers == [0] and t0.name == "tcp"
+        assert t0.single_copy_peers == ([1] if single_copy else [])
         assert not _leftovers(t0.job_id)
         for t in (t0, t1):
             t.stats.reset()
@@ -144,9 +150,13 @@ def test_header_mismatch_is_a_protocol_error_and_aborts_the_peer() -> None:
         _close([t0, t1])
 
 
-def test_abort_fails_a_blocked_receive_and_a_blocked_send_at_once() -> None:
-    """Rank 1 waits in a receive and in a send larger than the ring that rank 0 never
-    reads; rank 0 aborts: both fail within a fraction of a second, naming rank 0's reason."""
+@pytest.mark.parametrize("single_copy", [False, True])
+def test_abort_fails_a_blocked_receive_and_a_blocked_send_at_once(
+        single_copy: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 1 waits in a receive and in a send larger than the ring (or one that waits to be
+    copied) that rank 0 never reads; rank 0 aborts: both fail within a fraction of a
+    second, naming rank 0's reason."""
+    monkeypatch.setattr(shm, "SINGLE_COPY", single_copy)
     t0, t1 = _thread_world(2, ring_bytes=8192)
     try:
         recv = t1.irecv(0, np.zeros(8, np.uint8).data, _h(0, 8))
@@ -181,16 +191,16 @@ def test_receive_nobody_sends_times_out_and_leaves_the_transport_healthy() -> No
 def test_frames_sent_before_close_arrive_then_the_peer_is_lost() -> None:
     t0, t1 = _thread_world(2)
     data = np.arange(100, dtype=np.uint8)
-    t0.isend(1, data.data, _h(0, 100)).wait(time.monotonic() + 10)
-    t0.close()
+    t1.isend(0, data.data, _h(0, 100)).wait(time.monotonic() + 10)
+    t1.close()  # rank 1 (not rank 0: it keeps the store until the others left)
     try:
         got = np.zeros(100, np.uint8)
-        t1.irecv(0, got.data, _h(0, 100)).wait(time.monotonic() + 10)
+        t0.irecv(1, got.data, _h(0, 100)).wait(time.monotonic() + 10)
         np.testing.assert_array_equal(got, data)
-        with pytest.raises(PeerLostError, match="lost rank 0"):
-            t1.irecv(0, got.data, _h(1, 100)).wait(time.monotonic() + 10)
+        with pytest.raises(PeerLostError, match="lost rank 1"):
+            t0.irecv(1, got.data, _h(1, 100)).wait(time.monotonic() + 10)
     finally:
-        t1.close()
+        t0.close()
 
 
 # ------------------------------------------------------------------ set-up and security
@@ -247,6 +257,13 @@ def test_a_doubtful_segment_is_refused(how: str) -> None:
     assert ch is None and why, why
 
 
+def test_single_copy_probe_reads_only_what_it_was_told() -> None:
+    probe = shm.Probe()
+    assert shm.probe_peer(os.getpid(), probe.address, probe.data)
+    assert not shm.probe_peer(os.getpid(), probe.address, bytes(16))
+    assert not shm.probe_peer(0, probe.address, probe.data)
+
+
 def test_shm_setting() -> None:
     env = os.environ.get("BITCOLL_SHM")
     try:
@@ -273,6 +290,7 @@ def _sweeps(comm: Communicator) -> tuple[str, list[int], int]:
     t = comm.transport
     assert isinstance(t, HybridTransport) and comm.backend == "tcp"
     assert not _leftovers(t.job_id)
+    comm.stats.reset()
     n = dense_sweep(comm, lengths=(0, 1, 9, 1000, 300_007),
                     dtypes=("float32", "float64", "int8", "uint16"))
     comm.segment_bytes = 40  # many tiny frames through the rings
@@ -284,7 +302,8 @@ def _sweeps(comm: Communicator) -> tuple[str, list[int], int]:
     n += packed_sweep(comm, lengths=(4099,), algorithms=("direct",))
     comm.packed_segment_bytes = bitcoll.DEFAULT_PACKED_SEGMENT_BYTES
     packed_bandwidth(comm)  # exact byte counts through comm.stats
-    assert t.stats_remote.snapshot()["bytes_sent"] <= 4 * 256  # set-up frames only
+    assert t.stats_remote.snapshot()["bytes_sent"] == 0  # every peer through shared memory
+    assert comm.stats.snapshot() == t.stats_local.snapshot()
     return type(t).__name__, t.shm_peers, n
 
 
@@ -352,11 +371,15 @@ def _kind(comm: Communicator) -> str:
 
 
 @pytest.mark.timeout(120)
-def test_bitcoll_shm_0_gives_the_plain_tcp_transport() -> None:
+def test_bitcoll_shm_0_gives_the_plain_tcp_transport_and_ranks_must_agree() -> None:
     env = {r: {"BITCOLL_SHM": "0"} for r in range(2)}
     assert run_world(2, _kind, timeout=100, rank_env=env) == ["TCPTransport"] * 2
     env = {r: {"BITCOLL_SHM": "1"} for r in range(2)}
     assert run_world(2, _kind, timeout=100, rank_env=env, shm=False) == ["TCPTransport"] * 2
+    env = {0: {"BITCOLL_SHM": "1"}, 1: {"BITCOLL_SHM": "0"}}
+    with pytest.raises(AssertionError, match="disagree on shared memory") as info:
+        run_world(2, _kind, timeout=100, rank_env=env)
+    assert "rank 0 failed" in str(info.value) and "rank 1 failed" in str(info.value)
 
 
 def _victim(rank: int, size: int, port: int, q: Any) -> None:
@@ -366,7 +389,7 @@ def _victim(rank: int, size: int, port: int, q: Any) -> None:
     t = comm.transport
     assert isinstance(t, HybridTransport)
     q.put((rank, "job", t.job_id, len(_leftovers(t.job_id))))
-    x = np.ones(1 << 20, np.float32)
+    x = np.ones(2 << 20, np.float32)  # 8 MiB: blocks large enough for single copy
     comm.allreduce(x)
     if rank == 1:
         os.kill(os.getpid(), signal.SIGKILL)  # between two collectives, segments mapped

@@ -3,39 +3,47 @@
 :class:`HybridTransport` wraps a connected :class:`~bitcoll.transport.tcp.TCPTransport`:
 frames to a peer on this rank's host go through a shared-memory ring
 (:mod:`bitcoll.transport.shm`), frames to every other peer through the TCP transport
-unchanged. ``bitcoll.init`` builds it when some rank shares this rank's host (the host keys of
-:mod:`bitcoll.topology`) unless ``shm=False`` or ``BITCOLL_SHM=0``; the algorithms do not
-change. Its ``name`` stays ``"tcp"`` (``comm.backend``).
+unchanged. ``bitcoll.init`` builds it (:func:`share_hosts`) when some rank shares this rank's
+host (the host keys of :mod:`bitcoll.topology`) unless ``shm=False`` or ``BITCOLL_SHM=0``
+(the ranks of a host must agree); the algorithms do not change. Its ``name`` stays ``"tcp"``
+(``comm.backend``); ``comm.split`` gives sub-communicators the same treatment.
 
 Contract (that of :class:`~bitcoll.transport.base.Transport`, kept per peer)
 --------------------------------------------------------------------------
 * Each peer uses one path for the transport's whole life, so frames to one peer leave in
   ``isend`` order and receives from one peer match frames in posting order, whatever the path.
-* A shared-memory frame is the same 32-byte header and payload as on TCP (plus up to 7 bytes
-  of ring padding, not counted); the receiver checks the header exactly like TCP: a mismatch
-  is a :class:`~bitcoll.errors.ProtocolError` and aborts the transport (a
-  :class:`~bitcoll.errors.PeerLostError` with the peer's reason when the peer aborted: the
-  frame is then one of the collective it abandoned; its abort is waited for up to
-  :data:`MISMATCH_GRACE_SECONDS`).
+* A shared-memory frame is the same 32-byte header and payload as on TCP (in the ring: plus
+  an 8-byte record word and up to 7 bytes of padding, not counted); the receiver checks the
+  header exactly like TCP: a mismatch is a :class:`~bitcoll.errors.ProtocolError` and aborts
+  the transport (a :class:`~bitcoll.errors.PeerLostError` with the peer's reason when the
+  peer aborted: the frame is then one of the collective it abandoned; its abort is waited
+  for up to :data:`MISMATCH_GRACE_SECONDS`).
 * ``stats`` counts ``HEADER_SIZE + payload`` bytes and one message per frame on both paths (a
-  send when its last byte is in the ring, a receive when complete). ``stats_local`` counts
-  the shared-memory frames alone and ``stats_remote`` (the TCP transport's own ``stats``) the
-  TCP frames; ``stats`` is their sum and ``stats.reset()`` resets both. Integrity tags
+  send when its last byte is in the ring or, single copy, when the receiver has copied it; a
+  receive when complete). ``stats_local`` counts the shared-memory frames alone and
+  ``stats_remote`` (the TCP transport's own ``stats``) the TCP frames; ``stats`` is their sum
+  and ``stats.reset()`` resets both. Integrity tags
   (``integrity=True``) are only on TCP frames: shared memory never leaves the host and only
   this user can map it.
-* ``irecv_consume`` hands the consumer pieces of the ring itself (at most
-  :data:`~bitcoll.transport.shm.CHUNK_BYTES`, multiples of 8 bytes except the last): a ring
-  reduction reads the peer's bytes straight from shared memory, without a landing copy.
+* ``irecv_consume`` hands the consumer pieces of at most
+  :data:`~bitcoll.transport.shm.CHUNK_BYTES` (multiples of 8 bytes except the last): views of
+  the ring itself, or of a per-peer bounce buffer for single-copy frames, so a ring reduction
+  reads the peer's bytes without a landing buffer.
 
 Data path
 ---------
 Per shared-memory peer, like TCP: one *sender* thread takes frames from a FIFO queue and
 copies them into the out ring chunk by chunk, waiting on the "space" doorbell when the ring is
 full; ``isend`` first copies what fits without waiting itself when nothing is queued for that
-peer (small frames complete in the caller). One *receiver* thread serves posted receives in
-order: it waits on the "data" doorbell for the header, checks it, then copies (or consumes)
-the payload as it is published, advancing the ring's ``read`` counter after every chunk so
-that the sender can stream a frame larger than the ring. The numpy copies release the GIL.
+peer (small frames complete in the caller). A frame of at least
+:data:`~bitcoll.transport.shm.SINGLE_COPY_MIN_BYTES` to a peer that can read this process's
+memory goes as a single-copy record instead (only its address enters the ring; the sender
+thread waits for the receiver's acknowledgement): one copy instead of two. One *receiver*
+thread serves posted receives in order: it waits on the "data" doorbell for the record,
+checks the header, then copies (or consumes) the payload as it is published, advancing the
+ring's ``read`` counter after every chunk so that the sender can stream a frame larger than
+the ring, or copies a single-copy payload out of the sender with ``process_vm_readv``. Large
+copies (numpy, ctypes) release the GIL.
 
 Failure
 -------
@@ -47,7 +55,8 @@ Failure
 * A peer that exits, is killed or closes its transport closes its doorbell ends: a waiter
   sees end of file at once and, unless the bytes it waits for are already in the ring, fails
   with ``PeerLostError`` naming that rank (a peer that only closed between frames while
-  nothing is posted from it fails nothing, as on TCP).
+  nothing is posted from it fails nothing, as on TCP). A single-copy read from a process that
+  is gone fails the same way.
 * A failure of the TCP transport (a remote peer lost or aborted) fails this transport too:
   seen at once by a caller waiting on a TCP request, within :data:`~bitcoll.transport.shm.
   WATCH_SECONDS` by a thread waiting on a doorbell.
@@ -75,6 +84,7 @@ import logging
 import os
 import queue
 import select
+import struct
 import threading
 import time
 import zlib
@@ -82,6 +92,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
+import numpy.typing as npt
 
 from ..errors import (
     BitcollError,
@@ -103,15 +114,16 @@ from .base import (
 )
 
 if TYPE_CHECKING:
+    from ..communicator import Communicator
     from .tcp import TCPTransport
 
 __all__ = ["HybridTransport", "CombinedStats", "ENV_SHM", "DEFAULT_SHM", "shm_enabled",
-           "SETUP_SEQ"]
+           "share_hosts", "SETUP_SEQ"]
 
 #: Environment variable: "0" turns shared memory off, "1" on (default :data:`DEFAULT_SHM`).
 ENV_SHM: Final = "BITCOLL_SHM"
 #: Whether ``bitcoll.init`` uses shared memory when neither ``shm=`` nor ``BITCOLL_SHM`` say.
-DEFAULT_SHM: Final = False
+DEFAULT_SHM: Final = True
 #: Sequence number of the set-up frames on the TCP connections (no collective has it).
 SETUP_SEQ: Final = 2**64 - 2
 _SETUP_SIG: Final = zlib.crc32(b"bitcoll shared-memory set-up")
@@ -132,6 +144,43 @@ def shm_enabled(value: bool | None) -> bool:
     if not isinstance(value, bool):
         raise UsageError(f"shm must be True, False or None, got {value!r}")
     return value
+
+
+def share_hosts(comm: Communicator, use_shm: bool, timeout: float) -> Communicator:
+    """``bitcoll.init``'s step for a TCP world where some host runs several ranks: agree on
+    the ``shm`` setting (one all-gather of a byte; a host whose ranks disagree is a UsageError
+    on every rank), then, when it is on, a new Communicator over a :class:`HybridTransport`
+    (same settings, topology known) or ``comm`` itself when no pair could map a segment.
+    Collective over ``comm``; ``comm`` is closed when this raises."""
+    from ..communicator import Communicator
+    from .tcp import TCPTransport
+
+    try:
+        topo = comm.topology
+        flags = comm.allgather(np.array([1 if use_shm else 0], np.uint8), timeout=timeout)
+        split = sorted({h for h in set(topo.hosts)
+                        if len({int(flags[r]) for r in range(comm.size) if topo.hosts[r] == h})
+                        > 1})
+        if split:
+            bad = [r for r in range(comm.size) if topo.hosts[r] in split]
+            on = [r for r in bad if flags[r]]
+            raise UsageError(
+                f"rank {comm.rank}: ranks {bad} share a host but disagree on shared memory "
+                f"(on for ranks {on}, off for the others); pass the same shm= to "
+                f"bitcoll.init, or set {ENV_SHM} alike, on every rank")
+        tcp = comm.transport
+        if not use_shm or not isinstance(tcp, TCPTransport):
+            return comm
+        wrapped = HybridTransport.create(tcp, topo.hosts, timeout)
+    except BaseException:
+        comm.close()
+        raise
+    if wrapped is tcp:
+        return comm
+    new = Communicator(wrapped, timeout=comm.timeout, segment_bytes=comm.segment_bytes,
+                       packed_segment_bytes=comm.packed_segment_bytes)
+    new._topology = topo  # known: no second exchange of host keys
+    return new
 
 
 class CombinedStats(TrafficStats):
@@ -214,14 +263,27 @@ def _align8(n: int) -> int:
     return (n + 7) & ~7
 
 
+# Every frame in a ring is a record: mode and padding (8 bytes), the 32-byte header, then
+# the payload (inline) or the payload's address in the sender (single copy), then padding
+# to a multiple of 8 bytes.
+_RECORD: Final = struct.Struct("<II")
+_ADDRESS: Final = struct.Struct("<Q")
+_INLINE: Final = 1
+_SINGLE: Final = 2
+_PREFIX: Final = _RECORD.size + HEADER_SIZE  # 40 bytes before an inline payload
+#: Copies of at least this many bytes use numpy (which releases the GIL), smaller ones a
+#: memoryview (less overhead).
+_NUMPY_COPY_BYTES: Final = 64 << 10
+
+
 class _ShmRequest(Request):
     """A pending shared-memory send or receive (completion releases a lock, as on TCP)."""
 
     __slots__ = ("_done", "_error", "_lock", "_owner", "consume", "data", "head", "header",
-                 "is_send", "peer", "pos", "posted", "total")
+                 "inline", "is_send", "peer", "pos", "posted", "single", "total", "view")
 
     def __init__(self, owner: HybridTransport, peer: int, header: FrameHeader,
-                 view: memoryview, is_send: bool) -> None:
+                 view: memoryview, is_send: bool, single: bool = False) -> None:
         self._lock = threading.Lock()
         self._lock.acquire()
         self._done = False
@@ -230,10 +292,20 @@ class _ShmRequest(Request):
         self.peer = peer
         self.header = header
         self.is_send = is_send
+        self.view = view  # the payload (unsigned bytes): small copies go through it
         self.data = np.frombuffer(view, np.uint8) if len(view) else np.empty(0, np.uint8)
-        self.head = np.frombuffer(header.pack(), np.uint8) if is_send else self.data[:0]
-        self.total = _align8(HEADER_SIZE + header.length)  # frame bytes in the ring
-        self.pos = 0  # frame bytes already in the ring (sends)
+        #: A send whose payload the receiver copies out of this process (single copy).
+        self.single = single
+        # The ring record before the payload: mode, header (and the payload's address).
+        head = b""
+        if is_send:
+            head = _RECORD.pack(_SINGLE if single else _INLINE, 0) + header.pack()
+            if single:
+                head += _ADDRESS.pack(int(self.data.ctypes.data))
+        self.head = head
+        self.inline = 0 if single else header.length  # payload bytes in the ring
+        self.total = _align8(len(head) + self.inline)  # record bytes in the ring
+        self.pos = 0  # record bytes already in the ring (sends)
         self.posted = time.monotonic()
         self.consume: Consumer | None = None
 
@@ -297,6 +369,7 @@ class _Peer:
         self.state = threading.Lock()  # guards ``queued``
         self.queued = 0
         self.current: _ShmRequest | None = None  # the receive being served
+        self.bounce: npt.NDArray[np.uint8] | None = None  # single-copy consume buffer
         self.sender: threading.Thread | None = None
         self.receiver: threading.Thread | None = None
 
@@ -363,7 +436,7 @@ class HybridTransport(Transport):
             raise UsageError(f"ring_bytes must be a multiple of 4096, got {ring_bytes}")
         rank = tcp.rank
         local = [p for p in range(tcp.size) if p != rank and hosts[p] == hosts[rank]]
-        if not local:
+        if not local or not shm.supported():  # the same answer on every rank of a host
             return tcp
         deadline = time.monotonic() + timeout
         offers: dict[int, shm.Offer] = {}
@@ -372,38 +445,53 @@ class HybridTransport(Transport):
         keep: list[Any] = []  # buffers of the set-up frames, alive until sent / received
         sends: list[Request] = []
         try:
-            inbox: dict[int, tuple[Request, bytearray]] = {}
+            # Side 0 (the lower rank) offers (step 0), side 1 answers (step 1), side 0
+            # confirms (step 2): see bitcoll.transport.shm. Receives are posted in the order
+            # of the frames.
+            inbox: dict[tuple[int, int], tuple[Request, bytearray]] = {}
             for p in local:
-                buf = bytearray(shm.ANSWER_BYTES if rank < p else shm.OFFER_BYTES)
-                step = 1 if rank < p else 0
-                inbox[p] = (tcp.irecv(p, memoryview(buf), _setup_header(step, len(buf))), buf)
-            for p in local:
-                if rank < p:  # this rank is side 0 of the pair: it offers
-                    made = offers[p] = shm.offer(tcp.job_id, ring_bytes)
-                    keep.append(made.message)
-                    sends.append(tcp.isend(p, memoryview(made.message),
-                                           _setup_header(0, len(made.message))))
-            for p in local:
-                if p < rank:  # side 1: answer the offer
-                    req, buf = inbox[p]
-                    req.wait(deadline)
-                    ch, answer, why = shm.accept(p, bytes(buf))
-                    if ch is None:
-                        fallbacks[p] = why
-                    else:
-                        channels[p] = ch
-                    keep.append(answer)
-                    sends.append(tcp.isend(p, memoryview(answer),
-                                           _setup_header(1, len(answer))))
+                steps = (1,) if rank < p else (0, 2)
+                for step in steps:
+                    buf = bytearray({0: shm.OFFER_BYTES, 1: shm.ANSWER_BYTES,
+                                     2: shm.CONFIRM_BYTES}[step])
+                    inbox[p, step] = (tcp.irecv(p, memoryview(buf),
+                                                _setup_header(step, len(buf))), buf)
+
+            def send(p: int, step: int, message: bytes) -> None:
+                keep.append(message)
+                sends.append(tcp.isend(p, memoryview(message),
+                                       _setup_header(step, len(message))))
+
+            def take(p: int, step: int) -> bytes:
+                req, buf = inbox[p, step]
+                req.wait(deadline)
+                return bytes(buf)
+
             for p in local:
                 if rank < p:
-                    req, buf = inbox[p]
-                    req.wait(deadline)
-                    ch, why = shm.finish_offer(offers.pop(p), p, bytes(buf))
+                    made = offers[p] = shm.offer(tcp.job_id, ring_bytes)
+                    send(p, 0, made.message)
+            for p in local:
+                if p < rank:
+                    probe = shm.Probe()  # read by side 0 before it confirms
+                    keep.append(probe)
+                    ch, answer, why = shm.accept(p, take(p, 0), probe)
                     if ch is None:
                         fallbacks[p] = why
                     else:
                         channels[p] = ch
+                    send(p, 1, answer)
+            for p in local:
+                if rank < p:
+                    ch, confirmation, why = shm.finish_offer(offers.pop(p), p, take(p, 1))
+                    if ch is None:
+                        fallbacks[p] = why
+                    else:
+                        channels[p] = ch
+                    send(p, 2, confirmation)
+            for p in local:
+                if p < rank:
+                    shm.confirm(channels.get(p), take(p, 2))
             for s in sends:
                 s.wait(deadline)
         except BaseException as exc:
@@ -415,7 +503,7 @@ class HybridTransport(Transport):
                       f"{type(exc).__name__}: {exc}")
             raise
         for p, why in fallbacks.items():
-            _log.info("rank %d: rank %d shares this host but uses TCP: %s", rank, p, why)
+            _log.warning("rank %d: rank %d shares this host but uses TCP: %s", rank, p, why)
         if not channels:
             return tcp
         return cls(tcp, hosts, channels, ring_bytes, fallbacks)
@@ -441,6 +529,12 @@ class HybridTransport(Transport):
     def shm_peers(self) -> list[int]:
         """The peers reached through shared memory."""
         return sorted(self._peers)
+
+    @property
+    def single_copy_peers(self) -> list[int]:
+        """The shared-memory peers that large frames reach by single copy (they read this
+        rank's buffers with ``process_vm_readv``)."""
+        return sorted(p for p, peer in self._peers.items() if peer.ch.single_copy)
 
     @property
     def failure(self) -> CommError | None:
@@ -490,9 +584,13 @@ class HybridTransport(Transport):
         if header.length != mv.nbytes:
             raise UsageError(f"header.length is {header.length} but the payload has "
                              f"{mv.nbytes} bytes")
-        req = _ShmRequest(self, peer, header, mv, True)
+        single = p.ch.single_copy and header.length >= max(1, shm.SINGLE_COPY_MIN_BYTES) and \
+            shm.SINGLE_COPY
+        req = _ShmRequest(self, peer, header, mv, True, single)
         with p.state:
-            inline = p.queued == 0 and p.send_lock.acquire(blocking=False)
+            # Nothing queued for this peer: copy what fits right here (order is kept, no
+            # frame is ahead). A single-copy frame waits for the peer: the thread's job.
+            inline = p.queued == 0 and not single and p.send_lock.acquire(blocking=False)
             if not inline:
                 p.queued += 1
         if inline:
@@ -606,12 +704,14 @@ class HybridTransport(Transport):
                     ch.drain(got)
 
     def _put(self, p: _Peer, req: _ShmRequest, block: bool) -> bool:
-        """Copy the rest of ``req``'s frame into the out ring (send lock held); False when
-        ``block`` is off and the ring filled up first."""
+        """Copy the rest of ``req``'s record into the out ring (send lock held); False when
+        ``block`` is off and the ring filled up first. A single-copy record is then waited
+        on until the peer has copied the payload."""
         ch = p.ch
         ring_bytes = ch.ring_bytes
         total = req.total
-        n = req.header.length
+        nh = len(req.head)
+        end = nh + req.inline
         poller: select.poll | None = None
         while req.pos < total:
             free = ch.out_free()
@@ -625,15 +725,23 @@ class HybridTransport(Transport):
             off = ch.written % ring_bytes
             a = req.pos
             b = a + min(free, ring_bytes - off, total - a, shm.CHUNK_BYTES)
-            if a < HEADER_SIZE:
-                k = min(b, HEADER_SIZE)
-                ch.ring_out[off:off + k - a] = req.head[a:k]
-            lo, hi = max(a, HEADER_SIZE), min(b, HEADER_SIZE + n)
-            if lo < hi:
-                ch.ring_out[off + lo - a:off + hi - a] = \
-                    req.data[lo - HEADER_SIZE:hi - HEADER_SIZE]
+            if a < nh:
+                k = min(b, nh)
+                ch.ring_out_mv[off:off + k - a] = req.head[a:k]
+            lo, hi = max(a, nh), min(b, end)
+            if hi - lo >= _NUMPY_COPY_BYTES:  # numpy releases the GIL while it copies
+                ch.ring_out[off + lo - a:off + hi - a] = req.data[lo - nh:hi - nh]
+            elif lo < hi:
+                ch.ring_out_mv[off + lo - a:off + hi - a] = req.view[lo - nh:hi - nh]
+            if b == total and req.single:
+                ch.copies_sent += 1
             ch.publish_written(b - a)
             req.pos = b
+        if req.single:
+            if poller is None:
+                poller = self._poller(ch.space_out)
+            target = ch.copies_sent
+            self._wait(p, poller, ch.space_out, lambda: ch.acked_out() >= target)
         return True
 
     def _poller(self, fd: int) -> select.poll:
@@ -647,9 +755,13 @@ class HybridTransport(Transport):
         ch = p.ch
         ring_bytes = ch.ring_bytes
         start = ch.read
-        self._wait(p, poller, ch.data_in, lambda: ch.in_avail() >= HEADER_SIZE)
-        header = FrameHeader.unpack(ch.read_in(start, HEADER_SIZE))
+        self._wait(p, poller, ch.data_in, lambda: ch.in_avail() >= _PREFIX)
+        raw = ch.read_in(start, _PREFIX)
+        mode, _ = _RECORD.unpack_from(raw)
+        header = FrameHeader.unpack(raw[_RECORD.size:])
         msg = header.mismatch(req.header, p.rank)
+        if msg is None and mode not in (_INLINE, _SINGLE):
+            msg = f"rank {p.rank} wrote a shared-memory record of unknown mode {mode}"
         if msg is not None:
             # A peer that aborted left the frames of the collective it abandoned here: its
             # reason explains the mismatch better than the headers do.
@@ -658,8 +770,11 @@ class HybridTransport(Transport):
                        else PeerLostError(f"rank {p.rank} aborted: {reason}"))
             raise _Stop
         n = header.length
-        end = start + _align8(HEADER_SIZE + n)
-        cursor = start + HEADER_SIZE
+        if mode == _SINGLE:
+            self._copy_from_peer(p, req, poller, start, n)
+            return
+        end = start + _align8(_PREFIX + n)
+        cursor = start + _PREFIX
         consume = req.consume
         while cursor < end:
             avail = ch.written_in() - cursor
@@ -670,22 +785,66 @@ class HybridTransport(Transport):
                 continue
             off = cursor % ring_bytes
             span = min(avail, ring_bytes - off, end - cursor, shm.CHUNK_BYTES)
-            at = cursor - start - HEADER_SIZE  # payload offset
+            at = cursor - start - _PREFIX  # payload offset
             k = min(span, n - at)
             if k > 0:
                 if consume is not None:
-                    try:
-                        consume(at, ch.ring_in_mv[off:off + k])
-                    except Exception as exc:
-                        self._fail(CommError(f"rank {self.rank}: consuming a frame from rank "
-                                             f"{p.rank} failed: {type(exc).__name__}: {exc}"))
-                        raise _ConsumerFailed from exc
-                else:
+                    self._consume(p, consume, at, ch.ring_in_mv[off:off + k])
+                elif k >= _NUMPY_COPY_BYTES:
                     req.data[at:at + k] = ch.ring_in[off:off + k]
+                else:
+                    req.view[at:at + k] = ch.ring_in_mv[off:off + k]
             cursor += span
             ch.publish_read(cursor - ch.read)
         if cursor > ch.read:
             ch.publish_read(cursor - ch.read)
+
+    def _consume(self, p: _Peer, consume: Consumer, at: int, chunk: memoryview) -> None:
+        try:
+            consume(at, chunk)
+        except Exception as exc:
+            self._fail(CommError(f"rank {self.rank}: consuming a frame from rank {p.rank} "
+                                 f"failed: {type(exc).__name__}: {exc}"))
+            raise _ConsumerFailed from exc
+
+    def _copy_from_peer(self, p: _Peer, req: _ShmRequest, poller: select.poll, start: int,
+                        n: int) -> None:
+        """A single-copy record: read the payload out of the sender's memory (into the
+        receive buffer, or piece by piece into a bounce buffer for the consumer), then
+        acknowledge it (the sender's request completes)."""
+        ch = p.ch
+        size = _PREFIX + _ADDRESS.size
+        self._wait(p, poller, ch.data_in, lambda: ch.in_avail() >= size)
+        (address,) = _ADDRESS.unpack(ch.read_in(start + _PREFIX, _ADDRESS.size))
+        consume = req.consume
+        piece = shm.CHUNK_BYTES if consume is not None else shm.SINGLE_COPY_PIECE_BYTES
+        if consume is not None and p.bounce is None:
+            p.bounce = np.empty(shm.CHUNK_BYTES, np.uint8)
+        at = 0
+        while at < n:
+            if self._failure is not None or self._closing:
+                raise _Stop
+            k = min(piece, n - at)
+            if consume is None:
+                dst = req.data[at:at + k]
+            else:
+                assert p.bounce is not None
+                dst = p.bounce[:k]
+            try:
+                shm.vm_read(ch.peer_pid, int(dst.ctypes.data), address + at, k)
+            except OSError as exc:
+                reason = ch.peer_abort_reason()
+                if reason is not None:
+                    self._fail(PeerLostError(f"rank {p.rank} aborted: {reason}"))
+                else:
+                    self._fail(PeerLostError(
+                        f"rank {self.rank}: lost rank {p.rank} (shared memory): reading its "
+                        f"buffer failed ({exc.strerror}): rank {p.rank} exited or was killed"))
+                raise _Stop from exc
+            if consume is not None:
+                self._consume(p, consume, at, dst.data)
+            at += k
+        ch.publish_read(_align8(size), acked=True)
 
     # ---------------------------------------------------------------- threads
 

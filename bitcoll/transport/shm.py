@@ -15,55 +15,73 @@ One file per pair, created by the lower rank (*side 0*), mapped by both::
                              knows the file is the one offered), and per side: its state
                              (open / aborted), the length and UTF-8 text of its abort reason
     then per direction d     (d = 0: side 0 -> side 1, d = 1: side 1 -> side 0)
-      4 KiB control page     ``written`` (u64, the sender's byte counter) and, one cache line
-                             apart, ``read`` (u64, the receiver's byte counter)
+      4 KiB control page     three u64 counters, each on its own cache lines: ``written``
+                             (the sender's), ``read`` and ``acked`` (the receiver's)
       ring_bytes             the ring (default :data:`DEFAULT_RING_BYTES`)
 
-A ring is a single-producer single-consumer byte stream: the sender copies a frame (the
-32-byte header, the payload, zero to seven bytes of padding so that every frame starts on an
-8-byte boundary) at position ``written % ring_bytes`` and then advances ``written``; the
-receiver reads at ``read % ring_bytes`` and advances ``read``. Both counters only grow, only
-their owner writes them, and each is published after every chunk of at most
-:data:`CHUNK_BYTES`, so a large frame streams through a ring smaller than itself and the
-receiver reads the bytes while they are still in the shared cache. Ordering relies on x86-64's
-total store order (data stores are seen before the counter store that publishes them); other
-architectures do not use shared memory (:func:`supported`).
+A ring is a single-producer single-consumer byte stream of *records*, each starting on an
+8-byte boundary: a record word (mode, 8 bytes), the frame's 32-byte header, then either the
+payload itself (*inline*) or, for a *single-copy* record, the payload's address in the
+sender (8 bytes), then padding to a multiple of 8. The sender copies at ``written %
+ring_bytes`` and advances ``written``; the receiver reads at ``read % ring_bytes`` and
+advances ``read``. Counters only grow, only their owner writes them, and each is published
+after every chunk of at most :data:`CHUNK_BYTES`, so a large inline frame streams through a
+ring smaller than itself and the receiver reads the bytes while they are still in the shared
+cache. Ordering relies on x86-64's total store order (data stores are seen before the counter
+store that publishes them, loads are not reordered with older loads); other architectures do
+not use shared memory (:func:`supported`).
+
+Single copy
+-----------
+An inline frame is copied twice (into the ring, out of it). When the kernel lets each side
+read the other's memory (``process_vm_readv``: same user, ptrace access allowed, one PID
+namespace; probed at set-up by reading 16 random bytes the other side published, see
+:class:`Probe`), a frame of at least :data:`SINGLE_COPY_MIN_BYTES` goes as a single-copy
+record instead: the receiver copies the payload straight from the sender's buffer into its
+own (or, for a consumer, through a small bounce buffer), in pieces of
+:data:`SINGLE_COPY_PIECE_BYTES`, then advances ``acked``; the sender's request completes when
+``acked`` covers its record (the buffer must stay unchanged until then, which the transport
+contract already asks). Pairs where the probe fails use inline records only.
 
 Doorbells
 ---------
 Four FIFOs per pair, each with one writing and one reading process: "data" (the sender rings
 after publishing bytes; the receiver waits on it) and "space" (the receiver rings after
-consuming bytes; a sender with a full ring waits on it), for each direction. A bell is one
-byte written without blocking (a full pipe already guarantees a wake-up); a waiter drains
-its FIFO, then re-checks the counters, so no wake-up is lost. Waiting is ``poll`` on the FIFO
-and the transport's own wake-up pipe, with a timeout (:data:`WATCH_SECONDS`) after which the
-waiter checks the TCP side's health. Measured against a futex on a shared word (ctypes
-syscall) and a byte over the pair's TCP connection, a FIFO round trip between two processes
-was the fastest here (8-16 us against 23-82 us and 23-42 us, ``results/shm/doorbell.txt``),
-needs nothing outside the standard library, and gives death detection for free: when a peer
-exits or is killed the kernel closes its write ends and the reader sees end of file at once.
+consuming bytes or acknowledging a record; a sender with a full ring, or waiting for its
+acknowledgement, waits on it), for each direction. A bell is one byte written without
+blocking (a full pipe already guarantees a wake-up); a waiter drains its FIFO, then re-checks
+the counters, so no wake-up is lost (the bell is always rung: deciding to skip it would need
+a store-load fence Python cannot issue). Waiting is ``poll`` on the FIFO and the transport's
+own wake-up pipe, with a timeout (:data:`WATCH_SECONDS`) after which the waiter checks the TCP
+side's health. Measured against a futex on a shared word (ctypes syscall) and a byte over the
+pair's TCP connection, a FIFO round trip between two processes was the fastest here (8-16 us
+against 23-82 us and 23-42 us, ``results/shm/doorbell.txt``), needs nothing outside the
+standard library, and gives death detection for free: when a peer exits or is killed the
+kernel closes its write ends and the reader sees end of file at once.
 
-Set-up (:func:`offer`, :func:`accept`, :func:`finish_offer`)
--------------------------------------------------------------
+Set-up (:func:`offer`, :func:`accept`, :func:`finish_offer`, :func:`confirm`)
+------------------------------------------------------------------------------
 Side 0 creates the segment (``O_CREAT | O_EXCL | O_NOFOLLOW``, mode 0600, space reserved with
 ``posix_fallocate`` so that a full ``/dev/shm`` is an error now rather than a SIGBUS later)
 and the four FIFOs (mode 0600) under one unguessable name (128 random bits,
 ``bitcoll-shm-<job id>-<random>-<kind>`` in ``/dev/shm``), maps the segment, opens its ends of
-the FIFOs, and sends the name and the nonce to side 1 over their authenticated TCP
-connection. Side 1 opens each file with ``O_NOFOLLOW | O_NONBLOCK``, refuses it unless it is
-a regular file (FIFO) of this user with no permission for anybody else and (segment) of the
-expected size and header, maps it, opens its FIFO ends and **unlinks all five names**; its
-answer tells side 0, which unlinks them too (harmless when gone) and also on every failure
-path. From then on nothing of the pair is left in ``/dev/shm`` whatever happens to either
-process. (Left only if side 0 is killed between creating the files and sending the offer,
-microseconds during set-up.) A pair that cannot use shared memory (no ``/dev/shm``, full,
-another mount namespace, a refused file) falls back to TCP for that pair only; the answer
-makes both sides agree.
+the FIFOs, and sends the name, the nonce and its probe to side 1 over their authenticated TCP
+connection (the *offer*). Side 1 opens each file with ``O_NOFOLLOW | O_NONBLOCK``, refuses it
+unless it is a regular file (FIFO) of this user with no permission for anybody else and
+(segment) of the expected size and header, maps it, opens its FIFO ends, **unlinks all five
+names**, probes side 0 and sends its own probe and result (the *answer*). Side 0 unlinks the
+names too (harmless when gone; also on every failure path), probes side 1 and sends its
+result (the *confirmation*). From the answer on nothing of the pair is left in ``/dev/shm``
+whatever happens to either process; names can be left only if side 0 is killed between
+creating the files and sending the offer, or both sides die during the set-up. A pair that
+cannot use shared memory (no ``/dev/shm``, full, another mount namespace, a refused file)
+falls back to TCP for that pair only; the answer makes both sides agree.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import mmap
 import os
@@ -74,7 +92,7 @@ import select
 import stat
 import struct
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final
 
 import numpy as np
 import numpy.typing as npt
@@ -91,7 +109,10 @@ __all__ = [
     "offer",
     "accept",
     "finish_offer",
+    "confirm",
     "discard_offer",
+    "vm_read",
+    "Probe",
     "segment_names",
 ]
 
@@ -104,6 +125,13 @@ DEFAULT_RING_BYTES: Final = 2 << 20
 CHUNK_BYTES: Final = 256 << 10
 #: How long a waiter sleeps before it looks at the TCP side's health again.
 WATCH_SECONDS: Final = 0.05
+#: Frames of at least this many payload bytes go by single copy when the kernel lets the
+#: receiver read the sender's memory (``process_vm_readv``; probed at set-up).
+SINGLE_COPY_MIN_BYTES: Final = 512 << 10
+#: Whether single-copy frames are used at all (tests turn it off to exercise the rings).
+SINGLE_COPY = True
+#: Bytes a single-copy receive reads per call (the transport checks for failures between).
+SINGLE_COPY_PIECE_BYTES: Final = 1 << 20
 #: Longest abort reason kept in the pair header (per side).
 MAX_REASON_BYTES: Final = 16 << 10
 
@@ -116,6 +144,7 @@ _SIDE_OFF: Final = 64  # per side: state u32, reason length u32, at 64 + 64 * si
 _REASON_OFF: Final = 4096  # per side: reason text at 4096 + side * MAX_REASON_BYTES
 _WRITTEN: Final = 0  # u64 index of ``written`` in a control page
 _READ: Final = 16  # u64 index of ``read`` (128 bytes further: another cache line pair)
+_ACKED: Final = 32  # u64 index of ``acked``: single-copy frames the receiver has copied
 STATE_OPEN: Final = 0
 STATE_ABORTED: Final = 2
 
@@ -132,10 +161,9 @@ class ShmSetupError(Exception):
 
 
 def supported() -> bool:
-    """Whether this machine can run the rings: x86-64 (total store order) and a writable
-    ``/dev/shm``."""
-    return platform.machine().lower() in ("x86_64", "amd64") and \
-        os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK | os.X_OK)
+    """Whether this machine's memory ordering suits the rings: x86-64 (total store order).
+    (Whether ``/dev/shm`` can be used is found out per pair at set-up.)"""
+    return platform.machine().lower() in ("x86_64", "amd64")
 
 
 def segment_names(base: str) -> list[str]:
@@ -198,6 +226,8 @@ class ShmChannel:
         self.ring_out: Bytes = np.frombuffer(mm, np.uint8, ring_bytes, base[out_d] + CTL_BYTES)
         self.ring_in: Bytes = np.frombuffer(mm, np.uint8, ring_bytes, base[in_d] + CTL_BYTES)
         self.ring_in_mv = self._mv[base[in_d] + CTL_BYTES:base[in_d] + CTL_BYTES + ring_bytes]
+        self.ring_out_mv = self._mv[base[out_d] + CTL_BYTES:base[out_d] + CTL_BYTES
+                                    + ring_bytes]
         self._sides = self._mv[_SIDE_OFF:_SIDE_OFF + 128].cast("I")
         # Doorbells: ring the peer's "data" (it reads my out ring) and "space" (I consumed
         # its bytes); wait on my "data" (in ring) and "space" (out ring).
@@ -210,6 +240,11 @@ class ShmChannel:
         self.read = int(self._ctl_in[_READ])  # my in counter (only I write it)
         self.eof = False  # the peer's doorbell ends were closed: it exited or closed
         self.closed = False
+        #: The peer's pid when this side can read its memory (single-copy frames from it).
+        self.peer_pid = 0
+        #: Whether the peer can read this side's memory: large frames go by single copy.
+        self.single_copy = False
+        self.copies_sent = 0  # single-copy frames written (the peer acknowledges each)
 
     # ------------------------------------------------------------ counters and bells
 
@@ -231,11 +266,18 @@ class ShmChannel:
         self._ctl_out[_WRITTEN] = self.written
         ring(self.data_out)
 
-    def publish_read(self, n: int) -> None:
-        """Advance ``read`` by ``n`` bytes consumed, and ring the space bell."""
+    def publish_read(self, n: int, acked: bool = False) -> None:
+        """Advance ``read`` by ``n`` bytes consumed (and ``acked`` by one: a single-copy
+        frame was copied), and ring the space bell."""
         self.read += n
+        if acked:
+            self._ctl_in[_ACKED] = int(self._ctl_in[_ACKED]) + 1
         self._ctl_in[_READ] = self.read
         ring(self.space_in)
+
+    def acked_out(self) -> int:
+        """Single-copy frames of this side that the peer has copied."""
+        return int(self._ctl_out[_ACKED])
 
     # ------------------------------------------------------------ copies
 
@@ -279,17 +321,15 @@ class ShmChannel:
     # ------------------------------------------------------------ waiting
 
     def drain(self, fd: int) -> None:
-        """Empty a doorbell FIFO; sets :attr:`eof` when the peer's end is closed."""
-        while True:
-            try:
-                if not os.read(fd, 65536):
-                    self.eof = True
-                    return
-            except BlockingIOError:
-                return
-            except OSError:
+        """Empty a doorbell FIFO (it holds at most 64 KiB, so one read takes everything
+        rung so far); sets :attr:`eof` when the peer's end is closed."""
+        try:
+            if not os.read(fd, 1 << 16):
                 self.eof = True
-                return
+        except BlockingIOError:
+            pass
+        except OSError:
+            self.eof = True
 
     def close(self) -> None:
         """Close the doorbells and unmap the segment. Idempotent."""
@@ -299,8 +339,10 @@ class ShmChannel:
         for fd in self._fds:
             with contextlib.suppress(OSError):
                 os.close(fd)
-        for mv in (self._ctl_out, self._ctl_in, self._sides, self.ring_in_mv, self._mv):
-            mv.release()
+        for mv in (self._ctl_out, self._ctl_in, self._sides, self.ring_in_mv, self.ring_out_mv,
+                   self._mv):
+            with contextlib.suppress(BufferError):
+                mv.release()
         del self.ring_out, self.ring_in
         with contextlib.suppress(BufferError):  # a consumer kept a view: left to the GC
             self._mm.close()
@@ -309,8 +351,10 @@ class ShmChannel:
 def ring(fd: int) -> None:
     """Ring a doorbell: one byte, never blocking (a full pipe wakes its reader anyway; a
     closed reader means the peer is gone, which its own end reports)."""
-    with contextlib.suppress(BlockingIOError, BrokenPipeError, OSError):
+    try:  # noqa: SIM105  (contextlib.suppress costs a microsecond per bell)
         os.write(fd, b"\0")
+    except OSError:  # BlockingIOError, BrokenPipeError
+        pass
 
 
 def wait_bell(poller: select.poll, timeout: float) -> list[tuple[int, int]]:
@@ -322,14 +366,84 @@ def wait_bell(poller: select.poll, timeout: float) -> list[tuple[int, int]]:
 
 
 # --------------------------------------------------------------------------------------------
+# Single copy between processes (process_vm_readv)
+# --------------------------------------------------------------------------------------------
+
+
+class _IoVec(ctypes.Structure):
+    _fields_ = [("iov_base", ctypes.c_void_p), ("iov_len", ctypes.c_size_t)]
+
+
+_libc: ctypes.CDLL | None = None
+
+
+def _vm_readv() -> Any:
+    """libc's ``process_vm_readv`` (ctypes releases the GIL during the call), or None."""
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+    fn = getattr(_libc, "process_vm_readv", None)
+    if fn is not None:
+        fn.restype = ctypes.c_ssize_t
+        fn.argtypes = [ctypes.c_int, ctypes.POINTER(_IoVec), ctypes.c_ulong,
+                       ctypes.POINTER(_IoVec), ctypes.c_ulong, ctypes.c_ulong]
+    return fn
+
+
+def vm_read(pid: int, dst: int, src: int, n: int) -> None:
+    """Copy ``n`` bytes from address ``src`` of process ``pid`` to address ``dst`` here.
+    OSError (errno ESRCH: the process is gone) on failure."""
+    fn = _vm_readv()
+    if fn is None:  # pragma: no cover - every Linux libc since 2.15 has it
+        raise OSError(errno.ENOSYS, "process_vm_readv is not available")
+    done = 0
+    while done < n:
+        local = _IoVec(dst + done, n - done)
+        remote = _IoVec(src + done, n - done)
+        got = fn(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
+        if got <= 0:
+            err = ctypes.get_errno() if got < 0 else errno.EFAULT
+            raise OSError(err, os.strerror(err))
+        done += got
+
+
+class Probe:
+    """16 random bytes at a known address: the peer proves it can read this process's
+    memory by reading them (:func:`probe_peer`)."""
+
+    def __init__(self) -> None:
+        self.data = secrets.token_bytes(16)
+        self.buf = ctypes.create_string_buffer(self.data, 16)
+        self.address = ctypes.addressof(self.buf)
+
+
+def probe_peer(pid: int, address: int, expect: bytes) -> bool:
+    """Whether this process can read ``expect`` at ``address`` of process ``pid`` (same
+    user, ptrace access allowed, same PID namespace)."""
+    if not SINGLE_COPY or pid <= 0 or address == 0:
+        return False
+    got = ctypes.create_string_buffer(16)
+    try:
+        vm_read(pid, ctypes.addressof(got), address, 16)
+    except OSError:
+        return False
+    return got.raw == expect
+
+
+# --------------------------------------------------------------------------------------------
 # Set-up
 # --------------------------------------------------------------------------------------------
 
-#: Bytes of the offer (side 0 -> side 1) and of the answer (side 1 -> side 0).
+#: Bytes of the offer (side 0 -> side 1), the answer (side 1 -> side 0) and the confirmation
+#: (side 0 -> side 1).
 OFFER_BYTES: Final = 256
 ANSWER_BYTES: Final = 256
-_OFFER = struct.Struct("<IIQ16s96s")  # status, version, ring bytes, nonce, base name
-_ANSWER = struct.Struct("<I200s")  # status, why (UTF-8)
+CONFIRM_BYTES: Final = 8
+# status, version, ring bytes, nonce, base name, pid, probe address, probe bytes
+_OFFER = struct.Struct("<IIQ16s96sIQ16s")
+# status, why (UTF-8), pid, probe address, probe bytes, whether side 1 can read side 0
+_ANSWER = struct.Struct("<I160sIQ16sI")
+_CONFIRM = struct.Struct("<II")  # whether side 0 can read side 1, 0
 
 
 @dataclass
@@ -341,6 +455,7 @@ class Offer:
     fds: dict[str, int]
     message: bytes
     ring_bytes: int
+    probe: Probe | None = None
 
     def release(self) -> None:
         """Close everything and unlink the names (failure paths)."""
@@ -356,7 +471,8 @@ class Offer:
 
 
 def _refusal(base: str, ring_bytes: int, why: str) -> Offer:
-    msg = _OFFER.pack(0, VERSION, ring_bytes, b"", why.encode()[:96]).ljust(OFFER_BYTES, b"\0")
+    msg = _OFFER.pack(0, VERSION, ring_bytes, b"", why.encode()[:96], 0, 0,
+                      b"").ljust(OFFER_BYTES, b"\0")
     return Offer(base, None, {}, msg, ring_bytes)
 
 
@@ -364,11 +480,9 @@ def offer(job_id: int, ring_bytes: int) -> Offer:
     """Side 0: create, map and open a pair's files; the offer to send (an offer of status 0,
     saying why, when shared memory is unavailable here)."""
     base = f"bitcoll-shm-{job_id & (2**64 - 1):016x}-{secrets.token_hex(16)}"
-    if not supported():
-        return _refusal(base, ring_bytes, "shared memory unsupported on this machine")
     nonce = secrets.token_bytes(16)
     size = segment_bytes(ring_bytes)
-    made = Offer(base, None, {}, b"", ring_bytes)
+    made = Offer(base, None, {}, b"", ring_bytes, Probe())
     paths = dict(zip(KINDS, segment_names(base), strict=True))
     try:
         fd = os.open(paths["seg"], os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
@@ -394,20 +508,25 @@ def offer(job_id: int, ring_bytes: int) -> Offer:
         made.release()
         why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
         return _refusal(base, ring_bytes, f"cannot create a segment in {SHM_DIR}: {why}")
-    made.message = _OFFER.pack(1, VERSION, ring_bytes, nonce,
-                               base.encode()).ljust(OFFER_BYTES, b"\0")
+    assert made.probe is not None
+    made.message = _OFFER.pack(1, VERSION, ring_bytes, nonce, base.encode(), os.getpid(),
+                               made.probe.address, made.probe.data).ljust(OFFER_BYTES, b"\0")
     return made
 
 
-def _answer(ok: bool, why: str = "") -> bytes:
-    return _ANSWER.pack(1 if ok else 0, why.encode()[:200]).ljust(ANSWER_BYTES, b"\0")
+def _answer(ok: bool, why: str = "", probe: Probe | None = None, can: bool = False) -> bytes:
+    return _ANSWER.pack(1 if ok else 0, why.encode()[:160], os.getpid() if probe else 0,
+                        probe.address if probe else 0, probe.data if probe else b"",
+                        int(can)).ljust(ANSWER_BYTES, b"\0")
 
 
-def accept(peer: int, message: bytes) -> tuple[ShmChannel | None, bytes, str]:
+def accept(peer: int, message: bytes,
+           probe: Probe | None = None) -> tuple[ShmChannel | None, bytes, str]:
     """Side 1: open the pair offered in ``message`` (checked as the module docstring says),
-    unlink its names. Returns the channel (None when the pair uses TCP), the answer to send
-    and why (empty on success)."""
-    status, version, ring_bytes, nonce, raw = _OFFER.unpack_from(message)
+    unlink its names, and find out whether it can read side 0's memory. Returns the channel
+    (None when the pair uses TCP), the answer to send (it carries ``probe``, which must stay
+    alive until :func:`confirm` is called) and why (empty on success)."""
+    status, version, ring_bytes, nonce, raw, pid, paddr, pdata = _OFFER.unpack_from(message)
     if status != 1:
         why = raw.rstrip(b"\0").decode("utf-8", errors="replace")
         return None, _answer(False, why), why
@@ -450,23 +569,36 @@ def accept(peer: int, message: bytes) -> tuple[ShmChannel | None, bytes, str]:
         _unlink_all(base)
         return None, _answer(False, why), why
     _unlink_all(base)
-    return ShmChannel(peer, 1, mm, ring_bytes, fds), _answer(True), ""
+    ch = ShmChannel(peer, 1, mm, ring_bytes, fds)
+    can_read = probe_peer(pid, paddr, pdata)
+    ch.peer_pid = pid if can_read else 0
+    return ch, _answer(True, "", probe or Probe(), can_read), ""
 
 
-def finish_offer(made: Offer, peer: int, answer: bytes) -> tuple[ShmChannel | None, str]:
+def finish_offer(made: Offer, peer: int,
+                 answer: bytes) -> tuple[ShmChannel | None, bytes, str]:
     """Side 0: the answer arrived; unlink the names (side 1 did already) and return the
-    channel, or None and why when side 1 refused."""
+    channel (or None and why when side 1 refused) and the confirmation to send."""
     _unlink_all(made.base)
-    status, raw = _ANSWER.unpack_from(answer)
+    status, raw, pid, paddr, pdata, can1 = _ANSWER.unpack_from(answer)
     if status != 1 or made.mm is None:
         made.release()
-        return None, raw.rstrip(b"\0").decode("utf-8", errors="replace")
+        return None, _CONFIRM.pack(0, 0), raw.rstrip(b"\0").decode("utf-8", errors="replace")
     ch = ShmChannel(peer, 0, made.mm, made.ring_bytes, made.fds)
     made.mm, made.fds = None, {}
-    return ch, ""
+    can_read = probe_peer(pid, paddr, pdata)
+    ch.peer_pid = pid if can_read else 0
+    ch.single_copy = bool(can1)  # side 1 reads this side's buffers
+    return ch, _CONFIRM.pack(int(can_read), 0), ""
+
+
+def confirm(ch: ShmChannel | None, message: bytes) -> None:
+    """Side 1: side 0's confirmation arrived (whether it can read this side's buffers)."""
+    can0, _ = _CONFIRM.unpack_from(message)
+    if ch is not None:
+        ch.single_copy = bool(can0)
 
 
 def discard_offer(made: Offer) -> None:
     """Side 0's set-up failed: close and unlink everything of the offer."""
     made.release()
-
