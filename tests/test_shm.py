@@ -123,7 +123,8 @@ def test_frames_wrap_the_ring_and_counters_are_exact(single_copy: bool,
             offs = [o for o, _ in pieces[i]]
             lens = [k for _, k in pieces[i]]
             assert offs == sorted(offs) and sum(lens) == n
-            assert all(k % 8 == 0 and k <= shm.CHUNK_BYTES for k in lens[:-1]), lens
+            assert all(k % 8 == 0 and k <= max(shm.CHUNK_BYTES, shm.SINGLE_COPY_CONSUME_BYTES)
+                       for k in lens[:-1]), lens
         want = sum(HEADER_SIZE + n for n in SIZES)
         for t in (t0, t1):
             assert t.stats_local.snapshot() == {

@@ -25,10 +25,11 @@ Contract (that of :class:`~bitcoll.transport.base.Transport`, kept per peer)
   and ``stats.reset()`` resets both. Integrity tags
   (``integrity=True``) are only on TCP frames: shared memory never leaves the host and only
   this user can map it.
-* ``irecv_consume`` hands the consumer pieces of at most
-  :data:`~bitcoll.transport.shm.CHUNK_BYTES` (multiples of 8 bytes except the last): views of
-  the ring itself, or of a per-peer bounce buffer for single-copy frames, so a ring reduction
-  reads the peer's bytes without a landing buffer.
+* ``irecv_consume`` hands the consumer pieces (multiples of 8 bytes except the last) of at
+  most :data:`~bitcoll.transport.shm.CHUNK_BYTES`, views of the ring itself, or for a
+  single-copy frame of at most :data:`~bitcoll.transport.shm.SINGLE_COPY_CONSUME_BYTES`, views
+  of a per-peer bounce buffer (cache-sized), so a ring reduction reads the peer's bytes
+  without a landing buffer.
 
 Data path
 ---------
@@ -817,9 +818,10 @@ class HybridTransport(Transport):
         self._wait(p, poller, ch.data_in, lambda: ch.in_avail() >= size)
         (address,) = _ADDRESS.unpack(ch.read_in(start + _PREFIX, _ADDRESS.size))
         consume = req.consume
-        piece = shm.CHUNK_BYTES if consume is not None else shm.SINGLE_COPY_PIECE_BYTES
-        if consume is not None and p.bounce is None:
-            p.bounce = np.empty(shm.CHUNK_BYTES, np.uint8)
+        piece = shm.SINGLE_COPY_CONSUME_BYTES if consume is not None else \
+            shm.SINGLE_COPY_PIECE_BYTES
+        if consume is not None and (p.bounce is None or p.bounce.size < piece):
+            p.bounce = np.empty(piece, np.uint8)
         at = 0
         while at < n:
             if self._failure is not None or self._closing:

@@ -130,8 +130,10 @@ WATCH_SECONDS: Final = 0.05
 SINGLE_COPY_MIN_BYTES: Final = 512 << 10
 #: Whether single-copy frames are used at all (tests turn it off to exercise the rings).
 SINGLE_COPY = True
-#: Bytes a single-copy receive reads per call (the transport checks for failures between).
-SINGLE_COPY_PIECE_BYTES: Final = 1 << 20
+#: Bytes a single-copy receive reads per call into the receive buffer (the transport checks
+#: for failures between calls), and per call into the bounce buffer of a consumer.
+SINGLE_COPY_PIECE_BYTES: Final = 4 << 20
+SINGLE_COPY_CONSUME_BYTES: Final = 1 << 20
 #: Longest abort reason kept in the pair header (per side).
 MAX_REASON_BYTES: Final = 16 << 10
 
