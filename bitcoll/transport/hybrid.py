@@ -130,6 +130,8 @@ SETUP_SEQ: Final = 2**64 - 2
 _SETUP_SIG: Final = zlib.crc32(b"bitcoll shared-memory set-up")
 #: How long a receiver that found a mismatched header waits for the peer's abort reason.
 MISMATCH_GRACE_SECONDS: Final = 0.2
+#: How long an idle receiver thread (nothing posted) sleeps between looks at its queue.
+IDLE_WATCH_SECONDS: Final = 1.0
 
 _log = logging.getLogger("bitcoll.shm")
 
@@ -689,6 +691,24 @@ class HybridTransport(Transport):
                 if got == fd:
                     ch.drain(fd)
 
+    def _idle(self, p: _Peer, poller: select.poll) -> None:
+        """Wait until a record starts in the in ring, the peer went away (the next receive
+        then finds out) or a receive is posted and the transport must watch its TCP side;
+        raise _Stop when this transport failed or closes, or the peer aborted."""
+        ch = p.ch
+        while ch.in_avail() < _PREFIX and not ch.eof:
+            if self._failure is not None or self._closing:
+                raise _Stop
+            reason = ch.peer_abort_reason()
+            if reason is not None:
+                self._fail(PeerLostError(f"rank {p.rank} aborted: {reason}"))
+                raise _Stop
+            if not p.recv_q.empty():
+                return  # posted: _wait watches the TCP side too
+            for got, _ in shm.wait_bell(poller, IDLE_WATCH_SECONDS):
+                if got == ch.data_in:
+                    ch.drain(got)
+
     def _abort_reason(self, p: _Peer, poller: select.poll) -> str | None:
         """The peer's abort reason, waiting up to :data:`MISMATCH_GRACE_SECONDS` for it (its
         abort rings the data bell, so an abort in progress is seen at once)."""
@@ -881,7 +901,17 @@ class HybridTransport(Transport):
         stats = self.stats_local
         poller = self._poller(p.ch.data_in)
         while self._failure is None:
-            req = p.recv_q.get()
+            try:
+                req = p.recv_q.get_nowait()
+            except queue.Empty:
+                # Nothing posted: wait for the next record first (as TCP reads the next
+                # header), so that a receive posted before its frame arrives costs no
+                # wake-up, and a peer's abort is seen even by an idle rank.
+                try:
+                    self._idle(p, poller)
+                except _Stop:
+                    return
+                req = p.recv_q.get()
             if req is None:
                 return
             p.current = req
