@@ -154,7 +154,7 @@ def test_soak_leaks_nothing() -> None:
         assert growth["rss_mib"] < 64, growth
 
 
-def _leave_with_exception(rank: int, port: int, q: Any) -> None:
+def _leave_with_exception(rank: int, port: int, q: Any, left: Any) -> None:
     os.environ.update(tcp_env(rank, 2, port))
     comm = bitcoll.init("tcp", timeout=60)
     if rank == 1:
@@ -166,7 +166,9 @@ def _leave_with_exception(rank: int, port: int, q: Any) -> None:
                 raise ValueError("the training step failed")
         except ValueError:
             q.put((1, time.monotonic() - t0, ""))
+        left.set()  # rank 1 has aborted and left
         return
+    left.wait(60)
     t0 = time.monotonic()
     try:
         comm.barrier(timeout=60)  # its next collective learns why rank 1 left, at once
@@ -181,7 +183,8 @@ def test_an_exception_leaving_with_aborts_at_once() -> None:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_leave_with_exception, args=(r, port, q), daemon=True)
+    left = ctx.Event()
+    procs = [ctx.Process(target=_leave_with_exception, args=(r, port, q, left), daemon=True)
              for r in range(2)]
     for p in procs:
         p.start()
