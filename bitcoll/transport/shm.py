@@ -283,11 +283,6 @@ class ShmChannel:
 
     # ------------------------------------------------------------ copies
 
-    def copy_out_ring(self, pos: int, src: Bytes) -> None:
-        """Copy ``src`` into the out ring at stream position ``pos`` (no wrap inside)."""
-        off = pos % self.ring_bytes
-        self.ring_out[off:off + src.size] = src
-
     def read_in(self, pos: int, n: int) -> bytes:
         """``n`` bytes of the in ring from stream position ``pos`` (wrapping)."""
         off = pos % self.ring_bytes
