@@ -5,22 +5,11 @@ out), then more collectives on a fresh communicator and a normal exit. The job m
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
+from mpi_marks import mark
 
 import bitcoll
 from bitcoll.errors import CommError, CommTimeoutError, UsageError
-
-
-def mark(text: str) -> None:
-    """Print ``text`` and, when MPI_TEST_MARKS names a directory, append it to a file there
-    (mpiexec's output forwarding may drop the last lines of a rank that is being killed)."""
-    print(text, flush=True)
-    folder = os.environ.get("MPI_TEST_MARKS")
-    if folder:
-        with open(os.path.join(folder, f"{os.getpid()}.txt"), "a") as f:
-            f.write(text + "\n")
 
 
 def main() -> None:

@@ -11,20 +11,11 @@ import os
 import sys
 
 import numpy as np
+from mpi_marks import mark
 
 import bitcoll
 
 FAILING_RANK = 2
-
-
-def mark(text: str) -> None:
-    """Print ``text`` and, when MPI_TEST_MARKS names a directory, append it to a file there
-    (mpiexec's output forwarding may drop the last lines of a rank that is being killed)."""
-    print(text, flush=True)
-    folder = os.environ.get("MPI_TEST_MARKS")
-    if folder:
-        with open(os.path.join(folder, f"{os.getpid()}.txt"), "a") as f:
-            f.write(text + "\n")
 
 
 def run(comm: bitcoll.Communicator) -> None:
