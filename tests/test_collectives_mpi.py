@@ -66,11 +66,15 @@ def _fresh() -> Communicator:
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("case", ["length", "dtype", "collective", "out"])
 def test_mismatch_fails_every_rank_fast(case: str) -> None:
-    c = _fresh()
-    last = c.size - 1
-    odd = c.rank == last
+    from mpi4py import MPI
+
+    odd = MPI.COMM_WORLD.rank == MPI.COMM_WORLD.size - 1
     t0 = time.monotonic()
+    c: Communicator | None = None
+    # A rank's UsageError right after init aborts the communicator, so a peer may still be
+    # inside init's own collective (the topology exchange) when it hears of it.
     with pytest.raises((CommError, UsageError)) as info:
+        c = _fresh()
         if case == "length":
             c.allreduce(np.ones(100 + odd, np.float32))
         elif case == "dtype":
@@ -87,9 +91,10 @@ def test_mismatch_fails_every_rank_fast(case: str) -> None:
         assert info.type is UsageError
     elif case != "out":
         assert issubclass(info.type, (ProtocolError, CommError))
-    with pytest.raises(CommError):
-        c.allreduce(np.ones(1))
-    c.close()
+    if c is not None:
+        with pytest.raises(CommError):
+            c.allreduce(np.ones(1))
+        c.close()
 
 
 @pytest.mark.mpi(min_size=3)
