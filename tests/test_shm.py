@@ -10,6 +10,7 @@ import glob
 import multiprocessing as mp
 import os
 import signal
+import stat
 import threading
 import time
 from collections.abc import Sequence
@@ -136,6 +137,37 @@ def test_frames_wrap_the_ring_and_counters_are_exact(single_copy: bool,
             assert t.stats.bytes_sent == want
     finally:
         _close([t0, t1])
+
+
+def test_a_forked_child_does_not_keep_the_doorbells() -> None:
+    """A process forked by a rank (a DataLoader worker) closes its copies of the doorbells,
+    so that the rank's death is still an end of file for its peers."""
+    t0, t1 = _thread_world(2)
+    try:
+        assert isinstance(t0, HybridTransport)
+        fds = list(t0._peers[1].ch._fds)
+        assert len(fds) == 4
+        read_end, write_end = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: report which doorbells are still open, then leave
+            still = [fd for fd in fds if _is_fifo(fd)]
+            os.write(write_end, str(len(still)).encode())
+            os._exit(0)
+        os.close(write_end)
+        got = os.read(read_end, 16)
+        os.close(read_end)
+        os.waitpid(pid, 0)
+        assert got == b"0", got
+        assert all(_is_fifo(fd) for fd in fds)  # the parent keeps them
+    finally:
+        _close([t0, t1])
+
+
+def _is_fifo(fd: int) -> bool:
+    try:
+        return stat.S_ISFIFO(os.fstat(fd).st_mode)
+    except OSError:
+        return False
 
 
 def test_header_mismatch_is_a_protocol_error_and_aborts_the_peer() -> None:

@@ -91,6 +91,7 @@ import secrets
 import select
 import stat
 import struct
+import weakref
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -238,6 +239,7 @@ class ShmChannel:
         self.data_in = fds[f"{in_d}d"]  # read end: data in my in ring
         self.space_in = fds[f"{in_d}s"]  # write end
         self._fds = list(fds.values())
+        _OPEN.add(self)
         self.written = int(self._ctl_out[_WRITTEN])  # my out counter (only I write it)
         self.read = int(self._ctl_in[_READ])  # my in counter (only I write it)
         self.eof = False  # the peer's doorbell ends were closed: it exited or closed
@@ -343,6 +345,25 @@ class ShmChannel:
         del self.ring_out, self.ring_in
         with contextlib.suppress(BufferError):  # a consumer kept a view: left to the GC
             self._mm.close()
+
+
+#: Open channels of this process: a child forked from it closes their doorbells at once.
+_OPEN: weakref.WeakSet[ShmChannel] = weakref.WeakSet()
+
+
+def _forget_in_child() -> None:
+    """After ``fork`` (a DataLoader worker, a subprocess): the child must not hold the
+    doorbells, or the peers would not see end of file when this rank dies. Its copies of
+    the channels are marked closed (their mappings stay until the child exits)."""
+    for ch in list(_OPEN):
+        for fd in ch._fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        ch._fds = []
+        ch.closed = True
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def ring(fd: int) -> None:
