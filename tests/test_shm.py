@@ -244,7 +244,7 @@ def _wait_dead(pid: int, deadline: float) -> None:
             with open(f"/proc/{pid}/stat") as f:
                 if f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
                     return
-        except FileNotFoundError:
+        except (FileNotFoundError, ProcessLookupError):  # gone between open and read
             return
         time.sleep(0.01)  # polls a condition; sets up no interleaving
     raise AssertionError(f"process {pid} did not die")
@@ -389,12 +389,12 @@ def _sweeps(comm: Communicator) -> tuple[str, list[int], int]:
     assert isinstance(t, HybridTransport) and comm.backend == "tcp"
     assert not _leftovers(t.job_id)
     comm.stats.reset()
-    n = dense_sweep(comm, lengths=(0, 1, 9, 1000, 300_007), dtypes=("float32", "int8", "uint16"))
+    n = dense_sweep(comm, lengths=(0, 1, 1000, 300_007), dtypes=("float32", "int8"))
     comm.segment_bytes = 40  # many tiny frames through the rings
-    n += dense_sweep(comm, lengths=(9, 1000), dtypes=("float32",))
+    n += dense_sweep(comm, lengths=(1000,), dtypes=("float32",))
     comm.segment_bytes = bitcoll.DEFAULT_SEGMENT_BYTES
     n += inplace_and_async(comm)
-    n += packed_sweep(comm, lengths=(0, 65, 100_003), algorithms=("direct", "allgather"))
+    n += packed_sweep(comm, lengths=(65, 100_003), algorithms=("direct", "allgather"))
     comm.packed_segment_bytes = 8
     n += packed_sweep(comm, lengths=(4099,), algorithms=("direct",))
     comm.packed_segment_bytes = bitcoll.DEFAULT_PACKED_SEGMENT_BYTES
@@ -416,7 +416,7 @@ def test_sweeps_over_shared_memory(size: int) -> None:
 def _mixed(comm: Communicator) -> dict[str, Any]:
     t = comm.transport
     assert isinstance(t, HybridTransport)
-    dense_sweep(comm, lengths=(1, 1000, 100_003), dtypes=("float32",))
+    dense_sweep(comm, lengths=(1, 100_003), dtypes=("float32",))
     packed_sweep(comm, lengths=(4099,), algorithms=("direct",))
     # One frame to and from every peer: each counted on its own path, exactly.
     comm.barrier()
