@@ -112,6 +112,7 @@ from .base import (
     TrafficStats,
     Transport,
     byte_view,
+    drain_peer,
 )
 
 if TYPE_CHECKING:
@@ -940,18 +941,7 @@ class HybridTransport(Transport):
 
     def _drain(self, p: _Peer, error: BitcollError) -> None:
         """Fail every request still queued for ``p`` and wake its threads."""
-        for q in (p.send_q, p.recv_q):
-            while True:
-                try:
-                    r = q.get_nowait()
-                except queue.Empty:
-                    break
-                if r is not None:
-                    if r.is_send:
-                        with p.state:
-                            p.queued -= 1
-                    r._finish(error)
-            q.put(None)
+        drain_peer(p, error)
 
     def _wake_all(self) -> None:
         """Wake every thread of this rank waiting on a doorbell (the byte stays: every later

@@ -125,6 +125,7 @@ from .base import (
     TrafficStats,
     Transport,
     byte_view,
+    drain_peer,
 )
 from .external_store import ExternalStore, check_store
 from .store import StoreClient, StoreServer
@@ -940,19 +941,8 @@ class TCPTransport(Transport):
     # ---------------------------------------------------------------- abort / close
 
     def _drain(self, p: _Peer, error: BitcollError) -> None:
-        """Fail every request still queued for ``p``."""
-        for q in (p.send_q, p.recv_q):
-            while True:
-                try:
-                    r = q.get_nowait()
-                except queue.Empty:
-                    break
-                if r is not None:
-                    if r.is_send:
-                        with p.state:
-                            p.queued -= 1
-                    r._finish(error)
-            q.put(None)  # wakes the thread waiting on the queue; it exits
+        """Fail every request still queued for ``p`` and wake its threads."""
+        drain_peer(p, error)
 
     def _fail(self, error: CommError, reason: str | None = None) -> None:
         """Record the first failure, tell every peer, stop everything. Never raises."""
