@@ -187,6 +187,19 @@ def share_hosts(comm: Communicator, use_shm: bool, timeout: float) -> Communicat
     return new
 
 
+def _summed(key: str) -> Any:
+    """A read-only counter property of :class:`CombinedStats`: the sum of its parts'."""
+
+    def get(self: CombinedStats) -> int:
+        return self._sum(key)
+
+    def refuse(self: CombinedStats, value: int) -> None:
+        raise AttributeError("CombinedStats is a sum of counters: reset() it, or count into "
+                             "its parts")
+
+    return property(get, refuse)
+
+
 class CombinedStats(TrafficStats):
     """The sum of several :class:`TrafficStats` (``stats_local`` + ``stats_remote``).
 
@@ -199,42 +212,10 @@ class CombinedStats(TrafficStats):
     def _sum(self, key: str) -> int:
         return sum(p.snapshot()[key] for p in self._parts)
 
-    @staticmethod
-    def _read_only(value: int) -> None:
-        raise AttributeError("CombinedStats is a sum of counters: reset() it, or count into "
-                             "its parts")
-
-    @property
-    def bytes_sent(self) -> int:
-        return self._sum("bytes_sent")
-
-    @bytes_sent.setter
-    def bytes_sent(self, value: int) -> None:
-        self._read_only(value)
-
-    @property
-    def bytes_received(self) -> int:
-        return self._sum("bytes_received")
-
-    @bytes_received.setter
-    def bytes_received(self, value: int) -> None:
-        self._read_only(value)
-
-    @property
-    def messages_sent(self) -> int:
-        return self._sum("messages_sent")
-
-    @messages_sent.setter
-    def messages_sent(self, value: int) -> None:
-        self._read_only(value)
-
-    @property
-    def messages_received(self) -> int:
-        return self._sum("messages_received")
-
-    @messages_received.setter
-    def messages_received(self, value: int) -> None:
-        self._read_only(value)
+    bytes_sent = _summed("bytes_sent")
+    bytes_received = _summed("bytes_received")
+    messages_sent = _summed("messages_sent")
+    messages_received = _summed("messages_received")
 
     def add_sent(self, nbytes: int, messages: int = 1) -> None:
         self._parts[0].add_sent(nbytes, messages)
