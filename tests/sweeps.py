@@ -7,6 +7,7 @@ AssertionError naming the first case that differs. The same functions run on eve
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import numpy as np
@@ -356,3 +357,31 @@ def packed_io_sweep(comm: Communicator, seed: int = 0,
                     f"packed_quantized_reduce_scatter n={n} L={levels} {algo} p={p}")
                 checks += 2
     return checks, digests
+
+
+# ---------------------------------------------------------------------- sub-communicators
+def siblings_from_threads(comm: Communicator, a: Communicator, b: Communicator,
+                          calls: int) -> None:
+    """All-reduces on the sub-communicators ``a`` and ``b`` (each over every rank of
+    ``comm``, ``b`` in reversed order) from two threads while ``comm`` runs them in this
+    thread: every result must be its own communicator's (no frame lands in another)."""
+    r, p = comm.rank, comm.size
+    errors: list[BaseException] = []
+
+    def loop(c: Communicator, scale: float) -> None:
+        try:
+            for i in range(calls):
+                y = c.allreduce(np.full(9, scale * (r + 1) + i))
+                want = scale * p * (p + 1) / 2 + p * i
+                assert (y == want).all(), (y, want)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=loop, args=(a, 1.0)),
+               threading.Thread(target=loop, args=(b, 1000.0))]
+    for t in threads:
+        t.start()
+    loop(comm, 1e6)
+    for t in threads:
+        t.join()
+    assert not errors, errors

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import threading
 from typing import Any
 
 import numpy as np
 import pytest
 from multiproc import free_port, run_world, tcp_env
+from sweeps import siblings_from_threads
 
 import bitcoll
 from bitcoll.communicator import Communicator
@@ -42,25 +42,7 @@ def _checks(comm: Communicator) -> float:
     a = comm.split(0)
     b = comm.split(0, key=-r)
     assert a is not None and b is not None
-    errors: list[BaseException] = []
-
-    def loop(c: Communicator, scale: float) -> None:
-        try:
-            for i in range(200):
-                y = c.allreduce(np.full(9, scale * (r + 1) + i))
-                want = scale * p * (p + 1) / 2 + p * i
-                assert (y == want).all(), (y, want)
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=loop, args=(a, 1.0)),
-               threading.Thread(target=loop, args=(b, 1000.0))]
-    for t in threads:
-        t.start()
-    loop(comm, 1e6)
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    siblings_from_threads(comm, a, b, 200)
     assert a.majority_calls == 0
     a.sign_allreduce(np.ones(3))
     assert (a.majority_calls, b.majority_calls) == (1, 0)
