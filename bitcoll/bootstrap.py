@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import os
 import re
+from dataclasses import dataclass
 
 from .communicator import (
     DEFAULT_PACKED_SEGMENT_BYTES,
@@ -125,25 +126,19 @@ def expand_hostlist(nodelist: str) -> list[str]:
     return hosts
 
 
+@dataclass(frozen=True)
 class TcpEnvironment:
     """Where a TCP-backend rank stands, from the environment: ``rank``, ``size``,
     ``master_addr``, ``master_port`` (bitcoll's own store; None when an external store is
     used), ``agent_store`` (True under torchrun's agent store) and ``source`` ("torchrun
     contract" or "Slurm")."""
 
-    def __init__(self, rank: int, size: int, master_addr: str, master_port: int | None,
-                 agent_store: bool, source: str) -> None:
-        self.rank = rank
-        self.size = size
-        self.master_addr = master_addr
-        self.master_port = master_port
-        self.agent_store = agent_store
-        self.source = source
-
-    def __repr__(self) -> str:
-        return (f"TcpEnvironment(rank={self.rank}, size={self.size}, master_addr="
-                f"{self.master_addr!r}, master_port={self.master_port}, agent_store="
-                f"{self.agent_store}, source={self.source!r})")
+    rank: int
+    size: int
+    master_addr: str
+    master_port: int | None
+    agent_store: bool
+    source: str
 
 
 def tcp_environment(environ: dict[str, str] | None = None,
