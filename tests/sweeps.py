@@ -101,6 +101,76 @@ def dense_sweep(comm: Communicator, seed: int = 0, lengths: tuple[int, ...] = LE
     return checks
 
 
+
+FLOAT_DTYPES = ("float16", "float32", "float64")
+FLOAT_LENGTHS = (1, 7, 9, 1000, 100_003)
+
+
+def float_input(seed: int, rank: int, n: int, dtype: str) -> Array:
+    """Rank ``rank``'s input: random floats of mixed signs over four orders of magnitude, so
+    that the order of the additions changes the rounded sums (small integers cannot show it)."""
+    rng = np.random.default_rng([seed, rank, n, 11])
+    scale = 10.0 ** rng.integers(-2, 2, n)
+    return (rng.standard_normal(n) * scale).astype(dtype)
+
+
+def float_sweep(comm: Communicator, seed: int = 0, lengths: tuple[int, ...] = FLOAT_LENGTHS,
+                dtypes: tuple[str, ...] = FLOAT_DTYPES,
+                algorithms: tuple[str, ...] = ALLREDUCE_ALGOS) -> int:
+    """Dense all-reduce / reduce-scatter of random floats. Every rank must get bitwise the
+    same all-reduce result (compared through an all-gather of the raw bytes), max and min
+    exactly the float64 reference, and sum / avg within the rounding bound of p additions in
+    the dtype: ``|got - ref| <= (p + 1) * u * sum_j |x_j|`` (``u`` = unit roundoff, ``ref`` the
+    float64 sum), plus one rounding of the division for avg. Returns #checks."""
+    p, r = comm.size, comm.rank
+    checks = 0
+    for n in lengths:
+        for dt in dtypes:
+            if n > 10_000 and dt != "float32":
+                continue
+            xs = [float_input(seed, j, n, dt) for j in range(p)]
+            wide = np.stack([x.astype(np.float64) for x in xs])
+            u = float(np.finfo(dt).eps) / 2
+            bound = (p + 1) * u * np.sum(np.abs(wide), axis=0)
+            refs = {"sum": wide.sum(axis=0), "avg": wide.sum(axis=0) / p,
+                    "max": wide.max(axis=0), "min": wide.min(axis=0)}
+            lo, hi = bitcoll.block(n, p, r)
+            for op in OPS:
+                ref = refs[op]
+                tol = bound / p + u * np.abs(ref) if op == "avg" else bound
+                for algo in algorithms:
+                    if algo == "recursive_doubling" and n > 10_000:
+                        continue
+                    what = f"float allreduce n={n} {dt} {op} {algo} p={p}"
+                    got = comm.allreduce(xs[r], op=op, algorithm=algo)
+                    _close(got, ref, tol, op, dt, what)
+                    everyone = comm.allgather(got.view(np.uint8))
+                    mine = np.tile(got.view(np.uint8), p)
+                    _eq(everyone, mine, f"{what}: not bitwise identical on every rank")
+                    checks += 2
+                got = comm.reduce_scatter(xs[r], op=op)
+                _close(got, ref[lo:hi], tol[lo:hi], op, dt,
+                       f"float reduce_scatter n={n} {dt} {op} p={p}")
+                checks += 1
+    comm.barrier()
+    return checks
+
+
+def _close(got: Array, ref: Array, tol: Array, op: str, dt: str, what: str) -> None:
+    if got.dtype != np.dtype(dt) or got.shape != ref.shape:
+        raise AssertionError(f"{what}: got {got.dtype}{got.shape}, want {dt}{ref.shape}")
+    if op in ("max", "min"):
+        _eq(got, ref.astype(dt), what)
+        return
+    err = np.abs(got.astype(np.float64) - ref)
+    bad = np.flatnonzero(err > tol)
+    if bad.size:
+        i = int(bad[0])
+        raise AssertionError(f"{what}: element {i} = {got[i]!r}, float64 reference "
+                             f"{ref[i]!r}, error {err[i]:.3g} > bound {tol[i]:.3g} "
+                             f"({bad.size} elements out of bound)")
+
+
 def inplace_and_async(comm: Communicator, seed: int = 1) -> int:
     """out=x in place, shaped inputs, non-contiguous inputs, async Work handles."""
     p, r = comm.size, comm.rank

@@ -7,7 +7,7 @@ import time
 
 import numpy as np
 import pytest
-from sweeps import dense_sweep, inplace_and_async, packed_bandwidth, packed_sweep
+from sweeps import dense_sweep, float_sweep, inplace_and_async, packed_bandwidth, packed_sweep
 
 import bitcoll
 from bitcoll.communicator import Communicator
@@ -26,8 +26,10 @@ def comm() -> Communicator:
 def test_dense_collectives_mpi(comm: Communicator) -> None:
     assert bitcoll.detect_backend() == "mpi"
     assert dense_sweep(comm) > 100
+    assert float_sweep(comm) > 10
     comm.segment_bytes = 40
     dense_sweep(comm, lengths=(9, 1000), dtypes=("float32", "int16"))
+    float_sweep(comm, seed=1, lengths=(9, 1000))
     comm.segment_bytes = bitcoll.DEFAULT_SEGMENT_BYTES
     inplace_and_async(comm)
 
@@ -37,6 +39,7 @@ def test_dense_collectives_mpi(comm: Communicator) -> None:
 def test_native_mpi_algorithms(comm: Communicator) -> None:
     for dt in ("float32", "float64", "int32", "int64", "uint8"):
         dense_sweep(comm, lengths=(0, 1, 9, 1000), dtypes=(dt,), algorithms=("native",))
+    float_sweep(comm, dtypes=("float32", "float64"), algorithms=("native",))
     p, r = comm.size, comm.rank
     x = np.arange(6, dtype=np.float64) + r
     got = comm.reduce_scatter(x, algorithm="native")

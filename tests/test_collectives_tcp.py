@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 from multiproc import free_port, run_world, tcp_env
-from sweeps import dense_sweep, inplace_and_async, packed_bandwidth, packed_sweep
+from sweeps import dense_sweep, float_sweep, inplace_and_async, packed_bandwidth, packed_sweep
 
 import bitcoll
 from bitcoll.communicator import Communicator
@@ -23,8 +23,10 @@ pytestmark = pytest.mark.tcp
 def _dense(comm: Communicator) -> int:
     assert comm.backend == "tcp"
     n = dense_sweep(comm)
+    n += float_sweep(comm)
     comm.segment_bytes = 40  # many tiny segments through the same pipelines
     n += dense_sweep(comm, lengths=(9, 1000), dtypes=("float32", "int16"))
+    n += float_sweep(comm, seed=1, lengths=(9, 1000))
     n += inplace_and_async(comm)
     return n
 
