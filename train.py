@@ -38,14 +38,48 @@ Rank ``r`` draws minibatch windows uniformly from the training stream with the g
 (nats) over a fixed set of evenly spaced validation windows (``--eval-batches`` batches per rank,
 split over the ranks), so it is comparable between optimizers and steps.
 
+Model sizes, precision, devices
+------------------------------
+``--model`` picks a preset: ``tiny`` (the default: d_model 128, 2 layers, 4 heads, 0.44M
+parameters), ``small`` (384, 6, 6: 10.8M) or ``medium`` (512, 10, 8: 31.7M; counts at
+``--seq-len 128``); ``--d-model``, ``--layers`` and ``--heads`` override the preset's values.
+``--dtype bf16`` / ``fp16`` run the forward and backward passes under ``torch.autocast``;
+the parameters, gradients and momenta stay float32 (so the optimizer, the exchanged votes and
+the replica check are those of a float32 run), and fp16 adds dynamic loss scaling whose
+overflow verdict is agreed by all ranks (an overflowing step is skipped everywhere).
+``--device cuda`` runs the model on the GPU and the optimizer on a float32 host copy of the
+parameters (gradients copied to the host and parameters back every step; the copies count as
+optimizer time); without CUDA it stops with an error (exit status 2).
+
+Checkpoints
+-----------
+``--save DIR`` writes ``DIR/rank<r>.pt`` on every rank at the end of the run (``--save-every
+N``: also every N steps; ``--stop-after S``: end the run after step S of the ``--steps``
+schedule). Each file holds the model, the optimizer's ``state_dict()`` (this rank's momenta,
+step count, tie counter, sync schedule state), the data sampler's generator state, torch's
+generator state, the loss scale, the step and the log so far. ``--resume DIR`` restores all of
+it on the same number of ranks with the same training options (checked, see
+``TRAJECTORY_KEYS``; a mismatch stops every rank with the differing options named), so the
+continued run's losses equal an uninterrupted run's bit for bit (same machine, same
+``--threads``), and its JSON log holds the whole run.
+
 Timing
 ------
 A step's time covers batch sampling, forward, backward and ``opt.step()``. It is split into
-*compute* (forward, backward and the optimizer's arithmetic) and *communication* (the time the
-optimizer reports for its collectives). Bytes are those the optimizer's collectives sent in the
-step. The per-step figures are averaged over ranks (one small all-reduce per step, excluded from
-the step time and byte counts, which also yields the mean training loss over ranks). The
-summary's mean step figures leave out the first three steps (one-time set-up). After training
+*forward + backward*, *optimizer* (everything after ``backward()`` that is not communication:
+the optimizer's arithmetic, packing, host copies) and *communication* (the time the optimizer
+reports blocked in its collectives, i.e. exposed communication); *compute* is the first two.
+Bytes are those the optimizer's collectives sent in the step. The per-step figures are averaged
+over ranks (one small all-reduce per step, excluded from the step time and byte counts, which
+also yields the mean training loss over ranks). The first step of a run (and of a resumed run)
+includes one-time warm-up (kernel compilation, buffer allocation): it is flagged ``warmup`` in
+the log and reported on its own in the summary; the summary's mean step figures leave out the
+first three steps of every session, and the ETA is paced by the steps after the first.
+``--target-loss X`` reports the first evaluation whose validation loss is <= X: its step, the
+sum of the step times up to it (warm-up steps left out; evaluations are not step time) and the
+elapsed wall time. ``--no-comm`` measures the compute floor: each rank trains its own replica
+with the optimizer on a one-rank communicator (the same arithmetic, nothing exchanged). After
+training
 the optimizer compares a checksum of every parameter across the ranks (``opt.check_replicas()``):
 replicas that differ are reported, naming the first differing rank and parameter, and the run
 exits with status 1.
@@ -55,11 +89,15 @@ JSON log
 ``{"format": "lioncub-train-log/1", "config": {...}, "run": {...}, "steps": [...],
 "evals": [...], "summary": {...}}``; ``steps[i]`` has ``step`` (1-based), ``lr``, ``loss``
 (training loss averaged over ranks), ``time``, ``compute``, ``comm`` (seconds) and
-``bytes_sent``, ``bytes_received`` (per rank, averaged over ranks), ``synced_tensors`` (how
+``bytes_sent``, ``bytes_received`` (per rank, averaged over ranks), ``forward_backward`` and
+``optimizer`` (seconds, the parts of ``compute``), ``warmup`` (true on a session's first step),
+``skipped`` (true when fp16 overflowed), ``synced_tensors`` (how
 many tensors had their momentum averaged after the step) and, for the variants whose
 collective returns exact vote sums, ``agreement`` (the mean over tensors of the optimizer's
 vote-agreement figure, in [0, 1]); ``evals[i]`` has ``step`` (0 = before training),
-``val_loss`` and ``elapsed`` (seconds since the start of training).
+``val_loss``, ``elapsed`` (seconds since the start of training) and ``step_seconds`` (sum of
+the step times so far, warm-up steps left out). ``summary["target_reached"]`` is the first
+evaluation at or below ``--target-loss`` (None when not reached or not asked for).
 
 Exit status: 0 on success, 1 when a communication or run-time error stopped the run, 2 for bad
 options (argparse), 130 on Ctrl-C.
@@ -74,15 +112,18 @@ import os
 os.environ.setdefault("NUMBA_NUM_THREADS", "1")
 
 import argparse
+import contextlib
 import hashlib
 import json
 import math
+import pickle
 import platform
 import shutil
 import sys
 import sysconfig
 import time
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -239,6 +280,14 @@ class BatchSampler:
         self._offsets = np.arange(seq_len + 1, dtype=np.int64)
         self._rng = np.random.default_rng([seed, rank])
 
+    def state(self) -> dict[str, Any]:
+        """The generator's state (the data position), for checkpoints."""
+        return dict(self._rng.bit_generator.state)
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state`: the next batches are those that followed it."""
+        self._rng.bit_generator.state = state
+
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
         starts = self._rng.integers(0, self._tokens.size - self._offsets.size + 1,
                                     size=self._batch)
@@ -319,9 +368,124 @@ class CharTransformer(nn.Module):
         return logits
 
 
+@dataclass(frozen=True)
+class ModelShape:
+    """A ``--model`` preset: width, depth and heads (``approx_params`` at ``--seq-len 128``)."""
+
+    d_model: int
+    layers: int
+    heads: int
+    approx_params: str
+
+
+PRESETS: dict[str, ModelShape] = {
+    "tiny": ModelShape(128, 2, 4, "0.44M"),
+    "small": ModelShape(384, 6, 6, "10.8M"),
+    "medium": ModelShape(512, 10, 8, "31.7M"),
+}
+"""``--model`` presets; ``--d-model``, ``--layers`` and ``--heads`` override their values."""
+
+DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16,
+                                  "fp16": torch.float16}
+"""``--dtype`` values: the dtype of the forward and backward computation."""
+
+
+def autocast(device: str, dtype: torch.dtype) -> AbstractContextManager[Any]:
+    """``torch.autocast(device, dtype)`` for a 16-bit ``dtype``, a no-op for float32."""
+    if dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device, dtype=dtype)
+
+
 def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     logits = model(x)
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+class HostParams:
+    """Float32 CPU copies of a model's parameters, for an optimizer that works on host memory
+    while the model runs on another device.
+
+    ``named()`` gives ``(name, host tensor)`` pairs to build the optimizer on;
+    :meth:`pull_grads` copies the device gradients into the host tensors' ``grad`` (None stays
+    None), :meth:`push_params` the updated host values back onto the device, and
+    :meth:`pull_params` the device values to the host (after loading a checkpoint into the
+    model)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        named = list(model.named_parameters())
+        self._names = [n for n, _ in named]
+        self._device = [p for _, p in named]
+        self._host = [p.detach().to("cpu", torch.float32).clone().requires_grad_(p.requires_grad)
+                      for p in self._device]
+
+    def named(self) -> list[tuple[str, torch.Tensor]]:
+        return list(zip(self._names, self._host, strict=True))
+
+    @torch.no_grad()
+    def pull_grads(self) -> None:
+        for d, h in zip(self._device, self._host, strict=True):
+            if d.grad is None:
+                h.grad = None
+            elif h.grad is None:
+                h.grad = d.grad.to("cpu", torch.float32)
+            else:
+                h.grad.copy_(d.grad)
+
+    @torch.no_grad()
+    def push_params(self) -> None:
+        for d, h in zip(self._device, self._host, strict=True):
+            d.copy_(h, non_blocking=True)
+
+    @torch.no_grad()
+    def pull_params(self) -> None:
+        for d, h in zip(self._device, self._host, strict=True):
+            h.copy_(d)
+
+
+class LossScale:
+    """Dynamic loss scaling for ``--dtype fp16``, decided identically on every rank.
+
+    The loss is multiplied by ``scale`` before ``backward()``; :meth:`unscale` then checks the
+    gradients on every rank (one all-reduce of one float64) and either divides them by
+    ``scale`` (a power of two: exact) and returns True, or, if any rank's gradients hold an
+    inf or NaN, halves ``scale`` and returns False (the step is skipped everywhere, so the
+    replicas stay identical). After :data:`GROWTH_INTERVAL` good steps in a row the scale
+    doubles. Disabled (``scale`` 1, :meth:`unscale` returns True at no cost) for other dtypes.
+    """
+
+    INITIAL = 2.0 ** 16
+    GROWTH_INTERVAL = 200
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.scale = self.INITIAL if enabled else 1.0
+        self.good = 0
+
+    def unscale(self, params: Sequence[torch.Tensor], comm: bitcoll.Communicator) -> bool:
+        if not self.enabled:
+            return True
+        grads = [p.grad for p in params if p.grad is not None]
+        finite = all(bool(torch.isfinite(g).all()) for g in grads)
+        flag = np.array([1.0 if finite else 0.0])
+        if float(np.asarray(comm.allreduce(flag, op="min"))[0]) < 1.0:
+            self.scale /= 2.0
+            self.good = 0
+            return False
+        inv = 1.0 / self.scale
+        for g in grads:
+            g.mul_(inv)
+        self.good += 1
+        if self.good % self.GROWTH_INTERVAL == 0:
+            self.scale *= 2.0
+        return True
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"scale": self.scale, "good": self.good}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.scale = float(state["scale"])
+        self.good = int(state["good"])
 
 
 def lr_at(step: int, steps: int, lr: float, warmup: int, schedule: str) -> float:
@@ -430,10 +594,49 @@ def build_parser() -> argparse.ArgumentParser:
                         "at least 1)")
     g.add_argument("--comm-timeout", type=_float_in(0.0, 86400.0, low_open=True),
                    default=300.0, help="deadline of every collective, seconds")
+    g.add_argument("--no-comm", action="store_true",
+                   help="compute floor: every rank trains its own replica on its own batches "
+                        "with the optimizer on a one-rank communicator (nothing exchanged; "
+                        "replicas diverge and are not checked; the validation loss is the mean "
+                        "over the replicas)")
+    g.add_argument("--target-loss", type=_float_in(0.0, 100.0, low_open=True), default=None,
+                   metavar="X", help="report the step and time at which the validation loss "
+                                     "first reaches X (checked at every evaluation)")
     g = p.add_argument_group("model")
-    g.add_argument("--d-model", type=_positive_int, default=128, help="embedding width")
-    g.add_argument("--layers", type=_positive_int, default=2, help="transformer blocks")
-    g.add_argument("--heads", type=_positive_int, default=4, help="attention heads")
+    g.add_argument("--model", choices=list(PRESETS), default="tiny",
+                   help="size preset: " + ", ".join(
+                       f"{k} (d_model {v.d_model}, {v.layers} layers, {v.heads} heads, "
+                       f"~{v.approx_params})" for k, v in PRESETS.items())
+                   + "; --d-model, --layers and --heads override its values")
+    g.add_argument("--d-model", type=_positive_int, default=None,
+                   help="embedding width (default: the preset's)")
+    g.add_argument("--layers", type=_positive_int, default=None,
+                   help="transformer blocks (default: the preset's)")
+    g.add_argument("--heads", type=_positive_int, default=None,
+                   help="attention heads (default: the preset's)")
+    g = p.add_argument_group("precision and device")
+    g.add_argument("--dtype", choices=list(DTYPES), default="fp32",
+                   help="compute dtype: fp32, or bf16/fp16 through torch.autocast (parameters, "
+                        "gradients, momenta and the exchanged votes stay float32; fp16 adds "
+                        "dynamic loss scaling, overflowing steps are skipped on every rank)")
+    g.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where the model runs; with cuda the optimizer works on a float32 "
+                        "host copy of the parameters (gradients copied to the host, parameters "
+                        "back, every step)")
+    g = p.add_argument_group("checkpoints")
+    g.add_argument("--save", type=Path, default=None, metavar="DIR",
+                   help="write a checkpoint to DIR (one rank<r>.pt per rank) at the end of the "
+                        "run (and every --save-every steps)")
+    g.add_argument("--save-every", type=_nonneg_int, default=0, metavar="N",
+                   help="also checkpoint every N steps (0: only at the end)")
+    g.add_argument("--stop-after", type=_positive_int, default=None, metavar="STEP",
+                   help="stop after STEP of the --steps schedule (with --save: to continue "
+                        "later with --resume)")
+    g.add_argument("--resume", type=Path, default=None, metavar="DIR",
+                   help="continue the run checkpointed in DIR (same ranks and training "
+                        "options): model, optimizer state, random generators, data position, "
+                        "step and log are restored, so the continued run equals an "
+                        "uninterrupted one bit for bit")
     g = p.add_argument_group("output")
     g.add_argument("--json-log", type=Path, default=None, metavar="PATH",
                    help="write the per-step / per-eval log, config and summary here (rank 0)")
@@ -447,6 +650,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Parse and cross-check the options; exits with status 2 and a message on bad options."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    preset = PRESETS[args.model]
+    for name in ("d_model", "layers", "heads"):
+        if getattr(args, name) is None:
+            setattr(args, name, getattr(preset, name))
+    if args.device == "cuda" and not torch.cuda.is_available():
+        why = "was built without CUDA" if torch.version.cuda is None else "sees no GPU"
+        parser.error(f"--device cuda: CUDA is not available (torch {torch.__version__} {why}); "
+                     "use --device cpu")
+    if args.stop_after is not None and args.stop_after > args.steps:
+        parser.error(f"--stop-after {args.stop_after} must not exceed --steps {args.steps}")
+    if args.save_every and args.save is None:
+        parser.error("--save-every needs --save DIR")
     if args.d_model % args.heads:
         parser.error(f"--d-model {args.d_model} must be a multiple of --heads {args.heads}")
     if (args.d_model // args.heads) % 2:
@@ -491,8 +706,9 @@ class Progress:
     ``note()`` prints a message on its own line without breaking the bar.
     """
 
-    def __init__(self, total: int, stream: TextIO, enabled: bool) -> None:
+    def __init__(self, total: int, stream: TextIO, enabled: bool, start: int = 0) -> None:
         self.total = total
+        self.start = start
         self.stream = stream
         self.enabled = enabled
         self.tty = bool(getattr(stream, "isatty", lambda: False)())
@@ -513,13 +729,13 @@ class Progress:
             return
         now = time.perf_counter()
         elapsed = now - self._start
-        # The first step includes one-time set-up (kernel loading, buffers): the ETA uses
+        # The first step includes one-time set-up (kernel compilation, buffers): the ETA uses
         # the pace of the later steps.
-        if step == 1 or self._first_done is None:
+        if step == self.start + 1 or self._first_done is None:
             self._first_done = now
             eta = step_time * (self.total - step)
         else:
-            eta = (now - self._first_done) / (step - 1) * (self.total - step)
+            eta = (now - self._first_done) / (step - self.start - 1) * (self.total - step)
         if self.tty:
             if now - self._last_draw < 0.1 and step < self.total:
                 return
@@ -556,27 +772,44 @@ class Progress:
 def format_summary(summary: dict[str, Any]) -> str:
     """The final summary as a two-column text table."""
     step_t = summary["mean_step_time"]
-    comp_t = summary["mean_compute_time"]
+    fb_t = summary["mean_forward_backward_time"]
+    opt_t = summary["mean_optimizer_time"]
     comm_t = summary["mean_comm_time"]
+    identical = summary["replicas_identical"]
+    target = summary["target_reached"]
 
     def share(t: float) -> str:
         return f"{100 * t / step_t:.0f}%" if step_t > 0 else "-"
 
     rows = [
-        ("optimizer", summary["optimizer"]),
+        ("optimizer", summary["optimizer"] + (" (--no-comm)" if summary["no_comm"] else "")),
         ("world size", f"{summary['world_size']} ({summary['backend']})"),
-        ("steps", str(summary["steps"])),
+        ("model", f"{summary['model']}, {summary['n_params'] / 1e6:.2f}M parameters, "
+                  f"{summary['dtype']} on {summary['device']}"),
+        ("steps", str(summary["steps"]) if summary["steps_done"] == summary["steps"]
+         else f"{summary['steps_done']} of {summary['steps']}"),
         ("final train loss", f"{summary['final_train_loss']:.4f} "
                              f"(mean of last {summary['final_train_window']} steps)"),
         ("final val loss", f"{summary['final_val_loss']:.4f}"),
         ("mean step time", f"{step_t * 1e3:.1f} ms"),
-        ("  compute", f"{comp_t * 1e3:.1f} ms ({share(comp_t)})"),
+        ("  forward + backward", f"{fb_t * 1e3:.1f} ms ({share(fb_t)})"),
+        ("  optimizer", f"{opt_t * 1e3:.1f} ms ({share(opt_t)})"),
         ("  communication", f"{comm_t * 1e3:.1f} ms ({share(comm_t)})"),
+        ("first step (warm-up)", f"{summary['first_step_time'] * 1e3:.0f} ms (comm "
+                                 f"{summary['first_step_comm'] * 1e3:.0f} ms), not in the means"),
         ("bytes sent / step", f"{_fmt_bytes(summary['bytes_sent_per_step'])} per rank"),
         ("bytes received / step", f"{_fmt_bytes(summary['bytes_received_per_step'])} per rank"),
-        ("replicas identical", "yes" if summary["replicas_identical"] else "NO"),
+        ("replicas identical", "not checked (--no-comm)" if identical is None
+         else "yes" if identical else "NO"),
         ("total wall time", _fmt_duration(summary["wall_time"])),
     ]
+    if summary["target_loss"] is not None:
+        rows.insert(6, (f"val loss <= {summary['target_loss']:g}",
+                        "not reached" if target is None else
+                        f"step {target['step']}, {target['step_seconds']:.1f} s of steps "
+                        f"({target['elapsed']:.1f} s elapsed)"))
+    if summary["skipped_steps"]:
+        rows.insert(3, ("skipped (fp16 overflow)", str(summary["skipped_steps"])))
     w = max(len(k) for k, _ in rows)
     v = max(len(str(val)) for _, val in rows)
     rule = "+" + "-" * (w + 2) + "+" + "-" * (v + 2) + "+"
@@ -632,34 +865,115 @@ def _same_on_all_ranks(comm: bitcoll.Communicator, values: Sequence[float]) -> l
 
 @torch.no_grad()
 def evaluate(model: nn.Module, comm: bitcoll.Communicator, val: npt.NDArray[np.uint8],
-             batch_size: int, seq_len: int, eval_batches: int) -> float:
+             batch_size: int, seq_len: int, eval_batches: int, device: str = "cpu",
+             dtype: torch.dtype = torch.float32) -> float:
     """Mean validation cross-entropy (nats/token) over ``eval_batches * batch_size * size``
-    evenly spaced windows, split over the ranks (every rank returns the same value)."""
+    evenly spaced windows, split over the ranks (every rank returns the same value); the
+    forward pass runs on ``device`` in ``dtype`` (autocast) as in training."""
     total = eval_batches * batch_size * comm.size
     starts = np.linspace(0, val.size - seq_len - 1, total).astype(np.int64)[comm.rank::comm.size]
     model.eval()
     acc = np.zeros(2, dtype=np.float64)
     for i in range(0, starts.size, batch_size):
         x, y = windows(val, starts[i:i + batch_size], seq_len)
-        acc[0] += float(_loss(model, x, y)) * y.numel()
+        with autocast(device, dtype):
+            loss = _loss(model, x.to(device), y.to(device))
+        acc[0] += float(loss) * y.numel()
         acc[1] += y.numel()
     model.train()
     acc = np.asarray(comm.allreduce(acc, op="sum"))
     return float(acc[0] / acc[1])
 
 
-def _optimizer_figures(opt: DistributedLion) -> tuple[float, float, int, int, int,
-                                                      float | None]:
-    """(compute s, comm s, bytes sent, bytes received, tensors whose momentum was synced,
-    mean vote agreement or None) of the last ``opt.step()`` on this rank."""
+def _optimizer_figures(opt: DistributedLion) -> tuple[float, int, int, int, float | None]:
+    """(comm s, bytes sent, bytes received, tensors whose momentum was synced, mean vote
+    agreement or None) of the last ``opt.step()`` on this rank."""
     stats = opt.last_stats
     if stats is None:
         raise RuntimeError("the optimizer reported no statistics after its step")
     agreement = None
     if stats.agreement:
         agreement = float(np.mean(list(stats.agreement.values())))
-    return (float(stats.compute_seconds), float(stats.comm_seconds), int(stats.bytes_sent),
-            int(stats.bytes_received), len(stats.synced), agreement)
+    return (float(stats.comm_seconds), int(stats.bytes_sent), int(stats.bytes_received),
+            len(stats.synced), agreement)
+
+
+# --------------------------------------------------------------------------------------------
+# Checkpoints
+# --------------------------------------------------------------------------------------------
+
+CHECKPOINT_FORMAT = "lioncub-train-checkpoint/1"
+#: Options that shape the training trajectory: a resumed run must use the checkpoint's values.
+TRAJECTORY_KEYS = ("optimizer", "lr", "weight_decay", "schedule", "warmup", "levels",
+                   "momentum_sync", "steps", "seed", "batch_size", "seq_len", "corpus_mb",
+                   "d_model", "layers", "heads", "dtype", "device", "no_comm")
+
+
+def checkpoint_file(directory: Path, rank: int) -> Path:
+    """Rank ``rank``'s file of the checkpoint in ``directory``."""
+    return directory / f"rank{rank}.pt"
+
+
+def _agree(comm: bitcoll.Communicator, error: str | None, what: str) -> None:
+    """Collective: raise RuntimeError on every rank when any rank passes an ``error`` (its own
+    message on that rank, "... on rank R" on the others)."""
+    flag = np.array([comm.size if error is None else comm.rank], dtype=np.float64)
+    first = int(np.asarray(comm.allreduce(flag, op="min"))[0])
+    if error is not None:
+        raise RuntimeError(error)
+    if first < comm.size:
+        raise RuntimeError(f"{what} failed on rank {first}")
+
+
+def save_checkpoint(directory: Path, comm: bitcoll.Communicator, state: dict[str, Any]) -> None:
+    """Collective: every rank writes ``state`` to :func:`checkpoint_file` (atomically, through a
+    temporary file). RuntimeError on every rank when any rank could not write."""
+    error = None
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        path = checkpoint_file(directory, comm.rank)
+        tmp = path.with_name(path.name + ".tmp")
+        torch.save(state, tmp)
+        tmp.replace(path)
+    except OSError as exc:
+        error = f"cannot write the checkpoint {directory}: {exc}"
+    _agree(comm, error, "writing the checkpoint")
+
+
+def load_checkpoint(directory: Path, comm: bitcoll.Communicator,
+                    args: argparse.Namespace) -> dict[str, Any]:
+    """Collective: every rank reads its file of the checkpoint in ``directory`` and checks that
+    it was written by the same rank of a run with the same world size and the same
+    :data:`TRAJECTORY_KEYS` options, and that every rank's file is at the same step.
+    RuntimeError on every rank otherwise."""
+    error = None
+    state: dict[str, Any] = {}
+    path = checkpoint_file(directory, comm.rank)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
+            error = f"{path} is not a train.py checkpoint"
+        elif state["world_size"] != comm.size or state["rank"] != comm.rank:
+            error = (f"{path} was written by rank {state['rank']} of {state['world_size']}; "
+                     f"this is rank {comm.rank} of {comm.size}")
+        else:
+            mine = {k: getattr(args, k) for k in TRAJECTORY_KEYS}
+            diff = [f"--{k.replace('_', '-')} {state['trajectory'].get(k)!r} (now {v!r})"
+                    for k, v in mine.items() if state["trajectory"].get(k) != v]
+            if diff:
+                error = (f"{path} belongs to a run with other options: " + ", ".join(diff)
+                         + "; resume with the checkpoint's options")
+    except (OSError, RuntimeError, KeyError, pickle.UnpicklingError) as exc:
+        error = f"cannot read the checkpoint {path}: {exc}"
+    _agree(comm, error, "reading the checkpoint")
+    if not _same_on_all_ranks(comm, [float(state["step"])])[0]:
+        raise RuntimeError(f"the files of {directory} are not all from the same step")
+    return state
+
+
+# --------------------------------------------------------------------------------------------
+# The run
+# --------------------------------------------------------------------------------------------
 
 
 def run(args: argparse.Namespace, comm: bitcoll.Communicator,
@@ -669,12 +983,14 @@ def run(args: argparse.Namespace, comm: bitcoll.Communicator,
     Returns the log record (config, run, steps, evals, summary); identical on every rank
     except for progress output, which only rank 0 writes to ``out`` (default stdout). Raises
     ``bitcoll.errors.CommError`` when a collective fails, ``RuntimeError`` when the ranks
-    disagree on the corpus or the initial model.
+    disagree on the corpus or the initial model, or a checkpoint cannot be written, read or
+    does not fit the run.
     """
     stream = sys.stdout if out is None else out
     rank, size = comm.rank, comm.size
     lead = rank == 0
     wall0 = time.perf_counter()
+    device, dtype = args.device, DTYPES[args.dtype]
 
     def say(text: str) -> None:
         if lead:
@@ -698,11 +1014,52 @@ def run(args: argparse.Namespace, comm: bitcoll.Communicator,
         raise RuntimeError("the ranks built different corpora (different Python installations?)")
     if not same[1]:
         raise RuntimeError("the ranks initialised different models (different torch builds?)")
+    model.to(device)
+    host = HostParams(model) if device != "cpu" else None
+    named = host.named() if host is not None else list(model.named_parameters())
+    params = [p for _, p in named]
 
-    opt = DistributedLion(model.named_parameters(), comm, variant=args.optimizer, lr=args.lr,
-                          betas=(0.9, 0.99), weight_decay=args.weight_decay,
-                          levels=args.levels, momentum_sync=args.momentum_sync)
+    # --no-comm: each rank its own one-rank communicator (the compute floor).
+    opt_comm = comm.split(rank) if args.no_comm else comm
+    assert opt_comm is not None
+    try:
+        opt = DistributedLion(named, opt_comm, variant=args.optimizer, lr=args.lr,
+                              betas=(0.9, 0.99), weight_decay=args.weight_decay,
+                              levels=args.levels, momentum_sync=args.momentum_sync)
+        return _train(args, comm, opt_comm, opt, model, host, params, corpus, n_params,
+                      threads, stream, say, wall0, device, dtype)
+    finally:
+        if opt_comm is not comm:
+            opt_comm.close()
+
+
+def _train(args: argparse.Namespace, comm: bitcoll.Communicator,
+           opt_comm: bitcoll.Communicator, opt: DistributedLion, model: nn.Module,
+           host: HostParams | None, params: list[torch.Tensor], corpus: Corpus, n_params: int,
+           threads: int, stream: TextIO, say: Any, wall0: float, device: str,
+           dtype: torch.dtype) -> dict[str, Any]:
+    """The training loop of :func:`run`."""
+    rank, size = comm.rank, comm.size
+    lead = rank == 0
+    cuda = device == "cuda"
     sampler = BatchSampler(corpus.train, args.batch_size, args.seq_len, args.seed, rank)
+    scaler = LossScale(args.dtype == "fp16")
+    steps: list[dict[str, Any]] = []
+    evals: list[dict[str, Any]] = []
+    start_step = 0
+    elapsed0 = 0.0
+    if args.resume is not None:
+        ckpt = load_checkpoint(args.resume, comm, args)
+        model.load_state_dict(ckpt["model"])
+        if host is not None:
+            host.pull_params()
+        opt.load_state_dict(ckpt["optimizer"])
+        sampler.set_state(ckpt["sampler"])
+        torch.set_rng_state(ckpt["torch_rng"])
+        scaler.load_state_dict(ckpt["loss_scale"])
+        steps, evals = list(ckpt["steps"]), list(ckpt["evals"])
+        start_step, elapsed0 = int(ckpt["step"]), float(ckpt["elapsed"])
+    stop = args.steps if args.stop_after is None else args.stop_after
 
     backend = comm.backend
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in sorted(vars(args).items())}
@@ -711,55 +1068,102 @@ def run(args: argparse.Namespace, comm: bitcoll.Communicator,
         "n_params": n_params, "corpus": corpus.describe(),
         "tokens_per_step": args.batch_size * args.seq_len * size,
         "python": platform.python_version(), "torch": torch.__version__,
-        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "resumed_at": start_step,
     }
     say(f"train.py: {args.optimizer} on {size} rank{'s' if size > 1 else ''} ({backend}), "
-        f"{threads} torch thread{'s' if threads > 1 else ''} per rank")
-    say(f"model: {n_params / 1e6:.2f}M parameters (d_model {args.d_model}, {args.layers} layers, "
-        f"{args.heads} heads); batch {args.batch_size} x {args.seq_len} characters per rank")
+        f"{threads} torch thread{'s' if threads > 1 else ''} per rank"
+        + (", no communication (--no-comm)" if args.no_comm else ""))
+    say(f"model: {args.model} preset, {n_params / 1e6:.2f}M parameters (d_model "
+        f"{args.d_model}, {args.layers} layers, {args.heads} heads); batch {args.batch_size} x "
+        f"{args.seq_len} characters per rank; {args.dtype} on {device}")
     say(f"corpus: {corpus.train.size / 1e6:.2f} MB training ({corpus.train_files} files), "
         f"{corpus.val.size / 1e6:.2f} MB validation ({corpus.val_files} files) of the Python "
         f"standard library")
+    if start_step:
+        say(f"resumed from {args.resume} at step {start_step}")
 
-    progress = Progress(args.steps, stream, lead and not args.no_progress)
-    steps: list[dict[str, Any]] = []
-    evals: list[dict[str, Any]] = []
-    train_start = time.perf_counter()
+    progress = Progress(stop, stream, lead and not args.no_progress, start=start_step)
+    train_start = time.perf_counter() - elapsed0
+    target: dict[str, Any] | None = None
+    if args.target_loss is not None:
+        target = next(({"step": e["step"], "val_loss": e["val_loss"], "elapsed": e["elapsed"],
+                        "step_seconds": e.get("step_seconds", 0.0)}
+                       for e in evals if e["val_loss"] <= args.target_loss), None)
+
+    def step_seconds(upto: int) -> float:
+        """Sum of the step times of steps 1..upto, warm-up steps left out."""
+        return float(sum(s["time"] for s in steps[:upto] if not s.get("warmup")))
 
     def do_eval(step: int) -> None:
+        nonlocal target
         val_loss = evaluate(model, comm, corpus.val, args.batch_size, args.seq_len,
-                            args.eval_batches)
+                            args.eval_batches, device, dtype)
         if not math.isfinite(val_loss):
             raise RuntimeError(f"validation loss is {val_loss} at step {step}")
-        evals.append({"step": step, "val_loss": val_loss,
-                      "elapsed": time.perf_counter() - train_start})
+        rec = {"step": step, "val_loss": val_loss,
+               "elapsed": time.perf_counter() - train_start, "step_seconds": step_seconds(step)}
+        evals.append(rec)
         if lead:
             progress.note(f"step {step:>{len(str(args.steps))}}/{args.steps}  "
                           f"val loss {val_loss:.4f}")
+        if args.target_loss is not None and target is None and val_loss <= args.target_loss:
+            target = dict(rec)
+            if lead:
+                progress.note(f"target val loss {args.target_loss:g} reached at step {step}: "
+                              f"{rec['step_seconds']:.1f} s of steps, {rec['elapsed']:.1f} s "
+                              "elapsed")
 
-    do_eval(0)
-    for step in range(1, args.steps + 1):
+    def checkpoint(step: int) -> None:
+        save_checkpoint(args.save, comm, {
+            "format": CHECKPOINT_FORMAT, "rank": rank, "world_size": size, "step": step,
+            "trajectory": {k: getattr(args, k) for k in TRAJECTORY_KEYS},
+            "model": model.state_dict(), "optimizer": opt.state_dict(),
+            "sampler": sampler.state(), "torch_rng": torch.get_rng_state(),
+            "loss_scale": scaler.state_dict(), "steps": steps, "evals": evals,
+            "elapsed": time.perf_counter() - train_start})
+        say(f"checkpoint of step {step} written to {args.save}")
+
+    if start_step == 0:
+        do_eval(0)
+    for step in range(start_step + 1, stop + 1):
         lr = lr_at(step, args.steps, args.lr, args.warmup, args.schedule)
         for group in opt.param_groups:
             group["lr"] = lr
         t0 = time.perf_counter()
         x, y = sampler.next()
-        loss = _loss(model, x, y)
+        with autocast(device, dtype):
+            loss = _loss(model, x.to(device), y.to(device))
+        model.zero_grad(set_to_none=True)
         opt.zero_grad(set_to_none=True)
-        torch.autograd.backward(loss)
+        torch.autograd.backward(loss * scaler.scale if scaler.enabled else loss)
+        loss_value = loss.item()  # waits for the device
         t1 = time.perf_counter()
-        opt.step()
+        if host is not None:
+            host.pull_grads()
+        applied = scaler.unscale(params, opt_comm)
+        comm_s, sent, received, synced, agreement = 0.0, 0, 0, 0, None
+        if applied:
+            opt.step()
+            comm_s, sent, received, synced, agreement = _optimizer_figures(opt)
+        if host is not None:
+            host.push_params()
+            if cuda:
+                torch.cuda.synchronize()
         t2 = time.perf_counter()
-        compute_o, comm_s, sent, received, synced, agreement = _optimizer_figures(opt)
-        local = np.array([loss.item(), t2 - t0, (t1 - t0) + compute_o, comm_s, sent, received],
-                         dtype=np.float64)
+        local = np.array([loss_value, t2 - t0, t1 - t0, (t2 - t1) - comm_s, comm_s, sent,
+                          received], dtype=np.float64)
         mean = np.asarray(comm.allreduce(local, op="sum")) / size
         if not math.isfinite(mean[0]):
             raise RuntimeError(f"training loss is {mean[0]} at step {step}")
         rec = {"step": step, "lr": lr, "loss": float(mean[0]), "time": float(mean[1]),
-               "compute": float(mean[2]), "comm": float(mean[3]),
-               "bytes_sent": float(mean[4]), "bytes_received": float(mean[5]),
+               "forward_backward": float(mean[2]), "optimizer": float(mean[3]),
+               "compute": float(mean[2] + mean[3]), "comm": float(mean[4]),
+               "bytes_sent": float(mean[5]), "bytes_received": float(mean[6]),
                "synced_tensors": synced}
+        if step == start_step + 1:
+            rec["warmup"] = True
+        if not applied:
+            rec["skipped"] = True
         if agreement is not None:
             rec["agreement"] = agreement
         steps.append(rec)
@@ -767,31 +1171,50 @@ def run(args: argparse.Namespace, comm: bitcoll.Communicator,
                         rec["bytes_sent"])
         if step == args.steps or (args.eval_every and step % args.eval_every == 0):
             do_eval(step)
+        if args.save is not None and (step == stop or (args.save_every
+                                                       and step % args.save_every == 0)):
+            checkpoint(step)
     train_time = time.perf_counter() - train_start
 
     mismatch: ReplicaMismatchError | None = None
-    try:
-        opt.check_replicas()  # every rank gets the same verdict
-    except ReplicaMismatchError as exc:
-        mismatch = exc
-    identical = mismatch is None
-    # Mean step figures skip the first steps (first-call set-up: buffers, kernel loading).
-    skip = min(3, len(steps) - 1)
-    timed = steps[skip:]
+    identical: bool | None = None
+    if not args.no_comm:
+        try:
+            opt.check_replicas()  # every rank gets the same verdict
+        except ReplicaMismatchError as exc:
+            mismatch = exc
+        identical = mismatch is None
+    # Mean step figures skip the first three steps of every session (the first one is the
+    # warm-up: kernel compilation, buffers; reported on its own).
+    sessions = [i for i, s in enumerate(steps) if s.get("warmup")]
+    excluded = {i + k for i in sessions for k in range(3)}
+    timed = [s for i, s in enumerate(steps) if i not in excluded] or steps[-1:]
+    first = steps[sessions[-1]] if sessions else steps[0]
     window = max(1, min(20, len(steps) // 10))
+
+    def mean_of(key: str) -> float:
+        return float(np.mean([s[key] for s in timed]))
+
     summary = {
         "optimizer": args.optimizer, "world_size": size, "backend": backend,
-        "steps": args.steps,
+        "model": args.model, "n_params": n_params, "dtype": args.dtype, "device": device,
+        "no_comm": args.no_comm,
+        "steps": args.steps, "steps_done": len(steps),
         "final_train_loss": float(np.mean([s["loss"] for s in steps[-window:]])),
         "final_train_window": window,
         "final_val_loss": evals[-1]["val_loss"],
         "best_val_loss": min(e["val_loss"] for e in evals),
-        "mean_step_time": float(np.mean([s["time"] for s in timed])),
-        "mean_compute_time": float(np.mean([s["compute"] for s in timed])),
-        "mean_comm_time": float(np.mean([s["comm"] for s in timed])),
-        "timed_steps_skipped": skip,
+        "mean_step_time": mean_of("time"),
+        "mean_forward_backward_time": mean_of("forward_backward"),
+        "mean_optimizer_time": mean_of("optimizer"),
+        "mean_compute_time": mean_of("compute"),
+        "mean_comm_time": mean_of("comm"),
+        "timed_steps_skipped": len(steps) - len(timed),
+        "first_step_time": first["time"], "first_step_comm": first["comm"],
+        "skipped_steps": sum(1 for s in steps if s.get("skipped")),
         "bytes_sent_per_step": float(np.mean([s["bytes_sent"] for s in steps])),
         "bytes_received_per_step": float(np.mean([s["bytes_received"] for s in steps])),
+        "target_loss": args.target_loss, "target_reached": target,
         "train_time": train_time,
         "wall_time": time.perf_counter() - wall0,
         "replicas_identical": identical,

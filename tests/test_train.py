@@ -210,3 +210,120 @@ def test_comparison_on_the_testbed_command() -> None:
     assert compare.launch_command("tcp", 2, ["--steps", "3"])[1:4] == ["-m", "launch", "-n"]
     with pytest.raises(SystemExit):
         compare.main(["--netbed", "1gbit", "--launcher", "mpi"])
+
+
+def test_presets_dtype_and_device_options(train: ModuleType, monkeypatch: pytest.MonkeyPatch,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    args = train.parse_args(["--model", "small"])
+    assert (args.d_model, args.layers, args.heads) == (384, 6, 6)
+    args = train.parse_args(["--model", "medium", "--layers", "2"])
+    assert (args.d_model, args.layers, args.heads) == (512, 2, 8)
+    args = train.parse_args([])
+    assert (args.dtype, args.device, args.model, args.d_model) == ("fp32", "cpu", "tiny", 128)
+    # The presets' sizes are those their help text states.
+    for name, shape in train.PRESETS.items():
+        model = train.CharTransformer(train.VOCAB_SIZE, shape.d_model, shape.layers,
+                                      shape.heads, 128)
+        n = sum(p.numel() for p in model.parameters()) / 1e6
+        assert n == pytest.approx(float(shape.approx_params.rstrip("M")), rel=0.01), name
+    monkeypatch.setattr(train.torch.cuda, "is_available", lambda: False)
+    for argv, needle in ((["--device", "cuda"], "--device cuda: CUDA is not available"),
+                         (["--dtype", "fp8"], "invalid choice"),
+                         (["--steps", "10", "--stop-after", "11"], "must not exceed --steps"),
+                         (["--save-every", "5"], "--save-every needs --save")):
+        with pytest.raises(SystemExit) as exc:
+            train.parse_args(argv)
+        assert exc.value.code == 2
+        assert needle in capsys.readouterr().err
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_half_precision_compute(train: ModuleType, dtype: str, tmp_path: Path) -> None:
+    """bf16 / fp16 autocast: float32 parameters stay float32, the run learns, fp16's loss
+    scale is carried, and the replicas are checked as in float32."""
+    path = tmp_path / "log.json"
+    assert train.main([*TINY, "--steps", "12", "--eval-every", "0", "--dtype", dtype,
+                       "--json-log", str(path)]) == 0
+    log = json.loads(path.read_text())
+    assert log["summary"]["dtype"] == dtype and log["summary"]["replicas_identical"] is True
+    assert log["evals"][-1]["val_loss"] < log["evals"][0]["val_loss"] - 0.3
+    assert log["summary"]["skipped_steps"] == 0
+
+
+def test_loss_scale_skips_overflow_on_every_rank(train: ModuleType) -> None:
+    import torch
+
+    import bitcoll
+    comm = bitcoll.init()
+    scaler = train.LossScale(True)
+    p = torch.zeros(3, requires_grad=True)
+    p.grad = torch.tensor([2.0, -4.0, 8.0]) * scaler.scale
+    assert scaler.unscale([p], comm) and p.grad.tolist() == [2.0, -4.0, 8.0]
+    p.grad = torch.tensor([1.0, math.inf, 0.0])
+    assert not scaler.unscale([p], comm) and scaler.scale == train.LossScale.INITIAL / 2
+    off = train.LossScale(False)
+    p.grad = torch.tensor([math.nan, 0.0, 0.0])
+    assert off.unscale([p], comm) and off.scale == 1.0
+    comm.close()
+
+
+@pytest.mark.timeout(150)
+def test_target_loss_and_no_comm(train: ModuleType, tmp_path: Path) -> None:
+    path = tmp_path / "log.json"
+    assert train.main([*TINY, "--steps", "20", "--eval-every", "5", "--target-loss", "3.9",
+                       "--no-comm", "--json-log", str(path)]) == 0
+    log = json.loads(path.read_text())
+    summary = log["summary"]
+    first = next(e for e in log["evals"] if e["val_loss"] <= 3.9)
+    assert summary["target_reached"]["step"] == first["step"] > 0
+    expected = sum(s["time"] for s in log["steps"][:first["step"]] if not s.get("warmup"))
+    assert summary["target_reached"]["step_seconds"] == pytest.approx(expected)
+    assert summary["no_comm"] is True and summary["replicas_identical"] is None
+    assert log["steps"][0]["warmup"] is True
+    assert not any(s.get("warmup") for s in log["steps"][1:])
+    assert summary["first_step_time"] == log["steps"][0]["time"]
+    for s in log["steps"]:
+        assert s["time"] == pytest.approx(s["forward_backward"] + s["optimizer"] + s["comm"])
+
+
+def _launch(args: list[str]) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, NUMBA_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    return subprocess.run([sys.executable, "-m", "launch", "-n", "2", str(ROOT / "train.py"),
+                           *TINY, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=180)
+
+
+@pytest.mark.timeout(300)
+def test_resume_equals_an_uninterrupted_run(tmp_path: Path) -> None:
+    """Two ranks, lioncub-l1 with momentum averaging: 10 steps straight, and 5 steps + save +
+    resume for the other 5, give bit-identical training and validation losses."""
+    common = ["--steps", "10", "--eval-every", "5", "--optimizer", "lioncub-l1",
+              "--momentum-sync", "exp:2"]
+    straight, resumed, ckpt = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "ckpt"
+    proc = _launch([*common, "--json-log", str(straight)])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc = _launch([*common, "--stop-after", "5", "--save", str(ckpt)])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert sorted(p.name for p in ckpt.iterdir()) == ["rank0.pt", "rank1.pt"]
+    proc = _launch([*common, "--resume", str(ckpt), "--json-log", str(resumed)])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "resumed from" in proc.stdout
+    a, b = json.loads(straight.read_text()), json.loads(resumed.read_text())
+    assert [s["loss"] for s in a["steps"]] == [s["loss"] for s in b["steps"]]
+    assert [e["val_loss"] for e in a["evals"]] == [e["val_loss"] for e in b["evals"]]
+    assert [s["synced_tensors"] for s in a["steps"]] == [s["synced_tensors"]
+                                                         for s in b["steps"]]
+    assert b["run"]["resumed_at"] == 5 and b["steps"][5]["warmup"] is True
+    assert b["summary"]["replicas_identical"] is True
+
+
+def test_checkpoint_of_another_run_is_refused(train: ModuleType, tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    ckpt = tmp_path / "ckpt"
+    common = [*TINY, "--steps", "4", "--eval-every", "0"]
+    assert train.main([*common, "--stop-after", "2", "--save", str(ckpt)]) == 0
+    assert train.main([*common, "--optimizer", "global", "--resume", str(ckpt)]) == 1
+    assert "--optimizer 'lioncub-l1' (now 'global')" in capsys.readouterr().err
+    assert train.main([*common, "--resume", str(tmp_path / "none")]) == 1
+    assert "cannot read the checkpoint" in capsys.readouterr().err
