@@ -225,9 +225,8 @@ class DistributedLion:
                 self.params.append(p)
                 self._group_of.append(gi)
         n = len(self.params)
-        spans = sorted((p.ctypes.data, p.ctypes.data + p.nbytes, i)
-                       for i, p in enumerate(self.params) if p.size)
-        for (_, end, i), (start, _, j) in itertools.pairwise(spans):
+        self._sizes: list[int] = [self._size_of(p) for p in self.params]
+        for (_, end, i), (start, _, j) in itertools.pairwise(sorted(self._spans())):
             if start < end:
                 raise UsageError(f"parameters {min(i, j)} and {max(i, j)} share memory")
         if names is None:
@@ -271,22 +270,18 @@ class DistributedLion:
                 or bucket_size < 4:
             raise UsageError(f"bucket_size must be a number of bytes >= 4, got {bucket_size!r}")
         self.bucket_size = int(bucket_size)
-        self.buckets: list[Bucket] = make_buckets([p.size for p in self.params],
-                                                  self.bucket_size // 4)
-
-        self._flat: list[F32] = [p.reshape(-1) for p in self.params]
-        self._bucket_mom: list[F32] = [np.zeros(b.size, dtype=np.float32)
-                                       for b in self.buckets]
+        self.buckets: list[Bucket] = make_buckets(self._sizes, self.bucket_size // 4)
         self._place: list[tuple[int, Slot] | None] = [None] * n
-        self._mom: list[F32] = [np.zeros(0, dtype=np.float32)] * n
         for b in self.buckets:
             for s in b.slots:
                 self._place[s.index] = (b.index, s)
-                self._mom[s.index] = self._bucket_mom[b.index][s.offset:s.stop]
+        self._allocate_state()
         self._buffers: list[_Buffers] = []
         self._step = 0
         self._tie_counter = 0
         self._comm_seconds = 0.0
+        self._device_to_host = 0  # bytes copied this step (engines on another device)
+        self._host_to_device = 0
         self.last_stats: StepStats | None = None
         self._check_agreement_across_ranks(broadcast_parameters)
         if broadcast_parameters:
@@ -295,6 +290,29 @@ class DistributedLion:
             self.check_replicas()
 
     # ------------------------------------------------------------------ set-up helpers
+    # (_check_param, _size_of, _spans, _allocate_state, _check_grads, _prepare, _start,
+    # _finish, average_momenta, _momentum_copies, _check_momentum and _load_momentum are
+    # what an engine on another kind of array overrides: lioncub.torch_engine)
+    @staticmethod
+    def _size_of(p: Any) -> int:
+        """Elements of parameter ``p``."""
+        return int(p.size)
+
+    def _spans(self) -> list[tuple[int, int, int]]:
+        """``(start address, end address, index)`` of every non-empty parameter."""
+        return [(p.ctypes.data, p.ctypes.data + p.nbytes, i)
+                for i, p in enumerate(self.params) if p.size]
+
+    def _allocate_state(self) -> None:
+        """The flat parameter views and the per-bucket momenta (zeros)."""
+        self._flat: list[F32] = [p.reshape(-1) for p in self.params]
+        self._bucket_mom: list[F32] = [np.zeros(b.size, dtype=np.float32)
+                                       for b in self.buckets]
+        self._mom: list[F32] = [np.zeros(0, dtype=np.float32)] * len(self.params)
+        for b in self.buckets:
+            for s in b.slots:
+                self._mom[s.index] = self._bucket_mom[b.index][s.offset:s.stop]
+
     @staticmethod
     def _check_param(p: object, index: int, seen: set[int]) -> None:
         if not isinstance(p, np.ndarray):
@@ -310,7 +328,7 @@ class DistributedLion:
 
     def _check_agreement_across_ranks(self, broadcast: bool) -> None:
         """One tiny all-reduce: every rank must have the same layout and settings."""
-        fp = fingerprint([p.shape for p in self.params], self.buckets, self.variant,
+        fp = fingerprint([tuple(p.shape) for p in self.params], self.buckets, self.variant,
                          self.levels, self.tie, self.momentum_sync.spec(), self.world_size,
                          self.replicas.layout(), broadcast)
         probe = np.array([fp, -fp], dtype=np.float64)
@@ -471,6 +489,7 @@ class DistributedLion:
         hypers = self._hypers()
         before = self.comm.stats.snapshot()
         self._comm_seconds = 0.0
+        self._device_to_host = self._host_to_device = 0
         start = time.perf_counter()
         sums: dict[int, int] = {}
         pending: tuple[Bucket, _Buffers, Any] | None = None
@@ -490,7 +509,7 @@ class DistributedLion:
         agreement: dict[int, float] | None = None
         if self.spec.yields_sums:
             denom = self.world_size * self.levels
-            agreement = {i: total / (self.params[i].size * denom) for i, total in sums.items()}
+            agreement = {i: total / (self._sizes[i] * denom) for i, total in sums.items()}
         synced = self._sync_momenta(agreement)
         elapsed = time.perf_counter() - start
         after = self.comm.stats.snapshot()
@@ -505,6 +524,8 @@ class DistributedLion:
             synced=tuple(self.names[i] for i in synced),
             agreement=None if agreement is None
             else {self.names[i]: a for i, a in sorted(agreement.items())},
+            device_to_host_bytes=self._device_to_host,
+            host_to_device_bytes=self._host_to_device,
         )
 
     # ------------------------------------------------------------------ momentum sync
@@ -589,8 +610,7 @@ class DistributedLion:
             "tie": self.tie,
             "step": self._step,
             "tie_counter": self._tie_counter,
-            "momentum": [m.reshape(p.shape).copy()
-                         for m, p in zip(self._mom, self.params, strict=True)],
+            "momentum": self._momentum_copies(),
             "sync": self.momentum_sync.state_dict(),
             "param_groups": groups,
         }
@@ -611,11 +631,8 @@ class DistributedLion:
         if len(momenta) != len(self.params):
             raise UsageError(f"state dict has {len(momenta)} momenta for "
                              f"{len(self.params)} parameters")
-        for i, (m, p) in enumerate(zip(momenta, self.params, strict=True)):
-            m = np.asarray(m)
-            if m.shape != p.shape or m.dtype != np.float32:
-                raise UsageError(f"momentum {i} has shape {m.shape} / dtype {m.dtype}, "
-                                 f"expected {p.shape} / float32")
+        for i, m in enumerate(momenta):
+            self._check_momentum(i, m)
         groups = state["param_groups"]
         if [len(g["params"]) for g in groups] != [len(g["params"]) for g in self.param_groups]:
             raise UsageError("state dict has a different param-group structure")
@@ -623,13 +640,29 @@ class DistributedLion:
             check_hyper(g["lr"], *_check_betas(g["betas"]), g["weight_decay"])
         self.momentum_sync.load_state_dict(state["sync"])
         for i, m in enumerate(momenta):
-            self._mom[i][:] = np.asarray(m).reshape(-1)
+            self._load_momentum(i, m)
         for mine, saved in zip(self.param_groups, groups, strict=True):
             mine["lr"] = saved["lr"]
             mine["betas"] = tuple(saved["betas"])
             mine["weight_decay"] = saved["weight_decay"]
         self._step = int(state["step"])
         self._tie_counter = int(state["tie_counter"])
+
+    def _momentum_copies(self) -> list[Any]:
+        """Copies of this rank's momenta, shaped like the parameters (for state_dict)."""
+        return [m.reshape(p.shape).copy() for m, p in zip(self._mom, self.params, strict=True)]
+
+    def _check_momentum(self, i: int, m: Any) -> None:
+        """UsageError unless ``m`` can be loaded as the momentum of parameter ``i``."""
+        m = np.asarray(m)
+        p = self.params[i]
+        if m.shape != p.shape or m.dtype != np.float32:
+            raise UsageError(f"momentum {i} has shape {m.shape} / dtype {m.dtype}, "
+                             f"expected {p.shape} / float32")
+
+    def _load_momentum(self, i: int, m: Any) -> None:
+        """Overwrite this rank's momentum of parameter ``i`` with ``m`` (checked)."""
+        self._mom[i][:] = np.asarray(m).reshape(-1)
 
     def __repr__(self) -> str:
         return (f"<DistributedLion variant={self.variant} levels={self.levels} "

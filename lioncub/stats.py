@@ -20,7 +20,10 @@ class StepStats:
     ``synced``: names of the tensors whose momenta were averaged after this step.
     ``agreement``: per tensor name, ``sum|S| / (n p levels)`` of the exact vote sums ``S``
     (see :mod:`lioncub.sync`), for the variants whose collective returns sums; None for the
-    others. Item access (``stats["comm_seconds"]``) works too.
+    others. ``device_to_host_bytes`` / ``host_to_device_bytes``: bytes the optimizer copied
+    between the parameters' device and host memory during the step (the packed votes out,
+    the packed results in, momentum synchronization included); 0 for the numpy core, which
+    works on host memory in place. Item access (``stats["comm_seconds"]``) works too.
     """
 
     step: int
@@ -32,6 +35,13 @@ class StepStats:
     messages_received: int
     synced: tuple[str, ...] = ()
     agreement: dict[str, float] | None = field(default=None)
+    device_to_host_bytes: int = 0
+    host_to_device_bytes: int = 0
+
+    @property
+    def host_device_bytes(self) -> int:
+        """``device_to_host_bytes + host_to_device_bytes``."""
+        return self.device_to_host_bytes + self.host_to_device_bytes
 
     @property
     def total_seconds(self) -> float:

@@ -7,12 +7,22 @@ as usual.
 
 * :class:`Lion` is single-process Lion written with torch tensor operations (any device and
   floating dtype).
-* :class:`DistributedLion` hands the step to the numpy core :class:`lioncub.DistributedLion`
-  on the same memory: parameters, gradients and momenta are shared between torch and numpy
-  (``Tensor.numpy()`` / ``torch.from_numpy``), so nothing is copied except into the flat
-  buckets the collectives need. Its parameters must therefore be float32, dense, contiguous
-  CPU tensors; do not replace a parameter's storage (``p.data = ...``) after construction
-  (checked at every step).
+* :class:`DistributedLion` runs on one of two engines (``backend=``):
+
+  - ``"numpy"``: the numpy core :class:`lioncub.DistributedLion` on the same memory:
+    parameters, gradients and momenta are shared between torch and numpy
+    (``Tensor.numpy()`` / ``torch.from_numpy``), so nothing is copied except into the flat
+    buckets the collectives need. Float32 CPU tensors only.
+  - ``"torch"``: :class:`lioncub.torch_engine.TorchEngine`, the same algorithm written with
+    torch operations on the parameters' device (CPU or CUDA; float32, bfloat16 or float16
+    parameters; float32 or bfloat16 momenta): only the packed votes go to the host and only
+    the packed result comes back (``last_stats.device_to_host_bytes`` /
+    ``host_to_device_bytes``).
+  - ``"auto"`` (default): "numpy" when every tensor is a float32 CPU tensor and the momentum
+    is float32, "torch" otherwise.
+
+  Either way, parameters must be dense and contiguous; do not replace a parameter's storage
+  (``p.data = ...``) after construction (checked at every step).
 * :func:`no_allreduce_hook` is a DistributedDataParallel communication hook that leaves
   every rank's gradients local, for models wrapped in DDP (see its docstring).
 
@@ -55,6 +65,7 @@ from .lion import check_hyper
 from .replicas import ReplicaSet
 from .stats import StepStats
 from .sync import MomentumSync
+from .torch_engine import MOMENTUM_DTYPES, PARAM_DTYPES, TensorReplicas, TorchEngine
 
 if TYPE_CHECKING:
     from torch._C._distributed_c10d import GradBucket
@@ -62,6 +73,8 @@ if TYPE_CHECKING:
 __all__ = ["Lion", "DistributedLion", "no_allreduce_hook"]
 
 _STATE_FORMAT = "lioncub.torch.DistributedLion/1"
+#: Engines of :class:`DistributedLion` (``backend=``).
+BACKENDS = ("auto", "numpy", "torch")
 
 
 def _betas(betas: object) -> tuple[float, float]:
@@ -134,7 +147,9 @@ class DistributedLion(Optimizer):
 
     ``params``: tensors, ``model.named_parameters()``, or param groups (dicts whose
     ``"params"`` are tensors or ``(name, tensor)`` pairs, with optional ``lr``, ``betas``,
-    ``weight_decay``). Every tensor must be float32, dense, contiguous and on the CPU.
+    ``weight_decay``). Every tensor must be dense and contiguous; with the numpy engine
+    float32 on the CPU, with the torch engine float32, bfloat16 or float16, the trainable
+    ones all on one device.
     Tensors with ``requires_grad=False`` stay in the param groups but are left out of the
     distributed layout and never updated. ``names``: one name per tensor (overrides names
     from ``named_parameters()``); names drive selective momentum sync, ``last_stats`` and
@@ -151,13 +166,20 @@ class DistributedLion(Optimizer):
     at any time (e.g. after training); :meth:`broadcast_parameters` copies a rank's values
     at any time.
 
-    The other arguments are those of :class:`lioncub.DistributedLion`, which this class
-    drives on shared memory: at :meth:`step` every trainable tensor's ``grad`` (None counts
-    as a zero gradient on this rank, see :mod:`lioncub.distributed`) is viewed as a numpy
-    array and the core updates the tensors in place. Construction and :meth:`step` are
+    ``backend``: "auto" (default), "numpy" or "torch" (module docstring); the engine in use
+    is :attr:`backend`. ``momentum_dtype``: the momentum's dtype with the torch engine,
+    ``torch.float32`` (default, also what None means) or ``torch.bfloat16`` (half the
+    memory; the arithmetic stays float32 and the momentum is rounded once per step).
+
+    The other arguments are those of :class:`lioncub.DistributedLion`, which the engine
+    implements: at :meth:`step` every trainable tensor's ``grad`` (None counts as a zero
+    gradient on this rank, see :mod:`lioncub.distributed`) goes to the engine, which updates
+    the tensors in place. Gradients must be on the parameter's device (any floating dtype
+    with the torch engine, float32 with the numpy one). Construction and :meth:`step` are
     collective (every rank calls them).
 
-    ``state[p]["momentum"]`` is a tensor view of this rank's momentum of ``p``.
+    ``state[p]["momentum"]`` is a tensor view of this rank's momentum of ``p`` (on the
+    parameter's device with the torch engine).
     :meth:`state_dict` returns this rank's state (momenta as tensors, the param groups'
     hyperparameters, and the core's step count, tie counter and sync schedule state under
     ``"lioncub"``); :meth:`load_state_dict` restores it exactly.
@@ -170,7 +192,8 @@ class DistributedLion(Optimizer):
                  momentum_sync: MomentumSync | str | None = None,
                  bucket_size: int = DEFAULT_BUCKET_BYTES,
                  names: Sequence[str] | None = None, *,
-                 broadcast_parameters: bool = True) -> None:
+                 broadcast_parameters: bool = True, backend: str = "auto",
+                 momentum_dtype: torch.dtype | None = None) -> None:
         b1, b2 = _betas(betas)
         check_hyper(lr, b1, b2, weight_decay)
         self._constructed = False
@@ -178,6 +201,7 @@ class DistributedLion(Optimizer):
         self._all: list[torch.Tensor] = [p for g in self.param_groups for p in g["params"]]
         all_names, self._named = self._names(names)
         self._all_names = all_names
+        self._backend = self._choose_backend(backend, momentum_dtype)
         core_groups = []
         core_names: list[str] = []
         self._tensors: list[torch.Tensor] = []
@@ -189,24 +213,47 @@ class DistributedLion(Optimizer):
             for p in group["params"]:
                 self._check_tensor(p, all_names[index])
                 if p.requires_grad:
-                    arrays.append(p.detach().numpy())
+                    arrays.append(p.detach().numpy() if self._backend == "numpy"
+                                  else p.detach())
                     self._tensors.append(p)
                     self._global_index.append(index)
                     core_names.append(all_names[index])
                 index += 1
             core_groups.append({"params": arrays, "lr": group["lr"], "betas": group["betas"],
                                 "weight_decay": group["weight_decay"]})
-        self._core = _CoreDistributedLion(
-            core_groups, comm, variant=variant, lr=lr, betas=(b1, b2),
-            weight_decay=weight_decay, levels=levels, tie=tie, momentum_sync=momentum_sync,
-            bucket_size=bucket_size, names=core_names,
-            broadcast_parameters=broadcast_parameters, replicas=self._replica_set())
+        options: dict[str, Any] = {
+            "variant": variant, "lr": lr, "betas": (b1, b2), "weight_decay": weight_decay,
+            "levels": levels, "tie": tie, "momentum_sync": momentum_sync,
+            "bucket_size": bucket_size, "names": core_names,
+            "broadcast_parameters": broadcast_parameters, "replicas": self._replica_set()}
+        if self._backend == "numpy":
+            self._core = _CoreDistributedLion(core_groups, comm, **options)
+        else:
+            self._core = TorchEngine(core_groups, comm, **options,
+                                     momentum_dtype=momentum_dtype or torch.float32)
         self._ptrs = [p.data_ptr() for p in self._tensors]
-        for p, m in zip(self._tensors, self._core.momenta, strict=True):
-            self.state[p]["momentum"] = torch.from_numpy(m)
+        momenta: list[Any] = list(self._core.momenta)
+        for p, m in zip(self._tensors, momenta, strict=True):
+            self.state[p]["momentum"] = m if isinstance(m, torch.Tensor) \
+                else torch.from_numpy(m)
         self._constructed = True
 
     # ------------------------------------------------------------------ set-up helpers
+    def _choose_backend(self, backend: object, momentum_dtype: object) -> str:
+        if backend not in BACKENDS:
+            raise UsageError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+        if momentum_dtype is not None and momentum_dtype not in MOMENTUM_DTYPES:
+            raise UsageError(f"momentum_dtype must be torch.float32 or torch.bfloat16, got "
+                             f"{momentum_dtype!r}")
+        plain = all(p.dtype == torch.float32 and p.device.type == "cpu" for p in self._all) \
+            and momentum_dtype in (None, torch.float32)
+        if backend == "numpy" and momentum_dtype not in (None, torch.float32):
+            raise UsageError("the numpy backend keeps float32 momenta; use backend='torch' "
+                             "for another momentum_dtype")
+        if backend == "auto":
+            return "numpy" if plain else "torch"
+        return str(backend)
+
     def _names(self, names: Sequence[str] | None) -> tuple[list[str], bool]:
         """(one name per tensor, whether they are real names rather than indices)."""
         count = len(self._all)
@@ -223,15 +270,21 @@ class DistributedLion(Optimizer):
         """Every tensor of the param groups (frozen ones included), as it is now."""
         for p, name in zip(self._all, self._all_names, strict=True):
             self._check_tensor(p, name)
-        return ReplicaSet([p.detach().numpy() for p in self._all],
-                          self._all_names if self._named else None,
-                          unnamed="pass model.named_parameters() or names= to name tensors")
+        names = self._all_names if self._named else None
+        unnamed = "pass model.named_parameters() or names= to name tensors"
+        if self._backend == "torch":
+            return TensorReplicas(self._all, names, unnamed=unnamed)
+        return ReplicaSet([p.detach().numpy() for p in self._all], names, unnamed=unnamed)
 
-    @staticmethod
-    def _check_tensor(p: torch.Tensor, name: str) -> None:
-        if p.dtype != torch.float32 or p.device.type != "cpu" or p.layout != torch.strided:
+    def _check_tensor(self, p: torch.Tensor, name: str) -> None:
+        if self._backend == "torch":
+            if p.dtype not in PARAM_DTYPES or p.layout != torch.strided:
+                raise UsageError(f"parameter {name} must be a dense float32, bfloat16 or "
+                                 f"float16 tensor, got {p.dtype} ({p.layout})")
+        elif p.dtype != torch.float32 or p.device.type != "cpu" or p.layout != torch.strided:
             raise UsageError(f"parameter {name} must be a dense float32 CPU tensor, got "
-                             f"{p.dtype} on {p.device} ({p.layout})")
+                             f"{p.dtype} on {p.device} ({p.layout}); backend='torch' takes "
+                             "other dtypes and devices")
         if not p.is_contiguous():
             raise UsageError(f"parameter {name} must be contiguous")
 
@@ -245,13 +298,19 @@ class DistributedLion(Optimizer):
     # ------------------------------------------------------------------ properties
     @property
     def core(self) -> _CoreDistributedLion:
-        """The numpy optimizer doing the work."""
+        """The engine doing the work: the numpy core :class:`lioncub.DistributedLion`, or
+        its subclass :class:`lioncub.torch_engine.TorchEngine`."""
         return self._core
 
     @property
     def last_stats(self) -> StepStats | None:
         """:class:`lioncub.stats.StepStats` of the last step (None before the first)."""
         return self._core.last_stats
+
+    @property
+    def backend(self) -> str:
+        """The engine in use: "numpy" or "torch"."""
+        return self._backend
 
     @property
     def variant(self) -> str:
@@ -285,8 +344,9 @@ class DistributedLion(Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """One distributed step (collective). Returns ``closure()`` if given (evaluated with
-        gradients enabled, before the update). Raises UsageError for a gradient that is not a
-        dense float32 CPU tensor of the parameter's shape, or a parameter whose storage was
+        gradients enabled, before the update). Raises UsageError for a gradient that does not
+        fit the engine (numpy: a dense float32 CPU tensor of the parameter's shape; torch: a
+        dense floating tensor of its shape on its device), or a parameter whose storage was
         replaced."""
         loss = None
         if closure is not None:
@@ -299,8 +359,8 @@ class DistributedLion(Optimizer):
                 raise UsageError("a parameter's storage was replaced after the optimizer was "
                                  "built; the optimizer updates the original memory")
             g = p.grad
-            if g is None:
-                grads.append(None)
+            if g is None or self._backend == "torch":
+                grads.append(g)  # the torch engine checks its gradients itself
                 continue
             if g.dtype != torch.float32 or g.device.type != "cpu" or g.layout != torch.strided:
                 raise UsageError(f"gradients must be dense float32 CPU tensors, got {g.dtype} "
@@ -316,7 +376,7 @@ class DistributedLion(Optimizer):
         core = self._core.state_dict()
         momenta = core.pop("momentum")
         core.pop("param_groups")
-        state = {gi: {"momentum": torch.from_numpy(m)}
+        state = {gi: {"momentum": m if isinstance(m, torch.Tensor) else torch.from_numpy(m)}
                  for gi, m in zip(self._global_index, momenta, strict=True)}
         groups = []
         index = 0
@@ -343,7 +403,8 @@ class DistributedLion(Optimizer):
             entry = saved_state.get(gi)
             if entry is None or "momentum" not in entry:
                 raise UsageError(f"state dict has no momentum for parameter {gi}")
-            momenta.append(entry["momentum"].detach().cpu().numpy())
+            m = entry["momentum"]
+            momenta.append(m.detach().cpu().numpy() if self._backend == "numpy" else m)
         core_groups = []
         for group, mine in zip(groups, self.param_groups, strict=True):
             count = sum(1 for p in mine["params"] if p.requires_grad)

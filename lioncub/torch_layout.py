@@ -1,0 +1,155 @@
+"""bitcoll's packed-bit layouts (:mod:`bitcoll.layout`) written with torch operations, so
+votes are packed and sums unpacked on the tensors' own device (CPU or CUDA).
+
+The layouts are exactly those of :mod:`bitcoll.layout`: a packed stream is a ``uint8``
+tensor whose stream bit ``j`` is bit ``j % 8`` of byte ``j // 8``; a field of width ``w``
+(``1 <= w <= 16``) for element ``i`` occupies stream bits ``[i w, (i + 1) w)``, least
+significant bit first; signs are fields of width 1 (1 = +1). ``count`` fields take
+``ceil(count w / 8)`` bytes and the padding bits after the last field are 0.
+
+Method (``w <= 8``): the fields are held one per byte (``uint8``) in a buffer padded to a
+multiple of 8 elements, read as ``int64`` words of 8 byte lanes (little-endian, as on every
+platform torch supports). :func:`compress` moves the 8 lanes of every word together into
+``8 w`` contiguous bits in three shift-and-mask rounds (lane pairs, quads, halves); the
+first ``w`` bytes of every word are then the stream. :func:`expand` is the inverse. Fields
+of 9 to 16 bits go through a bit-per-byte expansion instead (:func:`pack_wide`,
+:func:`unpack_wide`): slower, and used only when ``levels * world size > 127``.
+
+All functions take and return tensors on one device and never synchronize it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["nbytes", "padded", "compress", "expand", "pack", "unpack", "pack_wide",
+           "unpack_wide"]
+
+_EVEN8 = 0x00FF00FF00FF00FF
+_EVEN16 = 0x0000FFFF0000FFFF
+_LOW32 = 0xFFFFFFFF
+
+
+def nbytes(count: int, width: int) -> int:
+    """``ceil(count * width / 8)``: bytes of ``count`` packed ``width``-bit fields."""
+    return (count * width + 7) // 8
+
+
+def padded(count: int) -> int:
+    """``count`` rounded up to a multiple of 8 (the length of a field buffer)."""
+    return (count + 7) // 8 * 8
+
+
+def compress(words: torch.Tensor, width: int, tmp: torch.Tensor) -> None:
+    """In place: every int64 word of ``words`` holds 8 byte lanes, lane ``j`` (bits
+    ``[8 j, 8 j + 8)``) a field below ``2**width``; afterwards it holds field ``j`` at bits
+    ``[j width, (j + 1) width)`` and zeros above bit ``8 width``. ``tmp``: int64 scratch of
+    ``words``' shape. ``1 <= width <= 8`` (8 leaves the words as they are)."""
+    if width == 8:
+        return
+    # pairs: odd lanes move down next to the even ones (bits [16 i, 16 i + 2 w))
+    torch.bitwise_right_shift(words, 8, out=tmp)
+    tmp.bitwise_and_(_EVEN8)
+    words.bitwise_and_(_EVEN8)
+    tmp.bitwise_left_shift_(width)
+    words.bitwise_or_(tmp)
+    # quads: bits [32 k, 32 k + 4 w)
+    torch.bitwise_right_shift(words, 16, out=tmp)
+    tmp.bitwise_and_(_EVEN16)
+    words.bitwise_and_(_EVEN16)
+    tmp.bitwise_left_shift_(2 * width)
+    words.bitwise_or_(tmp)
+    # halves: bits [0, 8 w)
+    torch.bitwise_right_shift(words, 32, out=tmp)
+    words.bitwise_and_(_LOW32)
+    tmp.bitwise_left_shift_(4 * width)
+    words.bitwise_or_(tmp)
+
+
+def expand(words: torch.Tensor, width: int, tmp: torch.Tensor) -> None:
+    """In place, the inverse of :func:`compress`: field ``j`` at bits ``[j width, (j + 1)
+    width)`` (bits from ``8 width`` up ignored) moves to byte lane ``j``."""
+    if width == 8:
+        return
+    half = (1 << (4 * width)) - 1
+    torch.bitwise_right_shift(words, 4 * width, out=tmp)
+    tmp.bitwise_and_(half)
+    words.bitwise_and_(half)
+    tmp.bitwise_left_shift_(32)
+    words.bitwise_or_(tmp)
+    quad = ((1 << (2 * width)) - 1) * (1 + (1 << 32))
+    torch.bitwise_right_shift(words, 2 * width, out=tmp)
+    tmp.bitwise_and_(quad)
+    words.bitwise_and_(quad)
+    tmp.bitwise_left_shift_(16)
+    words.bitwise_or_(tmp)
+    lane = ((1 << width) - 1) * 0x0001000100010001
+    torch.bitwise_right_shift(words, width, out=tmp)
+    tmp.bitwise_and_(lane)
+    words.bitwise_and_(lane)
+    tmp.bitwise_left_shift_(8)
+    words.bitwise_or_(tmp)
+
+
+def pack(fields: torch.Tensor, count: int, width: int, out: torch.Tensor,
+         tmp: torch.Tensor) -> None:
+    """Pack ``count`` fields of ``width <= 8`` bits into the stream ``out`` (uint8,
+    ``nbytes(count, width)`` elements). ``fields``: uint8, ``padded(count)`` elements, one
+    field per byte, zeros after ``count``; it is overwritten (used as the words). ``tmp``:
+    int64 scratch of ``padded(count) // 8`` elements."""
+    words = fields.view(torch.int64)
+    compress(words, width, tmp)
+    groups = words.numel()
+    if groups == 0:
+        return
+    streams = words.view(torch.uint8).view(groups, 8)[:, :width]
+    n = nbytes(count, width)
+    whole = min(groups, n // width)  # groups whose bytes all belong to the stream
+    out[:whole * width].view(whole, width).copy_(streams[:whole])
+    if whole < groups:
+        out[whole * width:n].copy_(streams[whole].reshape(-1)[:n - whole * width])
+
+
+def unpack(stream: torch.Tensor, count: int, width: int, fields: torch.Tensor,
+           tmp: torch.Tensor) -> None:
+    """Unpack ``count`` fields of ``width <= 8`` bits from ``stream`` (uint8,
+    ``nbytes(count, width)`` elements) into ``fields`` (uint8, ``padded(count)`` elements:
+    one field per byte; the elements after ``count`` are left undefined). ``tmp``: int64
+    scratch of ``padded(count) // 8`` elements."""
+    groups = fields.numel() // 8
+    if groups == 0:
+        return
+    lanes = fields.view(groups, 8)
+    n = nbytes(count, width)
+    whole = min(groups, n // width)
+    lanes[:, width:].zero_()
+    lanes[:whole, :width].copy_(stream[:whole * width].view(whole, width))
+    if whole < groups:
+        lanes[whole:].zero_()
+        rest = stream[whole * width:n]
+        lanes[whole].reshape(-1)[:rest.numel()].copy_(rest)
+    expand(fields.view(torch.int64), width, tmp)
+
+
+def pack_wide(values: torch.Tensor, width: int, out: torch.Tensor) -> None:
+    """Pack ``values`` (any integer dtype, each in ``[0, 2**width)``, ``width <= 16``) into
+    the stream ``out`` (uint8, ``nbytes(values.numel(), width)`` elements), one bit per
+    byte on the way (:func:`pack` is the fast path for ``width <= 8``)."""
+    count = values.numel()
+    shifts = torch.arange(width, device=values.device, dtype=torch.int32)
+    bits = ((values.reshape(-1, 1).to(torch.int32) >> shifts) & 1).to(torch.uint8)
+    flat = torch.zeros(padded(count * width), dtype=torch.uint8, device=values.device)
+    flat[:count * width] = bits.reshape(-1)
+    tmp = torch.empty(flat.numel() // 8, dtype=torch.int64, device=values.device)
+    pack(flat, count * width, 1, out, tmp)
+
+
+def unpack_wide(stream: torch.Tensor, count: int, width: int) -> torch.Tensor:
+    """The ``count`` fields of ``width`` bits in ``stream`` as an int32 tensor."""
+    total = count * width
+    flat = torch.empty(padded(total), dtype=torch.uint8, device=stream.device)
+    tmp = torch.empty(flat.numel() // 8, dtype=torch.int64, device=stream.device)
+    unpack(stream, total, 1, flat, tmp)
+    shifts = torch.arange(width, device=stream.device, dtype=torch.int32)
+    bits = flat[:total].view(count, width).to(torch.int32) << shifts
+    return bits.sum(dim=1, dtype=torch.int32)
