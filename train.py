@@ -47,9 +47,12 @@ parameters), ``small`` (384, 6, 6: 10.8M) or ``medium`` (512, 10, 8: 31.7M; coun
 the parameters, gradients and momenta stay float32 (so the optimizer, the exchanged votes and
 the replica check are those of a float32 run), and fp16 adds dynamic loss scaling whose
 overflow verdict is agreed by all ranks (an overflowing step is skipped everywhere).
-``--device cuda`` runs the model on the GPU and the optimizer on a float32 host copy of the
-parameters (gradients copied to the host and parameters back every step; the copies count as
-optimizer time); without CUDA it stops with an error (exit status 2).
+``--native`` instead keeps the parameters themselves in ``--dtype`` (no autocast, no float32
+copy) and ``--momentum-dtype bf16`` stores the momenta in bfloat16; both need a lioncub whose
+``DistributedLion`` takes 16-bit parameters (its torch engine). ``--device cuda`` runs the
+model on the GPU; the optimizer takes the GPU parameters when lioncub supports it, else it
+works on a float32 host copy (gradients copied to the host and parameters back every step;
+the copies count as optimizer time); without CUDA it stops with an error (exit status 2).
 
 Checkpoints
 -----------
@@ -114,6 +117,7 @@ os.environ.setdefault("NUMBA_NUM_THREADS", "1")
 import argparse
 import contextlib
 import hashlib
+import inspect
 import json
 import math
 import pickle
@@ -390,6 +394,13 @@ DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16,
 """``--dtype`` values: the dtype of the forward and backward computation."""
 
 
+#: Whether lioncub's DistributedLion takes parameters of any device and of 16-bit dtypes (its
+#: torch engine); otherwise it takes float32 CPU tensors only and train.py keeps float32
+#: parameters (autocast for 16-bit compute, a host copy for --device cuda).
+OPTIMIZER_TAKES_DEVICE_PARAMS: bool = "backend" in inspect.signature(
+    DistributedLion.__init__).parameters
+
+
 def autocast(device: str, dtype: torch.dtype) -> AbstractContextManager[Any]:
     """``torch.autocast(device, dtype)`` for a 16-bit ``dtype``, a no-op for float32."""
     if dtype == torch.float32:
@@ -619,10 +630,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compute dtype: fp32, or bf16/fp16 through torch.autocast (parameters, "
                         "gradients, momenta and the exchanged votes stay float32; fp16 adds "
                         "dynamic loss scaling, overflowing steps are skipped on every rank)")
+    g.add_argument("--native", action="store_true",
+                   help="keep the parameters themselves in --dtype (no autocast, no float32 "
+                        "copy; the optimizer updates 16-bit parameters); needs a lioncub whose "
+                        "DistributedLion takes 16-bit and device parameters")
+    g.add_argument("--momentum-dtype", choices=("fp32", "bf16"), default="fp32",
+                   help="dtype of the optimizer's momentum buffers (bf16 halves the optimizer "
+                        "state; same lioncub requirement as --native)")
     g.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                   help="where the model runs; with cuda the optimizer works on a float32 "
-                        "host copy of the parameters (gradients copied to the host, parameters "
-                        "back, every step)")
+                   help="where the model runs; the optimizer takes the device's parameters "
+                        "when lioncub supports it, else it works on a float32 host copy "
+                        "(gradients copied to the host, parameters back, every step)")
     g = p.add_argument_group("checkpoints")
     g.add_argument("--save", type=Path, default=None, metavar="DIR",
                    help="write a checkpoint to DIR (one rank<r>.pt per rank) at the end of the "
@@ -785,7 +803,8 @@ def format_summary(summary: dict[str, Any]) -> str:
         ("optimizer", summary["optimizer"] + (" (--no-comm)" if summary["no_comm"] else "")),
         ("world size", f"{summary['world_size']} ({summary['backend']})"),
         ("model", f"{summary['model']}, {summary['n_params'] / 1e6:.2f}M parameters, "
-                  f"{summary['dtype']} on {summary['device']}"),
+                  f"{summary['dtype']}{' ' + summary['precision'] if summary['precision'] else ''} "
+                  f"on {summary['device']}"),
         ("steps", str(summary["steps"]) if summary["steps_done"] == summary["steps"]
          else f"{summary['steps_done']} of {summary['steps']}"),
         ("final train loss", f"{summary['final_train_loss']:.4f} "
@@ -906,7 +925,8 @@ CHECKPOINT_FORMAT = "lioncub-train-checkpoint/1"
 #: Options that shape the training trajectory: a resumed run must use the checkpoint's values.
 TRAJECTORY_KEYS = ("optimizer", "lr", "weight_decay", "schedule", "warmup", "levels",
                    "momentum_sync", "steps", "seed", "batch_size", "seq_len", "corpus_mb",
-                   "d_model", "layers", "heads", "dtype", "device", "no_comm")
+                   "d_model", "layers", "heads", "dtype", "native", "momentum_dtype", "device",
+                   "no_comm")
 
 
 def checkpoint_file(directory: Path, rank: int) -> Path:
@@ -1014,8 +1034,21 @@ def run(args: argparse.Namespace, comm: bitcoll.Communicator,
         raise RuntimeError("the ranks built different corpora (different Python installations?)")
     if not same[1]:
         raise RuntimeError("the ranks initialised different models (different torch builds?)")
-    model.to(device)
-    host = HostParams(model) if device != "cpu" else None
+    device_params = OPTIMIZER_TAKES_DEVICE_PARAMS
+    kwargs: dict[str, Any] = {}
+    if (args.native and dtype != torch.float32) or args.momentum_dtype != "fp32":
+        if not device_params:
+            raise RuntimeError("--native and --momentum-dtype bf16 need a lioncub whose "
+                               "DistributedLion takes 16-bit parameters; this one takes "
+                               "float32 CPU parameters only (drop them to use autocast)")
+        if args.momentum_dtype != "fp32":
+            kwargs["momentum_dtype"] = DTYPES[args.momentum_dtype]
+    if args.native:
+        model.to(device=device, dtype=dtype)
+        dtype = torch.float32  # no autocast: the parameters are in --dtype already
+    else:
+        model.to(device)
+    host = HostParams(model) if device != "cpu" and not device_params else None
     named = host.named() if host is not None else list(model.named_parameters())
     params = [p for _, p in named]
 
@@ -1025,7 +1058,7 @@ def run(args: argparse.Namespace, comm: bitcoll.Communicator,
     try:
         opt = DistributedLion(named, opt_comm, variant=args.optimizer, lr=args.lr,
                               betas=(0.9, 0.99), weight_decay=args.weight_decay,
-                              levels=args.levels, momentum_sync=args.momentum_sync)
+                              levels=args.levels, momentum_sync=args.momentum_sync, **kwargs)
         return _train(args, comm, opt_comm, opt, model, host, params, corpus, n_params,
                       threads, stream, say, wall0, device, dtype)
     finally:
@@ -1075,7 +1108,9 @@ def _train(args: argparse.Namespace, comm: bitcoll.Communicator,
         + (", no communication (--no-comm)" if args.no_comm else ""))
     say(f"model: {args.model} preset, {n_params / 1e6:.2f}M parameters (d_model "
         f"{args.d_model}, {args.layers} layers, {args.heads} heads); batch {args.batch_size} x "
-        f"{args.seq_len} characters per rank; {args.dtype} on {device}")
+        f"{args.seq_len} characters per rank; {args.dtype}"
+        f"{' parameters' if args.native else ' autocast' if args.dtype != 'fp32' else ''} on "
+        f"{device}")
     say(f"corpus: {corpus.train.size / 1e6:.2f} MB training ({corpus.train_files} files), "
         f"{corpus.val.size / 1e6:.2f} MB validation ({corpus.val_files} files) of the Python "
         f"standard library")
@@ -1198,6 +1233,8 @@ def _train(args: argparse.Namespace, comm: bitcoll.Communicator,
     summary = {
         "optimizer": args.optimizer, "world_size": size, "backend": backend,
         "model": args.model, "n_params": n_params, "dtype": args.dtype, "device": device,
+        "precision": ("native parameters" if args.native else "autocast")
+        if args.dtype != "fp32" else "", "momentum_dtype": args.momentum_dtype,
         "no_comm": args.no_comm,
         "steps": args.steps, "steps_done": len(steps),
         "final_train_loss": float(np.mean([s["loss"] for s in steps[-window:]])),

@@ -13,7 +13,9 @@ Every run is ``python -m launch -n N train.py --optimizer X --seed S --steps T -
 bench/netbed.py --hosts N --rate RATE train.py ...``, one emulated host per rank joined by
 links of RATE, root only, see bench/netbed.py); arguments after ``--`` go to every
 run. ``--run LABEL ARGS`` adds a run with its own train.py arguments (e.g. another
-``--levels``; ARGS is one shell-quoted string).
+``--levels``; ARGS is one shell-quoted string). ``--dtypes fp32 bf16`` runs every optimizer in
+each ``train.py --dtype`` and compares each 16-bit run's final validation loss with the fp32
+run of the same optimizer (target: within 1%).
 Runs happen one after another (they share the machine). Written to ``--out``
 (default ``results/optimizers``):
 
@@ -66,6 +68,14 @@ FIGURES = (("loss_curves", "step", 0.1, "loss curves against steps"),
            ("loss_curves_time", "time", 0.1, "loss curves against training time"))
 MAJORITY = "dlion-mavo"
 TARGET_GAP = 3.0  # percent: Lion Cub's final validation loss vs Global Lion's
+DTYPES = ("fp32", "bf16", "fp16")
+DTYPE_GAP = 1.0  # percent: a 16-bit run's final validation loss vs the fp32 run's
+
+
+def dtype_label(optimizer: str, dtype: str, dtypes: Sequence[str]) -> str:
+    """The run label of ``optimizer`` in ``dtype``: the optimizer's name for fp32 (or when
+    ``dtypes`` is that dtype alone), else ``"<optimizer> (<dtype>)"``."""
+    return optimizer if dtype == "fp32" or list(dtypes) == [dtype] else f"{optimizer} ({dtype})"
 
 
 @dataclass
@@ -208,7 +218,8 @@ def summarize(outcomes: Sequence[Outcome], specs: Sequence[Spec], command: str,
                "(bench/netbed.py)" if netbed else ""),
             f"- model: {run.get('n_params', 0) / 1e6:.2f}M-parameter character transformer "
             f"(d_model {cfg.get('d_model')}, {cfg.get('layers')} layers, {cfg.get('heads')} "
-            f"heads), batch {cfg.get('batch_size')} x {cfg.get('seq_len')} per rank",
+            f"heads), batch {cfg.get('batch_size')} x {cfg.get('seq_len')} per rank, "
+            f"{cfg.get('dtype', 'fp32')} on {cfg.get('device', 'cpu')}",
             f"- data: {corpus.get('train_tokens', 0) / 1e6:.2f}M training / "
             f"{corpus.get('val_tokens', 0) / 1e6:.2f}M validation characters of the Python "
             "standard library (validation = held-out files)",
@@ -254,6 +265,17 @@ def summarize(outcomes: Sequence[Outcome], specs: Sequence[Spec], command: str,
         lines.append(f"- Distributed Lion majority vote ({MAJORITY}) vs Lion Cub: "
                      f"{_gap(gaps)} ({worse} than Lion Cub; higher loss with "
                      f"{seeds_worse} of {len(gaps)} seed{'s' if len(gaps) > 1 else ''}).")
+    for spec in specs:
+        m = re.fullmatch(r"(.+) \((bf16|fp16)\)", spec.label)
+        if m is None or m.group(1) not in val_by_seed:
+            continue
+        gaps = _paired_gaps(val_by_seed[spec.label], val_by_seed[m.group(1)])
+        if gaps:
+            ok = all(abs(g) <= DTYPE_GAP for g in gaps)
+            lines.append(f"- {spec.label} vs {m.group(1)} in fp32: {_gap(gaps)} final "
+                         f"validation loss (target: within {DTYPE_GAP:g}%: "
+                         f"{'met' if ok else 'NOT met'}); replicas identical after training "
+                         "(checked by train.py, which fails the run otherwise).")
     if val.get("dlion-mavo") and val.get("dlion-mavo") == val.get("lioncub-mavo"):
         lines.append("- dlion-mavo and lioncub-mavo compute the same majority vote with the same "
                      "tie rule, so their losses coincide; they differ in the collective "
@@ -300,6 +322,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--netbed", metavar="RATE", default=None,
                         help="run every job on the emulated Ethernet testbed with links of "
                              "RATE (e.g. 1gbit; root only; TCP launcher)")
+    parser.add_argument("--dtypes", nargs="+", choices=DTYPES, default=["fp32"],
+                        help="run every optimizer with each train.py --dtype; runs in a 16-bit "
+                             "dtype are labelled '<optimizer> (<dtype>)' and compared with the "
+                             "fp32 run of the same optimizer")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "optimizers")
@@ -315,7 +341,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--ranks and --steps must be >= 1")
     if args.netbed is not None and args.launcher != "tcp":
         parser.error("--netbed runs the TCP launcher on every emulated host: drop --launcher")
-    specs = [Spec(name, ["--optimizer", name]) for name in args.optimizers]
+    specs = [Spec(dtype_label(name, dt, args.dtypes), ["--optimizer", name, "--dtype", dt]
+                  if dt != "fp32" else ["--optimizer", name])
+             for dt in args.dtypes for name in args.optimizers]
     for label, rest in args.run:
         if not label.strip():
             parser.error("--run: empty label")

@@ -88,13 +88,16 @@ def load_log(path: str | Path) -> dict[str, Any]:
 
 
 def run_label(record: dict[str, Any]) -> str:
-    """Default label of a log: the optimizer, plus levels and momentum sync when set."""
+    """Default label of a log: the optimizer, plus levels, momentum sync and a 16-bit
+    ``--dtype`` when set."""
     cfg = record["config"]
     parts = [str(cfg.get("optimizer", "?"))]
     if cfg.get("levels") is not None:
         parts.append(f"s={cfg['levels']}")
     if cfg.get("momentum_sync"):
         parts.append(f"sync={cfg['momentum_sync']}")
+    if cfg.get("dtype", "fp32") != "fp32":
+        parts.append(str(cfg["dtype"]))
     return " ".join(parts)
 
 
