@@ -11,7 +11,7 @@ Usage (root: the testbed needs network namespaces, see bench/netbed.py)::
     python bench/e2e.py --reuse ...                       # keep runs already in --out
 
 Every run is ``python bench/netbed.py --hosts H --rate RATE train.py --model M --batch-size B
---seq-len T --steps S --target-loss X ... --json-log ...`` (one emulated host per rank, hosts
+--seq-len T --steps S ... --json-log ...`` (one emulated host per rank, hosts
 pinned to their share of the cores); arguments after ``--`` go to every run. The
 configurations (``--configs``):
 
@@ -92,16 +92,19 @@ class Point:
                 "log": self.log}
 
 
-def point_of(rate: str, config: str, record: dict[str, Any], log: Path) -> Point:
-    """The figures of one ``train.py`` log."""
+def point_of(rate: str, config: str, record: dict[str, Any], log: Path,
+             target: float | None) -> Point:
+    """The figures of one ``train.py`` log; the target is found as ``train.py --target-loss``
+    finds it (first evaluation at or below it), so that it can change without new runs."""
     s = record["summary"]
-    target = s.get("target_reached")
+    hit = next((e for e in record["evals"] if target is not None and e["val_loss"] <= target),
+               None)
     return Point(rate, config, s["mean_step_time"], s["mean_forward_backward_time"],
                  s["mean_optimizer_time"], s["mean_comm_time"], s["bytes_sent_per_step"],
-                 s["final_val_loss"], None if target is None else int(target["step"]),
-                 None if target is None else float(target["step_seconds"]),
-                 [(float(e.get("step_seconds", 0.0)), float(e["val_loss"]))
-                  for e in record["evals"]], str(log))
+                 s["final_val_loss"], None if hit is None else int(hit["step"]),
+                 None if hit is None else float(hit["step_seconds"]),
+                 [(float(e["step_seconds"]), float(e["val_loss"])) for e in record["evals"]],
+                 str(log))
 
 
 def _ms(x: float) -> str:
@@ -212,7 +215,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--rates", nargs="+", default=list(DEFAULT_RATES),
                    help="link rates, run in this order")
-    p.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
+    p.add_argument("--configs", nargs="*", choices=list(CONFIGS), default=list(CONFIGS),
+                   help="optimizer configurations (none: only the compute floor)")
     p.add_argument("--no-floor", action="store_true", help="skip the compute floor run")
     p.add_argument("--hosts", type=int, default=4, help="emulated hosts (one rank each)")
     p.add_argument("--model", default="small", help="train.py --model")
@@ -222,7 +226,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--eval-every", type=int, default=10)
     p.add_argument("--eval-batches", type=int, default=8)
-    p.add_argument("--target-loss", type=float, default=3.2)
+    p.add_argument("--target-loss", type=float, default=3.2,
+                   help="validation loss whose first evaluation at or below it is reported")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per run")
     p.add_argument("--out", type=Path, default=ROOT / "results" / "e2e")
@@ -236,8 +241,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error(str(exc))
     common = ["--model", args.model, "--batch-size", str(args.batch_size), "--seq-len",
               str(args.seq_len), "--lr", str(args.lr), "--eval-every", str(args.eval_every),
-              "--eval-batches", str(args.eval_batches), "--target-loss",
-              str(args.target_loss), *extra]
+              "--eval-batches", str(args.eval_batches), *extra]
     jobs: list[tuple[str, compare.Spec]] = []
     if not args.no_floor:
         jobs.append((args.rates[0], compare.Spec(FLOOR, FLOOR_ARGS)))
@@ -261,7 +265,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"FAILED (exit {o.returncode}; see {console})", flush=True)
             failed.append(f"{rate} {spec.label}")
             continue
-        pt = point_of(rate, spec.label, o.record, o.log.relative_to(args.out))
+        pt = point_of(rate, spec.label, o.record, o.log.relative_to(args.out), args.target_loss)
         points.append(pt)
         print(f"{_ms(pt.step_time)}/step (comm {_ms(pt.comm)}), val {pt.final_val:.4f}, "
               f"target {'step ' + str(pt.target_step) if pt.target_step else 'not reached'}",

@@ -327,3 +327,39 @@ def test_checkpoint_of_another_run_is_refused(train: ModuleType, tmp_path: Path,
     assert "--optimizer 'lioncub-l1' (now 'global')" in capsys.readouterr().err
     assert train.main([*common, "--resume", str(tmp_path / "none")]) == 1
     assert "cannot read the checkpoint" in capsys.readouterr().err
+
+
+def test_e2e_report_and_figure(one_rank_log: dict[str, Any], tmp_path: Path) -> None:
+    e2e = _load("e2e", ROOT / "bench" / "e2e.py")
+    target = one_rank_log["evals"][2]["val_loss"]  # reached at the second evaluation or sooner
+    points = [e2e.point_of(rate, config, one_rank_log, Path("x.json"), target)
+              for rate, config in (("1gbit", "compute floor"), ("100mbit", "global"),
+                                   ("1gbit", "global"), ("1gbit", "lioncub-l1"))]
+    first = next(e for e in one_rank_log["evals"] if e["val_loss"] <= target)
+    assert points[1].target_step == first["step"]
+    assert points[1].target_seconds == first["step_seconds"]
+    assert e2e.point_of("1gbit", "global", one_rank_log, Path("x.json"), 0.1).target_step is None
+    text = e2e.report(points, ["10gbit lioncub-l1"], ["cmd"], "setup", target)
+    assert f"| 1gbit | global | {1e3 * points[2].step_time:.0f} ms |" in text
+    assert "| 10gbit lioncub-l1 | failed |" in text and "Global Lion at 100mbit" in text
+    png = tmp_path / "e2e.png"
+    e2e.plot(points, ["100mbit", "1gbit"], png, "title", target)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_comparison_in_two_dtypes(one_rank_log: dict[str, Any], tmp_path: Path) -> None:
+    compare = _load("compare_optimizers", ROOT / "bench" / "compare_optimizers.py")
+    assert compare.dtype_label("global", "bf16", ["fp32", "bf16"]) == "global (bf16)"
+    assert compare.dtype_label("global", "bf16", ["bf16"]) == "global"
+    specs = [compare.Spec("global", []), compare.Spec("global (bf16)", []),
+             compare.Spec("lioncub-l1", []), compare.Spec("lioncub-l1 (bf16)", [])]
+    outcomes = []
+    for spec, val in zip(specs, (2.0, 2.01, 2.0, 2.05), strict=True):
+        rec = json.loads(json.dumps(one_rank_log))
+        rec["summary"]["final_val_loss"] = val
+        outcomes.append(compare.Outcome(spec, 0, tmp_path / "x.json", 0, 1.0, rec))
+    report = compare.summarize(outcomes, specs, "cmd", 1, "tcp", STEPS, [0])
+    assert "global (bf16) vs global in fp32: +0.50% final validation loss (target: within " \
+           "1%: met)" in report
+    assert "lioncub-l1 (bf16) vs lioncub-l1 in fp32: +2.50% final validation loss " \
+           "(target: within 1%: NOT met)" in report
