@@ -363,3 +363,22 @@ def test_comparison_in_two_dtypes(one_rank_log: dict[str, Any], tmp_path: Path) 
            "1%: met)" in report
     assert "lioncub-l1 (bf16) vs lioncub-l1 in fp32: +2.50% final validation loss " \
            "(target: within 1%: NOT met)" in report
+
+
+@pytest.mark.timeout(150)
+def test_native_bf16_parameters_resume_exactly(train: ModuleType, tmp_path: Path) -> None:
+    """--native: the parameters themselves are bfloat16 (momenta too with --momentum-dtype);
+    the run learns, and a save + resume reproduces the straight run's losses bit for bit."""
+    common = [*TINY, "--steps", "8", "--eval-every", "4", "--dtype", "bf16", "--native",
+              "--momentum-dtype", "bf16"]
+    straight, resumed, ckpt = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "ckpt"
+    assert train.main([*common, "--json-log", str(straight)]) == 0
+    assert train.main([*common, "--stop-after", "4", "--save", str(ckpt)]) == 0
+    assert train.main([*common, "--resume", str(ckpt), "--json-log", str(resumed)]) == 0
+    a, b = json.loads(straight.read_text()), json.loads(resumed.read_text())
+    assert a["summary"]["precision"] == "native parameters"
+    assert a["evals"][-1]["val_loss"] < a["evals"][0]["val_loss"] - 0.2
+    assert [s["loss"] for s in a["steps"]] == [s["loss"] for s in b["steps"]]
+    assert [e["val_loss"] for e in a["evals"]] == [e["val_loss"] for e in b["evals"]]
+    state = train.torch.load(ckpt / "rank0.pt", weights_only=True)
+    assert all(v.dtype == train.torch.bfloat16 for v in state["model"].values())
