@@ -459,14 +459,18 @@ class TorchEngine(DistributedLion):
             total = tl.unpack_wide(buf.dev_out[:nb], n, w_out).sub_(bias)
         totals: list[torch.Tensor] = []
         if kind == "mean":
-            u = torch.div(total, float(self.world_size), out=buf.t[:n])
+            # u = sum / p takes 2p + 1 values: lr * u from a table computed as the numpy
+            # kernel computes it (torch's division by a scalar multiplies by its reciprocal)
+            world = self.world_size
+            quotients = np.arange(-world, world + 1, dtype=np.float32) / np.float32(world)
+            index = total.to(torch.int64).add_(world)
             for s in bucket.slots:
                 h = hypers[s.index]
-                us = u[s.offset:s.stop]
+                table = torch.from_numpy(h.lr * quotients).to(self._tflat[s.index].device)
                 p = self._tflat[s.index]
                 if float(h.decay) != 1.0:
                     p.mul_(float(h.decay))
-                p.sub_(us.mul_(float(h.lr)))
+                p.sub_(table[index[s.offset:s.stop]])
         else:
             sgn = torch.sign(total) if total.dtype != torch.int8 \
                 else torch.sign(total, out=buf.aux[:n])
