@@ -22,6 +22,14 @@ torch use its own default (all cores) while the kernels stay single-threaded.
 
 The target is a ratio of at most 2 (Lion Cub's extra work per step must stay small next to
 the forward and backward passes that any optimizer needs).
+
+``--torch-engine`` adds, per variant, the torch engine (``backend="torch"``: the same step
+written with torch operations, as it runs on a GPU) on the same CPU float32 tensors, and a
+second verdict: its step time is at most 2x the numpy engine's (same thread count). Its
+rows also show the bytes it copied between host and device per step.
+``--device cuda --dtype bfloat16`` runs those rows on a GPU in another dtype instead.
+
+    python bench/bench_optimizer_overhead.py --torch-engine --threads 1
 """
 
 from __future__ import annotations
@@ -67,14 +75,20 @@ class Entry:
     stats: Callable[[], lioncub.StepStats | None] | None = None
     times: list[float] = field(default_factory=list)
     comm: list[float] = field(default_factory=list)
+    engine_of: str | None = None  # torch-engine rows: the numpy row they are compared with
+    host_device_bytes: int = 0
+    sync: Callable[[], None] | None = None
 
     def run(self) -> None:
         t0 = time.perf_counter()
         self.step()
+        if self.sync is not None:
+            self.sync()
         self.times.append(time.perf_counter() - t0)
         st = self.stats() if self.stats is not None else None
         if st is not None:
             self.comm.append(st.comm_seconds)
+            self.host_device_bytes = st.host_device_bytes
 
 
 def make_entries(args: argparse.Namespace, comm: Any) -> tuple[list[Entry], int]:
@@ -83,12 +97,15 @@ def make_entries(args: argparse.Namespace, comm: Any) -> tuple[list[Entry], int]
     gen = torch.Generator().manual_seed(0)
     grads = [torch.randn(p.shape, generator=gen) for p in template.parameters()]
 
-    def clone() -> torch.nn.Module:
+    def clone(device: str = "cpu", dtype: torch.dtype = torch.float32) -> torch.nn.Module:
         model = build_model(args.width, args.blocks, args.vocab)
         model.load_state_dict(template.state_dict())
+        model.to(device=device, dtype=dtype)
         for p, g in zip(model.parameters(), grads, strict=True):
-            p.grad = g.clone()
+            p.grad = g.to(device=device, dtype=dtype)
         return model
+
+    sync = torch.cuda.synchronize if args.device == "cuda" else None
 
     entries = []
     base = lt.Lion(clone().parameters(), lr=1e-4, weight_decay=0.1)
@@ -96,8 +113,18 @@ def make_entries(args: argparse.Namespace, comm: Any) -> tuple[list[Entry], int]
     for variant in args.variants:
         opt = lt.DistributedLion(clone().named_parameters(), comm, variant=variant, lr=1e-4,
                                  weight_decay=0.1)
-        entries.append(Entry(f"{variant} (torch front end)", opt.step,
-                             functools.partial(getattr, opt, "last_stats")))
+        front = f"{variant} (torch front end)"
+        entries.append(Entry(front, opt.step, functools.partial(getattr, opt, "last_stats")))
+        if args.torch_engine:
+            dtype = getattr(torch, args.dtype)
+            eng = lt.DistributedLion(clone(args.device, dtype).named_parameters(), comm,
+                                     variant=variant, lr=1e-4, weight_decay=0.1,
+                                     backend="torch")
+            tag = "" if (args.device, args.dtype) == ("cpu", "float32") \
+                else f" {args.device} {args.dtype}"
+            entries.append(Entry(f"{variant} (torch engine{tag})", eng.step,
+                                 functools.partial(getattr, eng, "last_stats"),
+                                 engine_of=front, sync=sync))
         if args.numpy_core:
             model = clone()
             arrays = [p.detach().numpy() for p in model.parameters()]
@@ -124,6 +151,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "kernels of a rank; 0 = torch's own choice)")
     p.add_argument("--numpy-core", action="store_true",
                    help="also time lioncub.DistributedLion on numpy arrays directly")
+    p.add_argument("--torch-engine", action="store_true",
+                   help="also time the torch engine (backend='torch') on the same tensors")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="device of the torch engine rows (default: %(default)s)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                   help="parameter dtype of the torch engine rows (default: %(default)s)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results here")
     args = p.parse_args(argv)
     args.variants = (list(lioncub.VARIANTS) if args.variants == "all"
@@ -154,8 +187,8 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{torch.__version__}, {torch.get_num_threads()} torch threads; numpy kernels "
           f"single-threaded; {platform.machine()}, {os.cpu_count()} cpus")
     print(f"# command: {command}")
-    header = (f"{'optimizer':<34}{'median ms':>11}{'min ms':>9}{'ratio':>8}"
-              f"{'in coll. ms':>13}{'ratio w/o coll.':>17}")
+    header = (f"{'optimizer':<40}{'median ms':>11}{'min ms':>9}{'ratio':>8}"
+              f"{'in coll. ms':>13}{'ratio w/o coll.':>17}{'host<->dev B':>14}")
     print(header)
     rows: list[dict[str, Any]] = []
     for e in entries:
@@ -165,19 +198,31 @@ def main(argv: Sequence[str] | None = None) -> int:
             t - c for t, c in zip(e.times, e.comm, strict=True)) / base
         rows.append({"optimizer": e.name, "median_ms": med * 1e3, "min_ms": min(e.times) * 1e3,
                      "ratio": med / base, "collective_ms": None if coll is None else coll * 1e3,
-                     "ratio_without_collective": own})
+                     "ratio_without_collective": own, "engine_of": e.engine_of,
+                     "host_device_bytes": e.host_device_bytes})
         coll_txt = "-" if coll is None else f"{coll * 1e3:.1f}"
         own_txt = "-" if own is None else f"{own:.2f}"
-        print(f"{e.name:<34}{med * 1e3:>11.1f}{min(e.times) * 1e3:>9.1f}{med / base:>8.2f}"
-              f"{coll_txt:>13}{own_txt:>17}")
-    worst = max(float(r["ratio"]) for r in rows[1:]) if len(rows) > 1 else 0.0
+        hd_txt = "-" if e.engine_of is None else str(e.host_device_bytes)
+        print(f"{e.name:<40}{med * 1e3:>11.1f}{min(e.times) * 1e3:>9.1f}{med / base:>8.2f}"
+              f"{coll_txt:>13}{own_txt:>17}{hd_txt:>14}")
+    numpy_rows = [r for r in rows[1:] if r["engine_of"] is None]
+    worst = max(float(r["ratio"]) for r in numpy_rows) if numpy_rows else 0.0
     verdict = "met" if worst <= TARGET_RATIO else "NOT met"
     print(f"# target: Lion Cub step <= {TARGET_RATIO:g}x the torch Lion step: {verdict} "
           f"(worst ratio {worst:.2f})")
+    medians = {r["optimizer"]: float(r["median_ms"]) for r in rows}
+    engine_ratios = {r["optimizer"]: float(r["median_ms"]) / medians[r["engine_of"]]
+                     for r in rows if r["engine_of"] is not None}
+    if engine_ratios:
+        worst_engine = max(engine_ratios.values())
+        verdict = "met" if worst_engine <= TARGET_RATIO else "NOT met"
+        print(f"# target: torch engine step <= {TARGET_RATIO:g}x the numpy engine's: {verdict} "
+              "(" + ", ".join(f"{k}: {v:.2f}" for k, v in engine_ratios.items()) + ")")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"command": command, "n_params": n_params, "steps": args.steps,
                        "torch_threads": torch.get_num_threads(), "rows": rows,
+                       "torch_engine_ratios": engine_ratios,
                        "target_ratio": TARGET_RATIO, "worst_ratio": worst}, fh, indent=2)
     return 0
 

@@ -26,6 +26,10 @@ __all__ = ["nbytes", "padded", "compress", "expand", "pack", "unpack", "pack_wid
            "unpack_wide"]
 
 _EVEN8 = 0x00FF00FF00FF00FF
+_GATHER = 0x0102040810204080  # lane k's bit 0 times this lands on bit 56 + k
+_SPREAD = 0x0101010101010101  # a byte times this is that byte in every lane
+_SELECT = -0x7FBFDFEFF7FBFDFF  # 0x8040201008040201 as int64: bit k of lane k
+_ROUND = 0x7F7F7F7F7F7F7F7F
 _EVEN16 = 0x0000FFFF0000FFFF
 _LOW32 = 0xFFFFFFFF
 
@@ -98,10 +102,14 @@ def pack(fields: torch.Tensor, count: int, width: int, out: torch.Tensor,
     field per byte, zeros after ``count``; it is overwritten (used as the words). ``tmp``:
     int64 scratch of ``padded(count) // 8`` elements."""
     words = fields.view(torch.int64)
-    compress(words, width, tmp)
     groups = words.numel()
     if groups == 0:
         return
+    if width == 1:  # one multiplication gathers the 8 lanes' bits into bits 56..63
+        words.mul_(_GATHER).bitwise_right_shift_(56).bitwise_and_(0xFF)
+        out.copy_(words)
+        return
+    compress(words, width, tmp)
     streams = words.view(torch.uint8).view(groups, 8)[:, :width]
     n = nbytes(count, width)
     whole = min(groups, n // width)  # groups whose bytes all belong to the stream
@@ -119,16 +127,21 @@ def unpack(stream: torch.Tensor, count: int, width: int, fields: torch.Tensor,
     groups = fields.numel() // 8
     if groups == 0:
         return
+    words = fields.view(torch.int64)
+    if width == 1:  # byte k of the stream to every lane, lane j keeps bit j, made 0 / 1
+        words.copy_(stream[:groups])
+        words.mul_(_SPREAD).bitwise_and_(_SELECT).add_(_ROUND)
+        words.bitwise_right_shift_(7).bitwise_and_(_SPREAD)
+        return
     lanes = fields.view(groups, 8)
     n = nbytes(count, width)
     whole = min(groups, n // width)
-    lanes[:, width:].zero_()
+    fields.zero_()
     lanes[:whole, :width].copy_(stream[:whole * width].view(whole, width))
     if whole < groups:
-        lanes[whole:].zero_()
         rest = stream[whole * width:n]
         lanes[whole].reshape(-1)[:rest.numel()].copy_(rest)
-    expand(fields.view(torch.int64), width, tmp)
+    expand(words, width, tmp)
 
 
 def pack_wide(values: torch.Tensor, width: int, out: torch.Tensor) -> None:
