@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
+import functools
 import math
 import threading
 import time
@@ -46,7 +47,8 @@ from .algorithms.allreduce_ring import (
 from .algorithms.alltoall_direct import alltoall_direct
 from .algorithms.barrier_dissemination import barrier_dissemination
 from .algorithms.broadcast_tree import broadcast_tree
-from .algorithms.context import OpContext
+from .algorithms.context import OpContext, Slot
+from .algorithms.hierarchical import allreduce_hierarchical
 from .arrays import BFLOAT16, HostArray, bf16_tensor, to_numpy, type_name
 from .config import DEFAULT_TIMEOUT, MAX_SUM_RANGE
 from .errors import BitcollError, CommError, PeerLostError, ProtocolError, UsageError
@@ -81,13 +83,13 @@ SMALL_MESSAGE_BYTES = 64 << 10
 PACKED_ALLGATHER_MAX_EXCESS = 128 << 10
 
 _ALGORITHMS: dict[str, tuple[str, ...]] = {
-    "allreduce": ("auto", "ring", "recursive_doubling", "native"),
+    "allreduce": ("auto", "ring", "recursive_doubling", "hierarchical", "native"),
     "reduce_scatter": ("auto", "ring", "native"),
     "allgather": ("auto", "ring", "native"),
     "broadcast": ("auto", "tree", "native"),
     "alltoall": ("auto", "direct", "native"),
     "barrier": ("auto", "dissemination", "native"),
-    "packed": ("auto", "direct", "ring", "allgather"),
+    "packed": ("auto", "direct", "ring", "allgather", "hierarchical"),
 }
 #: The MPI transport's method behind algorithm="native" of each collective.
 _NATIVE = {"allreduce": "native_allreduce", "reduce_scatter": "native_reduce_scatter",
@@ -174,10 +176,11 @@ def output(out: object, size: int, dtype: np.dtype[Any], shape: tuple[int, ...] 
 
 
 def _widened(ctx: OpContext, bits: Array) -> Array:
-    """bfloat16 bits widened to float32 (exact) in the communicator's work buffer 7."""
+    """bfloat16 bits widened to float32 (exact) in the work buffer ``Slot.BF16_WIDE``."""
     from . import kernels
 
-    return kernels.bf16_to_float32(bits, out=ctx.scratch(7, bits.size, np.dtype(np.float32)))
+    return kernels.bf16_to_float32(bits, out=ctx.scratch(Slot.BF16_WIDE, bits.size,
+                                                        np.dtype(np.float32)))
 
 
 def _narrow(src: Array, dst: Array) -> None:
@@ -208,11 +211,21 @@ class Communicator:
     size of the dense ring algorithms) and ``packed_segment_bytes`` (wire segment size of the
     packed-bit pipelines). Every rank must use the same segment sizes (frames of different
     lengths fail the collective with ProtocolError).
+
+    ``topology``: which ranks share a host (:class:`~bitcoll.topology.Topology` of this rank,
+    the same ``hosts`` on every rank) when the caller knows it; default None: exchanged on
+    first use of :attr:`topology`. UsageError unless it has ``size`` entries and this rank.
     """
 
     def __init__(self, transport: Transport, timeout: float = DEFAULT_TIMEOUT,
                  segment_bytes: int = DEFAULT_SEGMENT_BYTES,
-                 packed_segment_bytes: int = DEFAULT_PACKED_SEGMENT_BYTES) -> None:
+                 packed_segment_bytes: int = DEFAULT_PACKED_SEGMENT_BYTES,
+                 topology: Topology | None = None) -> None:
+        if topology is not None and (len(topology.hosts) != transport.size or
+                                     topology.rank != transport.rank):
+            raise UsageError(f"topology covers {len(topology.hosts)} ranks as rank "
+                             f"{topology.rank}; this communicator is rank {transport.rank} of "
+                             f"{transport.size}")
         self._transport = transport
         self.timeout = _check_timeout(timeout)
         self.segment_bytes = segment_bytes
@@ -228,8 +241,9 @@ class Communicator:
         self._call_owner = ""
         self._splits = 0  # split() calls so far: names the sub-groups' namespaces
         self._agreed_failure: CommError | None = None  # see _AGREED
-        self._topology: Topology | None = None
+        self._topology: Topology | None = topology
         self._host_comms: dict[str, Communicator] = {}  # host_comm() / cross_host_comm()
+        self._no_local_stats: TrafficStats | None = None  # stats_local without shared memory
 
     # ------------------------------------------------------------------ properties
     @property
@@ -249,8 +263,28 @@ class Communicator:
 
     @property
     def stats(self) -> TrafficStats:
-        """Bytes and messages sent and received by this rank since init (or ``reset()``)."""
+        """Bytes and messages sent and received by this rank since init (or ``reset()``):
+        :attr:`stats_local` plus :attr:`stats_remote`."""
         return self._transport.stats
+
+    @property
+    def stats_local(self) -> TrafficStats:
+        """The part of :attr:`stats` that stayed within the host: frames through shared memory
+        (TCP backend with several ranks on a host); counters that stay zero otherwise.
+        ``stats.reset()`` resets it too."""
+        local = getattr(self._transport, "stats_local", None)
+        if isinstance(local, TrafficStats):
+            return local
+        if self._no_local_stats is None:
+            self._no_local_stats = TrafficStats()
+        return self._no_local_stats
+
+    @property
+    def stats_remote(self) -> TrafficStats:
+        """The part of :attr:`stats` that went through the network transport (TCP sockets or
+        MPI): between hosts, and between ranks of one host that do not share memory."""
+        remote = getattr(self._transport, "stats_remote", None)
+        return remote if isinstance(remote, TrafficStats) else self._transport.stats
 
     # ------------------------------------------------------------------ topology
     @property
@@ -373,6 +407,17 @@ class Communicator:
         if last is not None:
             cf.wait([last])
 
+    def _two_level(self) -> bool:
+        """Whether the two-level algorithms are the default: the topology is known, the ranks
+        run on several hosts and some host runs several of them."""
+        topo = self._topology
+        return topo is not None and 1 < topo.num_hosts < self.size
+
+    def _hosts(self) -> tuple[int, ...]:
+        """Every rank's host index, for ``algorithm="hierarchical"`` (on a communicator
+        built without a topology, the first call exchanges the host keys: collective)."""
+        return self.topology.hosts
+
     def _algorithm(self, collective: str, algorithm: str | None, auto: str) -> str:
         choices = _ALGORITHMS[collective]
         name = "auto" if algorithm is None else algorithm
@@ -475,7 +520,13 @@ class Communicator:
         ``x``: any supported dtype and shape (read flattened). ``op``: "sum", "avg" (floating
         dtypes only), "max", "min". Returns ``out`` (same dtype and shape as ``x``; ``out=x``
         reduces in place), or a Work with ``async_op=True``. ``algorithm``: "auto" (recursive
-        doubling up to 64 KiB, ring above), "ring", "recursive_doubling", "native" (MPI's own,
+        doubling up to 64 KiB, above it "hierarchical" when the ranks run on several hosts and
+        some host runs several, else ring), "ring", "recursive_doubling", "hierarchical"
+        (reduce-scatter inside each host, a ring per local rank between hosts, all-gather
+        inside each host: :mod:`bitcoll.algorithms.hierarchical`; every rank gets the same
+        bits, which differ from the ring's only by the order of the additions; avg divides
+        the sum by ``size`` on every rank; bfloat16 moves as float32 and is rounded once at
+        the end), "native" (MPI's own,
         MPI backend only; not float16: UsageError; MPI's collectives carry no bitcoll frame
         headers, so a mismatch across ranks is caught only where MPI itself checks).
         bfloat16 (torch tensors) is reduced in float32 and rounded once to bfloat16 (to
@@ -491,8 +542,10 @@ class Communicator:
             if not v.bf16:
                 check_dtype(vec.dtype, rop)
             res, flat = output(out, vec.size, vec.dtype, v.shape, bf16=v.bf16)
-            auto = "recursive_doubling" if vec.nbytes <= SMALL_MESSAGE_BYTES else "ring"
+            auto = "recursive_doubling" if vec.nbytes <= SMALL_MESSAGE_BYTES else \
+                "hierarchical" if self._two_level() else "ring"
             algo = self._algorithm("allreduce", algorithm, auto)
+            hosts = self._hosts() if algo == "hierarchical" else ()
             if algo == "native" and vec.dtype == np.float16:
                 raise UsageError("algorithm='native' cannot reduce float16 (MPI has no float16 "
                                  "reduction); leave algorithm at its default")
@@ -505,7 +558,9 @@ class Communicator:
                 if algo == "ring":
                     allreduce_ring_narrowed(ctx, wide, rop, flat, _narrow)
                     return res
-                if algo == "native":
+                if algo == "hierarchical":
+                    allreduce_hierarchical(ctx, wide, rop, hosts)
+                elif algo == "native":
                     self._native_allreduce(ctx, wide, rop)
                 else:
                     allreduce_recursive_doubling(ctx, wide, rop)
@@ -514,6 +569,9 @@ class Communicator:
             if algo == "ring":
                 # Out of place, the ring reads x directly: no copy of the input.
                 allreduce_ring(ctx, flat, rop, src=None if inplace else vec)
+                return res
+            if algo == "hierarchical":
+                allreduce_hierarchical(ctx, flat, rop, hosts, src=None if inplace else vec)
                 return res
             if not inplace:
                 np.copyto(flat, vec)
@@ -577,7 +635,7 @@ class Communicator:
                 _narrow(src[start:stop], flat)
                 return res
             # The input is read where it is; partial sums go to a reused work buffer.
-            work = ctx.scratch(2, vec.size, vec.dtype)
+            work = ctx.scratch(Slot.RS_PARTIAL, vec.size, vec.dtype)
             reduce_scatter_ring(ctx, work, rop, src=vec)
             np.copyto(flat, work[start:stop])
             return res
@@ -728,11 +786,10 @@ class Communicator:
             if self.size > 1 and self._transport.failure is None:
                 self._transport.abort(f"split failed on rank {self.rank}: {exc}")
             raise
-        sub = Communicator(transport, timeout=self.timeout, segment_bytes=self.segment_bytes,
-                           packed_segment_bytes=self.packed_segment_bytes)
-        if self._topology is not None:
-            sub._topology = self._topology.subset(members, members.index(self.rank))
-        return sub
+        topo = None if self._topology is None else \
+            self._topology.subset(members, members.index(self.rank))
+        return Communicator(transport, timeout=self.timeout, segment_bytes=self.segment_bytes,
+                            packed_segment_bytes=self.packed_segment_bytes, topology=topo)
 
     # ------------------------------------------------------------------ packed-bit collectives
     def _packed(self, name: str, x: Any, codec_args: tuple[str, str, int], out: Any,
@@ -783,8 +840,9 @@ class Communicator:
 
         w_in = field_width(levels) if kind == "sum" else 1
         w_out = field_width(levels * self.size) if kind == "sum" else 1
-        algo = self._algorithm("packed", algorithm,
-                               packed_auto_algorithm(count, self.size, w_in, w_out))
+        auto = "hierarchical" if self._two_level() else \
+            packed_auto_algorithm(count, self.size, w_in, w_out)
+        algo = self._algorithm("packed", algorithm, auto)
         tie_call = 0
         if kind == "majority":
             with self._lock:
@@ -800,12 +858,17 @@ class Communicator:
         """Run a validated packed collective: ``check()`` (the input's range, a UsageError
         on this rank), then the algorithm, which reads ``vec`` and writes ``flat`` through
         ``codec`` (values or packed streams alike)."""
+        from .algorithms.hierarchical import packed_hierarchical
         from .algorithms.sign_allreduce_allgather import packed_allgather
         from .algorithms.sign_allreduce_direct import packed_direct
         from .algorithms.sign_allreduce_ring import packed_ring
 
-        run_algo = {"direct": packed_direct, "ring": packed_ring,
-                    "allgather": packed_allgather}[algo]
+        run_algo: Callable[..., None]
+        if algo == "hierarchical":
+            run_algo = functools.partial(packed_hierarchical, hosts=self._hosts())
+        else:
+            run_algo = {"direct": packed_direct, "ring": packed_ring,
+                        "allgather": packed_allgather}[algo]
 
         def body(ctx: OpContext) -> Any:
             check()
@@ -880,13 +943,20 @@ class Communicator:
           int32 by default (``out`` may be int8/16/32/64 if it holds ``+-size``).
 
         NaN in ``x`` raises UsageError (found while packing; the peers get PeerLostError).
-        ``algorithm``: "auto" (default: "allgather" for small vectors, where one round of
+        ``algorithm``: "auto" (default: "hierarchical" when the ranks run on several hosts and
+        some host runs several, else "allgather" for small vectors, where one round of
         messages beats two, "direct" above; see :func:`packed_auto_algorithm`), "direct"
         (bandwidth-optimal direct-exchange reduce-scatter of packed bits, aggregation at each
         block's owner, all-gather of the packed result, pipelined in segments), "ring"
         (partial counts forwarded round a ring), "allgather" (every rank gathers every rank's
-        bits and votes locally; the Distributed Lion baseline). Bytes sent per rank by
-        "direct" for majority: about ``2 (p - 1) / p * n / 8`` plus headers.
+        bits and votes locally; the Distributed Lion baseline), "hierarchical" (two levels:
+        the votes are counted inside each host through shared memory, the local ranks of all
+        hosts exchange their slice's counts at ``ceil(log2(g + 1))`` bits (``g``: ranks on
+        the host; sums: ``ceil(log2(2 g L + 1))``) by direct exchange and all-gather the
+        result, which each host then all-gathers inside: the exact majority or sum over all
+        ranks, bit for bit the result of "direct"; see
+        :mod:`bitcoll.algorithms.hierarchical`). Bytes sent per rank by "direct" for
+        majority: about ``2 (p - 1) / p * n / 8`` plus headers.
 
         Example, 3 ranks with ``x = [1., -2.]``, ``[-1., -1.]``, ``[3., 0.]``: majority gives
         ``[1, -1]`` and sum gives ``[1, -2]`` on every rank.

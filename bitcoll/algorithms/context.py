@@ -8,6 +8,8 @@ call ``isend``, ``irecv`` and ``wait`` here: they never see sockets or MPI.
 
 from __future__ import annotations
 
+import enum
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -15,12 +17,42 @@ import numpy.typing as npt
 
 from ..transport.base import Consumer, FrameHeader, Request, Transport
 
-__all__ = ["OpContext", "as_bytes"]
+__all__ = ["GroupContext", "OpContext", "Slot", "as_bytes"]
 
 
 def as_bytes(arr: npt.NDArray[Any]) -> memoryview:
     """A byte view of a 1-D C-contiguous array (no copy)."""
     return arr.reshape(-1).view(np.uint8).data
+
+
+class Slot(enum.IntEnum):
+    """The communicator's reusable work buffers, one owner each (:meth:`OpContext.scratch`).
+
+    A slot is leased to exactly one algorithm (module) below; an algorithm that runs inside
+    another one (the two-level collectives call the ring passes) uses other slots than its
+    caller, so no two algorithms alive at once in one call can write the same buffer."""
+
+    RING_LAND_0 = 0
+    """:mod:`~bitcoll.algorithms.ring`: landing buffer of even steps of a reducing pass."""
+    RING_LAND_1 = 1
+    """:mod:`~bitcoll.algorithms.ring`: landing buffer of odd steps of a reducing pass."""
+    RS_PARTIAL = 2
+    """The communicator's dense reduce-scatter: partial sums of the whole vector."""
+    PACKED_CONTRIB = 3
+    """:mod:`~bitcoll.algorithms.sign_allreduce_direct`: packed contributions, all blocks."""
+    PACKED_RESULT = 4
+    """:mod:`~bitcoll.algorithms.sign_allreduce_direct`: packed results, all blocks."""
+    PACKED_ROWS_0 = 5
+    """:mod:`~bitcoll.algorithms.sign_allreduce_direct`: rows of even segments."""
+    PACKED_ROWS_1 = 6
+    """:mod:`~bitcoll.algorithms.sign_allreduce_direct`: rows of odd segments."""
+    BF16_WIDE = 7
+    """The communicator: the float32 copy of a bfloat16 vector."""
+    HIER_WORK = 8
+    """:mod:`~bitcoll.algorithms.hierarchical` (dense): a segment's host reduction."""
+    HIER_LAND = 9
+    """:mod:`~bitcoll.algorithms.hierarchical` (dense): the other local ranks' rows of a
+    segment."""
 
 
 class OpContext:
@@ -82,14 +114,15 @@ class OpContext:
         for req in requests:
             req.wait(self.deadline)
 
-    def scratch(self, slot: int, count: int, dtype: np.dtype[Any]) -> npt.NDArray[Any]:
-        """A reusable work buffer of ``count`` elements of ``dtype`` (slot ``slot``).
+    def scratch(self, slot: Slot, count: int, dtype: np.dtype[Any]) -> npt.NDArray[Any]:
+        """A reusable work buffer of ``count`` elements of ``dtype`` in ``slot``.
 
         Buffers live as long as the communicator, so large collectives do not fault in fresh
-        pages on every call; a slot's contents are undefined on entry. Slots in use: 0-1 the
-        ring's landing buffers, 2 the reduce-scatter's partial sums, 3-6 the packed direct
-        pipeline (contributions, results, two segments' rows), 7 the widened (float32) copy
-        of a bfloat16 vector."""
+        pages on every call; a slot's contents are undefined on entry. Each :class:`Slot` has
+        one owner (see there); TypeError for anything but a :class:`Slot` (a bare number
+        would bypass that ownership)."""
+        if not isinstance(slot, Slot):
+            raise TypeError(f"scratch slots are Slot members, got {slot!r}")
         nbytes = count * dtype.itemsize
         buf = self._scratch.get(slot)
         if buf is None or buf.size < nbytes:
@@ -104,3 +137,37 @@ class OpContext:
         if stop - start <= per:
             return [(start, stop)]
         return [(s, min(s + per, stop)) for s in range(start, stop, per)]
+
+
+class GroupContext(OpContext):
+    """A sub-group of one collective call: ranks ``members`` of the parent context (this rank
+    among them) renumbered ``0 .. len(members) - 1``, so that the algorithms written for a
+    whole world (a ring pass) run among them unchanged.
+
+    Frames go through the parent: they carry the parent call's sequence number and signature,
+    and the step numbering per real peer stays the parent's, so several groups of one call
+    (and the parent itself) can exchange frames with the same peer in a fixed order. The
+    deadline, segment size and work buffers are the parent's."""
+
+    def __init__(self, parent: OpContext, members: Sequence[int]) -> None:
+        if parent.rank not in members:
+            raise ValueError(f"rank {parent.rank} is not among the group {list(members)}")
+        self.parent = parent
+        self.members = [int(m) for m in members]
+        self.transport = parent.transport
+        self.rank = self.members.index(parent.rank)
+        self.size = len(self.members)
+        self.seq = parent.seq
+        self.signature = parent.signature
+        self.deadline = parent.deadline
+        self.segment_bytes = parent.segment_bytes
+        self._scratch = parent._scratch
+
+    def isend(self, peer: int, arr: npt.NDArray[Any]) -> Request:
+        return self.parent.isend(self.members[peer], arr)
+
+    def irecv(self, peer: int, arr: npt.NDArray[Any]) -> Request:
+        return self.parent.irecv(self.members[peer], arr)
+
+    def irecv_consume(self, peer: int, nbytes: int, consume: Consumer) -> Request:
+        return self.parent.irecv_consume(self.members[peer], nbytes, consume)

@@ -37,7 +37,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ..transport.base import Consumer, Request
-from .context import OpContext
+from .context import OpContext, Slot
 
 __all__ = ["ring_pass"]
 
@@ -72,7 +72,8 @@ def ring_pass(ctx: OpContext, work: npt.NDArray[Any],
     on_arrival = reduce is not None and ctx.consumes_on_receive
     if reduce is not None and not on_arrival:
         longest = max(int(bounds[i + 1] - bounds[i]) for i in range(p))
-        scratch = [ctx.scratch(i, longest, work.dtype) for i in range(2)]
+        scratch = [ctx.scratch(slot, longest, work.dtype)
+                   for slot in (Slot.RING_LAND_0, Slot.RING_LAND_1)]
 
     def consumer(a: int) -> Consumer:
         """Fold received bytes ``[offset, offset + len(chunk))`` of the segment at ``a``."""

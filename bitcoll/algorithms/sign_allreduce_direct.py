@@ -33,7 +33,7 @@ import numpy.typing as npt
 
 from ..partition import block_bounds
 from ..transport.base import Request
-from .context import OpContext
+from .context import OpContext, Slot
 from .votes import VoteCodec
 
 __all__ = ["packed_direct", "segment_elements"]
@@ -80,11 +80,13 @@ def packed_direct(ctx: OpContext, codec: VoteCodec, x: Array, out: Array,
 
     # Work buffers are the communicator's (reused across calls: no page faults per call).
     inlens = [-(-m * w_in // 8) for m in lens]
-    contrib = _split(ctx.scratch(3, sum(inlens), np.dtype(np.uint8)), inlens)
+    contrib = _split(ctx.scratch(Slot.PACKED_CONTRIB, sum(inlens), np.dtype(np.uint8)),
+                     inlens)
     outlens = [-(-lens[j] * w_out // 8) if gather or j == r else 0 for j in range(p)]
     result: list[Array | None] = [
         buf if gather or j == r else None
-        for j, buf in enumerate(_split(ctx.scratch(4, sum(outlens), np.dtype(np.uint8)),
+        for j, buf in enumerate(_split(ctx.scratch(Slot.PACKED_RESULT, sum(outlens),
+                                                   np.dtype(np.uint8)),
                                        outlens))]
     peers = [(r + i) % p for i in range(1, p)]
     sends: list[Request] = []
@@ -94,7 +96,8 @@ def packed_direct(ctx: OpContext, codec: VoteCodec, x: Array, out: Array,
     def phase1(k: int) -> None:
         lo, hi = local(r, k)
         b0, b1 = _bytes(lo, hi, w_in)
-        mine = ctx.scratch(5 + k % 2, p * (b1 - b0), np.dtype(np.uint8)).reshape(p, b1 - b0)
+        rows_slot = (Slot.PACKED_ROWS_0, Slot.PACKED_ROWS_1)[k % 2]
+        mine = ctx.scratch(rows_slot, p * (b1 - b0), np.dtype(np.uint8)).reshape(p, b1 - b0)
         rows[k] = (mine, [ctx.irecv(j, mine[j]) for j in peers])
         for j in peers:
             jlo, jhi = local(j, k)
