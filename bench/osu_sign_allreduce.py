@@ -26,7 +26,8 @@ each size in the same run:
   could gain over the float32 all-reduce on this machine (its Wire is 0),
 
 for every ``<algo>`` of ``--algorithm`` (``default`` is the library's choice, or ``direct``,
-``ring``, ``allgather``). Columns: latency averaged over ranks (with ``-f``, OSU's full
+``ring``, ``allgather``, ``hierarchical``: the two-level algorithm for hosts with several
+ranks, the default there). Columns: latency averaged over ranks (with ``-f``, OSU's full
 statistics, also its minimum and maximum over ranks and the iteration count),
 ``EffBW = 4 n / Avg`` (GB/s = 1e9 B/s), ``Wire(B/rank)``: bytes each rank handed to the
 transport per call (headers included, from ``comm.stats``; averaged over ranks), ``CPU(us)``:
@@ -64,7 +65,7 @@ from bitcoll import kernels
 
 OPS = ("majority", "sum", "quantized")
 FLOOR = "floor"
-ALGORITHMS = ("default", "direct", "ring", "allgather")
+ALGORITHMS = ("default", "direct", "ring", "allgather", "hierarchical")
 TIES = ("positive", "negative", "alternate")
 CHECK_CHUNK = 1 << 22
 

@@ -53,6 +53,9 @@ class Slot(enum.IntEnum):
     HIER_LAND = 9
     """:mod:`~bitcoll.algorithms.hierarchical` (dense): the other local ranks' rows of a
     segment."""
+    HIER_COUNTS = 10
+    """:mod:`~bitcoll.algorithms.hierarchical` (packed): the host's counts of two segments of
+    this rank's slices."""
 
 
 class OpContext:

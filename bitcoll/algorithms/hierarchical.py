@@ -127,6 +127,26 @@ def _same_host_peers(plan: HostPlan, rank: int) -> list[int]:
     return [q for q in plan.members[plan.hosts[rank]] if q != rank]
 
 
+def _decide(total: Array, p: int, codec: VoteCodec, first: int, out: Array) -> None:
+    """The packed majority bits of ``total`` (int32 counts of +1 votes out of ``p``) into
+    ``out``; a tie (``2c == p``) follows the codec's tie rule at global index ``first + i``,
+    exactly as :func:`bitcoll.kernels.majority` decides it."""
+    m = total.size
+    above = total >= p // 2 + 1  # 2c > p
+    if p % 2 or codec.tie == kernels.TIE_NEGATIVE:
+        np.copyto(out, np.packbits(above, bitorder="little"))
+        return
+    if codec.tie == kernels.TIE_POSITIVE:
+        np.copyto(out, np.packbits(total >= p // 2, bitorder="little"))
+        return
+    # Alternate: two rows (2c >= p, 2c > p) are both ones above half, both zeros below and
+    # one of each on a tie, which the kernel breaks by the rule at index first + i.
+    two = np.empty((2, -(-m // 8)), np.uint8)
+    two[0] = np.packbits(total >= p // 2, bitorder="little")
+    two[1] = np.packbits(above, bitorder="little")
+    kernels.majority(two, m, codec.tie, first + codec.tie_call, out=out)
+
+
 def packed_hierarchical(ctx: OpContext, codec: VoteCodec, x: Array, out: Array,
                         gather: bool, n: int | None = None, *,
                         hosts: Sequence[int]) -> None:
@@ -149,7 +169,11 @@ def packed_hierarchical(ctx: OpContext, codec: VoteCodec, x: Array, out: Array,
     cw = [count_width(codec.kind, len(members[t]), codec.levels) for t in range(H)]
     wc, bc = cw[me]
     seg = segment_elements(ctx.segment_bytes, max(w_in, w_out, max(w for w, _ in cw)))
-    nseg = max(1, -(-max(sb[s + 1] - sb[s] for s in range(G)) // seg))
+    longest = max(sb[s + 1] - sb[s] for s in range(G))
+    nseg = max(1, -(-longest // seg))
+    # The counts of this rank's slices, for two segments in flight (reused across calls).
+    counts_buf = ctx.scratch(Slot.HIER_COUNTS, 2 * len(mine) * min(seg, longest),
+                             np.dtype(np.int32)).reshape(2, len(mine), min(seg, longest))
     bounds = block_bounds(n, p)
     out_base = 0 if gather else int(bounds[r])
 
@@ -191,9 +215,13 @@ def packed_hierarchical(ctx: OpContext, codec: VoteCodec, x: Array, out: Array,
             buf, reqs = rows.pop((k, s))
             ctx.wait(*reqs)
             a, b = span(s, k)
-            acc = np.zeros(b - a, np.int32)
-            for row in buf:
-                kernels.add_fields(row, b - a, w_in, b_in, acc)
+            acc = counts_buf[k % 2, mine.index(s), :b - a]
+            if codec.kind == "majority":
+                kernels.count_votes(buf, b - a, out=acc)
+            else:
+                acc[:] = 0
+                for row in buf:
+                    kernels.add_fields(row, b - a, w_in, b_in, acc)
             sub = _aligned_bounds(a, b, H)
             x0, x1 = sub[me], sub[me + 1]
             posted = []
@@ -224,14 +252,8 @@ def packed_hierarchical(ctx: OpContext, codec: VoteCodec, x: Array, out: Array,
                       for t in range(H)]
             reqs = [ctx.irecv(plan.owner(t, s), pieces[t]) for t in range(H) if t != me]
             own = pieces[me]
-            m = sub[me + 1] - sub[me]
             if codec.kind == "majority":
-                # Two rows (2c >= p, 2c > p): both ones above half, both zeros below, one of
-                # each on a tie, which the kernel then breaks by the tie rule at index i.
-                two = np.empty((2, nbytes(m, 1)), np.uint8)
-                two[0] = np.packbits(2 * total >= p, bitorder="little")
-                two[1] = np.packbits(2 * total > p, bitorder="little")
-                kernels.majority(two, m, codec.tie, sub[me] + codec.tie_call, out=own)
+                _decide(total, p, codec, sub[me], own)
             else:
                 kernels.pack_fields(total, w_out, codec.bias_out, out=own)
             sends.extend(ctx.isend(plan.owner(t, s), own) for t in range(H) if t != me)
