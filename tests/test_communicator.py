@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -149,14 +150,18 @@ def test_usage_error_on_one_rank_fails_the_others_fast() -> None:
 
 
 def test_deadline_raises_comm_timeout() -> None:
+    timed_out = threading.Event()
+
     def body(c: Communicator) -> str:
         if c.rank == 0:
             try:
                 c.allreduce(np.ones(4), timeout=0.3)
             except CommTimeoutError as exc:
                 return type(exc).__name__
+            finally:
+                timed_out.set()
             return "no error"
-        time.sleep(1.0)
+        assert timed_out.wait(10)  # rank 1 joins only after rank 0 gave up
         try:
             c.allreduce(np.ones(4), timeout=2)
         except PeerLostError:
@@ -167,13 +172,18 @@ def test_deadline_raises_comm_timeout() -> None:
 
 
 def test_work_wait_timeout_does_not_abort() -> None:
+    timed_out = threading.Event()
+
     def body(c: Communicator) -> float:
         if c.rank == 1:
-            time.sleep(0.5)
+            assert timed_out.wait(10)  # joins only after rank 0's wait timed out
         w = c.allreduce(np.ones(2), async_op=True)
         if c.rank == 0:
-            with pytest.raises(CommTimeoutError):
-                w.wait(timeout=0.01)
+            try:
+                with pytest.raises(CommTimeoutError):
+                    w.wait(timeout=0.01)
+            finally:
+                timed_out.set()
         return float(w.wait()[0])
 
     assert run_threads(2, body) == [2.0, 2.0]

@@ -3,6 +3,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from bitcoll.errors import ProtocolError
+from bitcoll.transport import base, wire
 from bitcoll.transport.base import HEADER_SIZE, MAGIC, FrameHeader, FrameKind, TrafficStats
 
 
@@ -57,3 +58,20 @@ def test_header_parser_takes_any_bytes(data: bytes) -> None:
         return
     assert h.magic == MAGIC and len(data) >= HEADER_SIZE
     assert h.mismatch(FrameHeader(h.seq, h.step, h.signature, h.length, h.kind), 1) is None
+
+
+def test_abort_frame_carries_its_reason_cut_to_the_limit() -> None:
+    raw = wire.abort_frame("disk full ✓")
+    h = FrameHeader.unpack(raw[:HEADER_SIZE])
+    assert (h.kind, h.seq, h.step, h.signature) == (FrameKind.ABORT, 0, 0, 0)
+    assert h.length == len(raw) - HEADER_SIZE
+    assert wire.decode_reason(raw[HEADER_SIZE:]) == "disk full ✓"
+    long = wire.abort_frame("x" * (wire.MAX_REASON_BYTES + 5))
+    assert FrameHeader.unpack(long[:HEADER_SIZE]).length == wire.MAX_REASON_BYTES
+    # A reason cut inside a multi-byte character still decodes.
+    assert wire.decode_reason("é".encode()[:1]) == "\ufffd"
+
+
+def test_base_reexports_the_wire_names() -> None:
+    assert base.FrameHeader is wire.FrameHeader and base.HEADER_SIZE == wire.HEADER_SIZE
+    assert base.MAGIC == wire.MAGIC and base.FrameKind is wire.FrameKind

@@ -3,11 +3,15 @@ single-process tests of set-up, the handshake wire format and clean closes."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import select
 import signal
 import socket
+import struct
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -15,15 +19,18 @@ import pytest
 from tcp_world import free_port, make_event, run_world
 
 from bitcoll.errors import CommError, CommTimeoutError, PeerLostError, ProtocolError, UsageError
-from bitcoll.transport import auth, handshake
+from bitcoll.transport import auth, handshake, netio
 from bitcoll.transport.base import HEADER_SIZE, MAGIC, PROTOCOL_VERSION, FrameHeader
 from bitcoll.transport.store import StoreClient, StoreServer
 from bitcoll.transport.tcp import (
     CONSUME_CHUNK_BYTES,
+    KEY_ABORT,
     KEY_ADDR,
     KEY_INTEGRITY,
     KEY_JOB,
     KEY_SIZE,
+    PeerState,
+    RxPhase,
     TCPTransport,
 )
 
@@ -122,7 +129,8 @@ def worker_patterns(t: TCPTransport) -> dict[str, Any]:
     problems += c.finish(deadline)
     # 4. one large frame each way between ring neighbours, sent before the receive is posted
     c.send(4, right, 5000, 8 * MiB)
-    time.sleep(0.05)
+    # The left neighbour's frame has started to arrive before the receive is posted.
+    assert select.select([t._peers[left].sock], [], [], 30.0)[0]
     c.recv(4, left, 5000, 8 * MiB)
     problems += c.finish(deadline)
     after = t.stats.snapshot()
@@ -223,8 +231,10 @@ def worker_kill(t: TCPTransport) -> tuple[str, str, float]:
         t.isend(0, pid.view(np.uint8).data, FrameHeader(seq=1, step=0, signature=SIG,
                                                         length=8)).wait(deadline)
         src = np.ones(big, dtype=np.uint8)
-        t.isend(0, _view(src), FrameHeader(seq=1, step=1, signature=SIG, length=big))
-        time.sleep(0.2)
+        req = t.isend(0, _view(src), FrameHeader(seq=1, step=1, signature=SIG, length=big))
+        # isend wrote what the empty socket buffer took: the frame is under way and, being
+        # far larger than the buffers, cannot be complete.
+        assert not req.done()
         os.kill(os.getpid(), signal.SIGKILL)
     t0 = time.monotonic()
     try:
@@ -476,7 +486,7 @@ def test_handshake_rejects_stale_peers_and_frames_follow_the_wire_format(
                                       "messages_sent": 1, "messages_received": 1}
         # A clean close between frames is not a failure by itself ...
         peer.close()
-        time.sleep(0.2)
+        _progress_until(t, lambda: t.peer_state(0) is PeerState.PEER_CLOSED)
         failure_before = t.failure
         assert failure_before is None
         # ... but the next call involving the peer is.
@@ -619,3 +629,232 @@ def test_failing_consumer_fails_every_rank() -> None:
                                                                 timeout=60))
     assert k1 == "CommError" and "consumer broke" in m1, (k1, m1)
     assert k0 == "PeerLostError" and "consumer broke" in m0, (k0, m0)
+
+
+# --------------------------------------------------------------------------------------------
+# State transitions of one connection (rank 1's transport, a raw socket playing rank 0)
+# --------------------------------------------------------------------------------------------
+
+
+def _progress_until(t: TCPTransport, cond: Any, seconds: float = 10.0) -> None:
+    """Call ``t.progress()`` until ``cond()`` holds (the bytes the test wrote have been read);
+    fail after ``seconds``. Polls a condition; sets up no interleaving."""
+    end = time.monotonic() + seconds
+    while not cond():
+        assert time.monotonic() < end, "the transport never got there"
+        t.progress()
+        select.select([], [], [], 0.001)
+
+
+@contextlib.contextmanager
+def _raw_pair(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[TCPTransport, socket.socket,
+                                                                  StoreClient]]:
+    """Rank 1's transport, the raw socket of rank 0's side of their connection, and the store
+    client (rank 0 leaves abort reasons there)."""
+    monkeypatch.setenv("BITCOLL_SECRET", SECRET)
+    port, job = free_port(), 4242
+    server, client, box, th = _start_rank1(port, 2, job)
+    peer: socket.socket | None = None
+    try:
+        published = client.get(_k(KEY_ADDR.format(1)), time.monotonic() + 5).decode()
+        peer = _hello_as_rank0(published, job)
+        th.join(10)
+        t = box["t"]
+        assert isinstance(t, TCPTransport) and t.peer_state(0) is PeerState.OPEN
+        try:
+            yield t, peer, client
+        finally:
+            t.close()
+    finally:
+        th.join(10)
+        if peer is not None:
+            peer.close()
+        client.close()
+        server.close()
+
+
+def _rx(t: TCPTransport) -> RxPhase:
+    return t._peers[0].rx_phase
+
+
+def _hdr(n: int, seq: int = 5) -> FrameHeader:
+    return FrameHeader(seq=seq, step=0, signature=SIG, length=n)
+
+
+def _reset(s: socket.socket) -> None:
+    """Close ``s`` with a TCP reset instead of a clean end of stream."""
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    s.close()
+
+
+def _read_abort(peer: socket.socket) -> str:
+    """The reason of the ABORT frame rank 1 sent rank 0."""
+    peer.settimeout(5)
+    h = FrameHeader.unpack(peer.recv(HEADER_SIZE, socket.MSG_WAITALL))
+    assert h.kind == 2
+    return peer.recv(h.length, socket.MSG_WAITALL).decode()
+
+
+@pytest.mark.timeout(30)
+def test_state_clean_close_with_a_receive_posted_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    with _raw_pair(monkeypatch) as (t, peer, _):
+        req = t.irecv(0, memoryview(bytearray(8)), _hdr(8))
+        peer.shutdown(socket.SHUT_WR)  # OPEN, HEADER, a receive posted: end of stream
+        with pytest.raises(PeerLostError, match="lost the connection to rank 0") as info:
+            req.wait(time.monotonic() + 10)
+        assert info.value.peer == 0 and info.value.rank == 1
+        assert t.peer_state(0) is PeerState.FAILED
+        # FAILED: rank 1 told rank 0 why before it shut its side down.
+        assert "lost the connection to rank 0" in _read_abort(peer)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("phase", ["header", "body"])
+def test_state_reset_in_each_phase_is_peer_lost(monkeypatch: pytest.MonkeyPatch,
+                                                phase: str) -> None:
+    with _raw_pair(monkeypatch) as (t, peer, _):
+        buf = bytearray(1000)
+        req = t.irecv(0, memoryview(buf), _hdr(1000))
+        if phase == "body":
+            peer.sendall(_hdr(1000).pack() + b"x" * 300)
+            _progress_until(t, lambda: _rx(t) is RxPhase.BODY)
+        else:
+            assert _rx(t) is RxPhase.HEADER
+        _reset(peer)
+        with pytest.raises(PeerLostError, match="rank 0"):
+            req.wait(time.monotonic() + 10)
+        assert t.peer_state(0) is PeerState.FAILED
+        with pytest.raises(PeerLostError):
+            t.isend(0, memoryview(b""), _hdr(0))
+
+
+@pytest.mark.timeout(30)
+def test_state_stall_mid_frame_times_out_and_resumes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A peer that stops in the middle of a frame: the wait times out, the connection stays
+    OPEN in BODY, and the frame completes once the rest arrives."""
+    with _raw_pair(monkeypatch) as (t, peer, _):
+        payload = bytes(range(256)) * 4
+        buf = bytearray(len(payload))
+        req = t.irecv(0, memoryview(buf), _hdr(len(payload)))
+        peer.sendall(_hdr(len(payload)).pack() + payload[:100])
+        _progress_until(t, lambda: _rx(t) is RxPhase.BODY)
+        with pytest.raises(CommTimeoutError, match="receive from rank 0"):
+            req.wait(time.monotonic() + 0.05)
+        assert t.failure is None and t.peer_state(0) is PeerState.OPEN
+        assert _rx(t) is RxPhase.BODY and not req.done()
+        peer.sendall(payload[100:])
+        req.wait(time.monotonic() + 10)
+        assert bytes(buf) == payload and _rx(t) is RxPhase.HEADER
+
+
+@pytest.mark.timeout(30)
+def test_state_held_header_completes_when_the_receive_is_posted(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A header that arrives before its receive is held (HELD), also for an empty frame."""
+    with _raw_pair(monkeypatch) as (t, peer, _):
+        peer.sendall(_hdr(0, seq=1).pack() + _hdr(3, seq=2).pack() + b"abc")
+        _progress_until(t, lambda: _rx(t) is RxPhase.HELD)
+        empty = t.irecv(0, memoryview(bytearray(0)), _hdr(0, seq=1))
+        buf = bytearray(3)
+        req = t.irecv(0, memoryview(buf), _hdr(3, seq=2))
+        empty.wait(time.monotonic() + 10)
+        req.wait(time.monotonic() + 10)
+        assert bytes(buf) == b"abc" and _rx(t) is RxPhase.HEADER
+        assert t.stats.snapshot()["messages_received"] == 2
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("phase", ["header", "held", "body"])
+def test_state_local_abort_in_each_phase(monkeypatch: pytest.MonkeyPatch, phase: str) -> None:
+    """abort() in every receive phase: the posted receive fails with the reason, the peer gets
+    an ABORT frame, the connection is FAILED, and what the peer still sends is read and
+    dropped (its large write completes)."""
+    with _raw_pair(monkeypatch) as (t, peer, _):
+        req = None
+        if phase == "held":
+            peer.sendall(_hdr(10).pack())
+            _progress_until(t, lambda: _rx(t) is RxPhase.HELD)
+        else:
+            req = t.irecv(0, memoryview(bytearray(10)), _hdr(10))
+            if phase == "body":
+                peer.sendall(_hdr(10).pack() + b"12345")
+                _progress_until(t, lambda: _rx(t) is RxPhase.BODY)
+        t.abort("stop here")
+        assert t.peer_state(0) is PeerState.FAILED
+        if req is not None:
+            with pytest.raises(CommError, match="rank 1 aborted: stop here"):
+                req.wait(time.monotonic() + 10)
+        assert _read_abort(peer) == "stop here"
+        peer.settimeout(20)
+        peer.sendall(b"\0" * (16 * MiB))  # completes only if rank 1 keeps reading
+        assert peer.recv(1) == b""  # rank 1 shut its side down after the notice
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("phase", ["header", "held"])
+def test_state_peer_abort_notice(monkeypatch: pytest.MonkeyPatch, phase: str) -> None:
+    """An ABORT frame between frames fails the transport with the peer's reason, also when a
+    data header is held before it."""
+    with _raw_pair(monkeypatch) as (t, peer, _):
+        if phase == "held":
+            peer.sendall(_hdr(4, seq=1).pack() + b"data")
+            _progress_until(t, lambda: _rx(t) is RxPhase.HELD)
+            buf = bytearray(4)
+            t.irecv(0, memoryview(buf), _hdr(4, seq=1)).wait(time.monotonic() + 10)
+        req = t.irecv(0, memoryview(bytearray(8)), _hdr(8, seq=2))
+        reason = "disk full"
+        peer.sendall(FrameHeader(0, 0, 0, len(reason), kind=2).pack() + reason.encode())
+        with pytest.raises(PeerLostError, match=r"^rank 0 aborted: disk full$"):
+            req.wait(time.monotonic() + 10)
+        assert t.peer_state(0) is PeerState.FAILED
+
+
+@pytest.mark.timeout(30)
+def test_state_peer_abort_mid_frame_reason_from_the_store(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A peer that aborts in the middle of a frame leaves its reason in the store and closes:
+    the receive fails with that reason."""
+    with _raw_pair(monkeypatch) as (t, peer, client):
+        req = t.irecv(0, memoryview(bytearray(100)), _hdr(100))
+        peer.sendall(_hdr(100).pack() + b"x" * 10)
+        _progress_until(t, lambda: _rx(t) is RxPhase.BODY)
+        client.set(_k(KEY_ABORT.format(0)), b"out of memory")
+        peer.shutdown(socket.SHUT_WR)
+        with pytest.raises(PeerLostError, match=r"^rank 0 aborted: out of memory$"):
+            req.wait(time.monotonic() + 10)
+
+
+# --------------------------------------------------------------------------------------------
+# Socket helpers
+# --------------------------------------------------------------------------------------------
+
+
+def test_recv_exact_is_short_only_at_end_of_stream() -> None:
+    a, b = socket.socketpair()
+    with a, b:
+        a.sendall(b"0123456789")
+        buf = bytearray(4)
+        assert netio.recv_exact(b, memoryview(buf)) == 4 and buf == b"0123"
+        assert netio.recv_exact(b, memoryview(bytearray(0))) == 0
+        a.shutdown(socket.SHUT_WR)
+        rest = bytearray(10)
+        assert netio.recv_exact(b, memoryview(rest)) == 6 and rest[:6] == b"456789"
+        with pytest.raises(ConnectionError, match="after 0 of 3 bytes"):
+            netio.recv_bytes(b, 3)
+
+
+def test_send_all_parts_skips_what_was_sent() -> None:
+    a, b = socket.socketpair()
+    with a, b:
+        parts: list[bytes | memoryview] = [b"head", memoryview(b"payload"), b"tag"]
+        netio.send_all_parts(a, parts, sent=6)
+        a.shutdown(socket.SHUT_WR)
+        assert netio.recv_bytes(b, 8) == b"yloadtag"
+
+
+def test_backoff_doubles_up_to_its_cap_and_stops_at_the_deadline() -> None:
+    b = netio.Backoff(0.01, 0.03)
+    assert [b.next() for _ in range(4)] == [0.01, 0.02, 0.03, 0.03]
+    start = time.monotonic()
+    netio.Backoff(60.0).sleep(start)  # the deadline has passed: no pause
+    assert b.delay == 0.03

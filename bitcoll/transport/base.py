@@ -1,7 +1,8 @@
 """The transport interface: ordered, checked byte messages between ranks.
 
 Algorithms (``bitcoll.algorithms``) talk to this interface only; they never see sockets or MPI.
-A transport moves *frames*: a fixed 32-byte header followed by ``length`` payload bytes.
+A transport moves *frames*: a fixed 32-byte header followed by ``length`` payload bytes (the
+byte layout is in :mod:`bitcoll.transport.wire`; its names are re-exported here).
 
 Contract every transport implements
 -----------------------------------
@@ -25,14 +26,13 @@ Contract every transport implements
 from __future__ import annotations
 
 import queue
-import struct
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import Any
 
-from ..errors import BitcollError, CommError, ProtocolError, UsageError
+from ..errors import BitcollError, CommError, UsageError
+from .wire import HEADER_SIZE, MAGIC, PROTOCOL_VERSION, FrameHeader, FrameKind
 
 __all__ = [
     "MAGIC",
@@ -47,79 +47,6 @@ __all__ = [
     "wait_all",
     "byte_view",
 ]
-
-MAGIC = 0xB17C0110
-PROTOCOL_VERSION = 1
-_HEADER = struct.Struct("<IHHQIIQ")  # magic, version, kind, seq, step, signature, length
-HEADER_SIZE = _HEADER.size  # 32 bytes
-
-
-class FrameKind:
-    """Values of the header's ``kind`` field."""
-
-    DATA = 1
-    ABORT = 2
-
-
-@dataclass(frozen=True)
-class FrameHeader:
-    """A frame header.
-
-    ``seq`` is the communicator's collective sequence number (identical on every rank for the
-    same call), ``step`` counts the frames of this collective between one ordered pair of ranks,
-    ``signature`` is a 32-bit digest of the collective's name and arguments (so a rank in a
-    different collective is detected), ``length`` is the payload size in bytes.
-    """
-
-    seq: int
-    step: int
-    signature: int
-    length: int
-    kind: int = FrameKind.DATA
-    magic: int = MAGIC
-    version: int = PROTOCOL_VERSION
-
-    def pack(self) -> bytes:
-        return _HEADER.pack(self.magic, self.version, self.kind, self.seq, self.step,
-                            self.signature, self.length)
-
-    def pack_into(self, buf: bytearray | memoryview, offset: int = 0) -> None:
-        _HEADER.pack_into(buf, offset, self.magic, self.version, self.kind, self.seq,
-                          self.step, self.signature, self.length)
-
-    @classmethod
-    def unpack(cls, data: bytes | bytearray | memoryview) -> FrameHeader:
-        """Decode a header; raise ProtocolError on a wrong size, magic or version."""
-        if len(data) != HEADER_SIZE:
-            raise ProtocolError(f"frame header has {len(data)} bytes, expected {HEADER_SIZE}")
-        magic, version, kind, seq, step, sig, length = _HEADER.unpack(data)
-        if magic != MAGIC:
-            raise ProtocolError(f"bad frame magic 0x{magic:08x} (expected 0x{MAGIC:08x}): "
-                                "the peer is not a bitcoll rank or the stream is corrupt")
-        if version != PROTOCOL_VERSION:
-            raise ProtocolError(f"peer speaks bitcoll protocol version {version}, "
-                                f"this rank speaks {PROTOCOL_VERSION}")
-        return cls(seq=seq, step=step, signature=sig, length=length, kind=kind, magic=magic,
-                   version=version)
-
-    def mismatch(self, expected: FrameHeader, peer: int) -> str | None:
-        """Describe how this (received) header differs from ``expected``, or None if equal."""
-        if self.seq != expected.seq:
-            return (f"rank {peer} sent a frame of collective #{self.seq} while this rank is in "
-                    f"collective #{expected.seq}: the ranks called different numbers of "
-                    "collectives")
-        if self.signature != expected.signature:
-            return (f"rank {peer} called a different collective or passed different arguments "
-                    f"(op, dtype, length, algorithm) in collective #{expected.seq}")
-        if self.step != expected.step:
-            return f"rank {peer} sent step {self.step}, expected step {expected.step}"
-        if self.length != expected.length:
-            return (f"rank {peer} sent {self.length} payload bytes, this rank expected "
-                    f"{expected.length}: mismatched lengths or dtypes across ranks")
-        if self.kind != expected.kind:
-            return f"rank {peer} sent a frame of kind {self.kind}, expected {expected.kind}"
-        return None
-
 
 class TrafficStats:
     """Bytes and messages moved by one rank, headers included. Thread-safe."""

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from . import auth
-from .base import MAGIC, PROTOCOL_VERSION
+from .wire import MAGIC, PROTOCOL_VERSION
 
 __all__ = ["HELLO_SIZE", "ACCEPT_SIZE", "CONFIRM_SIZE", "Hello", "proof", "verify"]
 

@@ -161,6 +161,7 @@ from .base import (
     Transport,
     byte_view,
 )
+from .netio import Backoff
 
 if TYPE_CHECKING:
     from mpi4py import MPI
@@ -462,11 +463,11 @@ def _mpi_error_class(exc: BaseException) -> int | None:
 class _Poller:
     """Back-off state of one wait loop: spin, then yield, then sleep with growing pauses."""
 
-    __slots__ = ("_pause", "_spin", "_start", "_yield")
+    __slots__ = ("_backoff", "_spin", "_start", "_yield")
 
     def __init__(self, oversubscribed: bool = False) -> None:
         self._start = time.monotonic()
-        self._pause = MIN_SLEEP_SECONDS
+        self._backoff = Backoff(MIN_SLEEP_SECONDS, MAX_SLEEP_SECONDS)
         if oversubscribed:
             self._spin = self._yield = OVERSUBSCRIBED_SPIN_SECONDS
         else:
@@ -480,8 +481,7 @@ class _Poller:
         if elapsed < self._yield:
             os.sched_yield()
             return
-        time.sleep(self._pause)
-        self._pause = min(self._pause * 2.0, MAX_SLEEP_SECONDS)
+        time.sleep(self._backoff.next())
 
 
 _REDUCE_TABLES: dict[str, dict[str, Any]] = {}

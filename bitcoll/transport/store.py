@@ -130,6 +130,7 @@ from typing import Final
 
 from ..errors import CommError, CommTimeoutError, PeerLostError, UsageError
 from . import auth
+from .netio import Backoff, recv_bytes
 
 __all__ = [
     "StoreServer",
@@ -287,15 +288,7 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
 
     Raises ConnectionError when the peer closes the connection first (the message says after
     how many bytes), TimeoutError at the socket's timeout, OSError for other failures."""
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
-        k = sock.recv_into(view[got:])
-        if k == 0:
-            raise ConnectionError(f"the peer closed the connection (after {got} of {n} bytes)")
-        got += k
-    return bytes(buf)
+    return recv_bytes(sock, n)
 
 
 def _timeout_ms(deadline: float) -> int:
@@ -1035,7 +1028,7 @@ class StoreClient:
         _check_generation(generation)
         if secret is not None:
             secret = _check_secret(secret)
-        delay = 0.01
+        backoff = Backoff()
         last = ""
         while True:
             left = deadline - time.monotonic()
@@ -1064,8 +1057,7 @@ class StoreClient:
                 else:
                     return cls(sock, (host, port), default_timeout, secret=used,
                                generation=generation)
-            time.sleep(max(0.0, min(delay, deadline - time.monotonic())))
-            delay = min(delay * 2, 0.25)
+            backoff.sleep(deadline)
 
     @staticmethod
     def _handshake(sock: socket.socket, where: str, secret: bytes | None, generation: int,

@@ -1,7 +1,7 @@
 """The TCP transport: bitcoll frames over one TCP connection per pair of ranks.
 
-Set-up (:meth:`TCPTransport.create`)
-------------------------------------
+Set-up (:meth:`TCPTransport.create`, the steps live in :mod:`bitcoll.transport.tcp_bootstrap`)
+------------------------------------------------------------------------------------------------
 1. The *rendezvous*: rank 0 serves bitcoll's store (:mod:`bitcoll.transport.store`) at
    ``master_addr:master_port`` and every rank (rank 0 included) connects to it, retrying until
    the deadline; or, with ``store=``, every rank uses a store the job already has (torchrun's
@@ -33,33 +33,62 @@ their frames can never mix with the parent's or a sibling's.
 
 A rank whose peers do not all show up before the deadline raises
 :class:`~bitcoll.errors.CommTimeoutError` naming them. ``size == 1`` needs no store and no
-socket.
+socket. The frame layout is in :mod:`bitcoll.transport.wire`.
 
-Data path
----------
-Per peer, one *sender* thread takes frames from a FIFO queue and writes header and payload with
-one ``sendmsg`` straight from the caller's buffer (no copy; the GIL is released while the
-kernel copies), so frames to one peer leave in ``isend`` order and any number of them can be
-queued. When nothing is queued or being written to that peer, ``isend`` itself first writes
-what the socket takes without blocking (``MSG_DONTWAIT``) and queues only the rest, so small
-frames leave without waking a thread.
+Per-peer state machine
+----------------------
+Every connection is a :class:`_Peer` whose lifecycle is a :class:`PeerState`, changed only by
+:meth:`TCPTransport._transition` with the peer's ``lock`` held::
 
-One *receiver* thread per peer matches frames with posted receives in posting order. When a
-receive is posted it reads the header together with whatever part of the payload has arrived
-(one ``recvmsg_into`` into the header buffer and the caller's buffer), compares the header
-with the expected one, then reads the rest of the payload straight into the caller's buffer
-(``recv_into`` with ``MSG_WAITALL``). When nothing is posted it still reads the next header as
-soon as it arrives, so an abort notice or a lost connection is noticed at once.
+    OPEN ──► PEER_CLOSED ──► FAILED ──► CLOSED
+      │                        ▲          ▲
+      └────────────────────────┴──────────┘
 
-Requests complete by releasing a lock. Nothing is pickled and payloads are never copied in user
-space. Sends to different peers, and sends and receives, all proceed concurrently.
+* ``OPEN``: frames flow.
+* ``PEER_CLOSED``: the peer closed the connection cleanly between frames while nothing was
+  posted from it (it closed its transport); the next ``isend``/``irecv`` involving it fails
+  the transport.
+* ``FAILED``: the transport failed (:meth:`TCPTransport._fail`, the one failure path): every
+  request of the peer has failed and its helper thread reads and drops whatever the peer still
+  sends until it closes, so no peer stays blocked writing to this rank.
+* ``CLOSED``: :meth:`TCPTransport.close` shut the connection down.
+
+The receiving side of an open connection is a second, finer machine (:class:`RxPhase`),
+advanced only by whoever holds the peer's *reader token* (``rx``, a lock) in
+:meth:`TCPTransport._advance`::
+
+    HEADER ──(data header, nothing posted)──► HELD ──(receive posted)──┐
+      │  └──(data header, receive posted)─────────────────────────────┴──► BODY ──► TAG ──┐
+      │                                                                         │          │
+      ▲─────────────────────────── frame complete: request finished ◄───────────┴──────────┘
+
+(TAG only with frame integrity on.) An ABORT header, a mismatched header, end of file or a
+socket error leaves the machine through the failure path instead.
+
+Progress
+--------
+*Small messages progress on the calling thread.* ``isend`` writes what the socket takes at
+once (``MSG_DONTWAIT``) when nothing is queued to that peer; ``irecv`` posts the receive and
+reads whatever has already arrived; ``Request.wait`` of a receive takes the reader tokens
+itself and polls the sockets (all peers', so an abort notice or a lost connection from any
+peer ends the wait at once) until its frame is complete: an exchange of small frames wakes no
+other thread.
+
+*Helper threads only where they overlap work.* Per peer, a *sender* thread finishes sends that
+did not fit the socket at once (large frames; order is kept: a send queues behind any send
+ahead of it), and a *receiver* thread serves receives of at least
+:data:`HELPER_RECEIVE_BYTES` and every :meth:`TCPTransport.irecv_consume` (so a reduction runs
+while the caller computes), reading straight into the caller's buffer (``MSG_WAITALL``). A
+caller that must block on something it cannot drive itself (a send still being written, a
+receive a helper serves) first hands every posted receive to the helpers, so no two ranks can
+wait on each other's unread data. Nothing is pickled; payloads are never copied in user space.
 
 Traffic counters
 ----------------
 :attr:`TCPTransport.stats` counts frames: one message and ``HEADER_SIZE + payload length``
-bytes per frame, exactly the bytes written to / read from the socket for it. A send is counted
-when the kernel has taken all of it, a receive when it is complete. The handshake (24 bytes
-each way per connection), abort notices and the rendezvous store's traffic are not counted.
+bytes per frame (plus the integrity tag when on), exactly the bytes written to / read from
+the socket for it. A send is counted when the kernel has taken all of it, a receive when it
+is complete. The handshake, abort notices and the rendezvous store's traffic are not counted.
 
 Failure
 -------
@@ -70,16 +99,13 @@ Failure
   (end of file, reset, write error) fails the transport with
   :class:`~bitcoll.errors.PeerLostError` naming the peer; when the peer left an abort reason in
   the store the message is ``"rank <p> aborted: <reason>"``. A connection closed cleanly
-  between frames while nothing is posted from that peer (the peer closed its transport) only
-  marks the peer as gone: the next ``isend``/``irecv`` involving it fails the transport.
+  between frames while nothing is posted from that peer moves it to ``PEER_CLOSED`` only.
 * :meth:`TCPTransport.abort` (also run on every internal failure) records the error, sends an
-  ABORT frame (:attr:`FrameKind.ABORT`, payload = the UTF-8 reason) to every peer whose
-  connection is between frames, writes the reason under ``bitcoll/abort/<rank>`` in the store
-  (for the peers whose connection was in the middle of a frame), then shuts down the sending
-  side of every connection (a send blocked in the kernel fails at once). Peers fail within
-  milliseconds with ``PeerLostError("rank <r> aborted: <reason>")``. The receiver threads
-  keep reading and dropping what peers still send until they close, so no peer stays blocked
-  writing to an aborted rank. The buffer of a failed receive may still be written into until
+  ABORT frame to every peer whose connection is between frames, writes the reason under
+  ``bitcoll/abort/<rank>`` in the store (for the peers whose connection was in the middle of a
+  frame), then shuts down the sending side of every connection (a send blocked in the kernel
+  fails at once). Peers fail within milliseconds with ``PeerLostError("rank <r> aborted:
+  <reason>")``. The buffer of a failed receive may still be written into until
   :meth:`TCPTransport.close` returns.
 * After a failure, :attr:`TCPTransport.failure` is the error, every pending request fails with
   it and every ``isend``/``irecv`` raises it. ``Request.wait`` past its deadline raises
@@ -94,17 +120,17 @@ close timeout passes.
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import enum
 import hmac
-import logging
 import os
 import queue
-import selectors
+import select
 import socket
 import threading
 import time
-from collections.abc import Iterable
-from typing import Any, Final, Protocol
+from typing import Any, Final
 
 from ..config import DEFAULT_TIMEOUT
 from ..errors import (
@@ -115,7 +141,7 @@ from ..errors import (
     ProtocolError,
     UsageError,
 )
-from . import auth, handshake
+from . import auth
 from .base import (
     HEADER_SIZE,
     Consumer,
@@ -125,25 +151,32 @@ from .base import (
     TrafficStats,
     Transport,
     byte_view,
-    drain_peer,
 )
-from .external_store import ExternalStore, check_store
-from .store import StoreClient, StoreServer
+from .external_store import check_store
+from .netio import DONTWAIT, NOSIGNAL, WAITALL, recv_exact, send_all_parts, send_some
+from .tcp_bootstrap import KEY_ABORT as KEY_ABORT
+from .tcp_bootstrap import KEY_ADDR as KEY_ADDR
+from .tcp_bootstrap import KEY_INTEGRITY as KEY_INTEGRITY
+from .tcp_bootstrap import KEY_JOB as KEY_JOB
+from .tcp_bootstrap import KEY_SIZE as KEY_SIZE
+from .tcp_bootstrap import KEY_STALL as KEY_STALL
+from .tcp_bootstrap import SOCKET_BUFFER_BYTES as SOCKET_BUFFER_BYTES
+from .tcp_bootstrap import RendezvousStore as RendezvousStore
+from .tcp_bootstrap import _Mesh as _Mesh
+from .tcp_bootstrap import _Rendezvous as _Rendezvous
+from .tcp_bootstrap import build_mesh
+from .wire import FRAME_TAG_BYTES as FRAME_TAG_BYTES
+from .wire import MAX_REASON_BYTES as MAX_REASON_BYTES
+from .wire import abort_frame, blake3_module, decode_reason, frame_tag, tag_hasher
 
-__all__ = ["TCPTransport", "SOCKET_BUFFER_BYTES"]
+__all__ = ["TCPTransport", "SOCKET_BUFFER_BYTES", "PeerState", "RxPhase"]
 
-#: Requested SO_SNDBUF / SO_RCVBUF of every data connection (the kernel doubles it and may
-#: cap it). Enough for the bandwidth-delay product of 10 GbE at sub-millisecond RTT; larger
-#: buffers let queued data fall out of the CPU caches before the receiver copies it, which
-#: measurably slowed 4-rank all-reduces on one host.
-SOCKET_BUFFER_BYTES: Final = 1 << 20
 #: Piece size of :meth:`TCPTransport.irecv_consume`: small enough to stay in a core's L2
 #: cache between the kernel's copy and the consumer's read.
 CONSUME_CHUNK_BYTES: Final = 256 << 10
-#: Bytes of a frame's integrity tag (``integrity=True``): keyed BLAKE3, 128 bits.
-FRAME_TAG_BYTES: Final = 16
-#: Longest abort reason carried by an ABORT frame or read from one.
-MAX_REASON_BYTES: Final = 16 << 10
+#: Receives of at least this many payload bytes are served by the peer's receiver thread
+#: (overlap with the caller's work); smaller ones by the thread that waits for them.
+HELPER_RECEIVE_BYTES: Final = 256 << 10
 #: How long an abort spends at most writing its reason into the store.
 ABORT_STORE_SECONDS: Final = 0.5
 #: Default of ``close_timeout``: how long ``close()`` waits for queued sends and for the
@@ -151,119 +184,52 @@ ABORT_STORE_SECONDS: Final = 0.5
 CLOSE_TIMEOUT: Final = 30.0
 #: After a failure rank 0 keeps its store at most this long for peers to read abort reasons.
 FAILED_CLOSE_SECONDS: Final = 2.0
-
-# Store keys, under the transport's namespace (``bitcoll/`` in its own store).
-KEY_SIZE: Final = "size"
-KEY_JOB: Final = "job"
-KEY_JOIN: Final = "join/{}"
-KEY_ADDR: Final = "addr/{}"
-KEY_ABORT: Final = "abort/{}"
-KEY_SECRET_FILE: Final = "secretfile"
-KEY_STALL: Final = "stall/{}"
-KEY_INTEGRITY: Final = "integrity"
+#: How long a caller polls its sockets without sleeping before it blocks in ``poll``.
+SPIN_SECONDS: Final = 50e-6
+#: A caller blocked on a request it does not drive itself looks at the idle connections
+#: (abort notices, lost peers) this often.
+IDLE_LOOK_SECONDS: Final = 0.05
 #: How long a rank that timed out waits for the ranks it waited on to report whom they
 #: waited on (see :meth:`TCPTransport.silent_origin`), and how often it looks.
 STALL_GRACE_SECONDS: Final = 2.0
 STALL_POLL_SECONDS: Final = 0.02
 
-_log = logging.getLogger("bitcoll.tcp")
-
-_NOSIGNAL: Final = getattr(socket, "MSG_NOSIGNAL", 0)
-_DONTWAIT: Final = getattr(socket, "MSG_DONTWAIT", 0)
-_WAITALL: Final = getattr(socket, "MSG_WAITALL", 0)
+_POLL_IN: Final = select.POLLIN | select.POLLPRI | select.POLLERR | select.POLLHUP
 
 
-# --------------------------------------------------------------------------------------------
-# Helpers
-# --------------------------------------------------------------------------------------------
+class PeerState(enum.Enum):
+    """Lifecycle of one connection (see the module docstring)."""
+
+    OPEN = "open"
+    PEER_CLOSED = "peer closed"
+    FAILED = "failed"
+    CLOSED = "closed"
 
 
-def _recv_exact(sock: socket.socket, view: memoryview) -> int:
-    """Fill ``view`` from ``sock``; return the number of bytes read (short only at EOF)."""
-    n = len(view)
-    got = sock.recv_into(view, n, _WAITALL)
-    while 0 < got < n:
-        k = sock.recv_into(view[got:], n - got, _WAITALL)
-        if k == 0:
-            break
-        got += k
-    return got
+#: The transitions :meth:`TCPTransport._transition` allows.
+_ALLOWED: Final[dict[PeerState, frozenset[PeerState]]] = {
+    PeerState.OPEN: frozenset({PeerState.PEER_CLOSED, PeerState.FAILED, PeerState.CLOSED}),
+    PeerState.PEER_CLOSED: frozenset({PeerState.FAILED, PeerState.CLOSED}),
+    PeerState.FAILED: frozenset({PeerState.CLOSED}),
+    PeerState.CLOSED: frozenset(),
+}
 
 
-def _send_some(sock: socket.socket, head: bytes, view: memoryview, tail: bytes,
-               flags: int) -> int:
-    """One ``sendmsg`` of ``head`` + ``view`` + ``tail``; the number of bytes the kernel
-    took."""
-    parts: list[bytes | memoryview] = [head]
-    if len(view):
-        parts.append(view)
-    if tail:
-        parts.append(tail)
-    try:
-        return sock.sendmsg(parts, (), flags) if len(parts) > 1 else sock.send(head, flags)
-    except BlockingIOError:  # only with MSG_DONTWAIT: nothing fits right now
-        return 0
+class RxPhase(enum.Enum):
+    """Where the receiving side of an open connection is within the byte stream."""
+
+    HEADER = "header"  # reading a frame header (``rx_got`` bytes of it so far)
+    HELD = "held"  # a data header was read; no receive is posted for it yet
+    BODY = "body"  # reading the payload into the oldest posted receive
+    TAG = "tag"  # reading the frame's integrity tag
 
 
-def _send_frame(sock: socket.socket, head: bytes, view: memoryview, tail: bytes,
-                sent: int = 0) -> None:
-    """Write ``head``, ``view`` and ``tail`` completely, minus the ``sent`` bytes already
-    written (one ``sendmsg`` in the common case)."""
-    if sent == 0:
-        sent = _send_some(sock, head, view, tail, _NOSIGNAL)
-    if sent < HEADER_SIZE:
-        sock.sendall(head[sent:], _NOSIGNAL)
-        sent = HEADER_SIZE
-    end = HEADER_SIZE + len(view)
-    if sent < end:
-        sock.sendall(view[sent - HEADER_SIZE:], _NOSIGNAL)
-        sent = end
-    if sent - end < len(tail):
-        sock.sendall(tail[sent - end:], _NOSIGNAL)
+class _Want(enum.Enum):
+    """What :meth:`TCPTransport._advance` needs before it can go on."""
 
-
-def blake3_module() -> Any:
-    """The ``blake3`` module (the keyed hash of ``integrity=True``); UsageError when it is
-    not installed."""
-    try:
-        import blake3
-    except ImportError:
-        raise UsageError("integrity=True needs the blake3 package: pip install "
-                         "'bitcoll[integrity]' (or pip install blake3)") from None
-    return blake3
-
-
-def _tag_hasher(key: bytes, counter: int, head: bytes) -> Any:
-    """A keyed BLAKE3 over ``counter`` and ``head``, to be fed the payload."""
-    h = blake3_module().blake3(key=key)
-    h.update(counter.to_bytes(8, "little"))
-    h.update(head)
-    return h
-
-
-def _frame_tag(key: bytes, counter: int, head: bytes, payload: memoryview) -> bytes:
-    """The integrity tag of one frame: keyed BLAKE3 of its number in this direction, its
-    header and its payload, truncated to :data:`FRAME_TAG_BYTES` bytes."""
-    h = _tag_hasher(key, counter, head)
-    h.update(payload)
-    return bytes(h.digest(FRAME_TAG_BYTES))
-
-
-def _tune(sock: socket.socket) -> None:
-    """TCP_NODELAY and large buffers (set before connect/listen so the window scales)."""
-    if sock.family in (socket.AF_INET, socket.AF_INET6):
-        with contextlib.suppress(OSError):
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    if SOCKET_BUFFER_BYTES:
-        for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-            with contextlib.suppress(OSError):
-                if sock.getsockopt(socket.SOL_SOCKET, opt) < SOCKET_BUFFER_BYTES:
-                    sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER_BYTES)
-
-
-def _ranks(ranks: list[int] | set[int]) -> str:
-    r = sorted(ranks)
-    return ("rank " if len(r) == 1 else "ranks ") + ", ".join(str(x) for x in r)
+    READ = 1  # more bytes from the socket
+    IDLE = 2  # a receive to be posted (or the connection is no longer open)
+    HELPER = 3  # the next receive is the receiver thread's
 
 
 class _ConsumerFailed(Exception):
@@ -274,11 +240,12 @@ class _TCPRequest(Request):
     """A pending send or receive of one frame.
 
     Completion is signalled by releasing a lock taken at creation (cheaper than an Event:
-    one C call on each side, no Python-level condition).
+    one C call on each side, no Python-level condition). ``wait`` of a receive drives the
+    connections itself (:meth:`TCPTransport._drive`).
     """
 
-    __slots__ = ("_done", "_error", "_lock", "_owner", "consume", "head", "header", "is_send",
-                 "peer", "posted", "sent", "tail", "view")
+    __slots__ = ("_done", "_error", "_lock", "_owner", "consume", "head", "header", "helper",
+                 "is_send", "peer", "posted", "sent", "tail", "view")
 
     def __init__(self, owner: TCPTransport, peer: int, header: FrameHeader, view: memoryview,
                  is_send: bool) -> None:
@@ -296,6 +263,16 @@ class _TCPRequest(Request):
         self.posted = time.monotonic()
         self.sent = 0  # bytes of a send already written by isend itself
         self.consume: Consumer | None = None  # irecv_consume: the payload goes here
+        self.helper = False  # a receive served by the peer's receiver thread
+
+    def parts(self) -> list[bytes | memoryview]:
+        """What a send writes: header, payload, tag (empty pieces left out)."""
+        out: list[bytes | memoryview] = [self.head]
+        if len(self.view):
+            out.append(self.view)
+        if self.tail:
+            out.append(self.tail)
+        return out
 
     def _finish(self, error: BitcollError | None) -> None:
         if self._done:
@@ -310,51 +287,78 @@ class _TCPRequest(Request):
 
     def wait(self, deadline: float) -> None:
         if not self._done:
-            left = deadline - time.monotonic()
-            if left <= 0 or not self._lock.acquire(timeout=min(left, threading.TIMEOUT_MAX)):
-                h = self.header
-                what = (f"send to rank {self.peer}" if self.is_send
-                        else f"receive from rank {self.peer}")
-                waited = time.monotonic() - self.posted
-                silent = self._owner.silent_origin(self.peer)
-                why = "" if silent == self.peer else (
-                    f"; rank {self.peer} was itself waiting: rank {silent} is the one that "
-                    "went silent")
-                raise CommTimeoutError(
-                    f"rank {self._owner.rank}: {what} (collective #{h.seq}, step {h.step}, "
-                    f"{h.length} bytes) did not complete before the deadline "
-                    f"({waited:.3g} s after it was posted){why}", rank=self._owner.rank,
-                    peer=self.peer, sequence=h.seq, silent=silent)
-            self._lock.release()
+            if self.is_send:
+                self._owner._hand_over()
+            else:
+                self._owner._drive(self, deadline)
+            if not self._done:
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._lock.acquire(timeout=min(left, threading.TIMEOUT_MAX)):
+                    raise self._timed_out()
+                self._lock.release()
         if self._error is not None:
             raise self._error.with_traceback(None)
 
+    def _timed_out(self) -> CommTimeoutError:
+        h = self.header
+        what = f"send to rank {self.peer}" if self.is_send else f"receive from rank {self.peer}"
+        waited = time.monotonic() - self.posted
+        silent = self._owner.silent_origin(self.peer)
+        why = "" if silent == self.peer else (
+            f"; rank {self.peer} was itself waiting: rank {silent} is the one that went silent")
+        return CommTimeoutError(
+            f"rank {self._owner.rank}: {what} (collective #{h.seq}, step {h.step}, "
+            f"{h.length} bytes) did not complete before the deadline "
+            f"({waited:.3g} s after it was posted){why}", rank=self._owner.rank,
+            peer=self.peer, sequence=h.seq, silent=silent)
+
 
 class _Peer:
-    """One connection and its two threads."""
+    """One connection: its :class:`PeerState`, its send side (queue, sender thread) and its
+    receive side (posted receives, the :class:`RxPhase` machine, the receiver thread).
+
+    Locks: ``lock`` guards ``state``, ``queued``, ``partial`` and appending to / removing
+    from ``posted``; ``send_lock`` is held while a frame is being written; ``rx`` (the reader
+    token) is held by whoever reads the socket and owns every ``rx_*`` field.
+    """
 
     def __init__(self, rank: int, sock: socket.socket) -> None:
         self.rank = rank
         self.sock = sock
+        self.fd = sock.fileno()
+        self.state = PeerState.OPEN
+        self.lock = threading.Lock()
+        # send side
         self.send_q: queue.SimpleQueue[_TCPRequest | None] = queue.SimpleQueue()
-        self.recv_q: queue.SimpleQueue[_TCPRequest | None] = queue.SimpleQueue()
-        self.send_lock = threading.Lock()  # held while a frame is being written
-        self.state = threading.Lock()  # guards ``queued``
+        self.send_lock = threading.Lock()
         self.queued = 0  # sends handed to the sender thread and not finished by it
-        self.partial = False  # isend wrote part of a frame; the sender thread ends it
-        self.eof = False  # the peer closed the connection cleanly between frames
-        self.current: _TCPRequest | None = None  # the receive whose payload is being read
+        self.partial = False  # the connection is in the middle of a frame written by isend
+        # receive side
+        self.posted: collections.deque[_TCPRequest] = collections.deque()
+        self.rx = threading.Lock()
+        self.rx_phase = RxPhase.HEADER
+        self.rx_got = 0
+        self.rx_header: FrameHeader | None = None
+        self.hbuf = bytearray(HEADER_SIZE)
+        self.hview = memoryview(self.hbuf)
+        self.tag = bytearray(FRAME_TAG_BYTES)
+        self.helper_q: queue.SimpleQueue[bool | None] = queue.SimpleQueue()
         self.bounce = memoryview(bytearray(CONSUME_CHUNK_BYTES))  # irecv_consume's buffer
         # Frame integrity (None when off): keys and frame counters of each direction; the
-        # MAC lock keeps counters in isend order.
+        # MAC lock keeps outgoing counters in isend order.
         self.key_out: bytes | None = None
         self.key_in: bytes | None = None
         self.count_out = 0
         self.count_in = 0
         self.mac_lock = threading.Lock()
-        self.consume_mac: Any = None  # the tag hasher of the frame being consumed
+        self.rx_mac: Any = None  # the tag hasher of the frame being consumed
         self.sender: threading.Thread | None = None
         self.receiver: threading.Thread | None = None
+
+    def head(self) -> _TCPRequest | None:
+        """The oldest posted receive (only the reader-token holder removes it)."""
+        posted = self.posted
+        return posted[0] if posted else None
 
 
 # --------------------------------------------------------------------------------------------
@@ -380,11 +384,17 @@ class TCPTransport(Transport):
         self._rdv = rendezvous
         self._store: RendezvousStore | None = None if rendezvous is None else rendezvous.store
         self._groups = 0  # sub-groups made so far (their key namespaces)
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards _failure, _closed, _closing
         self._failure: CommError | None = None
-        self._closed = False
-        self._closing = False
+        self._closed = False  # close() began: queued sends are flushed, nothing new starts
+        self._closing = False  # the sockets are being shut down: their errors are expected
         self._peers: dict[int, _Peer] = {p: _Peer(p, s) for p, s in socks.items()}
+        self._order = list(self._peers.values())
+        # A byte written here wakes every caller polling the sockets (failure, close).
+        self._wake_r, self._wake_w = os.pipe() if socks else (-1, -1)
+        if socks:
+            os.set_blocking(self._wake_r, False)
+            os.set_blocking(self._wake_w, False)
         if integrity and rendezvous is not None:
             for peer in self._peers.values():
                 peer.key_out = auth.mac(rendezvous.secret, "frame-key", job_id, rank, peer.rank)
@@ -392,7 +402,8 @@ class TCPTransport(Transport):
         for peer in self._peers.values():
             peer.sender = threading.Thread(target=self._send_loop, args=(peer,), daemon=True,
                                            name=f"bitcoll-tcp-send-{rank}-to-{peer.rank}")
-            peer.receiver = threading.Thread(target=self._recv_loop, args=(peer,), daemon=True,
+            peer.receiver = threading.Thread(target=self._helper_loop, args=(peer,),
+                                             daemon=True,
                                              name=f"bitcoll-tcp-recv-{rank}-from-{peer.rank}")
             peer.sender.start()
             peer.receiver.start()
@@ -445,8 +456,9 @@ class TCPTransport(Transport):
                if store is None else
                _Rendezvous.external(rank, store, master_addr, secret, deadline))
         try:
-            return cls._build(rank, size, rdv, deadline, timeout, listen_addr, close_timeout,
-                              integrity)
+            socks, job_id = build_mesh(rank, size, rdv, deadline, timeout, listen_addr,
+                                       integrity)
+            return cls(rank, size, socks, rdv, job_id, close_timeout, integrity)
         except BaseException:
             rdv.close(min(deadline, time.monotonic()) + FAILED_CLOSE_SECONDS)
             raise
@@ -465,81 +477,10 @@ class TCPTransport(Transport):
             return TCPTransport(0, 1, {}, None, 0, self.close_timeout)
         deadline = time.monotonic() + timeout
         rdv = self._rdv.child(f"group/{tag}/")
-        return self._build(members.index(self.rank), len(members), rdv, deadline, timeout,
-                           None, self.close_timeout, self.integrity)
-
-    @classmethod
-    def _build(cls, rank: int, size: int, rdv: _Rendezvous, deadline: float, timeout: float,
-               listen_addr: str | None, close_timeout: float,
-               integrity: bool) -> TCPTransport:
-        """Steps 2-4 of the set-up: job id, join, publish the listener, connect the mesh."""
-        store, key = rdv.store, rdv.key
-        where = rdv.where
-        listener: socket.socket | None = None
-        try:
-            if rank == 0:
-                job_id = int.from_bytes(os.urandom(8), "little")
-                store.set(key(KEY_SIZE), str(size).encode(), deadline)
-                store.set(key(KEY_INTEGRITY), b"1" if integrity else b"0", deadline)
-                store.set(key(KEY_JOB), str(job_id).encode(), deadline)
-            else:
-                job_id = int(store.get(key(KEY_JOB), deadline))
-                size0 = int(store.get(key(KEY_SIZE), deadline))
-                if size0 != size:
-                    raise UsageError(f"rank {rank} was started with world size {size} but "
-                                     f"rank 0 with {size0}")
-                integrity0 = store.get(key(KEY_INTEGRITY), deadline) == b"1"
-                if integrity0 != integrity:
-                    raise UsageError(f"rank {rank} was started with integrity={integrity} but "
-                                     f"rank 0 with integrity={integrity0}")
-            if store.add(key(KEY_JOIN.format(rank)), 1, deadline) != 1:
-                raise UsageError(f"two processes claim rank {rank} of the job at {where}")
-            listener, host = cls._listen(store, listen_addr, size)
-            mine = f"{listener.getsockname()[1]} {host}"
-            store.set(key(KEY_ADDR.format(rank)), mine.encode(), deadline)
-            keys = [key(KEY_ADDR.format(p)) for p in range(size) if p != rank]
-            try:
-                store.wait(keys, deadline)
-            except CommTimeoutError:
-                missing = [int(k.rsplit("/", 1)[1]) for k in store.missing(keys)]
-                raise CommTimeoutError(
-                    f"rank {rank}: {_ranks(missing)} never showed up at the rendezvous store "
-                    f"{where} within {timeout:g} s") from None
-            addrs = {p: store.get(key(KEY_ADDR.format(p)), deadline).decode()
-                     for p in range(rank + 1, size)}
-            socks = _Mesh(rank, size, job_id, rdv.secret, mine, deadline, timeout).connect(
-                listener, addrs)
-        finally:
-            if listener is not None:
-                listener.close()
-        return cls(rank, size, socks, rdv, job_id, close_timeout, integrity)
-
-    @staticmethod
-    def _listen(store: RendezvousStore, listen_addr: str | None,
-                size: int) -> tuple[socket.socket, str]:
-        """Bind the listener; return it and the host to publish."""
-        local = store.local_address
-        if listen_addr is None:
-            bind_host, publish = local, local
-        elif listen_addr in ("", "0.0.0.0", "::"):
-            bind_host, publish = listen_addr, local
-        else:
-            bind_host, publish = listen_addr, listen_addr
-        try:
-            infos = socket.getaddrinfo(bind_host or None, 0, type=socket.SOCK_STREAM,
-                                       flags=socket.AI_PASSIVE)
-            family, _, _, _, sockaddr = infos[0]
-        except socket.gaierror as exc:
-            raise UsageError(f"cannot resolve listen address {bind_host!r}: {exc}") from exc
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            _tune(sock)
-            sock.bind(sockaddr)
-            sock.listen(max(16, 2 * size))
-        except OSError as exc:
-            sock.close()
-            raise CommError(f"cannot listen on {bind_host!r}: {exc}") from exc
-        return sock, publish
+        socks, job_id = build_mesh(members.index(self.rank), len(members), rdv, deadline,
+                                   timeout, None, self.integrity)
+        return TCPTransport(members.index(self.rank), len(members), socks, rdv, job_id,
+                            self.close_timeout, self.integrity)
 
     # ---------------------------------------------------------------- state
 
@@ -552,6 +493,24 @@ class TCPTransport(Transport):
         """The error that aborted this transport, or None while it is healthy."""
         return self._failure
 
+    def peer_state(self, peer: int) -> PeerState:
+        """The :class:`PeerState` of the connection to ``peer`` (UsageError for a rank that is
+        not another rank of this transport)."""
+        p = self._peers.get(peer)
+        if p is None:
+            raise UsageError(f"peer {peer} is not another rank of this {self.size}-rank "
+                             f"transport (this is rank {self.rank})")
+        return p.state
+
+    def _transition(self, p: _Peer, new: PeerState) -> bool:
+        """Move ``p`` to ``new`` if :data:`_ALLOWED` permits it; return whether it moved.
+        Precondition: the caller holds ``p.lock``. The only place ``p.state`` changes."""
+        assert p.lock.locked()
+        if new not in _ALLOWED[p.state]:
+            return False
+        p.state = new
+        return True
+
     def _check_usable(self, peer: int) -> _Peer:
         if self._closed:
             raise UsageError("the TCP transport is closed")
@@ -562,12 +521,20 @@ class TCPTransport(Transport):
         if p is None:
             raise UsageError(f"peer {peer} is not another rank of this {self.size}-rank "
                              f"transport (this is rank {self.rank})")
+        if p.state is PeerState.PEER_CLOSED:
+            self._peer_gone(p)
         return p
 
-    # ---------------------------------------------------------------- frames
+    def _peer_gone(self, p: _Peer) -> None:
+        """A call involves a peer that closed its connection: fail and raise."""
+        error = PeerLostError(self._lost_message(p.rank, None), rank=self.rank, peer=p.rank)
+        self._fail(error)
+        raise (self._failure or error).with_traceback(None)
+
+    # ---------------------------------------------------------------- sends
 
     def isend(self, peer: int, payload: memoryview, header: FrameHeader) -> Request:
-        """Queue ``header`` + ``payload`` for ``peer`` and return at once.
+        """Send ``header`` + ``payload`` to ``peer``; return at once.
 
         ``payload`` (any C-contiguous buffer) must stay alive and unmodified until the request
         completes; ``header.length`` must equal its size in bytes (UsageError otherwise).
@@ -579,60 +546,83 @@ class TCPTransport(Transport):
         if header.length != mv.nbytes:
             raise UsageError(f"header.length is {header.length} but the payload has "
                              f"{mv.nbytes} bytes")
-        if p.eof:
-            self._peer_gone(p)
         req = _TCPRequest(self, peer, header, mv, True)
         if p.key_out is None:
             self._submit(p, req)
         else:
             with p.mac_lock:  # counters in submission order
-                req.tail = _frame_tag(p.key_out, p.count_out, req.head, mv)
+                req.tail = frame_tag(p.key_out, p.count_out, req.head, mv)
                 p.count_out += 1
                 self._submit(p, req)
-        if self._failure is not None:
-            self._drain(p, self._failure)
+        failure = self._failure
+        if failure is not None:
+            self._fail_requests(p, failure)
         return req
 
     def _submit(self, p: _Peer, req: _TCPRequest) -> None:
-        with p.state:
-            # Nothing queued or being written to this peer: try to write the frame right
-            # here (saves waking the sender thread; order is kept since no frame is ahead).
+        with p.lock:
+            # Nothing queued or being written to this peer: write the frame right here (no
+            # thread woken; order is kept since no frame is ahead of it).
             inline = p.queued == 0 and p.send_lock.acquire(blocking=False)
             if not inline:
                 p.queued += 1
-        if inline:
-            try:
-                self._send_inline(p, req)
-            finally:
-                p.send_lock.release()
-        else:
+        if not inline:
             p.send_q.put(req)
+            return
+        try:
+            self._send_inline(p, req)
+        finally:
+            p.send_lock.release()
 
     def _send_inline(self, p: _Peer, req: _TCPRequest) -> None:
-        """Write what the socket takes without blocking; queue the rest (send lock held)."""
+        """Write what the socket takes without blocking; queue the rest for the sender thread.
+        Precondition: ``p.send_lock`` held, nothing queued to ``p``."""
         if self._failure is not None:
             req._finish(self._failure)
             return
+        parts = req.parts()
         total = HEADER_SIZE + len(req.view) + len(req.tail)
         try:
-            sent = _send_some(p.sock, req.head, req.view, req.tail, _NOSIGNAL | _DONTWAIT)
+            sent = send_some(p.sock, parts, NOSIGNAL | DONTWAIT)
         except OSError as exc:
-            if self._failure is None and not self._closing:
-                self._fail(PeerLostError(self._lost_message(p.rank, exc)))
-            req._finish(self._failure or UsageError("the TCP transport is closed"))
+            req._finish(self._os_error(p, exc))
             return
         if sent == total:
             self.stats.add_sent(total)
             req._finish(None)
             return
         req.sent = sent
-        p.partial = sent > 0
-        with p.state:
+        with p.lock:
+            p.partial = sent > 0
             p.queued += 1
         p.send_q.put(req)
 
+    def _send_loop(self, p: _Peer) -> None:
+        """The sender thread: finish the frames ``isend`` could not write at once, in order."""
+        stats = self.stats
+        while True:
+            req = p.send_q.get()
+            if req is None:
+                return
+            with p.send_lock:
+                error: BitcollError | None = self._failure
+                if error is None:
+                    try:
+                        send_all_parts(p.sock, req.parts(), req.sent)
+                    except OSError as exc:
+                        error = self._os_error(p, exc)
+                with p.lock:
+                    p.partial = False
+                    p.queued -= 1
+            if error is None:
+                stats.add_sent(HEADER_SIZE + len(req.view) + len(req.tail))
+            req._finish(error)
+
+    # ---------------------------------------------------------------- receives
+
     def irecv(self, peer: int, payload: memoryview, header: FrameHeader) -> Request:
-        """Post a receive of the next frame from ``peer`` into ``payload`` and return at once.
+        """Post a receive of the next frame from ``peer`` into ``payload``; return at once
+        (after reading what has already arrived).
 
         ``payload`` (writable, C-contiguous) must hold exactly ``header.length`` bytes
         (UsageError otherwise) and stay alive until the request completes. The request fails
@@ -642,24 +632,6 @@ class TCPTransport(Transport):
         p = self._check_usable(peer)
         mv = byte_view(payload, writable=True, what="payload")
         return self._post_receive(p, header, mv.nbytes, mv, None)
-
-    def _post_receive(self, p: _Peer, header: FrameHeader, nbytes: int, view: memoryview,
-                      consume: Consumer | None) -> _TCPRequest:
-        """Queue a receive for ``p``'s receiver thread (checks shared by both irecv forms)."""
-        if header.length != nbytes:
-            raise UsageError(f"header.length is {header.length} but the payload has "
-                             f"{nbytes} bytes")
-        if p.eof:
-            self._peer_gone(p)
-        req = _TCPRequest(self, p.rank, header, view, False)
-        req.consume = consume
-        p.recv_q.put(req)
-        if p.eof and self._failure is None:
-            # The connection ended while we were posting: the receiver will not see it.
-            self._fail(PeerLostError(self._lost_message(p.rank, None)))
-        if self._failure is not None:
-            self._drain(p, self._failure)
-        return req
 
     consumes_on_receive = True
 
@@ -672,19 +644,281 @@ class TCPTransport(Transport):
         return self._post_receive(self._check_usable(peer), header, nbytes, memoryview(b""),
                                   consume)
 
-    def _consume(self, p: _Peer, req: _TCPRequest, n: int, header_bytes: bytes) -> bool:
-        """Read ``n`` payload bytes and feed them to ``req.consume``; False at end of file.
-        An exception from the consumer fails the transport (and so the request)."""
+    def _post_receive(self, p: _Peer, header: FrameHeader, nbytes: int, view: memoryview,
+                      consume: Consumer | None) -> _TCPRequest:
+        """Post a receive (checks shared by both irecv forms), then make progress on it."""
+        if header.length != nbytes:
+            raise UsageError(f"header.length is {header.length} but the payload has "
+                             f"{nbytes} bytes")
+        req = _TCPRequest(self, p.rank, header, view, False)
+        req.consume = consume
+        req.helper = consume is not None or nbytes >= HELPER_RECEIVE_BYTES
+        with p.lock:
+            gone = p.state is PeerState.PEER_CLOSED
+            if not gone:
+                p.posted.append(req)
+        if gone:
+            self._peer_gone(p)
+        if req.helper:
+            p.helper_q.put(True)
+        elif p.rx.acquire(blocking=False):
+            # Take what has already arrived (the peer often sent first): the frame may be
+            # complete before anybody waits for it, and a closed connection shows at once.
+            try:
+                self._advance(p, blocking=False)
+            finally:
+                p.rx.release()
+        failure = self._failure
+        if failure is not None:
+            self._fail_requests(p, failure)
+            if isinstance(failure, PeerLostError) and failure.peer == p.rank:
+                raise failure.with_traceback(None)
+        return req
+
+    def progress(self) -> None:
+        """Read, without blocking, what has arrived on every connection no other thread is
+        reading: frames of posted receives complete, an abort notice or a lost connection
+        fails the transport, a clean close moves the peer to ``PEER_CLOSED``. Collectives do
+        this themselves while they wait; this is for a caller that is between them. Never
+        raises (look at :attr:`failure`)."""
+        for p in self._order:
+            if p.state is PeerState.OPEN and p.rx.acquire(blocking=False):
+                try:
+                    self._advance(p, blocking=False)
+                finally:
+                    p.rx.release()
+
+    def _hand_over(self) -> None:
+        """The calling thread is about to block on something it does not drive: give every
+        posted receive to its peer's receiver thread."""
+        for p in self._order:
+            if p.posted and p.state is PeerState.OPEN:
+                p.helper_q.put(True)
+
+    def _drive(self, req: _TCPRequest, deadline: float) -> None:
+        """Make progress on the calling thread until ``req`` (a receive) completes, the
+        transport fails or ``deadline`` passes: read every connection whose reader token is
+        free, poll them (and the wake pipe) when nothing can be read. Returns without
+        completing ``req`` when its connection is served by the receiver thread (the caller
+        then blocks on the request, looking at the idle connections every
+        :data:`IDLE_LOOK_SECONDS`)."""
+        target = self._peers[req.peer]
+        wants: dict[_Peer, _Want] = {}
+        ready: list[_Peer] = [target] + [p for p in self._order if p is not target]
+        poller: Any = None
+        registered: set[int] = set()
+        while not req._done and self._failure is None:
+            for p in ready:
+                if p.state is not PeerState.OPEN or not p.rx.acquire(blocking=False):
+                    wants.pop(p, None)  # closed, or served by another thread for now
+                    continue
+                try:
+                    wants[p] = self._advance(p, blocking=False)
+                finally:
+                    p.rx.release()
+            if req.done() or self._failure is not None:
+                return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            if wants.get(target) is not _Want.READ:
+                # The receiver thread (or another thread) has the target connection: block
+                # on the request, looking at the idle connections now and then.
+                self._hand_over()
+                if req._lock.acquire(timeout=min(left, IDLE_LOOK_SECONDS)):
+                    req._lock.release()
+                    return
+                ready = self._order
+                continue
+            if poller is None:
+                poller = select.poll()
+                poller.register(self._wake_r, _POLL_IN)
+            polled = {p.fd: p for p, w in wants.items()
+                      if w is _Want.READ and p.state is PeerState.OPEN}
+            for fd in registered - polled.keys():
+                poller.unregister(fd)
+            for fd in polled.keys() - registered:
+                poller.register(fd, _POLL_IN)
+            registered = set(polled)
+            # A reply to a small frame usually comes within microseconds: look without
+            # sleeping for a moment (waking from poll costs a reschedule), then block.
+            events = poller.poll(0)
+            spin_end = time.monotonic() + SPIN_SECONDS
+            while not events and time.monotonic() < spin_end:
+                events = poller.poll(0)
+            if not events:
+                events = poller.poll(max(1, int(min(left, IDLE_LOOK_SECONDS) * 1000) + 1))
+            ready = [polled[fd] for fd, _ in events if fd in polled]
+
+    def _helper_loop(self, p: _Peer) -> None:
+        """The receiver thread: serve the receives handed to it (large ones, consumers, and
+        everything posted while the caller blocks elsewhere); after a failure read and drop
+        what the peer still sends until it closes."""
+        while True:
+            job = p.helper_q.get()
+            if job is None:
+                return
+            while True:
+                with p.rx:
+                    if self._failure is not None:
+                        self._drop_until_closed(p)
+                        break
+                    while p.posted and p.state is PeerState.OPEN and self._failure is None \
+                            and not self._closing:
+                        self._advance(p, blocking=True)
+                # Look again after releasing the token: a receive posted while we held it may
+                # have found the token taken.
+                if not p.posted or p.state is not PeerState.OPEN or self._failure is not None \
+                        or self._closing:
+                    break
+
+    def _drop_until_closed(self, p: _Peer) -> None:
+        """Failed: read and drop whatever ``p`` still sends until it closes, so that a peer
+        blocked writing to this rank is released at once (reader token held)."""
+        if self._closing or p.state is PeerState.PEER_CLOSED:
+            return
+        scratch = bytearray(1 << 16)
+        with contextlib.suppress(OSError):
+            while not self._closing and p.sock.recv_into(scratch):
+                pass
+
+    def _advance(self, p: _Peer, blocking: bool) -> _Want:
+        """Run ``p``'s receive machine (:class:`RxPhase`) as far as the socket allows:
+        complete posted receives in order, notice ABORT frames, end of file and errors.
+        ``blocking``: wait for bytes (the receiver thread; stops when nothing is posted);
+        otherwise read only what is there. Precondition: the reader token ``p.rx`` is held."""
+        sock = p.sock
+        flags = WAITALL if blocking else DONTWAIT
+        try:
+            while self._failure is None and p.state is PeerState.OPEN:
+                phase = p.rx_phase
+                req = p.head()
+                if phase is RxPhase.HEADER:
+                    if req is None and blocking:
+                        return _Want.IDLE
+                    if req is not None and req.helper and not blocking:
+                        return _Want.HELPER
+                    got = p.rx_got
+                    if got == 0 and req is not None and req.consume is None and len(req.view):
+                        # The header and whatever part of the payload is here, in one call.
+                        n = sock.recvmsg_into((p.hview, req.view), 0,
+                                              0 if blocking else DONTWAIT)[0]
+                    else:
+                        n = sock.recv_into(p.hview[got:], HEADER_SIZE - got, flags)
+                    if n == 0:
+                        self._eof(p, between_frames=got == 0)
+                        return _Want.IDLE
+                    got += n
+                    if got < HEADER_SIZE:
+                        p.rx_got = got
+                        continue
+                    p.rx_got = 0
+                    header = FrameHeader.unpack(p.hbuf)
+                    early = got - HEADER_SIZE
+                    if header.kind == FrameKind.ABORT:
+                        self._abort_notice(p, header, req, early)
+                        return _Want.IDLE
+                    p.rx_header = header
+                    if req is None:
+                        p.rx_phase = RxPhase.HELD
+                        return _Want.IDLE
+                    self._match(p, req, header, early)
+                elif phase is RxPhase.HELD:
+                    if req is None:
+                        return _Want.IDLE
+                    if req.helper and not blocking:
+                        return _Want.HELPER
+                    assert p.rx_header is not None
+                    self._match(p, req, p.rx_header, 0)
+                elif phase is RxPhase.BODY:
+                    assert req is not None and p.rx_header is not None
+                    if req.consume is not None:
+                        if not blocking:
+                            return _Want.HELPER
+                        if not self._consume(p, req, p.rx_header):
+                            return _Want.IDLE
+                    else:
+                        got = p.rx_got
+                        n = sock.recv_into(req.view[got:], len(req.view) - got, flags)
+                        if n == 0:
+                            self._eof(p, between_frames=False)
+                            return _Want.IDLE
+                        p.rx_got = got + n
+                    if p.rx_got == p.rx_header.length:
+                        self._payload_done(p, req)
+                else:  # TAG
+                    assert req is not None
+                    got = p.rx_got
+                    n = sock.recv_into(memoryview(p.tag)[got:], FRAME_TAG_BYTES - got, flags)
+                    if n == 0:
+                        self._eof(p, between_frames=False)
+                        return _Want.IDLE
+                    p.rx_got = got + n
+                    if p.rx_got == FRAME_TAG_BYTES:
+                        self._check_tag(p, req)
+            return _Want.IDLE
+        except (BlockingIOError, InterruptedError):
+            return _Want.READ
+        except _ConsumerFailed:
+            return _Want.IDLE
+        except ProtocolError as exc:  # bad magic or version
+            self._fail(ProtocolError(f"from rank {p.rank}: {exc}", rank=self.rank, peer=p.rank))
+            return _Want.IDLE
+        except OSError as exc:
+            self._os_error(p, exc)
+            return _Want.IDLE
+
+    def _match(self, p: _Peer, req: _TCPRequest, header: FrameHeader, early: int) -> None:
+        """A data header for ``req`` (``early`` payload bytes already in ``req.view``):
+        check it, then go on to the payload (HEADER/HELD -> BODY)."""
+        msg = header.mismatch(req.header, p.rank)
+        if msg is not None:
+            # A peer that aborted in the middle of a frame left that frame's header here: its
+            # reason explains the mismatch better than the headers do.
+            aborted = self._abort_reason(p.rank)
+            self._fail(ProtocolError(msg, rank=self.rank, peer=p.rank, sequence=req.header.seq)
+                       if aborted is None else
+                       PeerLostError(aborted, rank=self.rank, peer=p.rank))
+            return
+        p.rx_phase = RxPhase.BODY
+        p.rx_got = early
+        if p.key_in is not None and req.consume is not None:
+            p.rx_mac = tag_hasher(p.key_in, p.count_in, bytes(p.hbuf))
+        if early == header.length and req.consume is None:
+            self._payload_done(p, req)
+
+    def _payload_done(self, p: _Peer, req: _TCPRequest) -> None:
+        """The payload is in: BODY -> TAG (integrity on) or complete the frame."""
+        if p.key_in is not None:
+            p.rx_phase = RxPhase.TAG
+            p.rx_got = 0
+            return
+        self._complete(p, req, 0)
+
+    def _complete(self, p: _Peer, req: _TCPRequest, extra: int) -> None:
+        """The frame of ``req`` (the oldest posted receive) is complete: -> HEADER."""
+        with p.lock:
+            if not p.posted or p.posted[0] is not req:
+                return  # failed meanwhile: the failure path finished it
+            p.posted.popleft()
+        p.rx_phase = RxPhase.HEADER
+        p.rx_got = 0
+        self.stats.add_received(HEADER_SIZE + req.header.length + extra)
+        req._finish(None)
+
+    def _consume(self, p: _Peer, req: _TCPRequest, header: FrameHeader) -> bool:
+        """Read the payload and feed it to ``req.consume`` in :data:`CONSUME_CHUNK_BYTES`
+        pieces (blocking; the receiver thread); False at end of file. An exception from the
+        consumer fails the transport (and so the request): _ConsumerFailed."""
         assert req.consume is not None
         chunk = p.bounce
-        pos = 0
-        mac = None
-        if p.key_in is not None:
-            mac = _tag_hasher(p.key_in, p.count_in, header_bytes)
-            p.consume_mac = mac
+        n = header.length
+        pos = p.rx_got
+        mac = p.rx_mac
         while pos < n:
             k = min(len(chunk), n - pos)
-            if _recv_exact(p.sock, chunk[:k]) < k:
+            if recv_exact(p.sock, chunk[:k]) < k:
+                self._eof(p, between_frames=False)
                 return False
             if mac is not None:
                 mac.update(chunk[:k])
@@ -692,10 +926,76 @@ class TCPTransport(Transport):
                 req.consume(pos, chunk[:k])
             except Exception as exc:  # a local failure: report it everywhere
                 self._fail(CommError(f"rank {self.rank}: consuming a frame from rank "
-                                     f"{p.rank} failed: {type(exc).__name__}: {exc}"))
+                                     f"{p.rank} failed: {type(exc).__name__}: {exc}",
+                                     rank=self.rank, peer=p.rank))
                 raise _ConsumerFailed from exc
             pos += k
+            p.rx_got = pos
         return True
+
+    def _check_tag(self, p: _Peer, req: _TCPRequest) -> None:
+        """The integrity tag of ``req``'s frame is in ``p.tag``: verify it (TAG -> HEADER),
+        or fail the transport."""
+        assert p.key_in is not None
+        if req.consume is not None:
+            want = p.rx_mac.digest(FRAME_TAG_BYTES)
+            p.rx_mac = None
+        else:
+            want = frame_tag(p.key_in, p.count_in, bytes(p.hbuf), req.view)
+        p.count_in += 1
+        if not hmac.compare_digest(want, bytes(p.tag)):
+            self._fail(ProtocolError(f"rank {self.rank}: a frame from rank {p.rank} failed its "
+                                     "integrity check (altered on the way, or not sent by it)",
+                                     rank=self.rank, peer=p.rank))
+            return
+        self._complete(p, req, FRAME_TAG_BYTES)
+
+    def _abort_notice(self, p: _Peer, header: FrameHeader, req: _TCPRequest | None,
+                      early: int) -> None:
+        """``p`` sent an ABORT frame; ``early`` bytes of its reason landed in ``req.view``."""
+        n = min(header.length, MAX_REASON_BYTES)
+        raw = bytearray(n)
+        have = 0
+        if req is not None and early > 0:
+            have = min(early, n)
+            raw[:have] = req.view[:have]
+        # The notice was written with one call: the rest is (nearly always) here already.
+        end = time.monotonic() + ABORT_STORE_SECONDS
+        view = memoryview(raw)
+        with contextlib.suppress(OSError):
+            while have < n:
+                left = end - time.monotonic()
+                if left <= 0 or not select.select([p.sock], [], [], left)[0]:
+                    break
+                k = p.sock.recv_into(view[have:], n - have, DONTWAIT)
+                if k == 0:
+                    break
+                have += k
+        self._fail(PeerLostError(f"rank {p.rank} aborted: {decode_reason(raw[:have])}",
+                                 rank=self.rank, peer=p.rank))
+
+    def _eof(self, p: _Peer, between_frames: bool) -> None:
+        """The connection to ``p`` reached end of file: OPEN -> PEER_CLOSED when it came
+        between frames with nothing posted, else the failure path."""
+        if self._closing or self._failure is not None:
+            return
+        if between_frames and p.rx_phase is RxPhase.HEADER:
+            with p.lock:
+                if not p.posted and self._transition(p, PeerState.PEER_CLOSED):
+                    return  # a clean close: only later calls involving p fail
+        self._fail(PeerLostError(self._lost_message(p.rank, None), rank=self.rank,
+                                 peer=p.rank))
+
+    def _os_error(self, p: _Peer, exc: OSError) -> BitcollError:
+        """The one mapping of a socket error on ``p``'s connection: the transport fails with
+        PeerLostError (unless it is being closed); return the error to finish requests
+        with."""
+        if self._failure is None and not self._closing:
+            self._fail(PeerLostError(self._lost_message(p.rank, exc), rank=self.rank,
+                                     peer=p.rank))
+        return self._failure or UsageError("the TCP transport is closed")
+
+    # ---------------------------------------------------------------- stalls and reasons
 
     def silent_origin(self, peer: int) -> int:
         """This rank timed out waiting for ``peer``: record that in the store and follow the
@@ -728,192 +1028,6 @@ class TCPTransport(Transport):
             current = int(raw)
         return peer
 
-    def _peer_gone(self, p: _Peer) -> None:
-        """A call involves a peer that closed its connection: fail and raise."""
-        error = PeerLostError(self._lost_message(p.rank, None))
-        self._fail(error)
-        raise (self._failure or error).with_traceback(None)
-
-    # ---------------------------------------------------------------- threads
-
-    def _send_loop(self, p: _Peer) -> None:
-        sock = p.sock
-        stats = self.stats
-        while True:
-            req = p.send_q.get()
-            if req is None:
-                return
-            with p.send_lock:
-                failure = self._failure
-                if failure is not None:
-                    error: BitcollError | None = failure
-                else:
-                    try:
-                        _send_frame(sock, req.head, req.view, req.tail, req.sent)
-                        p.partial = False
-                        error = None
-                    except OSError as exc:
-                        if self._failure is None and not self._closing:
-                            self._fail(PeerLostError(self._lost_message(p.rank, exc)))
-                        error = self._failure or UsageError("the TCP transport is closed")
-                with p.state:
-                    p.queued -= 1
-            if error is None:
-                stats.add_sent(HEADER_SIZE + len(req.view) + len(req.tail))
-            req._finish(error)
-
-    def _recv_loop(self, p: _Peer) -> None:
-        sock = p.sock
-        stats = self.stats
-        recv_q = p.recv_q
-        hbuf = bytearray(HEADER_SIZE)
-        hview = memoryview(hbuf)
-        try:
-            while self._failure is None:
-                try:
-                    req = recv_q.get_nowait()
-                except queue.Empty:
-                    req = None
-                    got = 0
-                else:
-                    if req is None:
-                        break
-                    # A receive is posted: take the header and whatever part of the payload
-                    # is already there with one call.
-                    p.current = req
-                    got = (sock.recvmsg_into((hview, req.view))[0] if len(req.view)
-                           else sock.recv_into(hview))
-                    if got == 0:
-                        p.current = None
-                        self._eof(p, req, between_frames=True)
-                        return
-                if got < HEADER_SIZE:
-                    # Wait for a header even when nothing is posted, so that an abort notice
-                    # or a lost connection is seen at once.
-                    k = _recv_exact(sock, hview[got:])
-                    if got + k < HEADER_SIZE:
-                        p.current = None
-                        self._eof(p, req, between_frames=got + k == 0)
-                        return
-                    got = HEADER_SIZE
-                header = FrameHeader.unpack(hbuf)
-                if header.kind == FrameKind.ABORT:
-                    p.current = None
-                    self._abort_notice(p, header, req, got - HEADER_SIZE)
-                    break
-                if req is None:
-                    req = recv_q.get()
-                    if req is None:
-                        break
-                    p.current = req
-                    got = HEADER_SIZE
-                msg = header.mismatch(req.header, p.rank)
-                if msg is not None:
-                    p.current = None
-                    # A peer that aborted in the middle of a frame left that frame's header
-                    # here: its reason explains the mismatch better than the headers do.
-                    aborted = self._abort_reason(p.rank)
-                    self._fail(ProtocolError(msg) if aborted is None
-                               else PeerLostError(aborted))
-                    req._finish(self._failure)
-                    break
-                body = got - HEADER_SIZE
-                if req.consume is not None:
-                    try:
-                        complete = self._consume(p, req, header.length, bytes(hbuf))
-                    except _ConsumerFailed:
-                        p.current = None
-                        req._finish(self._failure)
-                        break
-                    if not complete:
-                        p.current = None
-                        self._eof(p, req, between_frames=False)
-                        return
-                elif body < header.length and \
-                        body + _recv_exact(sock, req.view[body:]) < header.length:
-                    p.current = None
-                    self._eof(p, req, between_frames=False)
-                    return
-                extra = 0
-                if p.key_in is not None:
-                    if not self._check_tag(p, hbuf, req):
-                        break
-                    extra = FRAME_TAG_BYTES
-                p.current = None
-                stats.add_received(HEADER_SIZE + header.length + extra)
-                req._finish(None)
-        except ProtocolError as exc:  # bad magic or version
-            self._fail(ProtocolError(f"from rank {p.rank}: {exc}"))
-            req = p.current
-            p.current = None
-            if req is not None:
-                req._finish(self._failure)
-        except OSError as exc:
-            req = p.current
-            p.current = None
-            if self._failure is None and not self._closing:
-                self._fail(PeerLostError(self._lost_message(p.rank, exc)))
-            if req is not None:
-                req._finish(self._failure or UsageError("the TCP transport is closed"))
-            return
-        if not self._closing:
-            # Failed: keep reading (and dropping) whatever the peer still sends until it
-            # closes, so that a peer blocked writing to this rank is released at once.
-            scratch = bytearray(1 << 16)
-            with contextlib.suppress(OSError):
-                while p.sock.recv_into(scratch):
-                    pass
-
-    def _check_tag(self, p: _Peer, head: bytearray, req: _TCPRequest) -> bool:
-        """Read and check the integrity tag of the frame just received into ``req`` (for
-        ``irecv_consume`` the payload was hashed as it was consumed); False (and the
-        transport failed, ``req`` finished) when it does not verify. OSError at EOF."""
-        tag = bytearray(FRAME_TAG_BYTES)
-        if _recv_exact(p.sock, memoryview(tag)) < FRAME_TAG_BYTES:
-            raise ConnectionError("the connection ended inside a frame's integrity tag")
-        assert p.key_in is not None
-        if req.consume is not None:
-            assert p.consume_mac is not None
-            want = p.consume_mac.digest(FRAME_TAG_BYTES)
-            p.consume_mac = None
-        else:
-            want = _frame_tag(p.key_in, p.count_in, bytes(head), req.view)
-        p.count_in += 1
-        if hmac.compare_digest(want, bytes(tag)):
-            return True
-        p.current = None
-        self._fail(ProtocolError(f"rank {self.rank}: a frame from rank {p.rank} failed its "
-                                 "integrity check (altered on the way, or not sent by it)"))
-        req._finish(self._failure)
-        return False
-
-    def _abort_notice(self, p: _Peer, header: FrameHeader, req: _TCPRequest | None,
-                      early: int) -> None:
-        """``p`` sent an ABORT frame; ``early`` bytes of its reason landed in ``req.view``."""
-        n = min(header.length, MAX_REASON_BYTES)
-        raw = bytearray(n)
-        have = 0
-        if req is not None and early > 0:
-            have = min(early, n)
-            raw[:have] = req.view[:have]
-        if have < n:
-            have += _recv_exact(p.sock, memoryview(raw)[have:])
-        reason = raw[:have].decode("utf-8", errors="replace")
-        self._fail(PeerLostError(f"rank {p.rank} aborted: {reason}"))
-        if req is not None:
-            req._finish(self._failure)
-
-    def _eof(self, p: _Peer, req: _TCPRequest | None, between_frames: bool) -> None:
-        """The connection to ``p`` reached end of file (``req``: the frame being read)."""
-        if self._failure is None and not self._closing:
-            if between_frames and req is None:
-                p.eof = True
-                if p.recv_q.empty():
-                    return  # a clean close: only later calls involving p fail
-            self._fail(PeerLostError(self._lost_message(p.rank, None)))
-        if req is not None:
-            req._finish(self._failure or UsageError("the TCP transport is closed"))
-
     def _abort_reason(self, peer: int) -> str | None:
         """``"rank <peer> aborted: <reason>"`` when ``peer`` left an abort reason in the
         store, else None."""
@@ -938,49 +1052,67 @@ class TCPTransport(Transport):
         return (f"lost the connection to rank {peer}{how}: rank {peer} exited, was killed or "
                 "closed its transport")
 
-    # ---------------------------------------------------------------- abort / close
+    # ---------------------------------------------------------------- failure / close
 
-    def _drain(self, p: _Peer, error: BitcollError) -> None:
-        """Fail every request still queued for ``p`` and wake its threads."""
-        drain_peer(p, error)
+    def _fail_requests(self, p: _Peer, error: BitcollError) -> None:
+        """Fail every request posted or queued for ``p`` with ``error`` and stop its sender
+        thread (its receiver thread stays: it drops what the peer still sends)."""
+        with p.lock:
+            posted = list(p.posted)
+            p.posted.clear()
+        for r in posted:
+            r._finish(error)
+        while True:
+            try:
+                s = p.send_q.get_nowait()
+            except queue.Empty:
+                break
+            if s is not None:
+                with p.lock:
+                    p.queued -= 1
+                s._finish(error)
+        p.send_q.put(None)
 
     def _fail(self, error: CommError, reason: str | None = None) -> None:
-        """Record the first failure, tell every peer, stop everything. Never raises."""
+        """The one failure path: record the first failure, tell every peer, move every
+        connection to FAILED, fail every waiting request and wake every waiting thread.
+        Never raises."""
         with self._lock:
             if self._failure is not None or self._closed:
                 return
             self._failure = error
-        text = (str(error) if reason is None else reason).encode("utf-8", errors="replace")
-        text = text[:MAX_REASON_BYTES]
+        frame = abort_frame(str(error) if reason is None else reason)
         # 1. An ABORT frame on every connection that is between frames (the fast path).
-        frame = FrameHeader(seq=0, step=0, signature=0, length=len(text),
-                            kind=FrameKind.ABORT).pack() + text
-        for p in self._peers.values():
+        for p in self._order:
             if p.send_lock.acquire(blocking=False):
-                if p.partial:  # the connection is in the middle of a frame
-                    p.send_lock.release()
-                    continue
                 try:
-                    with contextlib.suppress(OSError):
-                        p.sock.send(frame, _DONTWAIT | _NOSIGNAL)
+                    if not p.partial:
+                        with contextlib.suppress(OSError):
+                            p.sock.send(frame, DONTWAIT | NOSIGNAL)
                 finally:
                     p.send_lock.release()
         # 2. The reason in the store, for peers that will only see the stream end mid-frame.
         if self._store is not None:
             with contextlib.suppress(CommError):
-                self._store.set(self._key(KEY_ABORT.format(self.rank)), text,
-                                time.monotonic() + ABORT_STORE_SECONDS)
-        # SHUT_WR: peers read the end of the stream after what was sent (this rank's own
+                self._store.set(self._key(KEY_ABORT.format(self.rank)),
+                                frame[HEADER_SIZE:], time.monotonic() + ABORT_STORE_SECONDS)
+        # 3. SHUT_WR: peers read the end of the stream after what was sent (this rank's own
         # blocked sends fail at once); the receiver threads go on reading and dropping data
         # until the peers close, so no peer stays blocked writing to this rank.
-        for p in self._peers.values():
+        for p in self._order:
             with contextlib.suppress(OSError):
                 p.sock.shutdown(socket.SHUT_WR)
-        for p in self._peers.values():
-            self._drain(p, error)
-            current = p.current
-            if current is not None:
-                current._finish(error)
+        for p in self._order:
+            with p.lock:
+                self._transition(p, PeerState.FAILED)
+            self._fail_requests(p, error)
+            p.helper_q.put(True)
+        self._wake()
+
+    def _wake(self) -> None:
+        """Wake every thread polling the sockets in :meth:`_drive`."""
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"!")
 
     def abort(self, reason: str) -> None:
         """Fail every pending and future request here and make every peer fail promptly.
@@ -990,7 +1122,7 @@ class TCPTransport(Transport):
         ``PeerLostError("rank <r> aborted: <reason>")``. Idempotent; never raises; a no-op
         after close.
         """
-        self._fail(CommError(f"rank {self.rank} aborted: {reason}"), reason)
+        self._fail(CommError(f"rank {self.rank} aborted: {reason}", rank=self.rank), reason)
 
     def close(self, timeout: float | None = None) -> None:
         """Flush queued sends, close the connections, join the threads. Idempotent.
@@ -1006,22 +1138,30 @@ class TCPTransport(Transport):
             self._closed = True
         deadline = time.monotonic() + (self.close_timeout if timeout is None else timeout)
         closed = UsageError("the TCP transport is closed")
-        for p in self._peers.values():
+        for p in self._order:
             p.send_q.put(None)  # senders exit after the frames queued before it
-        for p in self._peers.values():
+        for p in self._order:
             if p.sender is not None:
                 p.sender.join(max(0.0, deadline - time.monotonic()))
         self._closing = True
-        for p in self._peers.values():
+        for p in self._order:
+            with p.lock:
+                self._transition(p, PeerState.CLOSED)
             with contextlib.suppress(OSError):
                 p.sock.shutdown(socket.SHUT_RDWR)
-            self._drain(p, closed)
-        for p in self._peers.values():
+            self._fail_requests(p, closed)
+            p.helper_q.put(None)
+        self._wake()
+        for p in self._order:
             for t in (p.sender, p.receiver):
                 if t is not None:
                     t.join(5.0)
-            self._drain(p, closed)
+            self._fail_requests(p, closed)
             p.sock.close()
+        if self._peers:
+            for fd in (self._wake_r, self._wake_w):
+                with contextlib.suppress(OSError):
+                    os.close(fd)
         if self._rdv is not None:
             if self._failure is not None:
                 deadline = min(deadline, time.monotonic() + FAILED_CLOSE_SECONDS)
@@ -1032,366 +1172,3 @@ class TCPTransport(Transport):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-# --------------------------------------------------------------------------------------------
-# Rendezvous and the handshake
-# --------------------------------------------------------------------------------------------
-
-
-class RendezvousStore(Protocol):
-    """What the set-up needs of a store: bitcoll's :class:`StoreClient` or an
-    :class:`~bitcoll.transport.external_store.ExternalStore`."""
-
-    def set(self, key: str, value: bytes, deadline: float | None = None) -> None: ...
-
-    def get(self, key: str, deadline: float | None = None) -> bytes: ...
-
-    def try_get(self, key: str, deadline: float | None = None) -> bytes | None: ...
-
-    def add(self, key: str, delta: int, deadline: float | None = None) -> int: ...
-
-    def wait(self, keys: Iterable[str], deadline: float | None = None) -> None: ...
-
-    def missing(self, keys: Iterable[str], deadline: float | None = None) -> list[str]: ...
-
-    def close(self) -> None: ...
-
-    @property
-    def local_address(self) -> str: ...
-
-
-#: Worlds built so far in this process per own-store address and rank: the store's
-#: *generation*, so that a rank re-creating a communicator never talks to rank 0's previous
-#: store while it closes.
-_GENERATIONS: dict[tuple[str, int, int], int] = {}
-_GENERATIONS_LOCK = threading.Lock()
-
-
-class _Rendezvous:
-    """A transport's store, its key namespace (``prefix``) and the job's secret.
-
-    ``owns``: the store (and on rank 0 the server) belongs to this transport and is closed with
-    it; sub-groups borrow their parent's. ``secret_file``: rank 0's secret file while the other
-    ranks may still need to read it.
-    """
-
-    def __init__(self, store: RendezvousStore, prefix: str, secret: bytes, where: str,
-                 server: StoreServer | None = None, owns: bool = False,
-                 secret_file: auth.SecretFile | None = None) -> None:
-        self.store = store
-        self.prefix = prefix
-        self.secret = secret
-        self.where = where
-        self.server = server
-        self.owns = owns
-        self.secret_file = secret_file
-
-    def key(self, suffix: str) -> str:
-        return self.prefix + suffix
-
-    @classmethod
-    def own(cls, rank: int, master_addr: str, master_port: int, secret: bytes | None,
-            deadline: float, timeout: float) -> _Rendezvous:
-        """bitcoll's store at ``master_addr:master_port``, served by rank 0."""
-        with _GENERATIONS_LOCK:
-            gen = _GENERATIONS.get((master_addr, master_port, rank), 0)
-            _GENERATIONS[(master_addr, master_port, rank)] = gen + 1
-        where = f"{master_addr}:{master_port}"
-        server: StoreServer | None = None
-        secret_file: auth.SecretFile | None = None
-        try:
-            if rank == 0:
-                if secret is None:
-                    secret_file = auth.SecretFile()
-                    secret = secret_file.secret
-                server = StoreServer(master_addr, master_port, secret=secret, generation=gen,
-                                     hint="" if secret_file is None else secret_file.path)
-            try:
-                client = StoreClient.connect(master_addr, master_port, deadline, secret=secret,
-                                             generation=gen)
-            except CommTimeoutError as exc:
-                raise CommTimeoutError(
-                    f"rank {rank}: rank 0 never showed up: no rendezvous store answered at "
-                    f"{where} within {timeout:g} s ({exc})") from None
-        except BaseException:
-            if server is not None:
-                server.close()
-            if secret_file is not None:
-                secret_file.remove()
-            raise
-        return cls(client, "bitcoll/", client.secret, where, server, True, secret_file)
-
-    @classmethod
-    def external(cls, rank: int, store: object, master_addr: str, secret: bytes | None,
-                 deadline: float) -> _Rendezvous:
-        """A store the job already has (torch.distributed's); keys under
-        ``bitcoll/<k>/`` where ``k`` counts the worlds this rank built on it."""
-        ext = ExternalStore(store, host=getattr(store, "host", None) or master_addr or None)
-        gen = ext.add(f"bitcoll/count/{rank}", 1, deadline) - 1
-        prefix = f"bitcoll/{gen}/"
-        secret_file: auth.SecretFile | None = None
-        if secret is None:
-            if rank == 0:
-                secret_file = auth.SecretFile()
-                secret = secret_file.secret
-                ext.set(prefix + KEY_SECRET_FILE, secret_file.path.encode(), deadline)
-            else:
-                path = ext.get(prefix + KEY_SECRET_FILE, deadline)
-                secret = auth.read_secret_file(path.decode("utf-8", errors="replace"))
-        return cls(ext, prefix, secret, "the job's store", None, True, secret_file)
-
-    def child(self, suffix: str) -> _Rendezvous:
-        """The same store and secret under ``prefix + suffix``, not owned."""
-        return _Rendezvous(self.store, self.prefix + suffix, self.secret, self.where)
-
-    def forget_secret_file(self) -> None:
-        """Remove rank 0's secret file (every rank has read it, or set-up failed)."""
-        if self.secret_file is not None:
-            self.secret_file.remove()
-            self.secret_file = None
-
-    def close(self, server_deadline: float) -> None:
-        """Close an owned store; rank 0 serves it until the others left or the deadline."""
-        self.forget_secret_file()
-        if not self.owns:
-            return
-        self.store.close()
-        if self.server is not None:
-            self.server.wait_idle(server_deadline)
-            self.server.close()
-
-
-def _connect(addr: tuple[str, int], deadline: float, peer: int) -> socket.socket:
-    """Connect to a published address, retrying refused connections until ``deadline``."""
-    delay = 0.01
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise CommTimeoutError(f"could not connect to rank {peer} at {addr[0]}:{addr[1]} "
-                                   "before the deadline")
-        try:
-            infos = socket.getaddrinfo(addr[0], addr[1], type=socket.SOCK_STREAM)
-        except socket.gaierror as exc:
-            raise PeerLostError(f"rank {peer} published an unresolvable address "
-                                f"{addr[0]!r}: {exc}") from exc
-        family, _, _, _, sockaddr = infos[0]
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        _tune(sock)
-        sock.settimeout(min(left, 10.0))
-        try:
-            sock.connect(sockaddr)
-        except OSError:
-            sock.close()
-            time.sleep(max(0.0, min(delay, deadline - time.monotonic())))
-            delay = min(2 * delay, 0.25)
-            continue
-        return sock
-
-
-class _Pending:
-    """A connection in the handshake: what it waits for and what it has read."""
-
-    __slots__ = ("buf", "need", "nonce_a", "nonce_b", "peer", "stage")
-
-    def __init__(self, peer: int | None, stage: str, need: int, nonce_a: bytes = b"") -> None:
-        self.peer = peer  # the rank this side expects (connector) or claims to be (acceptor)
-        self.stage = stage  # "accept" (connector waits), "hello" / "confirm" (acceptor waits)
-        self.need = need
-        self.buf = bytearray()
-        self.nonce_a = nonce_a
-        self.nonce_b = b""
-
-
-#: Most handshakes an acceptor runs at once with connections not yet proven (strangers).
-MAX_PENDING_HANDSHAKES: Final = 256
-
-
-class _Mesh:
-    """Connects every pair of ranks with the authenticated hello of
-    :mod:`bitcoll.transport.handshake`: this rank connects to every higher rank and accepts
-    every lower one. Connections that fail the proof are dropped (and logged at debug level)
-    on the accepting side and are a ProtocolError on the connecting side."""
-
-    def __init__(self, rank: int, size: int, job_id: int, secret: bytes, mine: str,
-                 deadline: float, timeout: float) -> None:
-        self.rank = rank
-        self.size = size
-        self.job_id = job_id
-        self.secret = secret
-        self.mine = mine  # the address this rank published ("<port> <host>")
-        self.deadline = deadline
-        self.timeout = timeout
-        self.addrs: dict[int, str] = {}
-        self.done: dict[int, socket.socket] = {}
-        self.pending: dict[socket.socket, _Pending] = {}
-
-    def _proof(self, role: str, a: int, b: int, nonce_a: bytes, nonce_b: bytes,
-               addr_b: str) -> bytes:
-        return handshake.proof(self.secret, role, self.job_id, self.size, a, b, nonce_a,
-                               nonce_b, addr_b)
-
-    def connect(self, listener: socket.socket, addrs: dict[int, str]) -> dict[int, socket.socket]:
-        """Run the handshakes until every peer is connected; return ``{peer: socket}``."""
-        self.addrs = addrs
-        sel = selectors.DefaultSelector()
-        ok = False
-        try:
-            for peer in range(self.rank + 1, self.size):
-                port_s, host_s = addrs[peer].split(" ", 1)
-                s = _connect((host_s, int(port_s)), self.deadline, peer)
-                s.settimeout(max(0.001, self.deadline - time.monotonic()))
-                nonce_a = auth.new_nonce()
-                s.sendall(handshake.Hello(handshake.KIND_HELLO, self.rank, self.size,
-                                          self.job_id, nonce_a).pack())
-                s.setblocking(False)
-                self.pending[s] = _Pending(peer, "accept", handshake.ACCEPT_SIZE, nonce_a)
-                sel.register(s, selectors.EVENT_READ)
-            listener.setblocking(False)
-            sel.register(listener, selectors.EVENT_READ)
-            while len(self.done) < self.size - 1:
-                left = self.deadline - time.monotonic()
-                if left <= 0:
-                    raise self._timed_out()
-                for key, _ in sel.select(min(left, 1.0)):
-                    obj = key.fileobj
-                    assert isinstance(obj, socket.socket)
-                    if obj is listener:
-                        self._accept(listener, sel)
-                    else:
-                        self._read(obj, sel)
-            ok = True
-        finally:
-            sel.close()
-            if not ok:
-                for s in list(self.pending) + list(self.done.values()):
-                    s.close()
-            else:
-                for s in self.pending:
-                    s.close()
-        for s in self.done.values():
-            s.setblocking(True)
-            with contextlib.suppress(OSError):
-                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return self.done
-
-    def _timed_out(self) -> CommTimeoutError:
-        absent = set(range(self.rank)) - self.done.keys()
-        silent = set(range(self.rank + 1, self.size)) - self.done.keys()
-        parts = []
-        if absent:
-            parts.append(f"{_ranks(absent)} never connected")
-        if silent:
-            parts.append(f"{_ranks(silent)} never answered the handshake")
-        return CommTimeoutError(f"rank {self.rank}: {' and '.join(parts)} within "
-                                f"{self.timeout:g} s")
-
-    def _accept(self, listener: socket.socket, sel: selectors.BaseSelector) -> None:
-        while True:
-            try:
-                conn, addr = listener.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as exc:  # EMFILE and friends: drop nothing, try again later
-                _log.debug("rank %d: accept failed during set-up: %s", self.rank, exc)
-                return
-            if len(self.pending) >= MAX_PENDING_HANDSHAKES:
-                _log.debug("rank %d: too many handshakes at once; dropped %s", self.rank, addr)
-                conn.close()
-                continue
-            conn.setblocking(False)
-            self.pending[conn] = _Pending(None, "hello", handshake.HELLO_SIZE)
-            sel.register(conn, selectors.EVENT_READ)
-
-    def _drop(self, s: socket.socket, sel: selectors.BaseSelector, why: str) -> None:
-        p = self.pending.pop(s)
-        sel.unregister(s)
-        s.close()
-        if p.stage == "accept":  # a connection this rank made: the peer is not who it should be
-            raise PeerLostError(f"rank {self.rank}: rank {p.peer} {why}")
-        _log.debug("rank %d: dropped an incoming connection during set-up: %s", self.rank, why)
-
-    def _read(self, s: socket.socket, sel: selectors.BaseSelector) -> None:
-        p = self.pending[s]
-        try:
-            chunk = s.recv(p.need - len(p.buf))
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError as exc:
-            self._drop(s, sel, f"broke the handshake: {exc}")
-            return
-        if not chunk:
-            self._drop(s, sel, "closed the connection during the handshake")
-            return
-        p.buf += chunk
-        if len(p.buf) < p.need:
-            return
-        if p.stage == "hello":
-            self._on_hello(s, p, sel)
-        elif p.stage == "confirm":
-            self._on_confirm(s, p, sel)
-        else:
-            self._on_accept(s, p, sel)
-
-    def _send(self, s: socket.socket, data: bytes) -> bool:
-        """Write a handshake message (small: fits the empty socket buffer at once)."""
-        try:
-            return s.send(data, _NOSIGNAL) == len(data)
-        except OSError:
-            return False
-
-    def _on_hello(self, s: socket.socket, p: _Pending, sel: selectors.BaseSelector) -> None:
-        """Acceptor, message 1 arrived: check it, answer with message 2."""
-        h = handshake.Hello.unpack(p.buf)
-        if not h.matches(handshake.KIND_HELLO, self.size, self.job_id) or \
-                not 0 <= h.rank < self.rank or h.rank in self.done:
-            self._drop(s, sel, f"not a lower rank of this job (claims rank {h.rank} of "
-                               f"{h.size}, job {h.job_id:#x}, version {h.version})")
-            return
-        p.peer, p.nonce_a, p.nonce_b = h.rank, h.nonce, auth.new_nonce()
-        answer = handshake.Hello(handshake.KIND_ACCEPT, self.rank, self.size, self.job_id,
-                                 p.nonce_b).pack()
-        answer += self._proof("accept", h.rank, self.rank, p.nonce_a, p.nonce_b, self.mine)
-        if not self._send(s, answer):
-            self._drop(s, sel, "could not be answered")
-            return
-        p.stage, p.need, p.buf = "confirm", handshake.CONFIRM_SIZE, bytearray()
-
-    def _on_confirm(self, s: socket.socket, p: _Pending, sel: selectors.BaseSelector) -> None:
-        """Acceptor, message 3 arrived: the connector's proof."""
-        assert p.peer is not None
-        if p.peer in self.done or not handshake.verify(
-                self.secret, p.buf, "connect", self.job_id, self.size, p.peer, self.rank,
-                p.nonce_a, p.nonce_b, self.mine):
-            self._drop(s, sel, f"a connection claiming rank {p.peer} failed the proof of the "
-                               "job's secret")
-            return
-        del self.pending[s]
-        sel.unregister(s)
-        self.done[p.peer] = s
-
-    def _on_accept(self, s: socket.socket, p: _Pending, sel: selectors.BaseSelector) -> None:
-        """Connector, message 2 arrived: the acceptor's identity and proof."""
-        assert p.peer is not None
-        h = handshake.Hello.unpack(p.buf)
-        addr = self.addrs[p.peer]
-        good = h.matches(handshake.KIND_ACCEPT, self.size, self.job_id) and \
-            h.rank == p.peer and handshake.verify(
-                self.secret, p.buf[handshake.HELLO_SIZE:], "accept", self.job_id, self.size,
-                self.rank, p.peer, p.nonce_a, h.nonce, addr)
-        if not good:
-            port_s, host_s = addr.split(" ", 1)
-            del self.pending[s]
-            sel.unregister(s)
-            s.close()
-            raise ProtocolError(
-                f"rank {self.rank}: the process at {host_s}:{port_s} is not rank {p.peer} of "
-                f"this job (it answered as rank {h.rank} of {h.size}, version {h.version}, "
-                f"job {h.job_id:#x}, or could not prove it knows the job's secret)")
-        confirm = self._proof("connect", self.rank, p.peer, p.nonce_a, h.nonce, addr)
-        if not self._send(s, confirm):
-            self._drop(s, sel, "closed the connection during the handshake")
-            return
-        del self.pending[s]
-        sel.unregister(s)
-        self.done[p.peer] = s
