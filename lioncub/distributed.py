@@ -31,6 +31,12 @@ How a step runs
 4. After the last bucket the momentum schedule (:mod:`lioncub.sync`) picks the tensors whose
    momenta are averaged over the ranks (float32 ``allreduce(op="avg")``).
 
+Overlap with the backward pass: :meth:`DistributedLion.ready` declares a parameter's final
+gradient as soon as it exists; a bucket whose gradients are all declared is computed and its
+collective started at once, buckets in descending order (the order backward produces them);
+:meth:`DistributedLion.step` then starts the rest, waits and applies every update. The
+results are bitwise those of a plain step.
+
 Parameters without a gradient
 -----------------------------
 A gradient given as None counts as a **zero gradient** on that rank: the tensor keeps its
@@ -96,6 +102,20 @@ DEFAULT_BUCKET_BYTES = 25 * 2**20
 TIE_RULES = ("alternate", "positive", "negative", "elementwise")
 _STATE_FORMAT = "lioncub.DistributedLion/1"
 _MAX_SUM = MAX_SUM_RANGE  # bitcoll's exact sums travel in at most 16-bit fields
+
+
+@dataclass
+class _Early:
+    """The state of a step whose buckets :meth:`DistributedLion.ready` started."""
+
+    grads: list[Any]                   # the gradients declared so far (None: not yet)
+    declared: set[int]                 # parameter indices declared
+    missing: list[int]                 # per bucket: slots not declared yet
+    next: int                          # the next bucket to start (descending order)
+    hypers: list[Any]                  # hyperparameters read at the first ready()
+    before: dict[str, int]             # comm stats at the first ready()
+    inflight: dict[int, tuple[Any, Any, Any]]  # bucket index -> (bucket, buffers, work)
+    seconds: float = 0.0               # wall time spent inside ready()
 
 
 @dataclass
@@ -282,6 +302,7 @@ class DistributedLion:
         self._comm_seconds = 0.0
         self._device_to_host = 0  # bytes copied this step (engines on another device)
         self._host_to_device = 0
+        self._early: _Early | None = None  # buckets started by ready() before step()
         self.last_stats: StepStats | None = None
         self._check_agreement_across_ranks(broadcast_parameters)
         if broadcast_parameters:
@@ -368,22 +389,23 @@ class DistributedLion:
             raise UsageError("grads must be a list with one array (or None) per parameter")
         if len(grads) != len(self.params):
             raise UsageError(f"got {len(grads)} gradients for {len(self.params)} parameters")
-        out: list[F32 | None] = []
-        for i, (g, p) in enumerate(zip(grads, self.params, strict=True)):
-            if g is None:
-                out.append(None)
-                continue
-            if not isinstance(g, np.ndarray):
-                raise UsageError(f"gradient {i} ({self.names[i]}) must be a numpy array or "
-                                 f"None, got {type(g).__name__}")
-            if g.dtype != np.float32:
-                raise UsageError(f"gradient {i} ({self.names[i]}) must be float32, got "
-                                 f"{g.dtype}")
-            if g.shape != p.shape:
-                raise UsageError(f"gradient {i} ({self.names[i]}) has shape {g.shape}, the "
-                                 f"parameter has {p.shape}")
-            out.append(np.ascontiguousarray(g).reshape(-1))
-        return out
+        return [self._check_grad(i, g) for i, g in enumerate(grads)]
+
+    def _check_grad(self, i: int, g: object) -> F32 | None:
+        """Parameter ``i``'s gradient, checked and flattened (None stays None)."""
+        p = self.params[i]
+        if g is None:
+            return None
+        if not isinstance(g, np.ndarray):
+            raise UsageError(f"gradient {i} ({self.names[i]}) must be a numpy array or "
+                             f"None, got {type(g).__name__}")
+        if g.dtype != np.float32:
+            raise UsageError(f"gradient {i} ({self.names[i]}) must be float32, got "
+                             f"{g.dtype}")
+        if g.shape != p.shape:
+            raise UsageError(f"gradient {i} ({self.names[i]}) has shape {g.shape}, the "
+                             f"parameter has {p.shape}")
+        return np.ascontiguousarray(g).reshape(-1)
 
     def _hypers(self) -> list[Hyper]:
         per_group = []
@@ -477,6 +499,73 @@ class DistributedLion:
                 if kind != "majority":
                     sums[i] = total
 
+    # ------------------------------------------------------------------ overlap
+    def ready(self, index: int, grad: Any) -> None:
+        """Declare parameter ``index``'s final gradient of the coming step (None: a zero
+        gradient), so that its bucket can start before :meth:`step` (overlap with the
+        backward pass; collective once started).
+
+        A bucket starts as soon as every parameter in it is declared **and** every bucket
+        after it (higher index) has started: buckets start in descending order on every
+        rank (the order in which backward produces gradients), whatever the timing, so the
+        ranks' collectives always match. A bucket whose gradients are never declared starts
+        at :meth:`step`, which then starts the rest (still descending), waits for all of
+        them and applies the updates: parameters change only inside :meth:`step`. The
+        gradient given here is the one used (``step``'s entry for that parameter is
+        ignored); its memory must stay unchanged until the bucket starts. Hyperparameters
+        are read at the first ``ready()`` of a step. The results are bitwise those of a
+        plain :meth:`step` (every bucket's collective and update are independent of the
+        order) except with ``tie="elementwise"``, whose tie counter follows the order of
+        the calls: UsageError. Declaring a parameter twice before :meth:`step` is a
+        UsageError. Memory: every bucket in flight holds its own buffers. No other
+        collective may be called on the communicator between the first ``ready()`` and
+        :meth:`step`: ranks start buckets at different points (a rank that lacks a gradient
+        starts its buckets only at :meth:`step`), so such a call could meet a bucket's
+        collective on another rank.
+        """
+        if self.tie == "elementwise":
+            raise UsageError("ready() starts buckets in another order than step(), which "
+                             "changes tie='elementwise''s ties; use another tie rule")
+        if isinstance(index, bool) or not isinstance(index, (int, np.integer)) \
+                or not 0 <= index < len(self.params):
+            raise UsageError(f"index must be a parameter index in [0, {len(self.params)}), "
+                             f"got {index!r}")
+        index = int(index)
+        t0 = time.perf_counter()
+        early = self._early
+        if early is None:
+            early = self._early = _Early(
+                grads=[None] * len(self.params), declared=set(),
+                missing=[len(b.slots) for b in self.buckets], next=len(self.buckets) - 1,
+                hypers=self._hypers(), before=self.comm.stats.snapshot(), inflight={})
+            self._comm_seconds = 0.0
+            self._device_to_host = self._host_to_device = 0
+        if index in early.declared:
+            raise UsageError(f"the gradient of parameter {index} ({self.names[index]}) was "
+                             "declared twice before step(); with gradient accumulation, "
+                             "declare only the last micro-step's gradients")
+        early.grads[index] = self._check_grad(index, grad)
+        early.declared.add(index)
+        place = self._place[index]
+        if place is not None:
+            early.missing[place[0]] -= 1
+            self._start_declared(early, force=False)
+        early.seconds += time.perf_counter() - t0
+
+    def _start_declared(self, early: _Early, force: bool) -> None:
+        """Start buckets in descending order while they are complete (all, with force)."""
+        while early.next >= 0 and (force or early.missing[early.next] == 0):
+            bucket = self.buckets[early.next]
+            buf = self._buffer(bucket.index)
+            self._prepare(bucket, buf, early.grads, early.hypers)
+            early.inflight[bucket.index] = (bucket, buf, self._start(bucket, buf))
+            early.next -= 1
+
+    @property
+    def pending(self) -> bool:
+        """True between a :meth:`ready` and the :meth:`step` that completes it."""
+        return self._early is not None
+
     def step(self, grads: Sequence[npt.NDArray[np.float32] | None]) -> None:
         """One optimizer step from this rank's gradients (collective: every rank calls it).
 
@@ -486,22 +575,34 @@ class DistributedLion:
         rank) and this rank's momenta in place, then sets :attr:`last_stats`.
         """
         flat_grads = self._check_grads(grads)
-        hypers = self._hypers()
-        before = self.comm.stats.snapshot()
-        self._comm_seconds = 0.0
-        self._device_to_host = self._host_to_device = 0
-        start = time.perf_counter()
+        early, self._early = self._early, None
         sums: dict[int, int] = {}
-        pending: tuple[Bucket, _Buffers, Any] | None = None
-        for bucket in self.buckets:
-            buf = self._buffer(bucket.index % 2)
-            self._prepare(bucket, buf, flat_grads, hypers)
-            work = self._start(bucket, buf)
+        if early is not None:  # buckets started by ready(): the rest, then every update
+            hypers = early.hypers
+            before = early.before
+            start = time.perf_counter() - early.seconds
+            for i, g in enumerate(flat_grads):
+                if i not in early.declared:
+                    early.grads[i] = g
+            self._start_declared(early, force=True)
+            for b in sorted(early.inflight, reverse=True):
+                self._finish(*early.inflight[b], hypers, sums)
+        else:
+            hypers = self._hypers()
+            before = self.comm.stats.snapshot()
+            self._comm_seconds = 0.0
+            self._device_to_host = self._host_to_device = 0
+            start = time.perf_counter()
+            pending: tuple[Bucket, _Buffers, Any] | None = None
+            for bucket in self.buckets:
+                buf = self._buffer(bucket.index % 2)
+                self._prepare(bucket, buf, flat_grads, hypers)
+                work = self._start(bucket, buf)
+                if pending is not None:
+                    self._finish(*pending, hypers, sums)
+                pending = (bucket, buf, work)
             if pending is not None:
                 self._finish(*pending, hypers, sums)
-            pending = (bucket, buf, work)
-        if pending is not None:
-            self._finish(*pending, hypers, sums)
         self._step += 1
         if self.spec.kind == "majority":
             self._tie_counter += 1

@@ -50,7 +50,8 @@ optimizer, which makes every vote agree: Global Lion with extra traffic)::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+import contextlib
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -171,6 +172,24 @@ class DistributedLion(Optimizer):
     ``torch.float32`` (default, also what None means) or ``torch.bfloat16`` (half the
     memory; the arithmetic stays float32 and the momentum is rounded once per step).
 
+    ``overlap``: True starts each bucket's work (direction, votes, packing and its
+    collective) during ``backward()``, as soon as every gradient of the bucket is final and
+    every later bucket has started (hooks ``register_post_accumulate_grad_hook``; buckets
+    go from the last layers to the first, in the same order on every rank;
+    :meth:`lioncub.DistributedLion.ready`). :meth:`step` starts the buckets whose
+    gradients did not all arrive (e.g. a parameter without a gradient this step), waits,
+    and applies every update: parameters change only in :meth:`step`, and the results are
+    bitwise those without overlap. With gradient accumulation, run every backward but the
+    last inside :meth:`no_sync` (a gradient declared twice before :meth:`step` raises
+    UsageError from ``backward()``). Hyperparameters (LR schedulers) are read when the first
+    bucket starts; do not change them between ``backward()`` and :meth:`step`. Not with
+    ``tie="elementwise"`` (its ties depend on the order of the calls). Make no other
+    collective call on ``comm`` between ``backward()`` and :meth:`step` (log the loss after
+    the step, or give the optimizer a communicator of its own, ``comm.split(0)``): where a
+    bucket starts depends on which gradients a rank has, so such a call could meet a bucket's
+    collective on another rank. Memory: every bucket in flight keeps its own collective
+    (host) buffers.
+
     The other arguments are those of :class:`lioncub.DistributedLion`, which the engine
     implements: at :meth:`step` every trainable tensor's ``grad`` (None counts as a zero
     gradient on this rank, see :mod:`lioncub.distributed`) goes to the engine, which updates
@@ -193,7 +212,7 @@ class DistributedLion(Optimizer):
                  bucket_size: int = DEFAULT_BUCKET_BYTES,
                  names: Sequence[str] | None = None, *,
                  broadcast_parameters: bool = True, backend: str = "auto",
-                 momentum_dtype: torch.dtype | None = None) -> None:
+                 momentum_dtype: torch.dtype | None = None, overlap: bool = False) -> None:
         b1, b2 = _betas(betas)
         check_hyper(lr, b1, b2, weight_decay)
         self._constructed = False
@@ -232,6 +251,19 @@ class DistributedLion(Optimizer):
             self._core = TorchEngine(core_groups, comm, **options,
                                      momentum_dtype=momentum_dtype or torch.float32)
         self._ptrs = [p.data_ptr() for p in self._tensors]
+        self._accumulating = False
+        self._local_index = {id(p): i for i, p in enumerate(self._tensors)}
+        self._hooks: list[Any] = []
+        if not isinstance(overlap, bool):
+            raise UsageError(f"overlap must be True or False, got {overlap!r}")
+        if overlap:
+            if tie == "elementwise":
+                raise UsageError("overlap=True starts buckets in another order, which "
+                                 "changes tie='elementwise''s ties; use another tie rule")
+            self._hooks = [
+                p.register_post_accumulate_grad_hook(self._on_grad)  # type: ignore[no-untyped-call]
+                for p in self._tensors]
+        self.overlap = overlap
         momenta: list[Any] = list(self._core.momenta)
         for p, m in zip(self._tensors, momenta, strict=True):
             self.state[p]["momentum"] = m if isinstance(m, torch.Tensor) \
@@ -352,27 +384,66 @@ class DistributedLion(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._sync_hyper()
-        grads: list[Any] = []
-        for p, ptr in zip(self._tensors, self._ptrs, strict=True):
-            if p.data_ptr() != ptr:
-                raise UsageError("a parameter's storage was replaced after the optimizer was "
-                                 "built; the optimizer updates the original memory")
-            g = p.grad
-            if g is None or self._backend == "torch":
-                grads.append(g)  # the torch engine checks its gradients itself
-                continue
-            if g.dtype != torch.float32 or g.device.type != "cpu" or g.layout != torch.strided:
-                raise UsageError(f"gradients must be dense float32 CPU tensors, got {g.dtype} "
-                                 f"on {g.device} ({g.layout})")
-            grads.append(g.detach().numpy())
-        self._core.step(grads)
+        if not self._core.pending:
+            self._sync_hyper()
+        self._core.step([self._grad(p, ptr) for p, ptr in zip(self._tensors, self._ptrs,
+                                                               strict=True)])
         return loss
+
+    def _grad(self, p: torch.Tensor, ptr: int) -> Any:
+        """``p``'s gradient as the engine takes it (a numpy view for the numpy engine)."""
+        if p.data_ptr() != ptr:
+            raise UsageError("a parameter's storage was replaced after the optimizer was "
+                             "built; the optimizer updates the original memory")
+        g = p.grad
+        if g is None or self._backend == "torch":
+            return g  # the torch engine checks its gradients itself
+        if g.dtype != torch.float32 or g.device.type != "cpu" or g.layout != torch.strided:
+            raise UsageError(f"gradients must be dense float32 CPU tensors, got {g.dtype} "
+                             f"on {g.device} ({g.layout})")
+        return g.detach().numpy()
+
+    # ------------------------------------------------------------------ overlap
+    def _check_idle(self) -> None:
+        if self._core.pending:
+            raise UsageError("buckets of the coming step are in flight (overlap=True): call "
+                             "step() first")
+
+    @torch.no_grad()
+    def _on_grad(self, p: torch.Tensor) -> None:
+        """post-accumulate-grad hook: declare ``p``'s gradient final unless accumulating."""
+        if self._accumulating:
+            return
+        i = self._local_index[id(p)]
+        if not self._core.pending:
+            self._sync_hyper()
+        self._core.ready(i, self._grad(p, self._ptrs[i]))
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """With ``overlap=True``: backward passes inside this context only accumulate
+        gradients (no bucket starts); the backward after it is the last micro-step, whose
+        gradients start the buckets. Without overlap it does nothing. Like
+        DistributedDataParallel's ``no_sync``::
+
+            for micro in batches[:-1]:
+                with opt.no_sync():
+                    loss_fn(model(micro)).backward()
+            loss_fn(model(batches[-1])).backward()   # buckets start during this backward
+            opt.step()
+        """
+        previous, self._accumulating = self._accumulating, True
+        try:
+            yield
+        finally:
+            self._accumulating = previous
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
         """This rank's state: ``{"state": {index: {"momentum": tensor}}, "param_groups":
-        [hyperparameters and "params" indices], "lioncub": {...}}`` (copies)."""
+        [hyperparameters and "params" indices], "lioncub": {...}}`` (copies). UsageError
+        between a backward pass that started buckets (``overlap=True``) and :meth:`step`."""
+        self._check_idle()
         core = self._core.state_dict()
         momenta = core.pop("momentum")
         core.pop("param_groups")
@@ -392,6 +463,7 @@ class DistributedLion(Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` of an optimizer built the same way on the same rank.
         Raises UsageError on any mismatch, before changing anything."""
+        self._check_idle()
         if not isinstance(state_dict, dict) or state_dict.get("format") != _STATE_FORMAT:
             raise UsageError("not a lioncub.torch.DistributedLion state dict")
         groups = state_dict["param_groups"]

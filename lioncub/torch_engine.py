@@ -217,31 +217,37 @@ class TorchEngine(DistributedLion):
         return field_width(levels), field_width(levels * self.world_size)
 
     def _buffer(self, k: int) -> _Stage:  # type: ignore[override]
+        """Stage ``k``: its own host buffers (a bucket in flight holds them until it is
+        finished) and the device scratch every stage shares (the main thread, and the
+        device's stream, use it for one bucket at a time)."""
         dev = self.device if self.device is not None else torch.device("cpu")
         while len(self._stages) <= k:
             size = max((b.size for b in self.buckets), default=0)
             padded = tl.padded(size)
             w_in, w_out = self._widths()
             if self.spec.kind == "global":
-                n_in = n_out = 0
+                n_in, n_out = 4 * padded, 0
             else:
                 n_in, n_out = tl.nbytes(size, w_in), tl.nbytes(size, w_out)
 
             def u8(k: int) -> torch.Tensor:
                 return torch.zeros(k, dtype=torch.uint8, device=dev)
 
+            first = self._stages[0] if self._stages else None
             self._stages.append(_Stage(
-                c=torch.zeros(padded, dtype=torch.float32, device=dev),
-                t=torch.zeros(padded, dtype=torch.float32, device=dev),
-                fields=u8(padded),
-                words=torch.zeros(padded // 8, dtype=torch.int64, device=dev),
-                dev_in=u8(n_in),
-                host_in=self._pinned(n_in if n_in else 4 * padded),
+                c=first.c if first else torch.zeros(padded, dtype=torch.float32, device=dev),
+                t=first.t if first else torch.zeros(padded, dtype=torch.float32, device=dev),
+                fields=first.fields if first else u8(padded),
+                words=first.words if first
+                else torch.zeros(padded // 8, dtype=torch.int64, device=dev),
+                dev_in=first.dev_in if first else u8(0 if self.spec.kind == "global" else n_in),
+                host_in=self._pinned(n_in),
                 host_out=self._pinned(n_out),
-                dev_out=u8(n_out),
-                aux=torch.zeros(padded, dtype=torch.int8, device=dev),
-                t2=torch.zeros(padded if self.spec.kind == "global" else 0,
-                               dtype=torch.float32, device=dev)))
+                dev_out=first.dev_out if first else u8(n_out),
+                aux=first.aux if first else torch.zeros(padded, dtype=torch.int8, device=dev),
+                t2=first.t2 if first else torch.zeros(
+                    padded if self.spec.kind == "global" else 0, dtype=torch.float32,
+                    device=dev)))
         return self._stages[k]
 
     def _scratch64(self, n: int) -> torch.Tensor:
@@ -258,28 +264,28 @@ class TorchEngine(DistributedLion):
         return [m.view(p.shape) for m, p in zip(self._tmom, self._tparams, strict=True)]
 
     # ------------------------------------------------------------------ the step
+    def _check_grad(self, i: int, g: object) -> Any:
+        if g is None:
+            return None
+        p = self._tparams[i]
+        if not isinstance(g, torch.Tensor) or g.layout != torch.strided \
+                or not g.is_floating_point():
+            raise UsageError(f"gradient {i} ({self.names[i]}) must be a dense floating "
+                             f"tensor or None, got {getattr(g, 'dtype', type(g))}")
+        if g.device != p.device:
+            raise UsageError(f"gradient {i} ({self.names[i]}) is on {g.device}, the "
+                             f"parameter on {p.device}")
+        if g.shape != p.shape:
+            raise UsageError(f"gradient {i} ({self.names[i]}) has shape "
+                             f"{tuple(g.shape)}, the parameter has {tuple(p.shape)}")
+        return g.detach().reshape(-1)
+
     def _check_grads(self, grads: object) -> list[Any]:
         if isinstance(grads, torch.Tensor) or not isinstance(grads, (list, tuple)):
             raise UsageError("grads must be a list with one tensor (or None) per parameter")
         if len(grads) != len(self.params):
             raise UsageError(f"got {len(grads)} gradients for {len(self.params)} parameters")
-        out: list[torch.Tensor | None] = []
-        for i, (g, p) in enumerate(zip(grads, self._tparams, strict=True)):
-            if g is None:
-                out.append(None)
-                continue
-            if not isinstance(g, torch.Tensor) or g.layout != torch.strided \
-                    or not g.is_floating_point():
-                raise UsageError(f"gradient {i} ({self.names[i]}) must be a dense floating "
-                                 f"tensor or None, got {getattr(g, 'dtype', type(g))}")
-            if g.device != p.device:
-                raise UsageError(f"gradient {i} ({self.names[i]}) is on {g.device}, the "
-                                 f"parameter on {p.device}")
-            if g.shape != p.shape:
-                raise UsageError(f"gradient {i} ({self.names[i]}) has shape "
-                                 f"{tuple(g.shape)}, the parameter has {tuple(p.shape)}")
-            out.append(g.detach().reshape(-1))
-        return out
+        return [self._check_grad(i, g) for i, g in enumerate(grads)]
 
     def _direction(self, s: Slot, c: torch.Tensor, t: torch.Tensor,
                    g: torch.Tensor | None, h: Hyper) -> None:

@@ -117,7 +117,7 @@ def test_float32_trajectory_is_the_numpy_cores(variant: str) -> None:
     tensor, a missing gradient and a momentum schedule."""
     sync = None if variant == "global" else (
         "adaptive:0.5" if lioncub.SPECS[variant].yields_sums else "every:2")
-    out = run_threads(3, lambda c: _pair_run(c, variant, sync, 5), timeout=120)
+    out = run_threads(3, lambda c: _pair_run(c, variant, sync, 4), timeout=120)
     for r in out[1:]:
         assert all(torch.equal(x, y) for x, y in zip(out[0]["params"], r["params"],
                                                        strict=True))
@@ -291,3 +291,92 @@ def test_cuda_matches_cpu_engine(variant: str) -> None:
         engine: Any = opts[1].core
         assert all(st.host_in.is_pinned() for st in engine._stages)
     run_threads(2, body, timeout=120)
+
+
+# ---------------------------------------------------------------------- overlap with backward
+class _Net(torch.nn.Module):
+    """Three layers and a side branch used only when asked (its parameters then get no
+    gradient)."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        self.body = _model(seed)
+        self.side = torch.nn.Linear(7, 3)
+        gen = torch.Generator().manual_seed(seed + 1)
+        with torch.no_grad():
+            for p in self.side.parameters():
+                p.copy_(0.3 * torch.randn(p.shape, generator=gen))
+
+    def forward(self, x: torch.Tensor, side: bool) -> torch.Tensor:
+        y: torch.Tensor = self.body(x)
+        return y + self.side(x) if side else y
+
+
+def _micro(net: _Net, rank: int, step: int, k: int) -> None:
+    gen = torch.Generator().manual_seed(10_000 * rank + 10 * step + k)
+    x = torch.randn(8, 7, generator=gen)
+    side = not (rank == 1 and step == 2)  # one rank, one step: no gradient for the branch
+    loss = torch.nn.functional.mse_loss(net(x, side), 0.5 * x[:, :3])
+    loss.backward()  # type: ignore[no-untyped-call]
+
+
+def _overlap_run(comm: Any, variant: str, backend: str) -> None:
+    rank = int(comm.rank)
+    nets = [_Net(4), _Net(4)]
+    opts = [lt.DistributedLion(n.named_parameters(), comm, variant=variant, lr=1e-2,
+                               weight_decay=0.05, bucket_size=4 * 40, backend=backend,
+                               momentum_sync=None if variant == "global" else "every:2",
+                               overlap=overlap)
+            for n, overlap in zip(nets, (False, True), strict=True)]
+    assert len(opts[1].core.buckets) >= 3
+    scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5) for o in opts]
+    for step in range(3):
+        # overlapped optimizer first: no other collective may come between its backward
+        # and its step (ranks start buckets at different points of the backward)
+        for net, opt, sched in zip(nets[::-1], opts[::-1], scheds[::-1], strict=True):
+            opt.zero_grad(set_to_none=True)
+            for k in range(2):  # accumulate over micro-steps
+                with opt.no_sync():
+                    _micro(net, rank, step, k)
+            _micro(net, rank, step, 2)  # the last micro-step: buckets start in backward
+            if opt.overlap:
+                core: Any = opt.core
+                assert core.pending
+                # started before step(), unless the branch (in the last bucket, which must
+                # start first) got no gradient
+                assert bool(core._early.inflight) == (not (rank == 1 and step == 2))
+                with pytest.raises(UsageError, match="step"):
+                    opt.state_dict()
+            opt.step()
+            sched.step()
+        for a, b in zip(nets[0].parameters(), nets[1].parameters(), strict=True):
+            assert torch.equal(a, b), (variant, backend, step)
+        sa, sb = opts[0].last_stats, opts[1].last_stats
+        assert sa is not None and sb is not None
+        assert (sa.agreement, sa.synced) == (sb.agreement, sb.synced)
+    da, db = opts[0].state_dict(), opts[1].state_dict()
+    for i, entry in da["state"].items():
+        assert torch.equal(entry["momentum"], db["state"][i]["momentum"])
+    assert da["lioncub"]["step"] == db["lioncub"]["step"] == 3
+    # a second backward without no_sync declares gradients twice
+    opts[1].zero_grad(set_to_none=True)
+    _micro(nets[1], rank, 9, 0)
+    with pytest.raises(UsageError, match="declared twice"):
+        _micro(nets[1], rank, 9, 1)
+    opts[1].step()  # the step completes with the first backward's gradients
+
+
+@pytest.mark.parametrize("variant,backend", [(v, "torch") for v in lioncub.VARIANTS]
+                         + [("lioncub-l1", "numpy"), ("lioncub-mavo", "numpy")])
+def test_overlap_matches_plain_step(variant: str, backend: str) -> None:
+    """overlap=True (3 ranks): buckets start during backward, last layers first; with
+    gradient accumulation (no_sync), a parameter without a gradient on one rank, an LR
+    scheduler and zero_grad(set_to_none=True), every step equals the plain step bit for
+    bit."""
+    run_threads(3, lambda c: _overlap_run(c, variant, backend), timeout=120)
+
+
+def test_overlap_rejects_elementwise_ties() -> None:
+    with bitcoll.init("local") as comm, pytest.raises(UsageError, match="elementwise"):
+        lt.DistributedLion(_model(0).parameters(), comm, variant="lioncub-mavo",
+                           tie="elementwise", overlap=True)
