@@ -12,8 +12,11 @@
   (:mod:`lioncub.replicas`).
 * :class:`CommLike`: the communicator interface lioncub uses (:mod:`lioncub.comm`).
 * :mod:`lioncub.torch`: ``torch.optim`` front ends (``Lion``, ``DistributedLion``) and the DDP
-  hook ``no_allreduce_hook``; it is the only module that imports torch and is not imported
-  here.
+  hook ``no_allreduce_hook``. ``DistributedLion`` runs on the numpy core (float32 CPU
+  tensors, shared memory) or on :mod:`lioncub.torch_engine` (any device, float32 / bfloat16 /
+  float16, packing done on the device by :mod:`lioncub.torch_layout`), and can overlap its
+  communication with the backward pass (``overlap=True``; the core's
+  :meth:`DistributedLion.ready`). These modules import torch and are not imported here.
 
 Example (run with ``python -m launch -n 4 script.py`` or ``mpiexec -n 4 python script.py``)::
 

@@ -301,6 +301,8 @@ class TorchEngine(DistributedLion):
             else:
                 m.copy_(mf.mul_(b2))
             return
+        if g.dtype != torch.float32:
+            g = g.float()  # products in float32, not rounded to the gradient's dtype first
         torch.mul(g, a1, out=t)
         c.add_(t)
         torch.mul(g, a2, out=t)
