@@ -14,8 +14,10 @@ exceptions, a stopped rank) are tested with real mpiexec jobs in ``test_mpi_fail
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -72,6 +74,48 @@ def _world_barrier() -> None:
     from mpi4py import MPI
 
     MPI.COMM_WORLD.Barrier()
+
+
+def _shared_dir() -> str:
+    """A fresh directory every rank of the job sees (made by rank 0, removed by the test)."""
+    from mpi4py import MPI
+
+    path = tempfile.mkdtemp(prefix="bitcoll-marks-") if MPI.COMM_WORLD.Get_rank() == 0 \
+        else None
+    shared = MPI.COMM_WORLD.bcast(path, root=0)
+    assert isinstance(shared, str)
+    return shared
+
+
+def _mark_when_waiting(path: str) -> threading.Thread:
+    """Create the file ``path`` as soon as the calling thread is inside a wait loop of the
+    MPI transport (a request found not complete and is backing off: ``_Poller.pause`` on its
+    stack). The other ranks wait for these marks instead of sleeping."""
+    ident = threading.get_ident()
+
+    def watch() -> None:
+        end = time.monotonic() + 30.0
+        while time.monotonic() < end:
+            frame = sys._current_frames().get(ident)
+            while frame is not None:
+                if frame.f_code.co_name == "pause" and \
+                        frame.f_code.co_filename == mpi_module.__file__:
+                    with open(path, "w"):
+                        return
+                frame = frame.f_back
+            time.sleep(0.001)  # polls a condition; sets up no interleaving
+
+    th = threading.Thread(target=watch, daemon=True)
+    th.start()
+    return th
+
+
+def _await_marks(directory: str, ranks: list[int]) -> None:
+    """Return once every rank of ``ranks`` is inside its wait (see _mark_when_waiting)."""
+    end = time.monotonic() + 30.0
+    while not all(os.path.exists(os.path.join(directory, str(r))) for r in ranks):
+        assert time.monotonic() < end, "a rank never entered its wait"
+        time.sleep(0.001)  # polls a condition
 
 
 @pytest.fixture
@@ -556,11 +600,13 @@ def test_abort_reaches_every_rank_promptly(transport: MPITransport) -> None:
     a receive from rank 0): all fail within a second or so, long before the deadline, with
     the reason; rank 0's own pending request and later calls fail too."""
     t = transport
+    marks = _shared_dir()
     if t.rank == 0:
         data = _payload(0, 1, MIB)
         pending = t.isend(1, data.data, _header(MIB))  # rank 1 never receives it
         _world_barrier()
-        time.sleep(0.2)  # let the others block in their waits
+        _await_marks(marks, list(range(1, t.size)))  # the others block in their waits
+        shutil.rmtree(marks, ignore_errors=True)
         t.abort("out of cheese")
         failure = t.failure
         assert isinstance(failure, CommError)
@@ -581,6 +627,7 @@ def test_abort_reaches_every_rank_promptly(transport: MPITransport) -> None:
     else:
         out = np.empty(MIB, np.uint8)
         req = t.irecv(0, out.data, _header(MIB))  # rank 0 never sends it
+    _mark_when_waiting(os.path.join(marks, str(t.rank)))
     _world_barrier()
     with pytest.raises(PeerLostError) as info:
         req.wait(_deadline())
@@ -596,10 +643,13 @@ def test_abort_during_native_collective(transport: MPITransport) -> None:
     t = transport
     x = np.ones(1000, dtype=np.float32)
     y = np.empty_like(x)
+    marks = _shared_dir()
     if t.rank == t.size - 1:
-        time.sleep(0.2)
+        _await_marks(marks, list(range(t.size - 1)))  # the others are inside the collective
+        shutil.rmtree(marks, ignore_errors=True)
         t.abort("not joining")
     else:
+        _mark_when_waiting(os.path.join(marks, str(t.rank)))
         start = time.monotonic()
         with pytest.raises(PeerLostError, match="not joining"):
             t.native_allreduce(x, y, "sum", _deadline())
