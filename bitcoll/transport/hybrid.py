@@ -182,8 +182,7 @@ def share_hosts(comm: Communicator, use_shm: bool, timeout: float) -> Communicat
     if wrapped is tcp:
         return comm
     new = Communicator(wrapped, timeout=comm.timeout, segment_bytes=comm.segment_bytes,
-                       packed_segment_bytes=comm.packed_segment_bytes)
-    new._topology = topo  # known: no second exchange of host keys
+                       packed_segment_bytes=comm.packed_segment_bytes, topology=topo)
     return new
 
 
