@@ -9,6 +9,7 @@ import select
 import signal
 import socket
 import struct
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -214,7 +215,7 @@ def _wait_dead(pid: int, deadline: float) -> None:
                 os.kill(pid, 0)
             except ProcessLookupError:
                 return
-        time.sleep(0.01)
+        time.sleep(0.01)  # polls a condition; sets up no interleaving
     raise AssertionError(f"process {pid} did not die")
 
 
@@ -546,6 +547,19 @@ def test_threads_world_garbage_header_is_protocol_error(
         server.close()
 
 
+def _until_inside(thread: threading.Thread, function: str, seconds: float = 10.0) -> None:
+    """Return once ``thread`` is executing ``function`` (it is on its stack)."""
+    end = time.monotonic() + seconds
+    while True:
+        frame = sys._current_frames().get(thread.ident or -1)
+        while frame is not None:
+            if frame.f_code.co_name == function:
+                return
+            frame = frame.f_back
+        assert time.monotonic() < end, f"the thread never entered {function}"
+        time.sleep(0.001)  # polls a condition; sets up no interleaving
+
+
 @pytest.mark.timeout(30)
 def test_rank_0_keeps_the_store_until_the_others_close() -> None:
     out = _create_in_threads(2, [0, 1], free_port(), timeout=10)
@@ -553,8 +567,8 @@ def test_rank_0_keeps_the_store_until_the_others_close() -> None:
     assert isinstance(t0, TCPTransport) and isinstance(t1, TCPTransport)
     closer = threading.Thread(target=t0.close)
     closer.start()
-    time.sleep(0.3)
-    assert closer.is_alive()  # waiting for rank 1 to leave the store
+    _until_inside(closer, "wait_idle")  # rank 0 waits for rank 1 to leave the store ...
+    assert closer.is_alive()
     store = t1._store
     assert store is not None and store.try_get(t1._key(KEY_JOB)) == str(t1.job_id).encode()
     start = time.monotonic()
