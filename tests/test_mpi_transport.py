@@ -709,6 +709,45 @@ def test_native_allreduce(transport: MPITransport, dtype: str, op: str) -> None:
 
 @mpi
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 1001])
+def test_checked_allreduce_matches_native(transport: MPITransport, n: int) -> None:
+    t = transport
+    send = _rank_data(t.rank, n, "float32")
+    recv = np.empty_like(send)
+    t.checked_allreduce(send, recv, "sum", 12345, _deadline())
+    _check_reduced(recv, _reference("sum", [_rank_data(r, n, "float32")
+                                            for r in range(t.size)]))
+    assert t.failure is None
+
+
+@mpi
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("differ", ["count", "signature", "dtype", "op"])
+def test_checked_allreduce_mismatch_raises_on_every_rank(transport: MPITransport,
+                                                         differ: str) -> None:
+    """One rank (the last) passes another count, signature, dtype or op: every rank raises
+    ProtocolError naming what differs, nothing hangs, and the transport stays usable."""
+    t = transport
+    odd = t.rank == t.size - 1
+    n = 9 if differ == "count" and odd else 8
+    dtype = "float64" if differ == "dtype" and odd else "float32"
+    op = "max" if differ == "op" and odd else "sum"
+    sig = 7 if differ == "signature" and odd else 6
+    send = _rank_data(t.rank, n, dtype)
+    recv = np.full_like(send, -1)
+    words = {"count": "element count", "signature": "collective or arguments",
+             "dtype": "dtype or op", "op": "dtype or op"}
+    with pytest.raises(ProtocolError, match=words[differ]):
+        t.checked_allreduce(send, recv, op, sig, _deadline())
+    assert (recv == -1).all()  # the data collective never ran
+    assert t.failure is None
+    x = np.ones(4, np.float32)
+    t.checked_allreduce(x, x, "sum", 8, _deadline())
+    assert (x == t.size).all()
+
+
+@mpi
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize(("dtype", "op"), [("float32", "sum"), ("int16", "max"),
                                            ("uint32", "min")])
 def test_native_reduce_scatter(transport: MPITransport, dtype: str, op: str) -> None:

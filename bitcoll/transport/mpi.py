@@ -1246,6 +1246,40 @@ class MPITransport(Transport):
             f"allreduce({op}, {recv.dtype}[{recv.size}])",
             lambda: self._comm.Iallreduce(sbuf, [recv, mpitype], mpiop), (send, recv), deadline)
 
+    def checked_allreduce(self, send: npt.NDArray[Any], recv: npt.NDArray[Any], op: str,
+                          signature: int, deadline: float) -> None:
+        """:meth:`native_allreduce` after a check that every rank passes the same
+        ``signature`` (a non-negative integer below 2**62 naming the collective and its
+        arguments: sequence number, op, dtype, length), element count, dtype and op.
+
+        MPI's collectives carry no frame headers, so a rank passing another length would make
+        the data collective erroneous; the check runs first, as one MPI all-reduce (MAX) of
+        six int64 values of fixed size: ``[s, n, d, -s, -n, -d]`` (``s`` the signature, ``n``
+        the count, ``d`` a digest of dtype and op). Every rank sees the same reduced values,
+        so when any rank differs every rank raises :class:`~bitcoll.errors.ProtocolError`
+        (nothing else is sent; the transport stays usable). Other errors as
+        :meth:`native_allreduce`.
+        """
+        if not 0 <= signature < 1 << 62:
+            raise UsageError(f"signature must be in [0, 2**62), got {signature}")
+        send = self._check_array(send, "send", writable=False)
+        digest = zlib.crc32(f"{send.dtype.str} {op}".encode())
+        mine = np.array([signature, send.size, digest], dtype=np.int64)
+        check = np.concatenate([mine, -mine])
+        seen = np.empty_like(check)
+        mpi = self._mpi
+        self._run_collective("allreduce check", lambda: self._comm.Iallreduce(
+            [check, mpi.INT64_T], [seen, mpi.INT64_T], mpi.MAX), (check, seen), deadline)
+        if not np.array_equal(seen[:3], -seen[3:]):
+            what = [name for name, hi, lo in zip(("collective or arguments", "element count",
+                                                  "dtype or op"), seen[:3], -seen[3:],
+                                                 strict=True) if hi != lo]
+            raise ProtocolError(
+                f"rank {self.rank}: the ranks called all-reduce with different "
+                f"{' and '.join(what)} (this rank: {send.size} elements of {send.dtype}, "
+                f"op {op})", rank=self.rank)
+        self.native_allreduce(send, recv, op, deadline)
+
     def native_reduce_scatter(self, send: npt.NDArray[Any], recv: npt.NDArray[Any],
                               counts: list[int], op: str, deadline: float) -> None:
         """MPI ``Ireduce_scatter``: rank r receives block r of ``op(send of every rank)``.
