@@ -11,7 +11,9 @@ Method (``w <= 8``): the fields are held one per byte (``uint8``) in a buffer pa
 multiple of 8 elements, read as ``int64`` words of 8 byte lanes (little-endian, as on every
 platform torch supports). :func:`compress` moves the 8 lanes of every word together into
 ``8 w`` contiguous bits in three shift-and-mask rounds (lane pairs, quads, halves); the
-first ``w`` bytes of every word are then the stream. :func:`expand` is the inverse. Fields
+first ``w`` bytes of every word are then the stream (for ``w <= 4`` a round is one shift,
+one or and one mask, as no field can reach its neighbour's place; for ``w = 1`` one
+multiplication gathers the 8 bits). :func:`expand` is the inverse. Fields
 of 9 to 16 bits go through a bit-per-byte expansion instead (:func:`pack_wide`,
 :func:`unpack_wide`): slower, and used only when ``levels * world size > 127``.
 
@@ -44,12 +46,23 @@ def padded(count: int) -> int:
     return (count + 7) // 8 * 8
 
 
+def _masks(bits: int, spacing: int) -> int:
+    """The int64 with ones at bits ``[k spacing, k spacing + bits)`` for every ``k``."""
+    return sum(((1 << bits) - 1) << k for k in range(0, 64, spacing))
+
+
 def compress(words: torch.Tensor, width: int, tmp: torch.Tensor) -> None:
     """In place: every int64 word of ``words`` holds 8 byte lanes, lane ``j`` (bits
     ``[8 j, 8 j + 8)``) a field below ``2**width``; afterwards it holds field ``j`` at bits
     ``[j width, (j + 1) width)`` and zeros above bit ``8 width``. ``tmp``: int64 scratch of
     ``words``' shape. ``1 <= width <= 8`` (8 leaves the words as they are)."""
     if width == 8:
+        return
+    if width <= 4:  # a field never reaches the next one's place: shift, or, mask
+        for step, keep in ((8, _masks(2 * width, 16)), (16, _masks(4 * width, 32)),
+                           (32, (1 << (8 * width)) - 1)):
+            torch.bitwise_right_shift(words, step - (step // 8) * width, out=tmp)
+            words.bitwise_or_(tmp).bitwise_and_(keep)
         return
     # pairs: odd lanes move down next to the even ones (bits [16 i, 16 i + 2 w))
     torch.bitwise_right_shift(words, 8, out=tmp)
@@ -74,6 +87,12 @@ def expand(words: torch.Tensor, width: int, tmp: torch.Tensor) -> None:
     """In place, the inverse of :func:`compress`: field ``j`` at bits ``[j width, (j + 1)
     width)`` (bits from ``8 width`` up ignored) moves to byte lane ``j``."""
     if width == 8:
+        return
+    if width <= 4:  # the inverse rounds of compress: shift up, or, mask
+        for step, keep in ((32, _masks(4 * width, 32)), (16, _masks(2 * width, 16)),
+                           (8, _masks(width, 8))):
+            torch.bitwise_left_shift(words, step - (step // 8) * width, out=tmp)
+            words.bitwise_or_(tmp).bitwise_and_(keep)
         return
     half = (1 << (4 * width)) - 1
     torch.bitwise_right_shift(words, 4 * width, out=tmp)
