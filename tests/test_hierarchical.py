@@ -98,7 +98,7 @@ def test_packed_exact_inproc(hosts: tuple[int, ...]) -> None:
     assert all(c > 0 for c in run_hosts(hosts, body))
 
 
-@pytest.mark.parametrize("hosts", [(0, 0, 1, 1, 1), (0, 1, 1, 0, 2, 2, 2, 2)])
+@pytest.mark.parametrize("hosts", [(0, 1, 1, 0, 2, 2, 2, 2)])
 def test_packed_io_inproc(hosts: tuple[int, ...]) -> None:
     """Packed input and output forms: the same bits as the unpacked forms, identical on every
     rank; small segments so that the pipeline runs several segments."""
@@ -162,7 +162,7 @@ def _between_hosts_bytes(hosts: Sequence[int], rank: int, n: int, kind: str, lev
     return total, msgs
 
 
-@pytest.mark.parametrize("hosts", [(0, 0, 1, 1), (0, 1, 0, 1, 1), (0, 0, 0, 1, 2, 2, 1, 0)])
+@pytest.mark.parametrize("hosts", [(0, 1, 0, 1, 1), (0, 0, 0, 1, 2, 2, 1, 0)])
 def test_dense_allreduce_inproc(hosts: tuple[int, ...]) -> None:
     """Dense two-level all-reduce: integers exact in every dtype and op; random floats within
     the rounding bound of the additions and bitwise identical on every rank; in place; small
