@@ -311,3 +311,25 @@ def test_tcp_uneven_hosts() -> None:
     for rank, got in enumerate(res):
         for kind, (two_level, flat) in got.items():
             assert two_level < flat, (rank, kind, two_level, flat)
+
+
+def _single_rank_host(comm: Communicator) -> list[int]:
+    p, r = comm.size, comm.rank
+    comm.barrier()
+    xs = [vote_input(9, j, 1001, "float32") for j in range(p)]
+    call = comm.majority_calls
+    assert np.array_equal(comm.sign_allreduce(xs[r]), expected_majority(xs, "alternate", call))
+    got = comm.allreduce(np.full(40_000, r + 1.0, np.float32))
+    assert (got == p * (p + 1) / 2).all()
+    return [comm.local_size, comm.stats_local.snapshot()["bytes_sent"]]
+
+
+@pytest.mark.timeout(200)
+def test_tcp_host_with_one_rank_beside_shared_memory() -> None:
+    """Hosts 0, 0, 1 over TCP with shared memory on: the lone rank of host 1 maps no segment
+    but must start its communicator in step with the others (a regression: it kept the
+    set-up communicator, two collectives ahead, and the first call was a ProtocolError)."""
+    env = {r: {"GROUP_RANK": str(h)} for r, h in enumerate((0, 0, 1))}
+    res = run_world(3, _single_rank_host, timeout=180, rank_env=env, shm=True)
+    assert [local_size for local_size, _ in res] == [2, 2, 1]
+    assert res[0][1] > 0 and res[2][1] == 0

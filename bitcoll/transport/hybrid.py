@@ -154,7 +154,8 @@ def share_hosts(comm: Communicator, use_shm: bool, timeout: float) -> Communicat
     """``bitcoll.init``'s step for a TCP world where some host runs several ranks: agree on
     the ``shm`` setting (one all-gather of a byte; a host whose ranks disagree is a UsageError
     on every rank), then, when it is on, a new Communicator over a :class:`HybridTransport`
-    (same settings, topology known) or ``comm`` itself when no pair could map a segment.
+    (same settings, topology known; over the plain TCP transport on ranks that map no
+    segment, so that every rank returns a new communicator at collective #0).
     Collective over ``comm``; ``comm`` is closed when this raises."""
     from ..communicator import Communicator
     from .tcp import TCPTransport
@@ -179,11 +180,10 @@ def share_hosts(comm: Communicator, use_shm: bool, timeout: float) -> Communicat
     except BaseException:
         comm.close()
         raise
-    if wrapped is tcp:
-        return comm
-    new = Communicator(wrapped, timeout=comm.timeout, segment_bytes=comm.segment_bytes,
-                       packed_segment_bytes=comm.packed_segment_bytes, topology=topo)
-    return new
+    # A new Communicator on every rank, also where no segment was mapped (a host of one rank,
+    # or a failed probe): every rank must restart at collective #0 together.
+    return Communicator(wrapped, timeout=comm.timeout, segment_bytes=comm.segment_bytes,
+                        packed_segment_bytes=comm.packed_segment_bytes, topology=topo)
 
 
 def _summed(key: str) -> Any:
