@@ -35,7 +35,7 @@ import numpy.typing as npt
 import osu
 
 F32 = npt.NDArray[np.float32]
-ALGORITHMS = ("auto", "ring", "recursive_doubling", "native")
+ALGORITHMS = ("auto", "ring", "recursive_doubling", "hierarchical", "native")
 
 
 def check_input(n: int, rank: int) -> F32:
