@@ -1171,7 +1171,9 @@ def _train(args: argparse.Namespace, comm: bitcoll.Communicator,
         model.zero_grad(set_to_none=True)
         opt.zero_grad(set_to_none=True)
         torch.autograd.backward(loss * scaler.scale if scaler.enabled else loss)
-        loss_value = loss.item()  # waits for the device
+        loss_value = loss.item()
+        if cuda:
+            torch.cuda.synchronize()  # the backward pass runs asynchronously
         t1 = time.perf_counter()
         if host is not None:
             host.pull_grads()
@@ -1182,8 +1184,8 @@ def _train(args: argparse.Namespace, comm: bitcoll.Communicator,
             comm_s, sent, received, synced, agreement = _optimizer_figures(opt)
         if host is not None:
             host.push_params()
-            if cuda:
-                torch.cuda.synchronize()
+        if cuda:
+            torch.cuda.synchronize()
         t2 = time.perf_counter()
         local = np.array([loss_value, t2 - t0, t1 - t0, (t2 - t1) - comm_s, comm_s, sent,
                           received], dtype=np.float64)
