@@ -32,7 +32,7 @@ import time
 import weakref
 import zlib
 from collections.abc import Callable, Collection, Iterator
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, Literal, NamedTuple, TypeVar, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -511,6 +511,21 @@ class Communicator:
         return execute()
 
     # ------------------------------------------------------------------ dense collectives
+    @overload
+    def allreduce(self, x: HostArray, op: ReduceOp | str = ReduceOp.SUM,
+                  out: HostArray | None = None, *, async_op: Literal[False] = False,
+                  timeout: float | None = None,
+                  algorithm: str | None = None) -> HostArray: ...
+    @overload
+    def allreduce(self, x: HostArray, op: ReduceOp | str = ReduceOp.SUM,
+                  out: HostArray | None = None, *, async_op: Literal[True],
+                  timeout: float | None = None,
+                  algorithm: str | None = None) -> Work[Any]: ...
+    @overload
+    def allreduce(self, x: HostArray, op: ReduceOp | str = ReduceOp.SUM,
+                  out: HostArray | None = None, *, async_op: bool,
+                  timeout: float | None = None,
+                  algorithm: str | None = None) -> Any: ...
     def allreduce(self, x: HostArray, op: ReduceOp | str = ReduceOp.SUM,
                   out: HostArray | None = None, *, async_op: bool = False,
                   timeout: float | None = None,
@@ -595,6 +610,18 @@ class Communicator:
         if op is ReduceOp.AVG:
             np.divide(flat, np.asarray(self.size, dtype=flat.dtype), out=flat)
 
+    @overload
+    def reduce_scatter(self, x: HostArray, op: ReduceOp | str = ReduceOp.SUM,
+                       out: HostArray | None = None, *, async_op: Literal[False] = False,
+                       timeout: float | None = None, algorithm: str | None = None) -> HostArray: ...
+    @overload
+    def reduce_scatter(self, x: HostArray, op: ReduceOp | str = ReduceOp.SUM,
+                       out: HostArray | None = None, *, async_op: Literal[True],
+                       timeout: float | None = None, algorithm: str | None = None) -> Work[Any]: ...
+    @overload
+    def reduce_scatter(self, x: HostArray, op: ReduceOp | str = ReduceOp.SUM,
+                       out: HostArray | None = None, *, async_op: bool,
+                       timeout: float | None = None, algorithm: str | None = None) -> Any: ...
     def reduce_scatter(self, x: HostArray, op: ReduceOp | str = ReduceOp.SUM,
                        out: HostArray | None = None, *, async_op: bool = False,
                        timeout: float | None = None, algorithm: str | None = None) -> Any:
@@ -643,6 +670,16 @@ class Communicator:
         return self.run("reduce_scatter", (rop.value, v.label, vec.size, algo), body,
                         async_op, timeout)
 
+    @overload
+    def allgather(self, x: HostArray, out: HostArray | None = None, *,
+                  async_op: Literal[False] = False,
+                  timeout: float | None = None, algorithm: str | None = None) -> HostArray: ...
+    @overload
+    def allgather(self, x: HostArray, out: HostArray | None = None, *, async_op: Literal[True],
+                  timeout: float | None = None, algorithm: str | None = None) -> Work[Any]: ...
+    @overload
+    def allgather(self, x: HostArray, out: HostArray | None = None, *, async_op: bool,
+                  timeout: float | None = None, algorithm: str | None = None) -> Any: ...
     def allgather(self, x: HostArray, out: HostArray | None = None, *, async_op: bool = False,
                   timeout: float | None = None, algorithm: str | None = None) -> Any:
         """Concatenate every rank's ``x`` (same length and dtype on every rank) in rank order.
@@ -668,6 +705,15 @@ class Communicator:
 
         return self.run("allgather", (v.label, m, algo), body, async_op, timeout)
 
+    @overload
+    def broadcast(self, x: HostArray, root: int = 0, *, async_op: Literal[False] = False,
+                  timeout: float | None = None, algorithm: str | None = None) -> HostArray: ...
+    @overload
+    def broadcast(self, x: HostArray, root: int = 0, *, async_op: Literal[True],
+                  timeout: float | None = None, algorithm: str | None = None) -> Work[Any]: ...
+    @overload
+    def broadcast(self, x: HostArray, root: int = 0, *, async_op: bool,
+                  timeout: float | None = None, algorithm: str | None = None) -> Any: ...
     def broadcast(self, x: HostArray, root: int = 0, *, async_op: bool = False,
                   timeout: float | None = None, algorithm: str | None = None) -> Any:
         """Copy the root's ``x`` into ``x`` on every rank, in place (``x`` must be C-contiguous
@@ -698,6 +744,16 @@ class Communicator:
         return self.run("broadcast", (BFLOAT16 if bf16 else flat.dtype.str, flat.size, algo),
                         body, async_op, timeout)
 
+    @overload
+    def alltoall(self, x: HostArray, out: HostArray | None = None, *,
+                 async_op: Literal[False] = False,
+                 timeout: float | None = None, algorithm: str | None = None) -> HostArray: ...
+    @overload
+    def alltoall(self, x: HostArray, out: HostArray | None = None, *, async_op: Literal[True],
+                 timeout: float | None = None, algorithm: str | None = None) -> Work[Any]: ...
+    @overload
+    def alltoall(self, x: HostArray, out: HostArray | None = None, *, async_op: bool,
+                 timeout: float | None = None, algorithm: str | None = None) -> Any: ...
     def alltoall(self, x: HostArray, out: HostArray | None = None, *, async_op: bool = False,
                  timeout: float | None = None, algorithm: str | None = None) -> Any:
         """All-to-all exchange: ``x`` holds ``size`` equal blocks; block ``j`` goes to rank
@@ -726,6 +782,15 @@ class Communicator:
 
         return self.run("alltoall", (v.label, vec.size, algo), body, async_op, timeout)
 
+    @overload
+    def barrier(self, *, async_op: Literal[False] = False, timeout: float | None = None,
+                algorithm: str | None = None) -> None: ...
+    @overload
+    def barrier(self, *, async_op: Literal[True], timeout: float | None = None,
+                algorithm: str | None = None) -> Work[None]: ...
+    @overload
+    def barrier(self, *, async_op: bool, timeout: float | None = None,
+                algorithm: str | None = None) -> Any: ...
     def barrier(self, *, async_op: bool = False, timeout: float | None = None,
                 algorithm: str | None = None) -> Any:
         """Return once every rank has entered the barrier (or a Work)."""
@@ -928,6 +993,18 @@ class Communicator:
         return self._run_packed(name, fields, codec, algo, vec, flat, res, n, gather, check,
                                 async_op, timeout)
 
+    @overload
+    def sign_allreduce(self, x: HostArray, op: str = "majority", tie: str = "alternate",
+                       out: HostArray | None = None, *, async_op: Literal[False] = False,
+                       timeout: float | None = None, algorithm: str | None = None) -> HostArray: ...
+    @overload
+    def sign_allreduce(self, x: HostArray, op: str = "majority", tie: str = "alternate",
+                       out: HostArray | None = None, *, async_op: Literal[True],
+                       timeout: float | None = None, algorithm: str | None = None) -> Work[Any]: ...
+    @overload
+    def sign_allreduce(self, x: HostArray, op: str = "majority", tie: str = "alternate",
+                       out: HostArray | None = None, *, async_op: bool,
+                       timeout: float | None = None, algorithm: str | None = None) -> Any: ...
     def sign_allreduce(self, x: HostArray, op: str = "majority", tie: str = "alternate",
                        out: HostArray | None = None, *, async_op: bool = False,
                        timeout: float | None = None, algorithm: str | None = None) -> Any:
@@ -965,6 +1042,21 @@ class Communicator:
                             np.dtype(np.int8 if op == "majority" else np.int32), True, tie,
                             async_op, timeout, algorithm)
 
+    @overload
+    def sign_reduce_scatter(self, x: HostArray, op: str = "majority", tie: str = "alternate",
+                            out: HostArray | None = None, *, async_op: Literal[False] = False,
+                            timeout: float | None = None,
+                            algorithm: str | None = None) -> HostArray: ...
+    @overload
+    def sign_reduce_scatter(self, x: HostArray, op: str = "majority", tie: str = "alternate",
+                            out: HostArray | None = None, *, async_op: Literal[True],
+                            timeout: float | None = None,
+                            algorithm: str | None = None) -> Work[Any]: ...
+    @overload
+    def sign_reduce_scatter(self, x: HostArray, op: str = "majority", tie: str = "alternate",
+                            out: HostArray | None = None, *, async_op: bool,
+                            timeout: float | None = None,
+                            algorithm: str | None = None) -> Any: ...
     def sign_reduce_scatter(self, x: HostArray, op: str = "majority", tie: str = "alternate",
                             out: HostArray | None = None, *, async_op: bool = False,
                             timeout: float | None = None,
@@ -983,6 +1075,18 @@ class Communicator:
                              f"{MAX_SUM_RANGE} (16-bit result fields)")
         return int(levels)
 
+    @overload
+    def quantized_allreduce(self, q: HostArray, levels: int, out: HostArray | None = None, *,
+                            async_op: Literal[False] = False, timeout: float | None = None,
+                            algorithm: str | None = None) -> HostArray: ...
+    @overload
+    def quantized_allreduce(self, q: HostArray, levels: int, out: HostArray | None = None, *,
+                            async_op: Literal[True], timeout: float | None = None,
+                            algorithm: str | None = None) -> Work[Any]: ...
+    @overload
+    def quantized_allreduce(self, q: HostArray, levels: int, out: HostArray | None = None, *,
+                            async_op: bool, timeout: float | None = None,
+                            algorithm: str | None = None) -> Any: ...
     def quantized_allreduce(self, q: HostArray, levels: int, out: HostArray | None = None, *,
                             async_op: bool = False, timeout: float | None = None,
                             algorithm: str | None = None) -> Any:
@@ -1001,6 +1105,18 @@ class Communicator:
                             np.dtype(np.int32), True, "alternate", async_op, timeout,
                             algorithm)
 
+    @overload
+    def quantized_reduce_scatter(self, q: HostArray, levels: int, out: HostArray | None = None, *,
+                                 async_op: Literal[False] = False, timeout: float | None = None,
+                                 algorithm: str | None = None) -> HostArray: ...
+    @overload
+    def quantized_reduce_scatter(self, q: HostArray, levels: int, out: HostArray | None = None, *,
+                                 async_op: Literal[True], timeout: float | None = None,
+                                 algorithm: str | None = None) -> Work[Any]: ...
+    @overload
+    def quantized_reduce_scatter(self, q: HostArray, levels: int, out: HostArray | None = None, *,
+                                 async_op: bool, timeout: float | None = None,
+                                 algorithm: str | None = None) -> Any: ...
     def quantized_reduce_scatter(self, q: HostArray, levels: int, out: HostArray | None = None, *,
                                  async_op: bool = False, timeout: float | None = None,
                                  algorithm: str | None = None) -> Any:
@@ -1013,6 +1129,21 @@ class Communicator:
                             algorithm)
 
     # ------------------------------------------------------------------ packed input and output
+    @overload
+    def packed_sign_allreduce(self, bits: HostArray, count: int, tie: str = "alternate",
+                              out: HostArray | None = None, *, async_op: Literal[False] = False,
+                              timeout: float | None = None,
+                              algorithm: str | None = None) -> HostArray: ...
+    @overload
+    def packed_sign_allreduce(self, bits: HostArray, count: int, tie: str = "alternate",
+                              out: HostArray | None = None, *, async_op: Literal[True],
+                              timeout: float | None = None,
+                              algorithm: str | None = None) -> Work[Any]: ...
+    @overload
+    def packed_sign_allreduce(self, bits: HostArray, count: int, tie: str = "alternate",
+                              out: HostArray | None = None, *, async_op: bool,
+                              timeout: float | None = None,
+                              algorithm: str | None = None) -> Any: ...
     def packed_sign_allreduce(self, bits: HostArray, count: int, tie: str = "alternate",
                               out: HostArray | None = None, *, async_op: bool = False,
                               timeout: float | None = None,
@@ -1034,6 +1165,22 @@ class Communicator:
         return self._packed_io("packed_sign_allreduce", bits, "bits", count, "majority", 1,
                                tie, out, True, async_op, timeout, algorithm)
 
+    @overload
+    def packed_sign_reduce_scatter(self, bits: HostArray, count: int, tie: str = "alternate",
+                                   out: HostArray | None = None, *,
+                                   async_op: Literal[False] = False,
+                                   timeout: float | None = None,
+                                   algorithm: str | None = None) -> HostArray: ...
+    @overload
+    def packed_sign_reduce_scatter(self, bits: HostArray, count: int, tie: str = "alternate",
+                                   out: HostArray | None = None, *, async_op: Literal[True],
+                                   timeout: float | None = None,
+                                   algorithm: str | None = None) -> Work[Any]: ...
+    @overload
+    def packed_sign_reduce_scatter(self, bits: HostArray, count: int, tie: str = "alternate",
+                                   out: HostArray | None = None, *, async_op: bool,
+                                   timeout: float | None = None,
+                                   algorithm: str | None = None) -> Any: ...
     def packed_sign_reduce_scatter(self, bits: HostArray, count: int, tie: str = "alternate",
                                    out: HostArray | None = None, *, async_op: bool = False,
                                    timeout: float | None = None,
@@ -1045,6 +1192,22 @@ class Communicator:
         return self._packed_io("packed_sign_reduce_scatter", bits, "bits", count, "majority",
                                1, tie, out, False, async_op, timeout, algorithm)
 
+    @overload
+    def packed_quantized_allreduce(self, fields: HostArray, count: int, levels: int,
+                                   out: HostArray | None = None, *,
+                                   async_op: Literal[False] = False,
+                                   timeout: float | None = None,
+                                   algorithm: str | None = None) -> HostArray: ...
+    @overload
+    def packed_quantized_allreduce(self, fields: HostArray, count: int, levels: int,
+                                   out: HostArray | None = None, *, async_op: Literal[True],
+                                   timeout: float | None = None,
+                                   algorithm: str | None = None) -> Work[Any]: ...
+    @overload
+    def packed_quantized_allreduce(self, fields: HostArray, count: int, levels: int,
+                                   out: HostArray | None = None, *, async_op: bool,
+                                   timeout: float | None = None,
+                                   algorithm: str | None = None) -> Any: ...
     def packed_quantized_allreduce(self, fields: HostArray, count: int, levels: int,
                                    out: HostArray | None = None, *, async_op: bool = False,
                                    timeout: float | None = None,
@@ -1069,6 +1232,22 @@ class Communicator:
         return self._packed_io("packed_quantized_allreduce", fields, "fields", count, "sum",
                                lv, "alternate", out, True, async_op, timeout, algorithm)
 
+    @overload
+    def packed_quantized_reduce_scatter(self, fields: HostArray, count: int, levels: int,
+                                        out: HostArray | None = None, *,
+                                        async_op: Literal[False] = False,
+                                        timeout: float | None = None,
+                                        algorithm: str | None = None) -> HostArray: ...
+    @overload
+    def packed_quantized_reduce_scatter(self, fields: HostArray, count: int, levels: int,
+                                        out: HostArray | None = None, *, async_op: Literal[True],
+                                        timeout: float | None = None,
+                                        algorithm: str | None = None) -> Work[Any]: ...
+    @overload
+    def packed_quantized_reduce_scatter(self, fields: HostArray, count: int, levels: int,
+                                        out: HostArray | None = None, *, async_op: bool,
+                                        timeout: float | None = None,
+                                        algorithm: str | None = None) -> Any: ...
     def packed_quantized_reduce_scatter(self, fields: HostArray, count: int, levels: int,
                                         out: HostArray | None = None, *, async_op: bool = False,
                                         timeout: float | None = None,

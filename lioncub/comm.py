@@ -15,11 +15,11 @@ return a handle whose ``wait()`` blocks until the result is in ``out``; failures
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol, overload
 
 import numpy.typing as npt
 
-__all__ = ["CommLike", "TrafficStatsLike"]
+__all__ = ["CommLike", "TrafficStatsLike", "WorkLike"]
 
 Array = npt.NDArray[Any]
 
@@ -33,11 +33,19 @@ class TrafficStatsLike(Protocol):
         ...
 
 
+class WorkLike(Protocol):
+    """The handle of an asynchronous collective (:class:`bitcoll.Work`)."""
+
+    def wait(self, timeout: float | None = None) -> Any:
+        """Block until the collective completed; return its result (the output array)."""
+        ...
+
+
 class CommLike(Protocol):
     """The communicator members lioncub calls (signatures of :class:`bitcoll.Communicator`).
 
     Return values: the output array, or with ``async_op=True`` a handle with ``wait()``
-    (:class:`bitcoll.Work`); typed ``Any`` because bitcoll's own methods are.
+    (:class:`bitcoll.Work`); a :class:`WorkLike` for ``async_op=True`` (bitcoll's overloads).
     """
 
     @property
@@ -55,6 +63,12 @@ class CommLike(Protocol):
         """Bytes and messages this rank sent and received."""
         ...
 
+    @overload
+    def allreduce(self, x: Array, op: str = "sum", out: Array | None = None, *,
+                  async_op: Literal[False] = False) -> Any: ...
+    @overload
+    def allreduce(self, x: Array, op: str = "sum", out: Array | None = None, *,
+                  async_op: Literal[True]) -> WorkLike: ...
     def allreduce(self, x: Array, op: str = "sum", out: Array | None = None, *,
                   async_op: bool = False) -> Any:
         """Element-wise ``op`` ("sum", "avg", "max", "min") of ``x`` over the ranks."""
@@ -69,12 +83,28 @@ class CommLike(Protocol):
         """Rank ``root``'s ``x`` copied into ``x`` on every rank (in place)."""
         ...
 
+    @overload
+    def sign_allreduce(self, x: Array, op: str = "majority", tie: str = "alternate",
+                       out: Array | None = None, *, async_op: Literal[False] = False,
+                       algorithm: str | None = None) -> Any: ...
+    @overload
+    def sign_allreduce(self, x: Array, op: str = "majority", tie: str = "alternate",
+                       out: Array | None = None, *, async_op: Literal[True],
+                       algorithm: str | None = None) -> WorkLike: ...
     def sign_allreduce(self, x: Array, op: str = "majority", tie: str = "alternate",
                        out: Array | None = None, *, async_op: bool = False,
                        algorithm: str | None = None) -> Any:
         """Majority (int8 +-1) or exact sum of the signs of ``x`` over the ranks."""
         ...
 
+    @overload
+    def quantized_allreduce(self, q: Array, levels: int, out: Array | None = None, *,
+                            async_op: Literal[False] = False,
+                            algorithm: str | None = None) -> Any: ...
+    @overload
+    def quantized_allreduce(self, q: Array, levels: int, out: Array | None = None, *,
+                            async_op: Literal[True],
+                            algorithm: str | None = None) -> WorkLike: ...
     def quantized_allreduce(self, q: Array, levels: int, out: Array | None = None, *,
                             async_op: bool = False, algorithm: str | None = None) -> Any:
         """Exact sum over the ranks of integers ``q`` in ``[-levels, levels]``."""

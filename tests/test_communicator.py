@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any, assert_type
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ from sweeps import dense_sweep, inplace_and_async
 import bitcoll
 from bitcoll.communicator import Communicator
 from bitcoll.errors import CommError, CommTimeoutError, PeerLostError, ProtocolError, UsageError
+from bitcoll.work import Work
 
 SMALL = (0, 1, 7, 8, 9, 1000)
 
@@ -36,6 +38,25 @@ def test_local_backend() -> None:
         inplace_and_async(comm)
         assert comm.stats.snapshot()["bytes_sent"] == 0
 
+
+
+def test_async_op_overloads() -> None:
+    """``async_op=True`` is typed (and is) a Work, the default the array; mypy checks the
+    ``assert_type`` lines statically, the isinstance checks hold at run time."""
+    with bitcoll.init("local") as comm:
+        x = np.arange(5, dtype=np.float32)
+        work = comm.allreduce(x, async_op=True)
+        assert_type(work, Work[Any])
+        assert isinstance(work, Work) and np.array_equal(work.wait(), x)
+        assert_type(comm.barrier(async_op=True), Work[None])
+        assert comm.barrier() is None
+        bits = comm.packed_sign_allreduce(np.zeros(1, np.uint8), 5, async_op=True)
+        assert_type(bits, Work[Any])
+        assert isinstance(comm.sign_allreduce(x), np.ndarray)
+        flag = bool(x[0])
+        either = comm.allgather(x, async_op=flag)  # a bool known only at run time
+        assert_type(either, Any)
+        assert isinstance(either, np.ndarray)
 
 def test_init_rejects_unknown_backend() -> None:
     with pytest.raises(UsageError, match="backend"):
