@@ -587,6 +587,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "every:K, exp:K[:START], early:S[:EVERY], "
                         "adaptive:T[:MIN_INTERVAL[:WARMUP]], optionally followed by "
                         "@GLOB[,GLOB...] (default: the optimizer's own)")
+    g.add_argument("--overlap", action="store_true",
+                   help="start each bucket's votes and collective during the backward pass as "
+                        "soon as its gradients are final (lioncub's overlap=True; the "
+                        "optimizer gets a communicator of its own); not with --dtype fp16 "
+                        "(the gradients are unscaled only after backward)")
     g = p.add_argument_group("run")
     g.add_argument("--steps", type=_positive_int, default=400, help="training steps")
     g.add_argument("--seed", type=_nonneg_int, default=0,
@@ -691,6 +696,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             check_levels(args.levels)
     except UsageError as exc:
         parser.error(str(exc))
+    if args.overlap and args.dtype == "fp16":
+        parser.error("--overlap cannot be used with --dtype fp16: loss scaling unscales the "
+                     "gradients after backward, when overlapped buckets have already started")
+    if args.overlap and args.device == "cuda" and not OPTIMIZER_TAKES_DEVICE_PARAMS:
+        parser.error("--overlap with --device cuda needs a lioncub whose DistributedLion "
+                     "takes device parameters")
     if args.warmup is None:
         args.warmup = args.steps // 20
     if args.warmup >= args.steps:
@@ -1052,8 +1063,12 @@ def run(args: argparse.Namespace, comm: bitcoll.Communicator,
     named = host.named() if host is not None else list(model.named_parameters())
     params = [p for _, p in named]
 
-    # --no-comm: each rank its own one-rank communicator (the compute floor).
-    opt_comm = comm.split(rank) if args.no_comm else comm
+    # --no-comm: each rank its own one-rank communicator (the compute floor). --overlap: the
+    # optimizer's collectives start inside backward(), so it gets a communicator of its own
+    # (train.py's own all-reduces then never interleave with them).
+    opt_comm = comm.split(rank) if args.no_comm else comm.split(0) if args.overlap else comm
+    if args.overlap:
+        kwargs["overlap"] = True
     assert opt_comm is not None
     try:
         opt = DistributedLion(named, opt_comm, variant=args.optimizer, lr=args.lr,

@@ -132,7 +132,8 @@ def test_bad_options_exit_2(train: ModuleType, capsys: pytest.CaptureFixture[str
                          (["--steps", "0"], "must be >= 1"),
                          (["--d-model", "30", "--heads", "4"], "multiple of --heads"),
                          (["--lr", "-1"], "must be in"),
-                         (["--warmup", "5", "--steps", "5"], "smaller than --steps")):
+                         (["--warmup", "5", "--steps", "5"], "smaller than --steps"),
+                         (["--overlap", "--dtype", "fp16"], "--overlap cannot be used")):
         with pytest.raises(SystemExit) as exc:
             train.parse_args(argv)
         assert exc.value.code == 2
@@ -317,6 +318,21 @@ def test_resume_equals_an_uninterrupted_run(tmp_path: Path) -> None:
     assert b["run"]["resumed_at"] == 5 and b["steps"][5]["warmup"] is True
     assert b["summary"]["replicas_identical"] is True
 
+
+@pytest.mark.timeout(300)
+def test_overlap_gives_the_same_run(tmp_path: Path) -> None:
+    """Two ranks, lioncub-l1 with momentum averaging: --overlap (buckets started inside
+    backward, the optimizer on its own communicator) logs bit-identical losses."""
+    common = ["--steps", "6", "--eval-every", "3", "--optimizer", "lioncub-l1",
+              "--momentum-sync", "every:2"]
+    plain, overlapped = tmp_path / "a.json", tmp_path / "b.json"
+    for extra, log in (([], plain), (["--overlap"], overlapped)):
+        proc = _launch([*common, *extra, "--json-log", str(log)])
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    a, b = json.loads(plain.read_text()), json.loads(overlapped.read_text())
+    assert [s["loss"] for s in a["steps"]] == [s["loss"] for s in b["steps"]]
+    assert [e["val_loss"] for e in a["evals"]] == [e["val_loss"] for e in b["evals"]]
+    assert b["summary"]["replicas_identical"] is True
 
 def test_checkpoint_of_another_run_is_refused(train: ModuleType, tmp_path: Path,
                                               capsys: pytest.CaptureFixture[str]) -> None:
