@@ -298,12 +298,18 @@ def summarize(outcomes: Sequence[Outcome], specs: Sequence[Spec], command: str,
     return "\n".join(lines) + "\n"
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def split_passthrough(argv: Sequence[str] | None) -> tuple[list[str], list[str]]:
+    """``(own options, options after "--" passed through to train.py)`` of ``argv`` (default
+    ``sys.argv[1:]``)."""
     raw = list(sys.argv[1:] if argv is None else argv)
-    extra: list[str] = []
-    if "--" in raw:
-        cut = raw.index("--")
-        raw, extra = raw[:cut], raw[cut + 1:]
+    if "--" not in raw:
+        return raw, []
+    cut = raw.index("--")
+    return raw[:cut], raw[cut + 1:]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    raw, extra = split_passthrough(argv)
     parser = argparse.ArgumentParser(
         prog="compare_optimizers.py",
         description="Run train.py for several optimizers with identical seeds and steps; "

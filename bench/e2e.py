@@ -203,11 +203,7 @@ def plot(points: Sequence[Point], rates: Sequence[str], path: Path, title: str,
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    raw = list(sys.argv[1:] if argv is None else argv)
-    extra: list[str] = []
-    if "--" in raw:
-        cut = raw.index("--")
-        raw, extra = raw[:cut], raw[cut + 1:]
+    raw, extra = compare.split_passthrough(argv)
     p = argparse.ArgumentParser(
         prog="e2e.py", description="train.py on the emulated Ethernet testbed: step time, "
         "bytes and time to a validation loss per link rate and optimizer, plus the compute "
