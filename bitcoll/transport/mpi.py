@@ -98,7 +98,10 @@ job from hanging:
    of every open transport (they raise ``PeerLostError("rank r aborted: uncaught
    ValueError: ...")`` if they look before they are killed), flushes ``sys.stdout`` and
    ``sys.stderr``, and calls ``MPI.COMM_WORLD.Abort(1)`` (130 for ``KeyboardInterrupt``):
-   mpiexec then kills every rank and exits non-zero within a second or so. Like any
+   mpiexec then kills every rank and exits non-zero within a second or so. When the uncaught
+   exception is a :class:`~bitcoll.errors.PeerLostError` (this rank only saw another rank
+   fail), the abort waits :data:`SECONDARY_ABORT_GRACE_SECONDS` first, so that the rank where
+   the failure started prints its own traceback before mpiexec kills it. Like any
    ``MPI_Abort`` this skips the failed rank's ``atexit`` handlers. The hook does nothing more
    than the previous hook when the world has one process, in an interactive session (``python
    -i``, a REPL), or when MPI is not initialized or already finalized. ``SystemExit``
@@ -220,6 +223,9 @@ _LEAKED: list[object] = []
 # control buffer, so it must not be garbage-collected before close() (run at exit at the latest).
 _LIVE: set[MPITransport] = set()
 
+
+SECONDARY_ABORT_GRACE_SECONDS: Final = 1.0
+"""How long an uncaught PeerLostError waits before MPI_Abort (module docstring, rule 1)."""
 
 FINALIZE_GRACE_SECONDS: Final = 10.0
 """Default time ``MPI_Finalize`` gets after a recorded finalize risk (module docstring)."""
@@ -359,6 +365,9 @@ def _end_job_after_uncaught(exc_type: type[BaseException], exc: BaseException) -
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
+    if issubclass(exc_type, PeerLostError):
+        # Another rank failed first: let it print its traceback and abort the job itself.
+        time.sleep(SECONDARY_ABORT_GRACE_SECONDS)
     _abort_world(code)
 
 
