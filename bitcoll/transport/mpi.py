@@ -101,7 +101,8 @@ job from hanging:
    mpiexec then kills every rank and exits non-zero within a second or so. When the uncaught
    exception is a :class:`~bitcoll.errors.PeerLostError` (this rank only saw another rank
    fail), the abort waits :data:`SECONDARY_ABORT_GRACE_SECONDS` first, so that the rank where
-   the failure started prints its own traceback before mpiexec kills it. Like any
+   the failure started prints its own traceback before mpiexec kills it (otherwise it waits
+   :data:`OUTPUT_FORWARD_SECONDS`, for mpiexec to forward what was flushed). Like any
    ``MPI_Abort`` this skips the failed rank's ``atexit`` handlers. The hook does nothing more
    than the previous hook when the world has one process, in an interactive session (``python
    -i``, a REPL), or when MPI is not initialized or already finalized. ``SystemExit``
@@ -223,6 +224,9 @@ _LEAKED: list[object] = []
 # control buffer, so it must not be garbage-collected before close() (run at exit at the latest).
 _LIVE: set[MPITransport] = set()
 
+
+OUTPUT_FORWARD_SECONDS: Final = 0.2
+"""How long the uncaught-exception hook waits between flushing its output and MPI_Abort."""
 
 SECONDARY_ABORT_GRACE_SECONDS: Final = 1.0
 """How long an uncaught PeerLostError waits before MPI_Abort (module docstring, rule 1)."""
@@ -365,9 +369,11 @@ def _end_job_after_uncaught(exc_type: type[BaseException], exc: BaseException) -
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
-    if issubclass(exc_type, PeerLostError):
-        # Another rank failed first: let it print its traceback and abort the job itself.
-        time.sleep(SECONDARY_ABORT_GRACE_SECONDS)
+    # mpiexec forwards a rank's output through its proxy, and MPI_Abort can overtake what was
+    # just flushed: give it a moment. Another rank failed first (PeerLostError): let that rank
+    # print its traceback and abort the job itself.
+    time.sleep(SECONDARY_ABORT_GRACE_SECONDS if issubclass(exc_type, PeerLostError)
+               else OUTPUT_FORWARD_SECONDS)
     _abort_world(code)
 
 
