@@ -17,6 +17,7 @@ killed) its exit code. Ranks still running after ``timeout`` seconds are killed.
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import queue
 import socket
 import time
@@ -119,3 +120,22 @@ def run_world(size: int, worker: Callable[..., Any], *args: Any, timeout: float 
         results[r].exitcode = p.exitcode
     q.close()
     return [results[r] for r in started]
+
+
+def wait_dead(pid: int, deadline: float) -> None:
+    """Return once process ``pid`` has exited (a zombie counts: its files and sockets are
+    closed); AssertionError at ``deadline`` (``time.monotonic()`` seconds)."""
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+                    return
+        except (FileNotFoundError, ProcessLookupError):  # gone between open and read
+            return
+        except OSError:  # no /proc: ask the kernel whether the pid still exists
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return
+        time.sleep(0.01)  # polls a condition; sets up no interleaving
+    raise AssertionError(f"process {pid} did not die")

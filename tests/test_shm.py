@@ -237,19 +237,6 @@ def test_frames_sent_before_close_arrive_then_the_peer_is_lost() -> None:
         t0.close()
 
 
-def _wait_dead(pid: int, deadline: float) -> None:
-    """Return once process ``pid`` has exited (a zombie counts: its files are closed)."""
-    while time.monotonic() < deadline:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
-                    return
-        except (FileNotFoundError, ProcessLookupError):  # gone between open and read
-            return
-        time.sleep(0.01)  # polls a condition; sets up no interleaving
-    raise AssertionError(f"process {pid} did not die")
-
-
 def _killed_mid_frame(t: TCPTransport, single_copy: bool) -> tuple[str, str, float]:
     """Rank 2 dies with SIGKILL while its 8 MiB frame to rank 0 is in the ring (or waits to
     be copied); rank 0 posts the receive only once rank 2 is dead, so the frame is always
@@ -277,7 +264,7 @@ def _killed_mid_frame(t: TCPTransport, single_copy: bool) -> tuple[str, str, flo
             if h.rank == 0:
                 pid = np.zeros(1, dtype=np.int64)
                 h.irecv(2, pid.view(np.uint8).data, _h(0, 8)).wait(deadline)
-                _wait_dead(int(pid[0]), deadline)
+                tcp_world.wait_dead(int(pid[0]), deadline)
                 start = time.monotonic()
                 h.irecv(2, np.zeros(big, np.uint8).data, _h(1, big)).wait(deadline)
             else:

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from tcp_world import free_port, make_event, run_world
+from tcp_world import free_port, make_event, run_world, wait_dead
 
 from bitcoll.errors import CommError, CommTimeoutError, PeerLostError, ProtocolError, UsageError
 from bitcoll.transport import auth, handshake, netio
@@ -201,24 +201,6 @@ def test_header_mismatch_is_protocol_error_and_aborts_everyone() -> None:
         assert after == "PeerLostError"
 
 
-def _wait_dead(pid: int, deadline: float) -> None:
-    """Return once process ``pid`` has exited (a zombie counts: its sockets are closed)."""
-    while time.monotonic() < deadline:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
-                    return
-        except FileNotFoundError:
-            return
-        except OSError:  # no /proc: ask the kernel whether the pid still exists
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                return
-        time.sleep(0.01)  # polls a condition; sets up no interleaving
-    raise AssertionError(f"process {pid} did not die")
-
-
 def worker_kill(t: TCPTransport) -> tuple[str, str, float]:
     """Rank 2 dies with SIGKILL while its 64 MiB frame to rank 0 is half way.
 
@@ -243,7 +225,7 @@ def worker_kill(t: TCPTransport) -> tuple[str, str, float]:
             pid = np.zeros(1, dtype=np.int64)
             t.irecv(2, pid.view(np.uint8).data, FrameHeader(seq=1, step=0, signature=SIG,
                                                             length=8)).wait(deadline)
-            _wait_dead(int(pid[0]), deadline)
+            wait_dead(int(pid[0]), deadline)
             t0 = time.monotonic()
             dst = np.zeros(big, dtype=np.uint8)
             t.irecv(2, _view(dst), FrameHeader(seq=1, step=1, signature=SIG, length=big)).wait(

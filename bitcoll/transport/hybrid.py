@@ -646,17 +646,22 @@ class HybridTransport(Transport):
 
     # ---------------------------------------------------------------- ring work
 
+    def _stop_if_over(self, p: _Peer) -> None:
+        """Raise _Stop when this transport failed or closes, or when ``p`` aborted (failing
+        the transport first)."""
+        if self._failure is not None or self._closing:
+            raise _Stop
+        reason = p.ch.peer_abort_reason()
+        if reason is not None:
+            self._fail(PeerLostError(f"rank {p.rank} aborted: {reason}"))
+            raise _Stop
+
     def _wait(self, p: _Peer, poller: select.poll, fd: int, ready: Callable[[], bool]) -> None:
         """Block until ``ready()``; raise _Stop when this transport failed or closes (failing
         it first when the peer aborted or went away, or the TCP side failed)."""
         ch = p.ch
         while not ready():
-            if self._failure is not None or self._closing:
-                raise _Stop
-            reason = ch.peer_abort_reason()
-            if reason is not None:
-                self._fail(PeerLostError(f"rank {p.rank} aborted: {reason}"))
-                raise _Stop
+            self._stop_if_over(p)
             if ch.eof:
                 if ready():
                     return
@@ -678,12 +683,7 @@ class HybridTransport(Transport):
         raise _Stop when this transport failed or closes, or the peer aborted."""
         ch = p.ch
         while ch.in_avail() < _PREFIX and not ch.eof:
-            if self._failure is not None or self._closing:
-                raise _Stop
-            reason = ch.peer_abort_reason()
-            if reason is not None:
-                self._fail(PeerLostError(f"rank {p.rank} aborted: {reason}"))
-                raise _Stop
+            self._stop_if_over(p)
             if not p.recv_q.empty():
                 return  # posted: _wait watches the TCP side too
             for got, _ in shm.wait_bell(poller, IDLE_WATCH_SECONDS):
