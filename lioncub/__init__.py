@@ -10,6 +10,9 @@
   Construction broadcasts rank 0's parameters (or, with ``broadcast_parameters=False``,
   checks that the ranks' parameters agree); ``check_replicas()`` checks at any time
   (:mod:`lioncub.replicas`).
+* :data:`SPECS`: the variant registry (:mod:`lioncub.variants`); each variant is one strategy
+  object (:mod:`lioncub.strategies`) that the optimizer calls instead of branching on the
+  variant. A new variant is one strategy class and one :func:`lioncub.variants.register` line.
 * :class:`CommLike`: the communicator interface lioncub uses (:mod:`lioncub.comm`).
 * :mod:`lioncub.torch`: ``torch.optim`` front ends (``Lion``, ``DistributedLion``) and the DDP
   hook ``no_allreduce_hook``. ``DistributedLion`` runs on the numpy core (float32 CPU

@@ -5,6 +5,12 @@ gradients; the variant (:mod:`lioncub.variants`) decides what travels and how th
 formed. Every rank applies the same update, so the parameters stay bitwise identical on every
 rank after every step.
 
+This module is the part every variant shares (layout, pipeline, overlap, statistics, momentum
+sync, replicas, checkpoints); what differs between variants is the variant's strategy object
+(:mod:`lioncub.strategies`), which the step calls per bucket to allocate the buffers, compute
+this rank's contribution, start the collective and apply its result. The core never branches
+on the variant.
+
 Starting weights
 ----------------
 The parameters must start identical on every rank. By default the constructor copies rank 0's
@@ -24,9 +30,10 @@ How a step runs
 2. For bucket ``k`` this rank computes its contribution into a flat buffer (the gradient
    copy for "global"; otherwise ``c = beta1 m + (1 - beta1) g`` with its own momentum, which
    it advances at the same time, then the integer votes for the quantized variants) and
-   starts the collective with ``async_op=True``.
+   starts the collective with ``async_op=True`` (the strategy's ``prepare`` and ``start``).
 3. While that collective is on the wire, bucket ``k + 1`` is computed (the kernels release
-   the GIL); then the result of bucket ``k`` is awaited and applied to the parameters.
+   the GIL); then the result of bucket ``k`` is awaited and applied to the parameters (the
+   strategy's ``finish``).
    Two sets of flat buffers alternate, so at most two buckets are in flight.
 4. After the last bucket the momentum schedule (:mod:`lioncub.sync`) picks the tensors whose
    momenta are averaged over the ranks (float32 ``allreduce(op="avg")``).
@@ -70,7 +77,6 @@ Communication errors are bitcoll's :class:`~bitcoll.errors.CommError` family.
 from __future__ import annotations
 
 import itertools
-import math
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -82,20 +88,19 @@ import numpy.typing as npt
 from bitcoll.config import MAX_SUM_RANGE
 from bitcoll.errors import UsageError
 
-from . import kernels
 from .buckets import Bucket, Slot, fingerprint, make_buckets
 from .comm import CommLike
 from .lion import Hyper, check_hyper
-from .quantize import check_levels, default_levels, multiplier, tensor_scale
+from .quantize import check_levels, default_levels
 from .replicas import ReplicaSet
 from .stats import StepStats
+from .strategies import Buffers, VariantStrategy
 from .sync import MomentumSync, parse_sync
-from .variants import get_spec
+from .variants import VariantSpec, get_spec
 
 __all__ = ["DistributedLion", "DEFAULT_BUCKET_BYTES", "TIE_RULES"]
 
 F32 = npt.NDArray[np.float32]
-Array = npt.NDArray[Any]
 
 #: Default bucket size: 25 MiB of float32 (6,553,600 elements).
 DEFAULT_BUCKET_BYTES = 25 * 2**20
@@ -116,15 +121,6 @@ class _Early:
     before: dict[str, int]             # comm stats at the first ready()
     inflight: dict[int, tuple[Any, Any, Any]]  # bucket index -> (bucket, buffers, work)
     seconds: float = 0.0               # wall time spent inside ready()
-
-
-@dataclass
-class _Buffers:
-    """One pipeline stage's flat buffers (sized for the largest bucket)."""
-
-    f: F32            # float32: gradient copy ("global") or c
-    q: Array | None   # int8 votes (quantized variants)
-    s: Array          # collective result: int8 majority or the exact sums
 
 
 def _normalize_groups(params: object, lr: float, betas: object, weight_decay: float
@@ -214,9 +210,11 @@ class DistributedLion:
 
     Attributes: ``param_groups`` (dicts with ``params`` (the arrays), ``lr``, ``betas``,
     ``weight_decay``; changing the hyperparameters between steps is allowed), ``variant``,
-    ``levels`` (effective vote levels: 1 for ternary signs), ``buckets``, ``names``,
-    ``momentum_sync``, ``replicas``, ``step_count``, ``last_stats``
-    (:class:`lioncub.stats.StepStats` of the last step, None before the first).
+    ``spec`` (its :class:`lioncub.variants.VariantSpec`), ``strategy`` (its
+    :class:`lioncub.strategies.VariantStrategy` object), ``levels`` (effective vote levels:
+    1 for ternary signs), ``buckets``, ``names``, ``momentum_sync``, ``replicas``,
+    ``step_count``, ``last_stats`` (:class:`lioncub.stats.StepStats` of the last step, None
+    before the first).
     """
 
     def __init__(self, params: Iterable[Any], comm: CommLike, variant: str = "lioncub-l1",
@@ -230,6 +228,7 @@ class DistributedLion:
                  replicas: ReplicaSet | None = None) -> None:
         self.spec = get_spec(variant)
         self.variant = self.spec.name
+        self.strategy = self._make_strategy(self.spec)
         self.comm: CommLike = comm
         self.world_size = int(comm.size)
         self.rank = int(comm.rank)
@@ -271,7 +270,7 @@ class DistributedLion:
 
         if levels is not None:
             levels = check_levels(levels)
-        if self.spec.uses_levels:
+        if self.strategy.uses_levels:
             self.levels = default_levels(self.world_size) if levels is None else levels
         else:
             self.levels = 1
@@ -282,7 +281,7 @@ class DistributedLion:
             raise UsageError(f"unknown tie rule {tie!r}; expected one of {', '.join(TIE_RULES)}")
         self.tie = tie
         self.momentum_sync = parse_sync(momentum_sync)
-        if self.momentum_sync.needs_agreement and not self.spec.yields_sums:
+        if self.momentum_sync.needs_agreement and not self.strategy.yields_sums:
             raise UsageError(f"momentum sync {self.momentum_sync.spec()!r} needs vote "
                              f"agreement, which variant {self.variant!r} does not produce; "
                              "use dlion-avg, lioncub-sign or a quantized lioncub variant")
@@ -296,7 +295,7 @@ class DistributedLion:
             for s in b.slots:
                 self._place[s.index] = (b.index, s)
         self._allocate_state()
-        self._buffers: list[_Buffers] = []
+        self._buffers: list[Buffers] = []
         self._step = 0
         self._tie_counter = 0
         self._comm_seconds = 0.0
@@ -311,9 +310,15 @@ class DistributedLion:
             self.check_replicas()
 
     # ------------------------------------------------------------------ set-up helpers
-    # (_check_param, _size_of, _spans, _allocate_state, _check_grads, _prepare, _start,
-    # _finish, average_momenta, _momentum_copies, _check_momentum and _load_momentum are
-    # what an engine on another kind of array overrides: lioncub.torch_engine)
+    # (_make_strategy, _check_param, _size_of, _spans, _allocate_state, _check_grads,
+    # _buffer, _prepare, _start, _finish, average_momenta, _momentum_copies, _check_momentum
+    # and _load_momentum are what an engine on another kind of array overrides:
+    # lioncub.torch_engine)
+    def _make_strategy(self, spec: VariantSpec) -> VariantStrategy:
+        """The variant's strategy object (:mod:`lioncub.strategies`), before anything is
+        sent."""
+        return spec.make_strategy()
+
     @staticmethod
     def _size_of(p: Any) -> int:
         """Elements of parameter ``p``."""
@@ -360,15 +365,11 @@ class DistributedLion:
                              "momentum sync schedule, replica arrays or "
                              "broadcast_parameters differ)")
 
-    def _buffer(self, k: int) -> _Buffers:
+    def _buffer(self, k: int) -> Buffers:
+        """Pipeline stage ``k``'s buffers (the strategy's, sized for the largest bucket)."""
         while len(self._buffers) <= k:
             size = max((b.size for b in self.buckets), default=0)
-            q = np.zeros(size, np.int8) if self.spec.kind == "quantized" else None
-            # majority results are int8 +-1; exact sums (at most levels * p <= 32767 in
-            # magnitude) are received as int16
-            s_dtype = np.int8 if self.spec.kind == "majority" else np.int16
-            self._buffers.append(_Buffers(np.zeros(size, np.float32), q,
-                                          np.zeros(size, s_dtype)))
+            self._buffers.append(self.strategy.buffers(size))
         return self._buffers[k]
 
     # ------------------------------------------------------------------ properties
@@ -425,79 +426,26 @@ class DistributedLion:
         return UsageError(f"non-finite value in the gradient (or momentum) of parameter {i} "
                           f"({self.names[i]}) on rank {self.rank}")
 
-    def _prepare(self, bucket: Bucket, buf: _Buffers, grads: list[F32 | None],
+    def _prepare(self, bucket: Bucket, buf: Buffers, grads: list[F32 | None],
                  hypers: list[Hyper]) -> None:
-        """Compute this rank's contribution of ``bucket`` into ``buf``."""
-        kind = self.spec.kind
-        for s in bucket.slots:
-            i = s.index
-            g = grads[i]
-            f = buf.f[s.offset:s.stop]
-            if kind == "global":
-                if g is None:
-                    f.fill(0.0)
-                elif not kernels.copy_checked(g, f):
-                    raise self._non_finite(i)
-                continue
-            h = hypers[i]
-            total, amax = kernels.direction_with_max(self._mom[i], g, f, h.b1, h.a1, h.b2,
-                                                     h.a2)
-            if not math.isfinite(total):
-                raise self._non_finite(i)
-            if kind == "quantized":
-                assert buf.q is not None and self.spec.method is not None
-                q = buf.q[s.offset:s.stop]
-                method = self.spec.method
-                mult = multiplier(method, self.levels, tensor_scale(method, f, total, amax))
-                if mult is None:
-                    q.fill(0)
-                else:
-                    kernels.quantize_scaled(f, mult, self.levels, q)
+        """Compute this rank's contribution of ``bucket`` into ``buf`` (the strategy's)."""
+        self.strategy.prepare(self, bucket, buf, grads, hypers)
 
-    def _start(self, bucket: Bucket, buf: _Buffers) -> Any:
-        """Start the bucket's collective (async); return its Work."""
-        n = bucket.size
-        kind = self.spec.kind
-        algo = self.spec.algorithm
+    def _start(self, bucket: Bucket, buf: Buffers) -> Any:
+        """Start the bucket's collective (the strategy's, async); return its Work."""
         t0 = time.perf_counter()
-        if kind == "global":
-            work = self.comm.allreduce(buf.f[:n], op="avg", out=buf.f[:n], async_op=True)
-        elif kind == "majority":
-            work = self.comm.sign_allreduce(buf.f[:n], op="majority",
-                                            tie=self._tie_for(bucket.index), out=buf.s[:n],
-                                            async_op=True, algorithm=algo)
-        elif kind == "quantized":
-            assert buf.q is not None
-            work = self.comm.quantized_allreduce(buf.q[:n], self.levels, out=buf.s[:n],
-                                                 async_op=True, algorithm=algo)
-        else:  # "mean", "sign-sum": exact sums of ternary signs
-            work = self.comm.sign_allreduce(buf.f[:n], op="sum", out=buf.s[:n],
-                                            async_op=True, algorithm=algo)
+        work = self.strategy.start(self, bucket, buf)
         self._comm_seconds += time.perf_counter() - t0
         return work
 
-    def _finish(self, bucket: Bucket, buf: _Buffers, work: Any, hypers: list[Hyper],
+    def _finish(self, bucket: Bucket, buf: Buffers, work: Any, hypers: list[Hyper],
                 sums: dict[int, int]) -> None:
-        """Wait for the bucket's collective and apply the update to its parameters."""
+        """Wait for the bucket's collective and apply the update to its parameters (the
+        strategy's)."""
         t0 = time.perf_counter()
         work.wait()
         self._comm_seconds += time.perf_counter() - t0
-        kind = self.spec.kind
-        p = kernels.f32(self.world_size)
-        for s in bucket.slots:
-            i = s.index
-            h = hypers[i]
-            if kind == "global":
-                kernels.lion_step(self._flat[i], buf.f[s.offset:s.stop], self._mom[i], h.lr,
-                                  h.decay, h.b1, h.a1, h.b2, h.a2)
-            elif kind == "mean":
-                sums[i] = kernels.apply_mean(self._flat[i], buf.s[s.offset:s.stop], h.lr,
-                                             h.decay, p)
-            else:
-                total = kernels.apply_sign(self._flat[i], buf.s[s.offset:s.stop], h.lr,
-                                           h.decay)
-                if kind != "majority":
-                    sums[i] = total
+        self.strategy.finish(self, bucket, buf, hypers, sums)
 
     # ------------------------------------------------------------------ overlap
     def ready(self, index: int, grad: Any) -> None:
@@ -593,7 +541,7 @@ class DistributedLion:
             self._comm_seconds = 0.0
             self._device_to_host = self._host_to_device = 0
             start = time.perf_counter()
-            pending: tuple[Bucket, _Buffers, Any] | None = None
+            pending: tuple[Bucket, Buffers, Any] | None = None
             for bucket in self.buckets:
                 buf = self._buffer(bucket.index % 2)
                 self._prepare(bucket, buf, flat_grads, hypers)
@@ -604,11 +552,11 @@ class DistributedLion:
             if pending is not None:
                 self._finish(*pending, hypers, sums)
         self._step += 1
-        if self.spec.kind == "majority":
+        if self.strategy.breaks_ties:
             self._tie_counter += 1
 
         agreement: dict[int, float] | None = None
-        if self.spec.yields_sums:
+        if self.strategy.yields_sums:
             denom = self.world_size * self.levels
             agreement = {i: total / (self._sizes[i] * denom) for i, total in sums.items()}
         synced = self._sync_momenta(agreement)
@@ -632,7 +580,7 @@ class DistributedLion:
     # ------------------------------------------------------------------ momentum sync
     def _sync_momenta(self, agreement: Mapping[int, float] | None) -> list[int]:
         """Average the momenta the schedule selects; return their indices."""
-        if not self.spec.local_momentum:
+        if not self.strategy.local_momentum:
             return []
         chosen = [i for i in self.momentum_sync.select(self._step, agreement, self.names)
                   if self._place[i] is not None]
