@@ -19,6 +19,13 @@ host and only packed results come back:
 4. One host-to-device copy of the packed result (``ceil(count / 8)`` or
    ``ceil(count w_out / 8)`` bytes), unpacked on the device, and the update applied.
 
+What differs between variants in steps 1-4 (the contribution, its encoding, the collective,
+the decoding and the update) is the variant's torch strategy (:mod:`lioncub.torch_strategies`),
+the counterpart of its numpy strategy (:mod:`lioncub.strategies`); the engine does the rest
+(buffers, synchronization, byte counts, the finiteness check) and never branches on the variant.
+A variant whose strategy class has no torch counterpart is refused (UsageError) at
+construction.
+
 "global" moves float32 gradients (4 bytes per element each way), as the numpy core does.
 The exact sums of ternary signs ("lioncub-sign", "dlion-avg") travel as
 ``packed_quantized_allreduce`` fields with ``levels=1`` (the values, the algorithm and the
@@ -47,21 +54,21 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
 from typing import Any, cast
 
 import numpy as np
 import torch
 
 from bitcoll.errors import UsageError
-from bitcoll.layout import field_width
 
 from . import torch_layout as tl
 from .buckets import Bucket, Slot
 from .distributed import DistributedLion
 from .lion import Hyper
-from .quantize import multiplier
 from .replicas import ReplicaSet
+from .strategies import VariantStrategy
+from .torch_strategies import Stage, TorchStrategy, torch_strategy_for
+from .variants import VariantSpec
 
 __all__ = ["TorchEngine", "TensorReplicas", "PARAM_DTYPES", "MOMENTUM_DTYPES"]
 
@@ -77,15 +84,6 @@ _NUMPY_VIEW = {torch.float32: torch.float32, torch.float16: torch.float16,
 def host_view(t: torch.Tensor) -> np.ndarray[Any, Any]:
     """A numpy array over the bytes of the CPU tensor ``t`` (bfloat16 as int16)."""
     return t.detach().view(_NUMPY_VIEW.get(t.dtype, t.dtype)).numpy()
-
-
-def _int_sum(x: torch.Tensor, bound: int) -> torch.Tensor:
-    """``x.sum()`` of integers in ``[0, bound]`` as an int64 0-d tensor, summed in int32
-    chunks that cannot overflow (torch's int64 accumulation of int8 is several times
-    slower)."""
-    chunk = (2**31 - 1) // max(1, bound)
-    parts = [x[i:i + chunk].sum(dtype=torch.int32) for i in range(0, x.numel(), chunk)]
-    return torch.stack(parts).sum(dtype=torch.int64)
 
 
 class TensorReplicas(ReplicaSet):
@@ -120,22 +118,6 @@ class TensorReplicas(ReplicaSet):
                 t.copy_(torch.from_numpy(a).view(t.dtype))
 
 
-@dataclass
-class _Stage:
-    """One pipeline stage's buffers (sized for the largest bucket)."""
-
-    c: torch.Tensor          # float32 [padded]: c, or the gradients ("global")
-    t: torch.Tensor          # float32 [padded] scratch
-    fields: torch.Tensor     # uint8 [padded]: votes one per byte, then the result fields
-    words: torch.Tensor      # int64 [padded / 8] scratch of the packing
-    dev_in: torch.Tensor     # uint8: packed votes on the device
-    host_in: torch.Tensor    # uint8: packed votes on the host (page-locked on CUDA)
-    host_out: torch.Tensor   # uint8: packed result on the host
-    dev_out: torch.Tensor    # uint8: packed result on the device
-    aux: torch.Tensor        # int8 [padded] scratch: the signs of the sums
-    t2: torch.Tensor         # float32 [padded] scratch ("global" only, else empty)
-
-
 class TorchEngine(DistributedLion):
     """:class:`lioncub.DistributedLion` on torch tensors (module docstring).
 
@@ -143,7 +125,8 @@ class TorchEngine(DistributedLion):
     dense, contiguous, all on one device); ``momentum_dtype``: torch.float32 or
     torch.bfloat16. ``step(grads)`` takes one tensor (same shape and device, floating
     dtype) or None per parameter. ``momenta`` are tensor views of the per-bucket momentum
-    buffers. Everything else is the core's.
+    buffers. ``device_strategy`` is the variant's
+    :class:`lioncub.torch_strategies.TorchStrategy`. Everything else is the core's.
     """
 
     def __init__(self, params: Any, comm: Any, *args: Any,
@@ -157,11 +140,18 @@ class TorchEngine(DistributedLion):
                                  "(a bitcoll.Communicator)")
         self.momentum_dtype = momentum_dtype
         self.device: torch.device | None = None
-        self._stages: list[_Stage] = []
+        self._stages: list[Stage] = []
         self._f64: torch.Tensor | None = None
         super().__init__(params, comm, *args, **kwargs)
 
     # ------------------------------------------------------------------ set-up
+    def _make_strategy(self, spec: VariantSpec) -> VariantStrategy:
+        """The core's strategy, and its torch counterpart (:attr:`device_strategy`, from
+        :mod:`lioncub.torch_strategies`; UsageError when the variant has none)."""
+        strategy = super()._make_strategy(spec)
+        self.device_strategy: TorchStrategy = torch_strategy_for(strategy)
+        return strategy
+
     def _check_param(self, p: object, index: int, seen: set[int]) -> None:  # type: ignore[override]
         if not isinstance(p, torch.Tensor):
             raise UsageError(f"parameter {index} must be a torch tensor, got "
@@ -208,46 +198,34 @@ class TorchEngine(DistributedLion):
             and torch.cuda.is_available()
         return torch.zeros(n, dtype=torch.uint8, pin_memory=pin)
 
-    def _widths(self) -> tuple[int, int]:
-        """Bits per element of the packed votes and of the packed result."""
-        kind = self.spec.kind
-        if kind == "majority":
-            return 1, 1
-        levels = self.levels if kind == "quantized" else 1
-        return field_width(levels), field_width(levels * self.world_size)
-
-    def _buffer(self, k: int) -> _Stage:  # type: ignore[override]
+    def _buffer(self, k: int) -> Stage:  # type: ignore[override]
         """Stage ``k``: its own host buffers (a bucket in flight holds them until it is
         finished) and the device scratch every stage shares (the main thread, and the
-        device's stream, use it for one bucket at a time)."""
+        device's stream, use it for one bucket at a time); the strategy-dependent sizes are
+        the device strategy's."""
         dev = self.device if self.device is not None else torch.device("cpu")
         while len(self._stages) <= k:
             size = max((b.size for b in self.buckets), default=0)
             padded = tl.padded(size)
-            w_in, w_out = self._widths()
-            if self.spec.kind == "global":
-                n_in, n_out = 4 * padded, 0
-            else:
-                n_in, n_out = tl.nbytes(size, w_in), tl.nbytes(size, w_out)
+            sizes = self.device_strategy.stage_sizes(self, size)
 
             def u8(k: int) -> torch.Tensor:
                 return torch.zeros(k, dtype=torch.uint8, device=dev)
 
             first = self._stages[0] if self._stages else None
-            self._stages.append(_Stage(
+            self._stages.append(Stage(
                 c=first.c if first else torch.zeros(padded, dtype=torch.float32, device=dev),
                 t=first.t if first else torch.zeros(padded, dtype=torch.float32, device=dev),
                 fields=first.fields if first else u8(padded),
                 words=first.words if first
                 else torch.zeros(padded // 8, dtype=torch.int64, device=dev),
-                dev_in=first.dev_in if first else u8(0 if self.spec.kind == "global" else n_in),
-                host_in=self._pinned(n_in),
-                host_out=self._pinned(n_out),
-                dev_out=first.dev_out if first else u8(n_out),
+                dev_in=first.dev_in if first else u8(sizes.dev_in),
+                host_in=self._pinned(sizes.host_in),
+                host_out=self._pinned(sizes.host_out),
+                dev_out=first.dev_out if first else u8(sizes.dev_out),
                 aux=first.aux if first else torch.zeros(padded, dtype=torch.int8, device=dev),
-                t2=first.t2 if first else torch.zeros(
-                    padded if self.spec.kind == "global" else 0, dtype=torch.float32,
-                    device=dev)))
+                t2=first.t2 if first else torch.zeros(sizes.t2, dtype=torch.float32,
+                                                       device=dev)))
         return self._stages[k]
 
     def _scratch64(self, n: int) -> torch.Tensor:
@@ -323,183 +301,38 @@ class TorchEngine(DistributedLion):
                 return self._non_finite(s.index)
         return self._non_finite(bucket.slots[0].index)
 
-    def _prepare(self, bucket: Bucket, buf: _Stage, grads: list[Any],  # type: ignore[override]
+    def _prepare(self, bucket: Bucket, buf: Stage, grads: list[Any],  # type: ignore[override]
                  hypers: list[Hyper]) -> None:
-        """This rank's votes of ``bucket``, packed, copied into ``buf.host_in``."""
-        n = bucket.size
-        kind = self.spec.kind
-        c = buf.c[:n]
-        for s in bucket.slots:
-            if kind == "global":
-                g = grads[s.index]
-                if g is None:
-                    c[s.offset:s.stop].zero_()
-                else:
-                    c[s.offset:s.stop].copy_(g)
-            else:
-                self._direction(s, c[s.offset:s.stop], buf.t[s.offset:s.stop],
-                                grads[s.index], hypers[s.index])
+        """This rank's contribution of ``bucket`` computed and encoded on the device and
+        copied into ``buf.host_in`` (the device strategy's); UsageError naming the first
+        parameter whose ``c`` is not finite."""
+        strategy = self.device_strategy
+        c = buf.c[:bucket.size]
+        strategy.contribute(self, bucket, buf, grads, hypers)
         lo, hi = torch.aminmax(c)
-        if kind == "global":
-            nb = 4 * n
-            host = buf.host_in[:nb]
-            host.view(torch.float32).copy_(c, non_blocking=True)
-        else:
-            fields = buf.fields
-            if kind == "majority":
-                torch.ge(c, 0, out=fields[:n].view(torch.bool))
-            elif kind == "quantized":
-                self._quantize(bucket, buf, lo, hi)
-            else:  # ternary signs + 1 as 2-bit fields: (c > 0) + (c >= 0)
-                torch.gt(c, 0, out=fields[:n].view(torch.bool))
-                ge = buf.aux[:n].view(torch.bool)
-                torch.ge(c, 0, out=ge)
-                fields[:n].add_(ge.view(torch.uint8))
-            fields[n:tl.padded(n)].zero_()
-            w_in = self._widths()[0]
-            nb = tl.nbytes(n, w_in)
-            tl.pack(fields[:tl.padded(n)], n, w_in, buf.dev_in[:nb],
-                    buf.words[:tl.padded(n) // 8])
-            host = buf.host_in[:nb]
-            host.copy_(buf.dev_in[:nb], non_blocking=True)
+        nb = strategy.encode(self, bucket, buf, lo, hi)
         self._sync()
         self._device_to_host += nb
         if not (math.isfinite(float(lo)) and math.isfinite(float(hi))):
             raise self._first_bad(bucket, c)
 
-    def _quantize(self, bucket: Bucket, buf: _Stage, lo: torch.Tensor,
-                  hi: torch.Tensor) -> None:
-        """``buf.fields[:n] = quantize(c, method, levels) + levels`` per tensor, with the
-        numpy core's scales (:func:`lioncub.quantize.tensor_scale`) and multipliers."""
-        method = self.spec.method
-        assert method is not None
-        n = bucket.size
-        c = buf.c[:n]
-        levels = self.levels
-        parts: list[torch.Tensor] = [lo.double(), hi.double()]
-        if method == "linf":
-            for s in bucket.slots:
-                a, b = torch.aminmax(c[s.offset:s.stop])
-                parts.append(torch.maximum(a.neg(), b).double())
-        else:
-            d = self._scratch64(n)
-            d.copy_(c).abs_()
-            if method == "l0":
-                counts = [torch.count_nonzero(c[s.offset:s.stop]) for s in bucket.slots]
-                d.masked_fill_(d == 0, 1.0).log_()
-            for s in bucket.slots:
-                parts.append(d[s.offset:s.stop].sum())
-            if method == "l0":
-                parts.extend(x.double() for x in counts)
-        values = torch.stack(parts).tolist()  # one synchronization per bucket
-        if not (math.isfinite(values[0]) and math.isfinite(values[1])):
-            self._sync()
-            raise self._first_bad(bucket, c)
-        t = buf.t[:n]
-        k = len(bucket.slots)
-        for j, s in enumerate(bucket.slots):
-            v = values[2 + j]
-            if method == "l1":
-                scale = v / s.size
-            elif method == "linf":
-                scale = v
-            else:
-                count = int(values[2 + k + j])
-                scale = 0.0 if count == 0 else math.exp(v / count)
-            mult = multiplier(method, levels, scale)
-            if mult is None:
-                t[s.offset:s.stop].zero_()
-            else:
-                torch.mul(c[s.offset:s.stop], float(mult), out=t[s.offset:s.stop])
-        t.clamp_(-levels, levels).round_()
-        q = buf.aux[:n]
-        q.copy_(t)  # exact: integers in [-levels, levels]
-        torch.add(q.view(torch.uint8), levels, out=buf.fields[:n])  # value + levels (mod 256)
-
-    def _start(self, bucket: Bucket, buf: _Stage) -> Any:  # type: ignore[override]
-        """Start the bucket's collective on the host buffers (async); return its Work."""
-        n = bucket.size
-        kind = self.spec.kind
-        algo = self.spec.algorithm
-        comm: Any = self.comm
+    def _start(self, bucket: Bucket, buf: Stage) -> Any:  # type: ignore[override]
+        """Start the bucket's collective on the host buffers (the device strategy's, async);
+        return its Work."""
         t0 = time.perf_counter()
-        if kind == "global":
-            host = buf.host_in[:4 * n].view(torch.float32).numpy()
-            work = comm.allreduce(host, op="avg", out=host, async_op=True)
-        else:
-            w_in, w_out = self._widths()
-            votes = buf.host_in[:tl.nbytes(n, w_in)].numpy()
-            result = buf.host_out[:tl.nbytes(n, w_out)].numpy()
-            if kind == "majority":
-                work = comm.packed_sign_allreduce(votes, n, tie=self._tie_for(bucket.index),
-                                                  out=result, async_op=True, algorithm=algo)
-            else:
-                levels = self.levels if kind == "quantized" else 1
-                work = comm.packed_quantized_allreduce(votes, n, levels, out=result,
-                                                       async_op=True, algorithm=algo)
+        work = self.device_strategy.start(self, bucket, buf)
         self._comm_seconds += time.perf_counter() - t0
         return work
 
-    def _finish(self, bucket: Bucket, buf: _Stage, work: Any,  # type: ignore[override]
+    def _finish(self, bucket: Bucket, buf: Stage, work: Any,  # type: ignore[override]
                 hypers: list[Hyper], sums: dict[int, int]) -> None:
-        """Wait for the collective, copy its packed result to the device, unpack, update."""
+        """Wait for the collective, copy its result to the device, update (the device
+        strategy's fetch and apply)."""
         t0 = time.perf_counter()
         work.wait()
         self._comm_seconds += time.perf_counter() - t0
-        n = bucket.size
-        kind = self.spec.kind
-        if kind == "global":
-            c = buf.c[:n]
-            c.copy_(buf.host_in[:4 * n].view(torch.float32), non_blocking=True)
-            self._host_to_device += 4 * n
-            for s in bucket.slots:
-                h = hypers[s.index]
-                u = buf.t[s.offset:s.stop]
-                self._direction(s, u, buf.t2[s.offset:s.stop], c[s.offset:s.stop], h)
-                self._apply(s, u.sign_(), h)
-            return
-        w_out = self._widths()[1]
-        nb = tl.nbytes(n, w_out)
-        buf.dev_out[:nb].copy_(buf.host_out[:nb], non_blocking=True)
-        self._host_to_device += nb
-        if kind == "majority":
-            bits = buf.fields[:tl.padded(n)]
-            tl.unpack(buf.dev_out[:nb], n, 1, bits, buf.words[:tl.padded(n) // 8])
-            sgn = bits[:n].mul_(2).sub_(1).view(torch.int8)  # 1 -> +1, 0 -> -1
-            for s in bucket.slots:
-                self._apply(s, sgn[s.offset:s.stop], hypers[s.index])
-            return
-        bias = (self.levels if kind == "quantized" else 1) * self.world_size
-        if w_out <= 8:
-            f = buf.fields[:tl.padded(n)]
-            tl.unpack(buf.dev_out[:nb], n, w_out, f, buf.words[:tl.padded(n) // 8])
-            total = f[:n].sub_(bias).view(torch.int8)  # the sums (|sum| <= 127)
-        else:
-            total = tl.unpack_wide(buf.dev_out[:nb], n, w_out).sub_(bias)
-        totals: list[torch.Tensor] = []
-        if kind == "mean":
-            # u = sum / p takes 2p + 1 values: lr * u from a table computed as the numpy
-            # kernel computes it (torch's division by a scalar multiplies by its reciprocal)
-            world = self.world_size
-            quotients = np.arange(-world, world + 1, dtype=np.float32) / np.float32(world)
-            index = total.to(torch.int64).add_(world)
-            for s in bucket.slots:
-                h = hypers[s.index]
-                table = torch.from_numpy(h.lr * quotients).to(self._tflat[s.index].device)
-                p = self._tflat[s.index]
-                if float(h.decay) != 1.0:
-                    p.mul_(float(h.decay))
-                p.sub_(table[index[s.offset:s.stop]])
-        else:
-            sgn = torch.sign(total) if total.dtype != torch.int8 \
-                else torch.sign(total, out=buf.aux[:n])
-            for s in bucket.slots:
-                self._apply(s, sgn[s.offset:s.stop], hypers[s.index])
-        mag = total.abs_()
-        for s in bucket.slots:
-            totals.append(_int_sum(mag[s.offset:s.stop], bias))
-        for s, v in zip(bucket.slots, torch.stack(totals).tolist(), strict=True):
-            sums[s.index] = int(v)
+        self._host_to_device += self.device_strategy.fetch(self, bucket, buf)
+        self.device_strategy.apply(self, bucket, buf, hypers, sums)
 
     def _apply(self, s: Slot, u: torch.Tensor, h: Hyper) -> None:
         """``p = p*decay - lr*u`` for ``u`` in {-1, 0, 1} (``lr*u`` is exact; ``p*1`` is

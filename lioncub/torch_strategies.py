@@ -1,0 +1,420 @@
+"""The torch counterparts of the variant strategies: the per-bucket work of
+:class:`lioncub.torch_engine.TorchEngine` on the parameters' device.
+
+Each :class:`lioncub.strategies.VariantStrategy` class that the torch engine can run has one
+:class:`TorchStrategy` counterpart here, bound in :data:`TORCH_STRATEGIES` (exact classes: a
+subclass of a built-in strategy needs its own line). The engine builds the counterpart of its
+variant's strategy (UsageError before anything is sent when there is none) and calls it per
+bucket, in this order:
+
+1. :meth:`TorchStrategy.stage_sizes` (once per pipeline stage): the sizes of the stage's
+   device and host buffers (:class:`Stage`).
+2. :meth:`TorchStrategy.contribute`: this rank's contribution into ``stage.c`` on the device
+   (Lion's ``c`` with this rank's momentum, advanced; "global": the gradients).
+3. :meth:`TorchStrategy.encode`: the contribution encoded (votes packed on the device, by
+   :mod:`lioncub.torch_layout`) and copied into ``stage.host_in``; returns the bytes copied
+   to the host. The engine then synchronizes the device, counts the bytes and checks ``c``
+   for non-finite values.
+4. :meth:`TorchStrategy.start`: bitcoll's collective on the host buffers (``async_op=True``).
+5. :meth:`TorchStrategy.fetch`, after the engine waited for the collective: the result
+   copied to the device; returns the bytes copied.
+6. :meth:`TorchStrategy.apply`: the update of the bucket's parameters (and the per-tensor
+   vote sums when the variant yields them).
+
+The variants' flags (``local_momentum``, ``yields_sums``, ...) stay the numpy strategy's
+(:attr:`TorchStrategy.base`). Arithmetic matches the numpy strategies bit for bit (see
+:mod:`lioncub.torch_engine`).
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import numpy as np
+import torch
+
+from bitcoll.errors import UsageError
+from bitcoll.layout import field_width
+
+from . import torch_layout as tl
+from .buckets import Bucket
+from .comm import WorkLike
+from .lion import Hyper
+from .quantize import multiplier
+from .strategies import (
+    GlobalAverage,
+    MajorityVote,
+    QuantizedSum,
+    SignMean,
+    SignSum,
+    VariantStrategy,
+)
+
+if TYPE_CHECKING:
+    from .torch_engine import TorchEngine
+
+__all__ = ["Stage", "StageSizes", "TorchStrategy", "TorchGlobalAverage", "TorchMajorityVote",
+           "TorchExactSum", "TorchSignSum", "TorchSignMean", "TorchQuantizedSum",
+           "TORCH_STRATEGIES", "torch_strategy_for"]
+
+
+@dataclass
+class Stage:
+    """One pipeline stage's buffers (sized for the largest bucket; the device scratch is
+    shared by every stage, the host buffers are the stage's own)."""
+
+    c: torch.Tensor          # float32 [padded]: c, or the gradients ("global")
+    t: torch.Tensor          # float32 [padded] scratch
+    fields: torch.Tensor     # uint8 [padded]: votes one per byte, then the result fields
+    words: torch.Tensor      # int64 [padded / 8] scratch of the packing
+    dev_in: torch.Tensor     # uint8: packed votes on the device
+    host_in: torch.Tensor    # uint8: packed votes on the host (page-locked on CUDA)
+    host_out: torch.Tensor   # uint8: packed result on the host
+    dev_out: torch.Tensor    # uint8: packed result on the device
+    aux: torch.Tensor        # int8 [padded] scratch: the signs of the sums
+    t2: torch.Tensor         # float32 scratch (empty unless the strategy asks for it)
+
+
+class StageSizes(NamedTuple):
+    """Sizes of a stage's strategy-dependent buffers: bytes of ``host_in``, ``host_out``,
+    ``dev_in``, ``dev_out`` and float32 elements of ``t2``."""
+
+    host_in: int
+    host_out: int
+    dev_in: int
+    dev_out: int
+    t2: int
+
+
+def _int_sum(x: torch.Tensor, bound: int) -> torch.Tensor:
+    """``x.sum()`` of integers in ``[0, bound]`` as an int64 0-d tensor, summed in int32
+    chunks that cannot overflow (torch's int64 accumulation of int8 is several times
+    slower)."""
+    chunk = (2**31 - 1) // max(1, bound)
+    parts = [x[i:i + chunk].sum(dtype=torch.int32) for i in range(0, x.numel(), chunk)]
+    return torch.stack(parts).sum(dtype=torch.int64)
+
+
+class TorchStrategy(ABC):
+    """The torch engine's side of the strategy ``base`` (module docstring); one object per
+    engine. The default :meth:`contribute` is Lion's ``c`` with this rank's momentum."""
+
+    def __init__(self, base: VariantStrategy) -> None:
+        self.base = base
+
+    @abstractmethod
+    def stage_sizes(self, engine: TorchEngine, size: int) -> StageSizes:
+        """The buffer sizes of a stage for buckets of at most ``size`` elements."""
+
+    def contribute(self, engine: TorchEngine, bucket: Bucket, buf: Stage,
+                   grads: Sequence[torch.Tensor | None], hypers: Sequence[Hyper]) -> None:
+        """``buf.c[s.offset:s.stop] = beta1 m + (1 - beta1) g`` of every slot, this rank's
+        momentum advanced (``grads``: flat tensors or None, one per parameter)."""
+        for s in bucket.slots:
+            engine._direction(s, buf.c[s.offset:s.stop], buf.t[s.offset:s.stop],
+                              grads[s.index], hypers[s.index])
+
+    @abstractmethod
+    def encode(self, engine: TorchEngine, bucket: Bucket, buf: Stage, lo: torch.Tensor,
+               hi: torch.Tensor) -> int:
+        """Encode ``buf.c[:bucket.size]`` (its minimum ``lo`` and maximum ``hi``, 0-d device
+        tensors) into ``buf.host_in`` (the copy may be asynchronous; the engine synchronizes
+        the device next); return the bytes copied to the host."""
+
+    @abstractmethod
+    def start(self, engine: TorchEngine, bucket: Bucket, buf: Stage) -> WorkLike:
+        """Start the bucket's collective on the host buffers (``async_op=True``)."""
+
+    @abstractmethod
+    def fetch(self, engine: TorchEngine, bucket: Bucket, buf: Stage) -> int:
+        """Copy the completed collective's result to the device; return its bytes."""
+
+    @abstractmethod
+    def apply(self, engine: TorchEngine, bucket: Bucket, buf: Stage,
+              hypers: Sequence[Hyper], sums: dict[int, int]) -> None:
+        """Update the bucket's parameters from the fetched result (set ``sums`` of every
+        parameter of the bucket when ``base.yields_sums``)."""
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.base.spec.name}>"
+
+
+class TorchGlobalAverage(TorchStrategy):
+    """:class:`lioncub.strategies.GlobalAverage`: float32 gradients to the host (4 bytes per
+    element each way), averaged, then Lion with the shared momentum on the device."""
+
+    def stage_sizes(self, engine: TorchEngine, size: int) -> StageSizes:
+        padded = tl.padded(size)
+        return StageSizes(4 * padded, 0, 0, 0, padded)
+
+    def contribute(self, engine: TorchEngine, bucket: Bucket, buf: Stage,
+                   grads: Sequence[torch.Tensor | None], hypers: Sequence[Hyper]) -> None:
+        for s in bucket.slots:
+            g = grads[s.index]
+            if g is None:
+                buf.c[s.offset:s.stop].zero_()
+            else:
+                buf.c[s.offset:s.stop].copy_(g)
+
+    def encode(self, engine: TorchEngine, bucket: Bucket, buf: Stage, lo: torch.Tensor,
+               hi: torch.Tensor) -> int:
+        nb = 4 * bucket.size
+        buf.host_in[:nb].view(torch.float32).copy_(buf.c[:bucket.size], non_blocking=True)
+        return nb
+
+    def start(self, engine: TorchEngine, bucket: Bucket, buf: Stage) -> WorkLike:
+        host = buf.host_in[:4 * bucket.size].view(torch.float32).numpy()
+        return engine.comm.allreduce(host, op="avg", out=host, async_op=True)
+
+    def fetch(self, engine: TorchEngine, bucket: Bucket, buf: Stage) -> int:
+        n = bucket.size
+        buf.c[:n].copy_(buf.host_in[:4 * n].view(torch.float32), non_blocking=True)
+        return 4 * n
+
+    def apply(self, engine: TorchEngine, bucket: Bucket, buf: Stage,
+              hypers: Sequence[Hyper], sums: dict[int, int]) -> None:
+        c = buf.c
+        for s in bucket.slots:
+            h = hypers[s.index]
+            u = buf.t[s.offset:s.stop]
+            engine._direction(s, u, buf.t2[s.offset:s.stop], c[s.offset:s.stop], h)
+            engine._apply(s, u.sign_(), h)
+
+
+class _Packed(TorchStrategy):
+    """Votes packed on the device into fields of ``widths()[0]`` bits, the result coming
+    back in fields of ``widths()[1]`` bits (:mod:`bitcoll.layout`'s layout)."""
+
+    @abstractmethod
+    def widths(self, engine: TorchEngine) -> tuple[int, int]:
+        """Bits per element of the packed votes and of the packed result."""
+
+    @abstractmethod
+    def fields(self, engine: TorchEngine, bucket: Bucket, buf: Stage, lo: torch.Tensor,
+               hi: torch.Tensor) -> None:
+        """This rank's votes, one unsigned field value per byte, into
+        ``buf.fields[:bucket.size]``."""
+
+    def stage_sizes(self, engine: TorchEngine, size: int) -> StageSizes:
+        w_in, w_out = self.widths(engine)
+        n_in, n_out = tl.nbytes(size, w_in), tl.nbytes(size, w_out)
+        return StageSizes(n_in, n_out, n_in, n_out, 0)
+
+    def encode(self, engine: TorchEngine, bucket: Bucket, buf: Stage, lo: torch.Tensor,
+               hi: torch.Tensor) -> int:
+        n = bucket.size
+        self.fields(engine, bucket, buf, lo, hi)
+        buf.fields[n:tl.padded(n)].zero_()
+        w_in = self.widths(engine)[0]
+        nb = tl.nbytes(n, w_in)
+        tl.pack(buf.fields[:tl.padded(n)], n, w_in, buf.dev_in[:nb],
+                buf.words[:tl.padded(n) // 8])
+        buf.host_in[:nb].copy_(buf.dev_in[:nb], non_blocking=True)
+        return nb
+
+    def fetch(self, engine: TorchEngine, bucket: Bucket, buf: Stage) -> int:
+        nb = tl.nbytes(bucket.size, self.widths(engine)[1])
+        buf.dev_out[:nb].copy_(buf.host_out[:nb], non_blocking=True)
+        return nb
+
+    def host_views(self, engine: TorchEngine, bucket: Bucket,
+                   buf: Stage) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+        """numpy views of the packed votes and of the result buffer on the host."""
+        w_in, w_out = self.widths(engine)
+        n = bucket.size
+        return (buf.host_in[:tl.nbytes(n, w_in)].numpy(),
+                buf.host_out[:tl.nbytes(n, w_out)].numpy())
+
+
+class TorchMajorityVote(_Packed):
+    """:class:`lioncub.strategies.MajorityVote`: 1-bit votes ``c >= 0``, bitcoll's
+    ``packed_sign_allreduce``, the majority bits applied as +-1."""
+
+    def widths(self, engine: TorchEngine) -> tuple[int, int]:
+        return 1, 1
+
+    def fields(self, engine: TorchEngine, bucket: Bucket, buf: Stage, lo: torch.Tensor,
+               hi: torch.Tensor) -> None:
+        n = bucket.size
+        torch.ge(buf.c[:n], 0, out=buf.fields[:n].view(torch.bool))
+
+    def start(self, engine: TorchEngine, bucket: Bucket, buf: Stage) -> WorkLike:
+        votes, result = self.host_views(engine, bucket, buf)
+        comm: Any = engine.comm
+        work: WorkLike = comm.packed_sign_allreduce(
+            votes, bucket.size, tie=engine._tie_for(bucket.index), out=result, async_op=True,
+            algorithm=self.base.spec.algorithm)
+        return work
+
+    def apply(self, engine: TorchEngine, bucket: Bucket, buf: Stage,
+              hypers: Sequence[Hyper], sums: dict[int, int]) -> None:
+        n = bucket.size
+        bits = buf.fields[:tl.padded(n)]
+        tl.unpack(buf.dev_out[:tl.nbytes(n, 1)], n, 1, bits, buf.words[:tl.padded(n) // 8])
+        sgn = bits[:n].mul_(2).sub_(1).view(torch.int8)  # 1 -> +1, 0 -> -1
+        for s in bucket.slots:
+            engine._apply(s, sgn[s.offset:s.stop], hypers[s.index])
+
+
+class TorchExactSum(_Packed):
+    """Base of the exact-sum variants: votes in ``[-L, L]`` as fields of value + L, bitcoll's
+    ``packed_quantized_allreduce`` with ``L`` = :meth:`vote_levels`, the sums applied by
+    :meth:`apply_sums` (default ``lr * sign(sum)``) and ``sum |sum|`` recorded per tensor."""
+
+    def vote_levels(self, engine: TorchEngine) -> int:
+        """``L``: the largest vote magnitude (1: ternary signs)."""
+        return 1
+
+    def widths(self, engine: TorchEngine) -> tuple[int, int]:
+        levels = self.vote_levels(engine)
+        return field_width(levels), field_width(levels * engine.world_size)
+
+    def start(self, engine: TorchEngine, bucket: Bucket, buf: Stage) -> WorkLike:
+        votes, result = self.host_views(engine, bucket, buf)
+        comm: Any = engine.comm
+        work: WorkLike = comm.packed_quantized_allreduce(
+            votes, bucket.size, self.vote_levels(engine), out=result, async_op=True,
+            algorithm=self.base.spec.algorithm)
+        return work
+
+    def apply(self, engine: TorchEngine, bucket: Bucket, buf: Stage,
+              hypers: Sequence[Hyper], sums: dict[int, int]) -> None:
+        n = bucket.size
+        w_out = self.widths(engine)[1]
+        nb = tl.nbytes(n, w_out)
+        bias = self.vote_levels(engine) * engine.world_size
+        if w_out <= 8:
+            f = buf.fields[:tl.padded(n)]
+            tl.unpack(buf.dev_out[:nb], n, w_out, f, buf.words[:tl.padded(n) // 8])
+            total = f[:n].sub_(bias).view(torch.int8)  # the sums (|sum| <= 127)
+        else:
+            total = tl.unpack_wide(buf.dev_out[:nb], n, w_out).sub_(bias)
+        self.apply_sums(engine, bucket, buf, total, hypers)
+        mag = total.abs_()
+        totals = [_int_sum(mag[s.offset:s.stop], bias) for s in bucket.slots]
+        for s, v in zip(bucket.slots, torch.stack(totals).tolist(), strict=True):
+            sums[s.index] = int(v)
+
+    def apply_sums(self, engine: TorchEngine, bucket: Bucket, buf: Stage,
+                   total: torch.Tensor, hypers: Sequence[Hyper]) -> None:
+        """``p = p * decay - lr * sign(total)`` for every slot (``total``: the bucket's
+        sums, int8 or wider; it may be overwritten afterwards)."""
+        sgn = torch.sign(total) if total.dtype != torch.int8 \
+            else torch.sign(total, out=buf.aux[:bucket.size])
+        for s in bucket.slots:
+            engine._apply(s, sgn[s.offset:s.stop], hypers[s.index])
+
+
+class TorchSignSum(TorchExactSum):
+    """:class:`lioncub.strategies.SignSum`: ternary signs + 1 as 2-bit fields (the values,
+    the algorithm and the bytes on the wire are those of ``sign_allreduce(op="sum")``)."""
+
+    def fields(self, engine: TorchEngine, bucket: Bucket, buf: Stage, lo: torch.Tensor,
+               hi: torch.Tensor) -> None:
+        n = bucket.size
+        c = buf.c[:n]
+        fields = buf.fields
+        torch.gt(c, 0, out=fields[:n].view(torch.bool))  # (c > 0) + (c >= 0)
+        ge = buf.aux[:n].view(torch.bool)
+        torch.ge(c, 0, out=ge)
+        fields[:n].add_(ge.view(torch.uint8))
+
+
+class TorchSignMean(TorchSignSum):
+    """:class:`lioncub.strategies.SignMean`: the sums applied as ``lr * sum / p``."""
+
+    def apply_sums(self, engine: TorchEngine, bucket: Bucket, buf: Stage,
+                   total: torch.Tensor, hypers: Sequence[Hyper]) -> None:
+        # u = sum / p takes 2p + 1 values: lr * u from a table computed as the numpy kernel
+        # computes it (torch's division by a scalar multiplies by its reciprocal)
+        world = engine.world_size
+        quotients = np.arange(-world, world + 1, dtype=np.float32) / np.float32(world)
+        index = total.to(torch.int64).add_(world)
+        for s in bucket.slots:
+            h = hypers[s.index]
+            p = engine._tflat[s.index]
+            table = torch.from_numpy(h.lr * quotients).to(p.device)
+            if float(h.decay) != 1.0:
+                p.mul_(float(h.decay))
+            p.sub_(table[index[s.offset:s.stop]])
+
+
+class TorchQuantizedSum(TorchExactSum):
+    """:class:`lioncub.strategies.QuantizedSum`: ``quantize(c, method, levels) + levels``
+    per tensor, with the numpy core's scales (:func:`lioncub.quantize.tensor_scale`) and
+    multipliers."""
+
+    def vote_levels(self, engine: TorchEngine) -> int:
+        return engine.levels
+
+    def fields(self, engine: TorchEngine, bucket: Bucket, buf: Stage, lo: torch.Tensor,
+               hi: torch.Tensor) -> None:
+        assert isinstance(self.base, QuantizedSum)
+        method = self.base.method
+        n = bucket.size
+        c = buf.c[:n]
+        levels = engine.levels
+        parts: list[torch.Tensor] = [lo.double(), hi.double()]
+        if method == "linf":
+            for s in bucket.slots:
+                a, b = torch.aminmax(c[s.offset:s.stop])
+                parts.append(torch.maximum(a.neg(), b).double())
+        else:
+            d = engine._scratch64(n)
+            d.copy_(c).abs_()
+            if method == "l0":
+                counts = [torch.count_nonzero(c[s.offset:s.stop]) for s in bucket.slots]
+                d.masked_fill_(d == 0, 1.0).log_()
+            for s in bucket.slots:
+                parts.append(d[s.offset:s.stop].sum())
+            if method == "l0":
+                parts.extend(x.double() for x in counts)
+        values = torch.stack(parts).tolist()  # one synchronization per bucket
+        if not (math.isfinite(values[0]) and math.isfinite(values[1])):
+            engine._sync()
+            raise engine._first_bad(bucket, c)
+        t = buf.t[:n]
+        k = len(bucket.slots)
+        for j, s in enumerate(bucket.slots):
+            v = values[2 + j]
+            if method == "l1":
+                scale = v / s.size
+            elif method == "linf":
+                scale = v
+            else:
+                count = int(values[2 + k + j])
+                scale = 0.0 if count == 0 else math.exp(v / count)
+            mult = multiplier(method, levels, scale)
+            if mult is None:
+                t[s.offset:s.stop].zero_()
+            else:
+                torch.mul(c[s.offset:s.stop], float(mult), out=t[s.offset:s.stop])
+        t.clamp_(-levels, levels).round_()
+        q = buf.aux[:n]
+        q.copy_(t)  # exact: integers in [-levels, levels]
+        torch.add(q.view(torch.uint8), levels, out=buf.fields[:n])  # value + levels (mod 256)
+
+
+#: numpy strategy class -> its torch counterpart (a new variant's line goes here).
+TORCH_STRATEGIES: dict[type[VariantStrategy], type[TorchStrategy]] = {
+    GlobalAverage: TorchGlobalAverage,
+    MajorityVote: TorchMajorityVote,
+    SignSum: TorchSignSum,
+    SignMean: TorchSignMean,
+    QuantizedSum: TorchQuantizedSum,
+}
+
+
+def torch_strategy_for(strategy: VariantStrategy) -> TorchStrategy:
+    """The torch counterpart of ``strategy`` (looked up by its exact class); UsageError when
+    its class has none."""
+    cls = TORCH_STRATEGIES.get(type(strategy))
+    if cls is None:
+        raise UsageError(f"variant {strategy.spec.name!r} ({type(strategy).__name__}) has no "
+                         "torch engine implementation (lioncub.torch_strategies."
+                         "TORCH_STRATEGIES); use the numpy engine (backend='numpy')")
+    return cls(strategy)
