@@ -24,14 +24,13 @@ call order; a synchronous call first waits for pending asynchronous ones.
 from __future__ import annotations
 
 import concurrent.futures as cf
-import contextlib
 import functools
 import math
 import threading
 import time
 import weakref
 import zlib
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection
 from typing import Any, Literal, NamedTuple, TypeVar, overload
 
 import numpy as np
@@ -59,7 +58,7 @@ from .transport.base import TrafficStats, Transport
 from .work import Work
 
 __all__ = ["Communicator", "DEFAULT_TIMEOUT", "DEFAULT_SEGMENT_BYTES",
-           "DEFAULT_PACKED_SEGMENT_BYTES", "SMALL_MESSAGE_BYTES"]
+           "DEFAULT_PACKED_SEGMENT_BYTES", "SMALL_MESSAGE_BYTES", "NATIVE_ALLREDUCE_MAX_BYTES"]
 
 T = TypeVar("T")
 Array = npt.NDArray[Any]
@@ -77,6 +76,10 @@ DEFAULT_PACKED_SEGMENT_BYTES = 1 << 20
 64M-element sign all-reduce on 4 ranks packs, counts and decodes in 2 segments per block."""
 #: At or below this many bytes the dense all-reduce uses recursive doubling (latency-bound).
 SMALL_MESSAGE_BYTES = 64 << 10
+#: Over MPI, at or below this many bytes the dense all-reduce's default is MPI's own
+#: all-reduce (after the one fixed-size argument check every all-reduce over MPI starts with):
+#: see :meth:`Communicator.allreduce` and the README for the measured crossover.
+NATIVE_ALLREDUCE_MAX_BYTES = 256 << 10
 #: The packed collectives' default is the all-gather baseline while it sends at most this many
 #: bytes more per rank than the bandwidth-optimal direct exchange (one round of messages
 #: instead of two), the direct exchange above: see :func:`packed_auto_algorithm`.
@@ -198,7 +201,37 @@ def _count(count: object) -> int:
 
 def signature(*fields: object) -> int:
     """32-bit digest of a collective's name and arguments, carried in every frame header."""
+    try:
+        return _signature(fields)
+    except TypeError:  # an unhashable field
+        return zlib.crc32(repr(fields).encode())
+
+
+@functools.lru_cache(maxsize=1024)
+def _signature(fields: tuple[object, ...]) -> int:
     return zlib.crc32(repr(fields).encode())
+
+
+class _Validating:
+    """The context manager of :meth:`Communicator._validating` (a class: cheaper per call
+    than a generator-based one)."""
+
+    __slots__ = ("_comm", "_name")
+
+    def __init__(self, comm: Communicator, name: str) -> None:
+        self._comm = comm
+        self._name = name
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: object) -> None:
+        if isinstance(exc, UsageError):
+            comm = self._comm
+            transport = comm._transport
+            if comm.size > 1 and transport.failure is None:
+                transport.abort(f"UsageError in {self._name} on rank {comm.rank}: {exc}")
 
 
 class Communicator:
@@ -244,6 +277,11 @@ class Communicator:
         self._topology: Topology | None = topology
         self._host_comms: dict[str, Communicator] = {}  # host_comm() / cross_host_comm()
         self._no_local_stats: TrafficStats | None = None  # stats_local without shared memory
+        # Over MPI: the fixed-size argument check and the dtype test of MPI's own reductions.
+        self._extremes: Callable[[tuple[int, ...], float], tuple[Array, Array]] | None = \
+            getattr(transport, "native_extremes", None)
+        self._reducible: Callable[[np.dtype[Any], str], bool] | None = \
+            getattr(transport, "reducible", None)
 
     # ------------------------------------------------------------------ properties
     @property
@@ -390,17 +428,12 @@ class Communicator:
             cls = PeerLostError if isinstance(failure, PeerLostError) else CommError
             raise cls(f"the communicator was aborted: {failure}") from failure
 
-    @contextlib.contextmanager
-    def _validating(self, name: str) -> Iterator[None]:
-        """Argument checks of a collective: a UsageError on one rank aborts the communicator
-        so that its peers fail at once instead of waiting for their deadline."""
+    def _validating(self, name: str) -> _Validating:
+        """Argument checks of a collective (``with self._validating(name): ...``): checks
+        that the communicator is usable; a UsageError on one rank aborts the communicator so
+        that its peers fail at once instead of waiting for their deadline."""
         self._check_usable()
-        try:
-            yield
-        except UsageError as exc:
-            if self.size > 1 and self._transport.failure is None:
-                self._transport.abort(f"UsageError in {name} on rank {self.rank}: {exc}")
-            raise
+        return _Validating(self, name)
 
     def _drain(self) -> None:
         last = self._last
@@ -482,13 +515,17 @@ class Communicator:
             seq = self._seq
             self._seq += 1
         sig = signature(name, *fields)
+        checked = self._extremes is not None and self.size > 1
 
         def execute() -> T:
-            self._check_usable()
+            if async_op:  # queued: the communicator may have failed since run() checked
+                self._check_usable()
             seg = self._packed_segment_bytes if packed else self._segment_bytes
             ctx = OpContext(self._transport, seq, sig, time.monotonic() + limit, seg,
                             self._scratch)
             try:
+                if checked:
+                    self._check_same_call(ctx, name, fields)
                 return body(ctx)
             except BaseException as exc:
                 if isinstance(exc, CommError) and exc in _AGREED:
@@ -509,6 +546,35 @@ class Communicator:
             return Work(fut, f"{name} #{seq}")
         self._drain()
         return execute()
+
+    def _check_same_call(self, ctx: OpContext, name: str, fields: tuple[object, ...]) -> None:
+        """Over MPI, before every collective: ProtocolError on every rank unless every rank
+        called the same collective, as the same number in its sequence, with the same
+        arguments (``fields``: dtype, count, op, algorithm, ...), found by one fixed-size MPI
+        all-reduce (``MPITransport.native_extremes``) that cannot itself mismatch. MPI's own
+        collectives carry no frame headers, and ranks whose arguments differ may choose
+        different algorithms (lengths on both sides of an automatic threshold, a forced
+        algorithm, another collective altogether): without the check they would wait for each
+        other until the deadline instead of failing at once."""
+        assert self._extremes is not None
+        lanes = (ctx.seq, _digest_of(name), *(_digest_of(f) for f in fields[:14]))
+        hi, lo = self._extremes(lanes, ctx.deadline)
+        if (hi == lo).all():
+            return
+        if hi[0] != lo[0] or hi[1] != lo[1]:
+            what = f"different collectives or a different order of them (this rank: {name} " \
+                   f"#{ctx.seq})"
+        else:
+            names = _FIELD_NAMES.get(name, ())
+            differ = [names[i] if i < len(names) else f"argument {i + 1}"
+                      for i in range(len(fields[:14])) if hi[2 + i] != lo[2 + i]]
+            mine = ", ".join(f"{names[i] if i < len(names) else f'argument {i + 1}'} "
+                             f"{fields[i]}" for i in range(len(fields)))
+            what = f"different {' and '.join(differ)} (this rank: {mine})"
+        exc = ProtocolError(f"{name} #{ctx.seq}: the ranks called it with {what}",
+                            rank=self.rank, sequence=ctx.seq)
+        _AGREED.add(exc)
+        raise exc
 
     # ------------------------------------------------------------------ dense collectives
     @overload
@@ -557,14 +623,13 @@ class Communicator:
             if not v.bf16:
                 check_dtype(vec.dtype, rop)
             res, flat = output(out, vec.size, vec.dtype, v.shape, bf16=v.bf16)
-            auto = "recursive_doubling" if vec.nbytes <= SMALL_MESSAGE_BYTES else \
-                "hierarchical" if self._two_level() else "ring"
-            algo = self._algorithm("allreduce", algorithm, auto)
+            algo = self._algorithm("allreduce", algorithm, "")
+            if not algo:
+                algo = self._auto_allreduce(vec, v.bf16, rop)
             hosts = self._hosts() if algo == "hierarchical" else ()
             if algo == "native" and vec.dtype == np.float16:
                 raise UsageError("algorithm='native' cannot reduce float16 (MPI has no float16 "
                                  "reduction); leave algorithm at its default")
-
             inplace = in_place(flat, vec)
 
         def body(ctx: OpContext) -> Any:
@@ -576,7 +641,7 @@ class Communicator:
                 if algo == "hierarchical":
                     allreduce_hierarchical(ctx, wide, rop, hosts)
                 elif algo == "native":
-                    self._native_allreduce(ctx, wide, rop)
+                    self._native_allreduce(ctx, wide, wide, rop)
                 else:
                     allreduce_recursive_doubling(ctx, wide, rop)
                 _narrow(wide, flat)
@@ -588,27 +653,44 @@ class Communicator:
             if algo == "hierarchical":
                 allreduce_hierarchical(ctx, flat, rop, hosts, src=None if inplace else vec)
                 return res
+            if algo == "native":
+                self._native_allreduce(ctx, vec, flat, rop)
+                return res
             if not inplace:
                 np.copyto(flat, vec)
-            if algo == "native":
-                self._native_allreduce(ctx, flat, rop)
-            else:
-                allreduce_recursive_doubling(ctx, flat, rop)
+            allreduce_recursive_doubling(ctx, flat, rop)
             return res
 
         return self.run("allreduce", (rop.value, v.label, vec.size, algo), body,
                         async_op, timeout)
 
+    def _auto_allreduce(self, vec: Array, bf16: bool, op: ReduceOp) -> str:
+        """The default all-reduce algorithm for ``vec`` (identical on every rank that passes
+        the same arguments): over MPI, MPI's own up to :data:`NATIVE_ALLREDUCE_MAX_BYTES` when
+        MPI reduces the dtype (not bfloat16, not float16), then recursive doubling up to
+        :data:`SMALL_MESSAGE_BYTES`, then "hierarchical" when the ranks run on several hosts
+        and some host runs several, else the ring."""
+        nbytes = vec.nbytes
+        reducible = self._reducible
+        if reducible is not None and not bf16 and nbytes <= NATIVE_ALLREDUCE_MAX_BYTES and \
+                reducible(vec.dtype, "sum" if op is ReduceOp.AVG else op.value):
+            return "native"
+        if nbytes <= SMALL_MESSAGE_BYTES:
+            return "recursive_doubling"
+        return "hierarchical" if self._two_level() else "ring"
+
     def _native(self, method: str) -> Any:
         """A native-collective method of the MPI transport (checked by ``_algorithm``)."""
         return getattr(self._transport, method)
 
-    def _native_allreduce(self, ctx: OpContext, flat: Array, op: ReduceOp) -> None:
+    def _native_allreduce(self, ctx: OpContext, src: Array, dst: Array, op: ReduceOp) -> None:
+        """MPI's all-reduce of ``src`` into ``dst`` (may be ``src``: in place); avg divides
+        the sum by ``size``."""
         native = self._native("native_allreduce")
         mpi_op = "sum" if op is ReduceOp.AVG else op.value
-        native(flat.copy(), flat, mpi_op, ctx.deadline)
+        native(src, dst, mpi_op, ctx.deadline)
         if op is ReduceOp.AVG:
-            np.divide(flat, np.asarray(self.size, dtype=flat.dtype), out=flat)
+            np.divide(dst, np.asarray(self.size, dtype=dst.dtype), out=dst)
 
     @overload
     def reduce_scatter(self, x: HostArray, op: ReduceOp | str = ReduceOp.SUM,
@@ -1260,6 +1342,30 @@ class Communicator:
         return self._packed_io("packed_quantized_reduce_scatter", fields, "fields", count,
                                "sum", lv, "alternate", out, False, async_op, timeout,
                                algorithm)
+
+
+#: What the fields of each dense collective's signature are, for mismatch messages.
+_FIELD_NAMES: dict[str, tuple[str, ...]] = {
+    "allreduce": ("op", "element type", "element count", "algorithm"),
+    "reduce_scatter": ("op", "element type", "element count", "algorithm"),
+    "allgather": ("element type", "element count", "algorithm"),
+    "broadcast": ("element type", "element count", "algorithm"),
+    "alltoall": ("element type", "element count", "algorithm"),
+    "barrier": ("algorithm",),
+}
+
+
+def _digest_of(field: object) -> int:
+    """A signature field as one int64 lane of the argument check, the same in every process:
+    an integer itself (when it fits), anything else a CRC-32 of its text."""
+    if type(field) is int and -(1 << 62) < field < 1 << 62:
+        return field
+    return _text_digest(field if type(field) is str else repr(field))
+
+
+@functools.lru_cache(maxsize=256)
+def _text_digest(text: str) -> int:
+    return zlib.crc32(text.encode())
 
 
 #: Errors every rank detects from the same exchanged data (so every rank raises its own);

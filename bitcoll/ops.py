@@ -35,8 +35,17 @@ class ReduceOp(str, enum.Enum):
     MIN = "min"
 
 
+_BY_NAME: dict[str, ReduceOp] = {o.value: o for o in ReduceOp}
+
+
 def parse_op(op: ReduceOp | str) -> ReduceOp:
     """Return ``op`` as a ReduceOp; raise UsageError for an unknown name."""
+    if isinstance(op, ReduceOp):
+        return op
+    if type(op) is str:
+        hit = _BY_NAME.get(op)
+        if hit is not None:
+            return hit
     try:
         return ReduceOp(op.value if isinstance(op, ReduceOp) else str(op).lower())
     except ValueError:

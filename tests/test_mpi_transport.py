@@ -709,41 +709,38 @@ def test_native_allreduce(transport: MPITransport, dtype: str, op: str) -> None:
 
 @mpi
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 1001])
-def test_checked_allreduce_matches_native(transport: MPITransport, n: int) -> None:
+def test_native_extremes_equal_and_differing_values(transport: MPITransport) -> None:
+    """Every rank gets the largest and smallest of each value; equal values give hi == lo;
+    a differing lane shows up on every rank; ranks may pass different numbers of values (the
+    message has a fixed size), and the transport stays usable."""
     t = transport
-    send = _rank_data(t.rank, n, "float32")
-    recv = np.empty_like(send)
-    t.checked_allreduce(send, recv, "sum", 12345, _deadline())
-    _check_reduced(recv, _reference("sum", [_rank_data(r, n, "float32")
-                                            for r in range(t.size)]))
+    hi, lo = t.native_extremes((5, -(1 << 62), 1 << 40), _deadline())
+    assert hi.tolist() == lo.tolist() == [5, -(1 << 62), 1 << 40]
+    hi, lo = t.native_extremes((1, 10 * t.rank, 3), _deadline())
+    assert hi.tolist() == [1, 10 * (t.size - 1), 3]
+    assert lo.tolist() == [1, 0, 3]
+    k = 2 if t.rank == 0 else 3  # a rank passing fewer values reads as zeros in the rest
+    hi, lo = t.native_extremes((7, 8, 9)[:k], _deadline())
+    assert hi[:2].tolist() == lo[:2].tolist() == [7, 8]
     assert t.failure is None
 
 
 @mpi
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("differ", ["count", "signature", "dtype", "op"])
-def test_checked_allreduce_mismatch_raises_on_every_rank(transport: MPITransport,
-                                                         differ: str) -> None:
-    """One rank (the last) passes another count, signature, dtype or op: every rank raises
-    ProtocolError naming what differs, nothing hangs, and the transport stays usable."""
+def test_native_extremes_rejects_bad_values(transport: MPITransport) -> None:
+    """Bad values are a UsageError before anything is sent (every rank passes the same bad
+    values here, so no rank waits)."""
     t = transport
-    odd = t.rank == t.size - 1
-    n = 9 if differ == "count" and odd else 8
-    dtype = "float64" if differ == "dtype" and odd else "float32"
-    op = "max" if differ == "op" and odd else "sum"
-    sig = 7 if differ == "signature" and odd else 6
-    send = _rank_data(t.rank, n, dtype)
-    recv = np.full_like(send, -1)
-    words = {"count": "element count", "signature": "collective or arguments",
-             "dtype": "dtype or op", "op": "dtype or op"}
-    with pytest.raises(ProtocolError, match=words[differ]):
-        t.checked_allreduce(send, recv, op, sig, _deadline())
-    assert (recv == -1).all()  # the data collective never ran
+    with pytest.raises(UsageError, match="1 to 16"):
+        t.native_extremes((), _deadline())
+    with pytest.raises(UsageError, match="1 to 16"):
+        t.native_extremes(tuple(range(17)), _deadline())
+    with pytest.raises(UsageError, match="int64"):
+        t.native_extremes((1 << 64,), _deadline())
     assert t.failure is None
-    x = np.ones(4, np.float32)
-    t.checked_allreduce(x, x, "sum", 8, _deadline())
-    assert (x == t.size).all()
+    assert t.reducible(np.dtype(np.float32), "sum")
+    assert not t.reducible(np.dtype(np.float16), "sum")
+    assert not t.reducible(np.dtype(np.complex64), "max")
 
 
 @mpi

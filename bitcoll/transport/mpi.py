@@ -500,6 +500,10 @@ class _Poller:
 
 
 _REDUCE_TABLES: dict[str, dict[str, Any]] = {}
+_REDUCE_CACHE: dict[tuple[np.dtype[Any], str], tuple[Any, Any]] = {}
+_EXTREMES_LANES: Final = 16
+"""Values per rank in the fixed-size message of :meth:`MPITransport.native_extremes`."""
+"""(dtype, op) -> (MPI datatype, MPI op), filled by :meth:`MPITransport._reduce_type`."""
 
 
 def _reduce_table(mpi: Any, op: str) -> dict[str, Any]:
@@ -723,9 +727,14 @@ class _RecvRequest(_MPIRequest):
 
 class _CollectiveRequest(_MPIRequest):
     def __init__(self, transport: MPITransport, mpi_request: MPI.Request,
-                 keep: tuple[object, ...], what: str) -> None:
+                 keep: tuple[object, ...], what: str | Callable[[], str]) -> None:
         super().__init__(transport, [mpi_request], keep)
-        self._what = what
+        self._what_text = what
+
+    @property
+    def _what(self) -> str:
+        what = self._what_text
+        return what if isinstance(what, str) else what()
 
     def _progress(self) -> bool:
         try:
@@ -1188,8 +1197,10 @@ class MPITransport(Transport):
 
     # ---------------------------------------------------------------- native collectives
 
-    def _run_collective(self, what: str, start: Callable[[], MPI.Request],
+    def _run_collective(self, what: str | Callable[[], str], start: Callable[[], MPI.Request],
                         keep: tuple[object, ...], deadline: float) -> None:
+        """Start one non-blocking MPI collective under the lock and wait for it.
+        ``what`` names it in errors (a callable is called only then)."""
         with self._lock:
             self._check_usable()
             req = _CollectiveRequest(self, start(), keep, what)
@@ -1203,7 +1214,12 @@ class MPITransport(Transport):
         The table names MPI's fixed-width predefined types rather than asking
         ``mpi4py.util.dtlib.from_numpy_dtype`` (see the module docstring): that would
         allocate a datatype per call and accept float16 (``MPIX_C_FLOAT16``, an MPICH
-        extension), bool (``MPI_C_BOOL``: logical operations only) and long double."""
+        extension), bool (``MPI_C_BOOL``: logical operations only) and long double. Looked
+        up by ``(dtype, op)`` in a cache, so a call costs one dictionary lookup."""
+        key = (arr.dtype, op)
+        hit = _REDUCE_CACHE.get(key)
+        if hit is not None:
+            return hit
         if op not in _REDUCE_OPS:
             raise UsageError(f"native reduction op must be one of {_REDUCE_OPS}, got {op!r}")
         dt = arr.dtype
@@ -1216,6 +1232,7 @@ class MPITransport(Transport):
                              "(supported: " + ", ".join(sorted(table)) + ")")
         mpi = self._mpi
         mpiop = {"sum": mpi.SUM, "max": mpi.MAX, "min": mpi.MIN}[op]
+        _REDUCE_CACHE[key] = (mpitype, mpiop)
         return mpitype, mpiop
 
     @staticmethod
@@ -1231,6 +1248,8 @@ class MPITransport(Transport):
     @staticmethod
     def _same_buffer(a: npt.NDArray[Any], b: npt.NDArray[Any]) -> bool:
         """True when a and b are the very same memory; UsageError on partial overlap."""
+        if a is b:
+            return True
         if a.nbytes == 0 or b.nbytes == 0 or not np.may_share_memory(a, b):
             return False
         if a.ctypes.data == b.ctypes.data and a.nbytes == b.nbytes:
@@ -1258,42 +1277,47 @@ class MPITransport(Transport):
         in_place = self._same_buffer(send, recv)
         sbuf: Any = mpi.IN_PLACE if in_place else [send, mpitype]
         self._run_collective(
-            f"allreduce({op}, {recv.dtype}[{recv.size}])",
+            lambda: f"allreduce({op}, {recv.dtype}[{recv.size}])",
             lambda: self._comm.Iallreduce(sbuf, [recv, mpitype], mpiop), (send, recv), deadline)
 
-    def checked_allreduce(self, send: npt.NDArray[Any], recv: npt.NDArray[Any], op: str,
-                          signature: int, deadline: float) -> None:
-        """:meth:`native_allreduce` after a check that every rank passes the same
-        ``signature`` (a non-negative integer below 2**62 naming the collective and its
-        arguments: sequence number, op, dtype, length), element count, dtype and op.
+    def reducible(self, dtype: np.dtype[Any], op: str) -> bool:
+        """Whether :meth:`native_allreduce` can reduce ``dtype`` with ``op`` (no error)."""
+        key = (dtype, op)
+        if key in _REDUCE_CACHE:
+            return True
+        try:
+            self._reduce_type(np.empty(0, dtype=dtype), op)
+        except UsageError:
+            return False
+        return True
 
-        MPI's collectives carry no frame headers, so a rank passing another length would make
-        the data collective erroneous; the check runs first, as one MPI all-reduce (MAX) of
-        six int64 values of fixed size: ``[s, n, d, -s, -n, -d]`` (``s`` the signature, ``n``
-        the count, ``d`` a digest of dtype and op). Every rank sees the same reduced values,
-        so when any rank differs every rank raises :class:`~bitcoll.errors.ProtocolError`
-        (nothing else is sent; the transport stays usable). Other errors as
-        :meth:`native_allreduce`.
+    def native_extremes(self, values: Sequence[int], deadline: float
+                        ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+        """The largest and the smallest of each of ``values`` over the ranks: one MPI
+        all-reduce (MAX) of ``values`` and their negatives, a fixed-size int64 message.
+
+        Collective; every rank passes the same number of values (at most 16, each within
+        int64 and not ``-2**63``) and gets the same ``(hi, lo)``. ``hi == lo`` everywhere
+        exactly when every rank passed the same values: this is how a caller checks, before
+        an MPI collective that carries no frame headers, that every rank called it with the
+        same arguments (the check cannot mismatch itself: its size never varies). UsageError
+        for a bad ``values``; errors as :meth:`native_allreduce`.
         """
-        if not 0 <= signature < 1 << 62:
-            raise UsageError(f"signature must be in [0, 2**62), got {signature}")
-        send = self._check_array(send, "send", writable=False)
-        digest = zlib.crc32(f"{send.dtype.str} {op}".encode())
-        mine = np.array([signature, send.size, digest], dtype=np.int64)
-        check = np.concatenate([mine, -mine])
+        k = len(values)
+        if not 0 < k <= 16:
+            raise UsageError(f"native_extremes takes 1 to 16 values, got {k}")
+        check = np.empty(2 * _EXTREMES_LANES, dtype=np.int64)
+        try:
+            check[:k] = values
+        except (OverflowError, TypeError, ValueError) as exc:
+            raise UsageError(f"native_extremes values must be int64 integers: {exc}") from None
+        check[k:_EXTREMES_LANES] = 0
+        np.negative(check[:_EXTREMES_LANES], out=check[_EXTREMES_LANES:])
         seen = np.empty_like(check)
         mpi = self._mpi
-        self._run_collective("allreduce check", lambda: self._comm.Iallreduce(
+        self._run_collective("argument check", lambda: self._comm.Iallreduce(
             [check, mpi.INT64_T], [seen, mpi.INT64_T], mpi.MAX), (check, seen), deadline)
-        if not np.array_equal(seen[:3], -seen[3:]):
-            what = [name for name, hi, lo in zip(("collective or arguments", "element count",
-                                                  "dtype or op"), seen[:3], -seen[3:],
-                                                 strict=True) if hi != lo]
-            raise ProtocolError(
-                f"rank {self.rank}: the ranks called all-reduce with different "
-                f"{' and '.join(what)} (this rank: {send.size} elements of {send.dtype}, "
-                f"op {op})", rank=self.rank)
-        self.native_allreduce(send, recv, op, deadline)
+        return seen[:k], -seen[_EXTREMES_LANES:_EXTREMES_LANES + k]
 
     def native_reduce_scatter(self, send: npt.NDArray[Any], recv: npt.NDArray[Any],
                               counts: list[int], op: str, deadline: float) -> None:
