@@ -23,7 +23,14 @@ bucket, in this order:
 
 The variants' flags (``local_momentum``, ``yields_sums``, ...) stay the numpy strategy's
 (:attr:`TorchStrategy.base`). Arithmetic matches the numpy strategies bit for bit (see
-:mod:`lioncub.torch_engine`).
+:mod:`lioncub.torch_engine`). Besides ``engine.comm``, ``engine.levels`` and
+``engine.world_size``, a counterpart uses the engine's device helpers: ``_direction`` (Lion's
+``c`` and momentum step of one slot), ``_apply`` (``p = p * decay - lr * u`` of one slot),
+``_tie_for`` (the tie rule of a bucket), ``_tflat`` (flat parameter views), ``_scratch64``,
+``_sync`` and ``_first_bad``.
+
+Adding the torch side of a new variant: subclass :class:`TorchStrategy` and add one line,
+``TORCH_STRATEGIES[MyStrategy] = MyTorchStrategy``, on every rank.
 """
 
 from __future__ import annotations

@@ -179,3 +179,66 @@ def test_builtin_registry() -> None:
         assert spec.local_momentum == (spec.name != "global")
         assert spec.yields_sums == (spec.kind in ("mean", "sign-sum", "quantized"))
         assert spec.uses_levels == (spec.kind == "quantized")
+
+
+def test_toy_variant_with_a_torch_counterpart(toy: VariantSpec) -> None:
+    """A torch counterpart, bound with one TORCH_STRATEGIES line, runs the toy variant on the
+    torch engine with the numpy engine's results bit for bit (3 thread ranks)."""
+    torch = pytest.importorskip("torch")
+    import lioncub.torch as lt
+    from lioncub.torch_strategies import TORCH_STRATEGIES, Stage, StageSizes, TorchStrategy
+
+    class TorchFloatMajority(TorchStrategy):
+        def stage_sizes(self, engine: Any, size: int) -> StageSizes:
+            return StageSizes(4 * size, 0, 0, 0, 0)
+
+        def encode(self, engine: Any, bucket: Bucket, buf: Stage, lo: Any, hi: Any) -> int:
+            n = bucket.size
+            votes = torch.where(buf.c[:n] >= 0, 1.0, -1.0)
+            buf.host_in[:4 * n].view(torch.float32).copy_(votes)
+            return 4 * n
+
+        def start(self, engine: Any, bucket: Bucket, buf: Stage) -> WorkLike:
+            host = buf.host_in[:4 * bucket.size].view(torch.float32).numpy()
+            work: WorkLike = engine.comm.allreduce(host, op="sum", out=host, async_op=True)
+            return work
+
+        def fetch(self, engine: Any, bucket: Bucket, buf: Stage) -> int:
+            n = bucket.size
+            buf.t[:n].copy_(buf.host_in[:4 * n].view(torch.float32))
+            return 4 * n
+
+        def apply(self, engine: Any, bucket: Bucket, buf: Stage, hypers: Sequence[Hyper],
+                  sums: dict[int, int]) -> None:
+            u = torch.where(buf.t[:bucket.size] >= 0, 1.0, -1.0)
+            for s in bucket.slots:
+                engine._apply(s, u[s.offset:s.stop], hypers[s.index])
+
+    def train(comm: Any, backend: str) -> list[Any]:
+        gen = torch.Generator().manual_seed(5)
+        model = torch.nn.Sequential(torch.nn.Linear(9, 7), torch.nn.Linear(7, 1))
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen))
+        start = [p.detach().clone() for p in model.parameters()]
+        opt = lt.DistributedLion(model.parameters(), comm, variant=TOY, lr=0.01,
+                                 bucket_size=4 * 16, backend=backend)
+        assert opt.backend == backend
+        for t in range(STEPS):
+            g = torch.Generator().manual_seed(100 * int(comm.rank) + t)
+            x = torch.randn(8, 9, generator=g)
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            opt.step()
+        assert all(not torch.equal(p, q) for p, q in zip(model.parameters(), start,
+                                                         strict=True))
+        return [p.detach().clone() for p in model.parameters()]
+
+    TORCH_STRATEGIES[FloatMajority] = TorchFloatMajority
+    try:
+        out = run_threads(3, lambda c: (train(c, "torch"), train(c, "numpy")), timeout=60)
+    finally:
+        del TORCH_STRATEGIES[FloatMajority]
+    for on_torch, on_numpy in out:
+        for a, b in zip(on_torch, on_numpy, strict=True):
+            assert torch.equal(a, b)
