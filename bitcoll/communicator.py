@@ -54,7 +54,7 @@ from .errors import BitcollError, CommError, PeerLostError, ProtocolError, Usage
 from .ops import ReduceOp, check_dtype, parse_op
 from .partition import block, block_bounds
 from .topology import Topology, digest, host_key
-from .transport.base import TrafficStats, Transport
+from .transport.base import NativeCollectives, TrafficStats, Transport
 from .work import Work
 
 __all__ = ["Communicator", "DEFAULT_TIMEOUT", "DEFAULT_SEGMENT_BYTES",
@@ -94,10 +94,6 @@ _ALGORITHMS: dict[str, tuple[str, ...]] = {
     "barrier": ("auto", "dissemination", "native"),
     "packed": ("auto", "direct", "ring", "allgather", "hierarchical"),
 }
-#: The MPI transport's method behind algorithm="native" of each collective.
-_NATIVE = {"allreduce": "native_allreduce", "reduce_scatter": "native_reduce_scatter",
-           "allgather": "native_allgather", "broadcast": "native_bcast",
-           "alltoall": "native_alltoall", "barrier": "native_barrier", "packed": "-"}
 TIE_RULES = ("positive", "negative", "alternate")
 SIGN_DTYPES = frozenset(np.dtype(t) for t in (np.float16, np.float32, np.float64))
 INT_DTYPES = frozenset(np.dtype(t) for t in (np.int8, np.int16, np.int32, np.int64))
@@ -277,11 +273,9 @@ class Communicator:
         self._topology: Topology | None = topology
         self._host_comms: dict[str, Communicator] = {}  # host_comm() / cross_host_comm()
         self._no_local_stats: TrafficStats | None = None  # stats_local without shared memory
-        # Over MPI: the fixed-size argument check and the dtype test of MPI's own reductions.
-        self._extremes: Callable[[tuple[int, ...], float], tuple[Array, Array]] | None = \
-            getattr(transport, "native_extremes", None)
-        self._reducible: Callable[[np.dtype[Any], str], bool] | None = \
-            getattr(transport, "reducible", None)
+        # MPI's own collectives (algorithm="native", the argument check), when there are any.
+        self._nt: NativeCollectives | None = \
+            transport if isinstance(transport, NativeCollectives) else None
 
     # ------------------------------------------------------------------ properties
     @property
@@ -457,7 +451,7 @@ class Communicator:
         if name not in choices:
             raise UsageError(f"unknown algorithm {algorithm!r} for {collective}; "
                              f"expected one of {', '.join(choices)}")
-        if name == "native" and not hasattr(self._transport, _NATIVE[collective]):
+        if name == "native" and self._nt is None:
             raise UsageError(f"algorithm 'native' needs the MPI backend (this is {self.backend})")
         return auto if name == "auto" else name
 
@@ -515,7 +509,7 @@ class Communicator:
             seq = self._seq
             self._seq += 1
         sig = signature(name, *fields)
-        checked = self._extremes is not None and self.size > 1
+        checked = self._nt is not None and self.size > 1
 
         def execute() -> T:
             if async_op:  # queued: the communicator may have failed since run() checked
@@ -556,9 +550,8 @@ class Communicator:
         different algorithms (lengths on both sides of an automatic threshold, a forced
         algorithm, another collective altogether): without the check they would wait for each
         other until the deadline instead of failing at once."""
-        assert self._extremes is not None
         lanes = (ctx.seq, _digest_of(name), *(_digest_of(f) for f in fields[:14]))
-        hi, lo = self._extremes(lanes, ctx.deadline)
+        hi, lo = self._native_t().native_extremes(lanes, ctx.deadline)
         if (hi == lo).all():
             return
         if hi[0] != lo[0] or hi[1] != lo[1]:
@@ -671,22 +664,23 @@ class Communicator:
         :data:`SMALL_MESSAGE_BYTES`, then "hierarchical" when the ranks run on several hosts
         and some host runs several, else the ring."""
         nbytes = vec.nbytes
-        reducible = self._reducible
-        if reducible is not None and not bf16 and nbytes <= NATIVE_ALLREDUCE_MAX_BYTES and \
-                reducible(vec.dtype, "sum" if op is ReduceOp.AVG else op.value):
+        nt = self._nt
+        if nt is not None and not bf16 and nbytes <= NATIVE_ALLREDUCE_MAX_BYTES and \
+                nt.reducible(vec.dtype, "sum" if op is ReduceOp.AVG else op.value):
             return "native"
         if nbytes <= SMALL_MESSAGE_BYTES:
             return "recursive_doubling"
         return "hierarchical" if self._two_level() else "ring"
 
-    def _native(self, method: str) -> Any:
-        """A native-collective method of the MPI transport (checked by ``_algorithm``)."""
-        return getattr(self._transport, method)
+    def _native_t(self) -> NativeCollectives:
+        """The transport's own collectives (``_algorithm`` allowed "native" only with them)."""
+        assert self._nt is not None
+        return self._nt
 
     def _native_allreduce(self, ctx: OpContext, src: Array, dst: Array, op: ReduceOp) -> None:
         """MPI's all-reduce of ``src`` into ``dst`` (may be ``src``: in place); avg divides
         the sum by ``size``."""
-        native = self._native("native_allreduce")
+        native = self._native_t().native_allreduce
         mpi_op = "sum" if op is ReduceOp.AVG else op.value
         native(src, dst, mpi_op, ctx.deadline)
         if op is ReduceOp.AVG:
@@ -729,7 +723,7 @@ class Communicator:
             if algo == "native":
                 bounds = block_bounds(vec.size, self.size)
                 counts = [int(c) for c in np.diff(bounds)]
-                native = self._native("native_reduce_scatter")
+                native = self._native_t().native_reduce_scatter
                 dst = np.empty(stop - start, src.dtype) if v.bf16 else flat
                 native(src, dst, counts, "sum" if rop is ReduceOp.AVG else rop.value,
                        ctx.deadline)
@@ -778,7 +772,7 @@ class Communicator:
 
         def body(ctx: OpContext) -> Any:
             if algo == "native":
-                native = self._native("native_allgather")
+                native = self._native_t().native_allgather
                 native(vec, flat, ctx.deadline)
                 return res
             np.copyto(flat[self.rank * m:(self.rank + 1) * m], vec)
@@ -816,7 +810,7 @@ class Communicator:
         def body(ctx: OpContext) -> Any:
             _check_same_root(ctx, int(root))
             if algo == "native":
-                native = self._native("native_bcast")
+                native = self._native_t().native_bcast
                 native(flat, int(root), ctx.deadline)
             else:
                 broadcast_tree(ctx, flat, int(root))
@@ -856,7 +850,7 @@ class Communicator:
             # In place, the blocks are read from a copy: the exchange overwrites them.
             src = vec.copy() if inplace else vec
             if algo == "native":
-                native = self._native("native_alltoall")
+                native = self._native_t().native_alltoall
                 native(src, flat, ctx.deadline)
             else:
                 alltoall_direct(ctx, src, flat)
@@ -881,7 +875,7 @@ class Communicator:
 
         def body(ctx: OpContext) -> None:
             if algo == "native":
-                native = self._native("native_barrier")
+                native = self._native_t().native_barrier
                 native(ctx.deadline)
             else:
                 barrier_dissemination(ctx)

@@ -28,8 +28,11 @@ from __future__ import annotations
 import queue
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+import numpy.typing as npt
 
 from ..errors import BitcollError, CommError, UsageError
 from .wire import HEADER_SIZE, MAGIC, PROTOCOL_VERSION, FrameHeader, FrameKind
@@ -44,6 +47,7 @@ __all__ = [
     "Consumer",
     "TrafficStats",
     "Transport",
+    "NativeCollectives",
     "wait_all",
     "byte_view",
 ]
@@ -173,6 +177,47 @@ def drain_peer(p: Any, error: BitcollError) -> None:
                         p.queued -= 1
                 r._finish(error)
         q.put(None)
+
+
+@runtime_checkable
+class NativeCollectives(Protocol):
+    """A transport with collectives of its own (MPI's), behind ``algorithm="native"``.
+
+    Arrays are C-contiguous numpy arrays; ``op`` is "sum", "max" or "min"; ``deadline`` is a
+    ``time.monotonic()`` value (CommTimeoutError past it). A dtype the library cannot reduce
+    is a UsageError before anything is sent (:meth:`reducible` says so without raising).
+    These collectives carry no frame headers: callers check that every rank passes the same
+    arguments first, with :meth:`native_extremes`, whose message has a fixed size.
+    """
+
+    def reducible(self, dtype: np.dtype[Any], op: str) -> bool:
+        """Whether :meth:`native_allreduce` reduces ``dtype`` with ``op``."""
+
+    def native_extremes(self, values: Sequence[int], deadline: float
+                        ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+        """``(hi, lo)``: the largest and smallest of each of ``values`` over the ranks."""
+
+    def native_allreduce(self, send: npt.NDArray[Any], recv: npt.NDArray[Any], op: str,
+                         deadline: float) -> None:
+        """``recv = op(send of every rank)`` (``recv`` may be ``send``: in place)."""
+
+    def native_reduce_scatter(self, send: npt.NDArray[Any], recv: npt.NDArray[Any],
+                              counts: list[int], op: str, deadline: float) -> None:
+        """Rank r receives block r (``counts[r]`` elements) of ``op(send of every rank)``."""
+
+    def native_allgather(self, send: npt.NDArray[Any], recv: npt.NDArray[Any],
+                         deadline: float) -> None:
+        """``recv`` = the ``send`` arrays of ranks 0..size-1, concatenated."""
+
+    def native_bcast(self, buf: npt.NDArray[Any], root: int, deadline: float) -> None:
+        """``buf`` of ``root`` into ``buf`` of every rank."""
+
+    def native_alltoall(self, send: npt.NDArray[Any], recv: npt.NDArray[Any],
+                        deadline: float) -> None:
+        """Block j of ``send`` to rank j; block i of ``recv`` from rank i."""
+
+    def native_barrier(self, deadline: float) -> None:
+        """Returns once every rank has entered."""
 
 
 def wait_all(requests: Iterable[Request], deadline: float) -> None:

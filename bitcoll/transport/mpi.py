@@ -160,6 +160,7 @@ from .base import (
     HEADER_SIZE,
     FrameHeader,
     FrameKind,
+    NativeCollectives,
     Request,
     TrafficStats,
     Transport,
@@ -1415,3 +1416,7 @@ class MPITransport(Transport):
         """MPI ``Ibarrier``: return once every rank entered it. Raises CommTimeoutError past
         ``deadline``, the transport's failure after an abort."""
         self._run_collective("barrier", self._comm.Ibarrier, (), deadline)
+
+
+if TYPE_CHECKING:
+    _NATIVE_CHECK: type[NativeCollectives] = MPITransport  # mypy: MPI has the native collectives
