@@ -522,6 +522,8 @@ class Communicator:
                     self._check_same_call(ctx, name, fields)
                 return body(ctx)
             except BaseException as exc:
+                if isinstance(exc, CommError):
+                    exc.add_context(rank=self.rank, collective=name, sequence=seq)
                 if isinstance(exc, CommError) and exc in _AGREED:
                     # Every rank found the same problem from the same data and raises it
                     # itself: no abort notice (it could overtake a peer's last frame).

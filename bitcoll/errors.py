@@ -45,18 +45,32 @@ class CommError(BitcollError):
     """A collective could not complete. The communicator is aborted afterwards.
 
     Attributes, None where unknown: ``rank`` (the rank that raised it), ``peer`` (the rank
-    it was talking to), ``sequence`` (the collective's number on its communicator) and, for
-    timeouts, ``silent`` (the rank the silence started from: ``peer`` itself, or the rank at
-    the end of a chain of ranks waiting for each other).
+    it was talking to), ``collective`` (the name of the collective call, e.g. "allreduce"),
+    ``sequence`` (the collective's number on its communicator) and, for timeouts, ``silent``
+    (the rank the silence started from: ``peer`` itself, or the rank at the end of a chain of
+    ranks waiting for each other). The transport sets what it knows where it detects the
+    error; the communicator fills in ``rank``, ``collective`` and ``sequence`` of every error
+    leaving a collective (:meth:`add_context`), so they are set for every collective's error.
     """
 
     def __init__(self, *args: object, rank: int | None = None, peer: int | None = None,
-                 sequence: int | None = None, silent: int | None = None) -> None:
+                 sequence: int | None = None, silent: int | None = None,
+                 collective: str | None = None) -> None:
         super().__init__(*args)
         self.rank = rank
         self.peer = peer
         self.sequence = sequence
         self.silent = silent
+        self.collective = collective
+
+    def add_context(self, *, rank: int, collective: str, sequence: int) -> None:
+        """Set ``rank``, ``collective`` and ``sequence`` where they are still unknown."""
+        if self.rank is None:
+            self.rank = rank
+        if self.collective is None:
+            self.collective = collective
+        if self.sequence is None:
+            self.sequence = sequence
 
 
 class CommTimeoutError(CommError, TimeoutError):

@@ -162,6 +162,20 @@ def test_mismatched_collective_raises_everywhere() -> None:
                        else c.allreduce(np.ones(4)), ProtocolError)
 
 
+def test_comm_errors_carry_rank_collective_and_sequence() -> None:
+    """Every CommError leaving a collective says which rank, collective and call it was."""
+    def body(c: Communicator) -> tuple[object, ...]:
+        c.barrier()
+        try:
+            c.allreduce(np.ones(10 + c.rank))  # call #1: lengths differ
+        except CommError as exc:
+            return (exc.rank, exc.collective, exc.sequence, type(exc).__name__)
+        return ("no error",)
+
+    got = run_threads(3, body, timeout=30)
+    assert [g[:3] for g in got] == [(r, "allreduce", 1) for r in range(3)], got
+
+
 def test_usage_error_on_one_rank_fails_the_others_fast() -> None:
     def body(c: Communicator) -> None:
         out = np.zeros(5 if c.rank == 1 else 4)
