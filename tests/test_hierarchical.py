@@ -156,7 +156,8 @@ def _between_hosts_bytes(hosts: Sequence[int], rank: int, n: int, kind: str, lev
             sub = [min(b, a + 8 * int(v)) for v in block_bounds(groups, H)]
             for t in range(H):
                 if t != me:
-                    total += -(-(sub[t + 1] - sub[t]) * wc // 8)  # counts to host t
+                    m = sub[t + 1] - sub[t]  # counts to host t: bit planes or fields
+                    total += wc * -(-m // 8) if kind == "majority" else -(-m * wc // 8)
                     total += -(-(sub[me + 1] - sub[me]) * w_out // 8)  # result to host t
                     msgs += 2
     return total, msgs

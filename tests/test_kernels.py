@@ -281,6 +281,53 @@ def test_majority_matches_reference(mode: str, n: int, p: int, seed: int, tie: i
     assert_padding_zero(got, n)
 
 
+@pytest.mark.parametrize("mode", MODES)
+@SETTINGS
+@given(n=lengths, groups=st.lists(st.integers(1, 9), min_size=1, max_size=4), seed=seeds,
+       tie=st.sampled_from([K.TIE_POSITIVE, K.TIE_NEGATIVE, K.TIE_ALTERNATE]),
+       offset=st.integers(-5, 2**40))
+def test_count_planes_and_majority_of_counts(mode: str, n: int, groups: list[int], seed: int,
+                                             tie: int, offset: int) -> None:
+    """Counting each group of voters into bit planes and taking the majority of the groups'
+    planes gives the flat majority of all voters bit for bit (the two-level majority), and
+    the planes hold exactly the counts with zero padding."""
+    rng = np.random.default_rng(seed)
+    p = sum(groups)
+    packed = random_packed(rng, p, n)
+    if p % 2 == 0:  # frequent ties
+        packed[p // 2:] = ~packed[: p // 2]
+    stack, shifts, first = [], [], 0
+    with dispatch_mode(mode):
+        for g in groups:
+            width = g.bit_length()
+            planes = K.count_planes(packed[first:first + g], n, width)
+            assert planes.shape == (width, K.packed_nbytes(n))
+            counts = sum(np.unpackbits(planes[j], count=n, bitorder="little").astype(np.int64)
+                         << j for j in range(width))
+            np.testing.assert_array_equal(counts, R.count_votes(packed[first:first + g], n))
+            for row in planes:
+                assert_padding_zero(row, n)
+            stack.append(planes)
+            shifts += list(range(width))
+            first += g
+        got = K.majority_of_counts(np.concatenate(stack), shifts, p, n, tie, offset)
+    np.testing.assert_array_equal(got, R.majority(packed, n, tie, offset))
+
+
+def test_count_planes_errors() -> None:
+    packed = np.zeros((3, 2), np.uint8)
+    with pytest.raises(UsageError, match="2\\*\\*width > 3"):
+        K.count_planes(packed, 16, 1)
+    with pytest.raises(UsageError, match="out must be"):
+        K.count_planes(packed, 16, 2, out=np.zeros((2, 3), np.uint8))
+    with pytest.raises(UsageError, match="shifts has 1 entries for 3 planes"):
+        K.majority_of_counts(packed, [0], 3, 16, K.TIE_POSITIVE)
+    with pytest.raises(UsageError, match="shifts must lie"):
+        K.majority_of_counts(packed, [0, 1, 2], 3, 16, K.TIE_POSITIVE)
+    with pytest.raises(UsageError, match="votes must be"):
+        K.majority_of_counts(packed, [0, 0, 0], 0, 16, K.TIE_POSITIVE)
+
+
 def test_majority_tie_rules_explicit() -> None:
     # p = 2: element i votes (+1, -1) -> tie everywhere; (+1, +1) -> +1; (-1, -1) -> -1
     a = np.array([1, 1, 1, 1, 0, 1, 0, 1, 1], bool)

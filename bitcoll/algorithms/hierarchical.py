@@ -12,14 +12,18 @@ Packed collectives (:func:`packed_hierarchical`), per segment of every slice:
 
 1. **Reduce-scatter inside the host.** Every rank packs the segment with the codec's input
    width and sends it to the slice's owner on its host (shared memory); the owner counts its
-   host's ``g`` votes per element (majority: the number of +1 votes, ``0..g``; sums: the sum
-   of the ``g`` values, ``[-g L, g L]``).
+   host's ``g`` votes per element (majority: the number of +1 votes, ``0..g``, as
+   ``ceil(log2(g + 1))`` bit planes, plane ``j`` holding bit ``j`` of every element's count,
+   counted bit-sliced 64 elements at a time; sums: the sum of the ``g`` values,
+   ``[-g L, g L]``).
 2. **Reduce-scatter between hosts.** The segment is cut into one *sub-block* per host (bounds
-   multiples of 8 elements). The owner packs its host's counts at the minimal width
-   (``ceil(log2(g + 1))`` bits for majority counts, ``ceil(log2(2 g L + 1))`` for sums) and
-   sends sub-block ``t`` to the slice's owner on host ``t`` (a direct exchange, bandwidth
-   optimal); the owner on host ``t`` adds every host's counts: the exact count (or sum) over
-   all ``p`` ranks.
+   multiples of 8 elements). The owner sends its host's counts of sub-block ``t`` at the
+   minimal width (``ceil(log2(g + 1))`` bit planes for majority counts, fields of
+   ``ceil(log2(2 g L + 1))`` bits for sums) to the slice's owner on host ``t`` (a direct
+   exchange, bandwidth optimal); the owner on host ``t`` adds every host's counts: the exact
+   count (or sum) over all ``p`` ranks (majority: the planes go straight into the bit-sliced
+   majority kernel, :func:`bitcoll.kernels.majority_of_counts`, a plane of bit ``j`` counting
+   ``2**j`` votes).
 3. **Result and all-gather between hosts.** From the exact count the owner of a sub-block
    decides the majority bit with the flat algorithms' tie rule at the global element index
    (or packs the exact sum at the output width) and sends the packed sub-block to the other
@@ -30,9 +34,11 @@ Packed collectives (:func:`packed_hierarchical`), per segment of every slice:
 
 The result is the exact majority (or sum) over all ``p`` ranks' inputs, never a majority of
 majorities: bit for bit the result of the flat direct exchange. Bytes each rank sends between
-hosts per owned slice segment with sub-blocks ``m_t``: ``sum_{t != h} ceil(m_t w_c / 8)``
-(counts at its host's width ``w_c``) plus ``(H - 1) ceil(m_h w_out / 8)`` (results), one
-32-byte header per message: about ``(H - 1) / H * n / G * (w_c + w_out) / 8`` in all.
+hosts per owned slice segment with sub-blocks ``m_t``: ``sum_{t != h} w_c ceil(m_t / 8)``
+for majority planes or ``sum_{t != h} ceil(m_t w_c / 8)`` for sum fields (counts at its
+host's width ``w_c``; the two differ only in the last sub-block's padding) plus
+``(H - 1) ceil(m_h w_out / 8)`` (results), one 32-byte header per message: about
+``(H - 1) / H * n / G * (w_c + w_out) / 8`` in all.
 
 Pipelining: segments go through the four steps staggered (step 1 of segment ``k`` runs with
 step 2 of segment ``k - 1``, ...), so packing, counting and the transfers of successive
@@ -127,26 +133,6 @@ def _same_host_peers(plan: HostPlan, rank: int) -> list[int]:
     return [q for q in plan.members[plan.hosts[rank]] if q != rank]
 
 
-def _decide(total: Array, p: int, codec: VoteCodec, first: int, out: Array) -> None:
-    """The packed majority bits of ``total`` (int32 counts of +1 votes out of ``p``) into
-    ``out``; a tie (``2c == p``) follows the codec's tie rule at global index ``first + i``,
-    exactly as :func:`bitcoll.kernels.majority` decides it."""
-    m = total.size
-    above = total >= p // 2 + 1  # 2c > p
-    if p % 2 or codec.tie == kernels.TIE_NEGATIVE:
-        np.copyto(out, np.packbits(above, bitorder="little"))
-        return
-    if codec.tie == kernels.TIE_POSITIVE:
-        np.copyto(out, np.packbits(total >= p // 2, bitorder="little"))
-        return
-    # Alternate: two rows (2c >= p, 2c > p) are both ones above half, both zeros below and
-    # one of each on a tie, which the kernel breaks by the rule at index first + i.
-    two = np.empty((2, -(-m // 8)), np.uint8)
-    two[0] = np.packbits(total >= p // 2, bitorder="little")
-    two[1] = np.packbits(above, bitorder="little")
-    kernels.majority(two, m, codec.tie, first + codec.tie_call, out=out)
-
-
 def packed_hierarchical(ctx: OpContext, codec: VoteCodec, x: Array, out: Array,
                         gather: bool, n: int | None = None, *,
                         hosts: Sequence[int]) -> None:
@@ -171,9 +157,10 @@ def packed_hierarchical(ctx: OpContext, codec: VoteCodec, x: Array, out: Array,
     seg = segment_elements(ctx.segment_bytes, max(w_in, w_out, max(w for w, _ in cw)))
     longest = max(sb[s + 1] - sb[s] for s in range(G))
     nseg = max(1, -(-longest // seg))
-    # The counts of this rank's slices, for two segments in flight (reused across calls).
-    counts_buf = ctx.scratch(Slot.HIER_COUNTS, 2 * len(mine) * min(seg, longest),
-                             np.dtype(np.int32)).reshape(2, len(mine), min(seg, longest))
+    # The sums of this rank's slices, for two segments in flight (reused across calls).
+    counts_buf = None if codec.kind == "majority" else ctx.scratch(
+        Slot.HIER_COUNTS, 2 * len(mine) * min(seg, longest),
+        np.dtype(np.int32)).reshape(2, len(mine), min(seg, longest))
     bounds = block_bounds(n, p)
     out_base = 0 if gather else int(bounds[r])
 
@@ -186,6 +173,13 @@ def packed_hierarchical(ctx: OpContext, codec: VoteCodec, x: Array, out: Array,
 
     def nbytes(m: int, w: int) -> int:
         return -(-m * w // 8)
+
+    majority = codec.kind == "majority"
+
+    def count_shape(m: int, w: int) -> tuple[int, ...]:
+        """A host's counts of ``m`` elements at width ``w`` on the wire: ``w`` bit planes
+        (majority) or ``w``-bit fields (sums)."""
+        return (w, nbytes(m, 1)) if majority else (nbytes(m, w),)
 
     sends: list[Request] = []
     # Per (segment, owned slice): the state that travels from one step to the next.
@@ -215,20 +209,31 @@ def packed_hierarchical(ctx: OpContext, codec: VoteCodec, x: Array, out: Array,
             buf, reqs = rows.pop((k, s))
             ctx.wait(*reqs)
             a, b = span(s, k)
-            acc = counts_buf[k % 2, mine.index(s), :b - a]
-            if codec.kind == "majority":
-                kernels.count_votes(buf, b - a, out=acc)
-            else:
-                acc[:] = 0
-                for row in buf:
-                    kernels.add_fields(row, b - a, w_in, b_in, acc)
             sub = _aligned_bounds(a, b, H)
             x0, x1 = sub[me], sub[me + 1]
             posted = []
             for t in range(H):
                 if t != me:
-                    land = np.empty(nbytes(x1 - x0, cw[t][0]), np.uint8)
+                    land = np.empty(count_shape(x1 - x0, cw[t][0]), np.uint8)
                     posted.append((t, land, ctx.irecv(plan.owner(t, s), land)))
+            if majority:
+                # Bit planes (plane j = bit j of every element's count), cut per sub-block.
+                planes = kernels.count_planes(buf, b - a, wc)
+                for t in range(H):
+                    if t != me:
+                        c0 = (sub[t] - a) // 8
+                        c1 = c0 + nbytes(sub[t + 1] - sub[t], 1)
+                        sends.append(ctx.isend(plan.owner(t, s),
+                                               np.ascontiguousarray(planes[:, c0:c1])))
+                c0 = (x0 - a) // 8
+                c1 = c0 + nbytes(x1 - x0, 1)
+                counts[k, s] = (np.ascontiguousarray(planes[:, c0:c1]), posted)
+                continue
+            assert counts_buf is not None
+            acc = counts_buf[k % 2, mine.index(s), :b - a]
+            acc[:] = 0
+            for row in buf:
+                kernels.add_fields(row, b - a, w_in, b_in, acc)
             packed = kernels.pack_fields(acc, wc, bc)
             for t in range(H):
                 if t != me:
@@ -242,19 +247,27 @@ def packed_hierarchical(ctx: OpContext, codec: VoteCodec, x: Array, out: Array,
         hosts."""
         for s in mine:
             total, posted = counts.pop((k, s))
-            for t, land, req in posted:
-                ctx.wait(req)
-                kernels.add_fields(land, total.size, cw[t][0], cw[t][1], total)
             a, b = span(s, k)
             sub = _aligned_bounds(a, b, H)
+            m = sub[me + 1] - sub[me]
             res = np.empty(nbytes(b - a, w_out), np.uint8)
             pieces = [res[nbytes(sub[t] - a, w_out):nbytes(sub[t + 1] - a, w_out)]
                       for t in range(H)]
             reqs = [ctx.irecv(plan.owner(t, s), pieces[t]) for t in range(H) if t != me]
             own = pieces[me]
-            if codec.kind == "majority":
-                _decide(total, p, codec, sub[me], own)
+            if majority:
+                stack = [total]
+                shifts = list(range(wc))
+                for t, land, req in posted:
+                    ctx.wait(req)
+                    stack.append(land)
+                    shifts.extend(range(cw[t][0]))
+                kernels.majority_of_counts(np.concatenate(stack), shifts, p, m, codec.tie,
+                                           sub[me] + codec.tie_call, out=own)
             else:
+                for t, land, req in posted:
+                    ctx.wait(req)
+                    kernels.add_fields(land, total.size, cw[t][0], cw[t][1], total)
                 kernels.pack_fields(total, w_out, codec.bias_out, out=own)
             sends.extend(ctx.isend(plan.owner(t, s), own) for t in range(H) if t != me)
             results[k, s] = (res, reqs)

@@ -40,7 +40,7 @@ from __future__ import annotations
 import contextlib
 import operator
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -62,7 +62,9 @@ __all__ = [
     "pack_signs",
     "unpack_signs",
     "count_votes",
+    "count_planes",
     "majority",
+    "majority_of_counts",
     "pack_fields",
     "unpack_fields",
     "add_fields",
@@ -376,6 +378,40 @@ def majority(packed: npt.NDArray[np.uint8], n: int, tie: int, tie_offset: int = 
     p = a.shape[0]
     if p < 1:
         raise UsageError("majority needs at least one vote vector (packed has 0 rows)")
+    return _majority(a, np.zeros(p, np.int64), p, n, tie, tie_offset, out)
+
+
+def majority_of_counts(planes: npt.NDArray[np.uint8], shifts: Sequence[int], votes: int,
+                       n: int, tie: int, tie_offset: int = 0,
+                       out: npt.NDArray[np.uint8] | None = None) -> npt.NDArray[np.uint8]:
+    """The majority of ``votes`` votes given as partial counts in bit planes.
+
+    ``planes`` is ``uint8[k, ceil(n/8)]``; row ``r`` contributes ``2**shifts[r]`` +1 votes at
+    element ``i`` where its bit ``i`` is set (the planes of :func:`count_planes`, one set per
+    group of voters, with shifts ``0, 1, ..., width - 1``). The contributions must add up to
+    at most ``votes`` at every element (the caller's invariant: each set of planes is a
+    count of its own voters). The decision is :func:`majority`'s with ``p = votes``: bit i is
+    1 if ``2c > votes``, 0 if ``2c < votes``, a tie follows ``tie`` at ``i + tie_offset``.
+    Bad arguments raise :class:`UsageError`.
+    """
+    n = _length(n)
+    a = _votes_input(planes, n)
+    k = a.shape[0]
+    sh = np.asarray(shifts, dtype=np.int64)
+    if sh.shape != (k,):
+        raise UsageError(f"shifts has {sh.size} entries for {k} planes")
+    v = _as_int(votes, "votes")
+    if v < 1:
+        raise UsageError(f"votes must be >= 1, got {v}")
+    if k and (int(sh.min()) < 0 or int(sh.max()) >= v.bit_length()):
+        raise UsageError(f"shifts must lie in [0, {v.bit_length()}) for {v} votes, got "
+                         f"{sh.tolist()}")
+    return _majority(a, sh, v, n, tie, tie_offset, out)
+
+
+def _majority(a: npt.NDArray[np.uint8], shifts: npt.NDArray[np.int64], p: int, n: int,
+              tie: int, tie_offset: int, out: npt.NDArray[np.uint8] | None
+              ) -> npt.NDArray[np.uint8]:
     tie = _as_int(tie, "tie")
     offset = _as_int(tie_offset, "tie_offset")
     if tie not in (TIE_POSITIVE, TIE_NEGATIVE, TIE_ALTERNATE):
@@ -391,7 +427,36 @@ def majority(packed: npt.NDArray[np.uint8], n: int, tie: int, tie_offset: int = 
     init = (1 << planes) - (p // 2 + 1)
     res = _out(out, np.dtype(np.uint8), packed_nbytes(n))
     _dispatch(n, _k.majority_serial, _k.majority_parallel,
-              (a, res, n, planes + 1, init, np.uint64(tie_mask)), _CHUNK_ELEMENTS // 64)
+              (a, shifts, res, n, planes + 1, init, np.uint64(tie_mask)),
+              _CHUNK_ELEMENTS // 64)
+    return res
+
+
+def count_planes(packed: npt.NDArray[np.uint8], n: int, width: int,
+                 out: npt.NDArray[np.uint8] | None = None) -> npt.NDArray[np.uint8]:
+    """The +1 votes per element as ``width`` bit planes: ``uint8[width, ceil(n/8)]``.
+
+    ``packed`` is ``uint8[p, ceil(n/8)]`` (p >= 0 vote vectors). Plane ``s`` holds bit ``s``
+    of every element's count (bit i of the plane, the sign vectors' layout; the padding bits
+    after element ``n - 1`` are 0), so element i's count is ``sum_s plane_s[i] << s``; needs
+    ``2**width > p`` (UsageError otherwise, and for bad arguments). ``out``, when given, is a
+    C-contiguous ``uint8[width, ceil(n/8)]``.
+    """
+    n = _length(n)
+    a = _votes_input(packed, n)
+    w = _as_int(width, "width")
+    if not 1 <= w <= 16 or (1 << w) <= a.shape[0]:
+        raise UsageError(f"width must be in [1, 16] with 2**width > {a.shape[0]} rows, got {w}")
+    shape = (w, packed_nbytes(n))
+    if out is None:
+        res = np.empty(shape, np.uint8)
+    else:
+        if not isinstance(out, np.ndarray) or out.dtype != np.uint8 or out.shape != shape or \
+                not out.flags.c_contiguous or not out.flags.writeable:
+            raise UsageError(f"out must be a writeable C-contiguous uint8{list(shape)} array")
+        res = out
+    _dispatch(n, _k.count_planes_serial, _k.count_planes_parallel, (a, res, n),
+              _CHUNK_ELEMENTS // 64)
     return res
 
 

@@ -526,8 +526,8 @@ _MAJ_TILE = 256  # words processed together (the planes stay in L1)
 
 
 @_helper()
-def _majority_words(packed: Any, out: Any, n: int, w0: int, w1: int, nplanes: int,
-                    init: int, tie_mask: np.uint64) -> None:
+def _majority_words(packed: Any, shifts: Any, out: Any, n: int, w0: int, w1: int,
+                    nplanes: int, init: int, tie_mask: np.uint64) -> None:
     p = packed.shape[0]
     nbytes = packed.shape[1]
     top = nplanes - 1
@@ -546,7 +546,7 @@ def _majority_words(packed: Any, out: Any, n: int, w0: int, w1: int, nplanes: in
             for w in range(max(full, 0), m):
                 j = (t0 + w) * 8
                 carry[w] = _ld_row_partial(packed, r, j, nbytes - j)
-            for s in range(nplanes):
+            for s in range(shifts[r], nplanes):  # row r counts 2**shifts[r] votes
                 for w in range(m):
                     c = carry[w]
                     x = planes[s, w]
@@ -567,22 +567,85 @@ def _majority_words(packed: Any, out: Any, n: int, w0: int, w1: int, nplanes: in
 
 
 @_kernel()
-def majority_serial(packed: Any, out: Any, n: int, nplanes: int, init: int,
+def majority_serial(packed: Any, shifts: Any, out: Any, n: int, nplanes: int, init: int,
                     tie_mask: np.uint64) -> int:
-    """Majority of the rows of ``packed`` into ``out`` (see the section comment); returns 0."""
-    _majority_words(packed, out, n, 0, (packed.shape[1] + 7) // 8, nplanes, init, tie_mask)
+    """Majority of the rows of ``packed`` into ``out`` (see the section comment); row ``r``
+    counts ``2**shifts[r]`` votes; returns 0."""
+    _majority_words(packed, shifts, out, n, 0, (packed.shape[1] + 7) // 8, nplanes, init,
+                    tie_mask)
     return 0
 
 
 @_kernel(parallel=True)
-def majority_parallel(packed: Any, out: Any, n: int, nplanes: int, init: int,
+def majority_parallel(packed: Any, shifts: Any, out: Any, n: int, nplanes: int, init: int,
                       tie_mask: np.uint64, chunk: int) -> int:
     """:func:`majority_serial` split into chunks of ``chunk`` 64-element words."""
     nwords = (packed.shape[1] + 7) // 8
     nchunks = (nwords + chunk - 1) // chunk
     for c in prange(nchunks):
-        _majority_words(packed, out, n, c * chunk, min(nwords, (c + 1) * chunk), nplanes,
-                        init, tie_mask)
+        _majority_words(packed, shifts, out, n, c * chunk, min(nwords, (c + 1) * chunk),
+                        nplanes, init, tie_mask)
+    return 0
+
+
+# Counts as bit planes: the same vertical counter started at 0, with ``width`` planes
+# (2**width > p), stored plane by plane: plane s holds bit s of every element's count, packed
+# like signs. Two-level majority sends a host's counts in this form and adds them with the
+# majority kernel above (a plane of bit s counts 2**s votes).
+
+
+@_helper()
+def _count_plane_words(packed: Any, out: Any, n: int, w0: int, w1: int) -> None:
+    p = packed.shape[0]
+    nbytes = packed.shape[1]
+    width = out.shape[0]
+    planes = np.empty((width, _MAJ_TILE), np.uint64)
+    carry = np.empty(_MAJ_TILE, np.uint64)
+    for t0 in range(w0, w1, _MAJ_TILE):
+        m = min(_MAJ_TILE, w1 - t0)
+        full = min(m, nbytes // 8 - t0)
+        for s in range(width):
+            for w in range(m):
+                planes[s, w] = np.uint64(0)
+        for r in range(p):
+            for w in range(full):
+                carry[w] = _ld64_row(packed, r, (t0 + w) * 8)
+            for w in range(max(full, 0), m):
+                j = (t0 + w) * 8
+                carry[w] = _ld_row_partial(packed, r, j, nbytes - j)
+            for s in range(width):
+                for w in range(m):
+                    c = carry[w]
+                    x = planes[s, w]
+                    planes[s, w] = x ^ c
+                    carry[w] = x & c
+        for s in range(width):
+            row = out[s]
+            for w in range(m):
+                res = planes[s, w]
+                j = (t0 + w) * 8
+                valid = n - (t0 + w) * 64
+                if valid >= 64:
+                    _st64(row, j, res)
+                else:
+                    res &= (np.uint64(1) << np.uint64(valid)) - np.uint64(1)
+                    _st_partial(row, j, res, nbytes - j)
+
+
+@_kernel()
+def count_planes_serial(packed: Any, out: Any, n: int) -> int:
+    """The vote counts of the rows of ``packed`` as the bit planes ``out``; returns 0."""
+    _count_plane_words(packed, out, n, 0, (packed.shape[1] + 7) // 8)
+    return 0
+
+
+@_kernel(parallel=True)
+def count_planes_parallel(packed: Any, out: Any, n: int, chunk: int) -> int:
+    """:func:`count_planes_serial` split into chunks of ``chunk`` 64-element words."""
+    nwords = (packed.shape[1] + 7) // 8
+    nchunks = (nwords + chunk - 1) // chunk
+    for c in prange(nchunks):
+        _count_plane_words(packed, out, n, c * chunk, min(nwords, (c + 1) * chunk))
     return 0
 
 
