@@ -526,6 +526,39 @@ _MAJ_TILE = 256  # words processed together (the planes stay in L1)
 
 
 @_helper()
+def _st_word(out: Any, word: int, v: np.uint64, n: int) -> None:
+    """Store the 64 bits of elements ``64 word ..`` of an ``n``-bit packed vector ``out``;
+    bits at or past ``n`` are cleared and bytes past the end of ``out`` are not written."""
+    j = word * 8
+    valid = n - word * 64
+    if valid >= 64:
+        _st64(out, j, v)
+    else:
+        v &= (np.uint64(1) << np.uint64(valid)) - np.uint64(1)
+        _st_partial(out, j, v, out.shape[0] - j)
+
+
+@_helper()
+def _add_row(packed: Any, r: int, t0: int, m: int, full: int, planes: Any, carry: Any,
+             shift: int) -> None:
+    """Add row ``r`` of ``packed`` (words ``t0 .. t0 + m``, ``full`` of them complete) at
+    weight ``2**shift`` to the vertical counter ``planes`` (ripple carry through the planes
+    from ``shift`` up)."""
+    nbytes = packed.shape[1]
+    for w in range(full):
+        carry[w] = _ld64_row(packed, r, (t0 + w) * 8)
+    for w in range(max(full, 0), m):
+        j = (t0 + w) * 8
+        carry[w] = _ld_row_partial(packed, r, j, nbytes - j)
+    for s in range(shift, planes.shape[0]):
+        for w in range(m):
+            c = carry[w]
+            x = planes[s, w]
+            planes[s, w] = x ^ c
+            carry[w] = x & c
+
+
+@_helper()
 def _majority_words(packed: Any, shifts: Any, out: Any, n: int, w0: int, w1: int,
                     nplanes: int, init: int, tie_mask: np.uint64) -> None:
     p = packed.shape[0]
@@ -540,30 +573,13 @@ def _majority_words(packed: Any, shifts: Any, out: Any, n: int, w0: int, w1: int
             v = _ALL if (init >> s) & 1 else np.uint64(0)
             for w in range(m):
                 planes[s, w] = v
-        for r in range(p):
-            for w in range(full):
-                carry[w] = _ld64_row(packed, r, (t0 + w) * 8)
-            for w in range(max(full, 0), m):
-                j = (t0 + w) * 8
-                carry[w] = _ld_row_partial(packed, r, j, nbytes - j)
-            for s in range(shifts[r], nplanes):  # row r counts 2**shifts[r] votes
-                for w in range(m):
-                    c = carry[w]
-                    x = planes[s, w]
-                    planes[s, w] = x ^ c
-                    carry[w] = x & c
+        for r in range(p):  # row r counts 2**shifts[r] votes
+            _add_row(packed, r, t0, m, full, planes, carry, shifts[r])
         for w in range(m):
             tie = _ALL
             for s in range(top):
                 tie &= planes[s, w]
-            res = planes[top, w] | (tie & tie_mask)
-            j = (t0 + w) * 8
-            valid = n - (t0 + w) * 64
-            if valid >= 64:
-                _st64(out, j, res)
-            else:
-                res &= (np.uint64(1) << np.uint64(valid)) - np.uint64(1)
-                _st_partial(out, j, res, nbytes - j)
+            _st_word(out, t0 + w, planes[top, w] | (tie & tie_mask), n)
 
 
 @_kernel()
@@ -608,28 +624,11 @@ def _count_plane_words(packed: Any, out: Any, n: int, w0: int, w1: int) -> None:
             for w in range(m):
                 planes[s, w] = np.uint64(0)
         for r in range(p):
-            for w in range(full):
-                carry[w] = _ld64_row(packed, r, (t0 + w) * 8)
-            for w in range(max(full, 0), m):
-                j = (t0 + w) * 8
-                carry[w] = _ld_row_partial(packed, r, j, nbytes - j)
-            for s in range(width):
-                for w in range(m):
-                    c = carry[w]
-                    x = planes[s, w]
-                    planes[s, w] = x ^ c
-                    carry[w] = x & c
+            _add_row(packed, r, t0, m, full, planes, carry, 0)
         for s in range(width):
             row = out[s]
             for w in range(m):
-                res = planes[s, w]
-                j = (t0 + w) * 8
-                valid = n - (t0 + w) * 64
-                if valid >= 64:
-                    _st64(row, j, res)
-                else:
-                    res &= (np.uint64(1) << np.uint64(valid)) - np.uint64(1)
-                    _st_partial(row, j, res, nbytes - j)
+                _st_word(row, t0 + w, planes[s, w], n)
 
 
 @_kernel()
