@@ -70,12 +70,17 @@ from .strategies import VariantStrategy
 from .torch_strategies import Stage, TorchStrategy, torch_strategy_for
 from .variants import VariantSpec
 
-__all__ = ["TorchEngine", "TensorReplicas", "PARAM_DTYPES", "MOMENTUM_DTYPES"]
+__all__ = ["TorchEngine", "TensorReplicas", "PARAM_DTYPES", "MOMENTUM_DTYPES", "CPU_TILE"]
 
 #: Parameter dtypes of the torch engine.
 PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 #: Momentum dtypes of the torch engine.
 MOMENTUM_DTYPES = (torch.float32, torch.bfloat16)
+
+#: Elements per tile of the element-wise passes on a CPU: a tensor is processed in ranges of
+#: this many elements, each going through all the operations of a pass while it is in the
+#: cache (:attr:`TorchEngine.tile`).
+CPU_TILE = 1 << 17
 
 _NUMPY_VIEW = {torch.float32: torch.float32, torch.float16: torch.float16,
                torch.bfloat16: torch.int16}
@@ -126,7 +131,10 @@ class TorchEngine(DistributedLion):
     torch.bfloat16. ``step(grads)`` takes one tensor (same shape and device, floating
     dtype) or None per parameter. ``momenta`` are tensor views of the per-bucket momentum
     buffers. ``device_strategy`` is the variant's
-    :class:`lioncub.torch_strategies.TorchStrategy`. Everything else is the core's.
+    :class:`lioncub.torch_strategies.TorchStrategy`. ``tile``: elements per tile of the
+    element-wise passes (:data:`CPU_TILE` on a CPU, 0 = whole tensors elsewhere; set before
+    the first step to change it; the results do not depend on it). Everything else is the
+    core's.
     """
 
     def __init__(self, params: Any, comm: Any, *args: Any,
@@ -142,6 +150,7 @@ class TorchEngine(DistributedLion):
         self.device: torch.device | None = None
         self._stages: list[Stage] = []
         self._f64: torch.Tensor | None = None
+        self.tile = 0
         super().__init__(params, comm, *args, **kwargs)
 
     # ------------------------------------------------------------------ set-up
@@ -180,6 +189,8 @@ class TorchEngine(DistributedLion):
 
     def _allocate_state(self) -> None:
         dev = self.device if self.device is not None else torch.device("cpu")
+        if not self.tile:
+            self.tile = CPU_TILE if dev.type == "cpu" else 0
         self._flat = []
         self._bucket_mom = []
         self._mom = []
@@ -265,29 +276,36 @@ class TorchEngine(DistributedLion):
             raise UsageError(f"got {len(grads)} gradients for {len(self.params)} parameters")
         return [self._check_grad(i, g) for i, g in enumerate(grads)]
 
+    def _tiles(self, size: int) -> list[tuple[int, int]]:
+        """``[start, stop)`` ranges of at most :attr:`tile` elements covering ``[0, size)``
+        in order (one range on a GPU, where a pass covers the whole tensor)."""
+        step = self.tile if self.tile > 0 else max(size, 1)
+        return [(a, min(size, a + step)) for a in range(0, size, step)]
+
     def _direction(self, s: Slot, c: torch.Tensor, t: torch.Tensor,
                    g: torch.Tensor | None, h: Hyper) -> None:
         """``c = m*b1 + g*a1`` and ``m = m*b2 + g*a2`` (float32 arithmetic, one rounding
-        per operation, the numpy kernels' expression)."""
+        per operation, the numpy kernels' expression), tile by tile (``t``: scratch of at
+        least one tile)."""
         m = self._tmom[s.index]
         b1, a1, b2, a2 = float(h.b1), float(h.a1), float(h.b2), float(h.a2)
-        mf = m if m.dtype == torch.float32 else m.float()
-        torch.mul(mf, b1, out=c)
-        if g is None:
-            if mf is m:
-                m.mul_(b2)
-            else:
-                m.copy_(mf.mul_(b2))
-            return
-        if g.dtype != torch.float32:
+        low = m.dtype != torch.float32
+        if g is not None and g.dtype != torch.float32:
             g = g.float()  # products in float32, not rounded to the gradient's dtype first
-        torch.mul(g, a1, out=t)
-        c.add_(t)
-        torch.mul(g, a2, out=t)
-        if mf is m:
-            m.mul_(b2).add_(t)
-        else:
-            m.copy_(mf.mul_(b2).add_(t))
+        for a, b in self._tiles(s.size):
+            mt, ct, tt = m[a:b], c[a:b], t[:b - a]
+            mf = mt.float() if low else mt
+            torch.mul(mf, b1, out=ct)
+            if g is None:
+                mf.mul_(b2)
+            else:
+                gt = g[a:b]
+                torch.mul(gt, a1, out=tt)
+                ct.add_(tt)
+                torch.mul(gt, a2, out=tt)
+                mf.mul_(b2).add_(tt)
+            if low:
+                mt.copy_(mf)
 
     def _sync(self) -> None:
         """Wait for the work queued on the device (CUDA: its current stream)."""
@@ -335,12 +353,15 @@ class TorchEngine(DistributedLion):
         self.device_strategy.apply(self, bucket, buf, hypers, sums)
 
     def _apply(self, s: Slot, u: torch.Tensor, h: Hyper) -> None:
-        """``p = p*decay - lr*u`` for ``u`` in {-1, 0, 1} (``lr*u`` is exact; ``p*1`` is
-        ``p``, so a decay of 1 skips the product)."""
+        """``p = p*decay - lr*u`` for ``u`` in {-1, 0, 1} (any real dtype; ``lr*u`` is
+        exact; ``p*1`` is ``p``, so a decay of 1 skips the product), tile by tile."""
         p = self._tflat[s.index]
-        if float(h.decay) != 1.0:
-            p.mul_(float(h.decay))
-        p.sub_(u, alpha=float(h.lr))
+        decay, lr = float(h.decay), float(h.lr)
+        for a, b in self._tiles(s.size):
+            pt = p[a:b]
+            if decay != 1.0:
+                pt.mul_(decay)
+            pt.sub_(u[a:b], alpha=lr)
 
     # ------------------------------------------------------------------ momentum sync
     def average_momenta(self, bucket: int, slots: list[Slot] | None = None) -> None:  # type: ignore[override]

@@ -247,7 +247,7 @@ class TorchMajorityVote(_Packed):
     def fields(self, engine: TorchEngine, bucket: Bucket, buf: Stage, lo: torch.Tensor,
                hi: torch.Tensor) -> None:
         n = bucket.size
-        torch.ge(buf.c[:n], 0, out=buf.fields[:n].view(torch.bool))
+        torch.ge(buf.c[:n], 0, out=buf.fields[:n].view(torch.int8))  # int8 out: vectorized
 
     def start(self, engine: TorchEngine, bucket: Bucket, buf: Stage) -> WorkLike:
         votes, result = self.host_views(engine, bucket, buf)
@@ -302,6 +302,17 @@ class TorchExactSum(_Packed):
             total = tl.unpack_wide(buf.dev_out[:nb], n, w_out).sub_(bias)
         self.apply_sums(engine, bucket, buf, total, hypers)
         mag = total.abs_()
+        if engine.tile > 0 and mag.dtype == torch.int8:  # int32 sums of tiles (no overflow)
+            parts, owner = [], []
+            for s in bucket.slots:
+                for a, b in engine._tiles(s.size):
+                    parts.append(mag[s.offset + a:s.offset + b].sum(dtype=torch.int32))
+                    owner.append(s.index)
+            for i in owner:
+                sums[i] = 0
+            for i, v in zip(owner, torch.stack(parts).tolist(), strict=True):
+                sums[i] += int(v)
+            return
         totals = [_int_sum(mag[s.offset:s.stop], bias) for s in bucket.slots]
         for s, v in zip(bucket.slots, torch.stack(totals).tolist(), strict=True):
             sums[s.index] = int(v)
@@ -365,45 +376,59 @@ class TorchQuantizedSum(TorchExactSum):
         n = bucket.size
         c = buf.c[:n]
         levels = engine.levels
+        # per-tile partial scales (one synchronization per bucket), combined per slot below
         parts: list[torch.Tensor] = [lo.double(), hi.double()]
-        if method == "linf":
-            for s in bucket.slots:
-                a, b = torch.aminmax(c[s.offset:s.stop])
-                parts.append(torch.maximum(a.neg(), b).double())
-        else:
-            d = engine._scratch64(n)
-            d.copy_(c).abs_()
-            if method == "l0":
-                counts = [torch.count_nonzero(c[s.offset:s.stop]) for s in bucket.slots]
-                d.masked_fill_(d == 0, 1.0).log_()
-            for s in bucket.slots:
-                parts.append(d[s.offset:s.stop].sum())
-            if method == "l0":
-                parts.extend(x.double() for x in counts)
+        owner: list[int] = []
+        d = engine._scratch64(min(n, engine.tile) if engine.tile > 0 else n)
+        for j, s in enumerate(bucket.slots):
+            cs = c[s.offset:s.stop]
+            for a, b in engine._tiles(s.size):
+                ct = cs[a:b]
+                owner.append(j)
+                if method == "linf":
+                    mn, mx = torch.aminmax(ct)
+                    parts.append(torch.maximum(mn.neg(), mx).double())
+                    continue
+                dt = d[:b - a]
+                dt.copy_(ct).abs_()
+                if method == "l0":
+                    parts.append(torch.count_nonzero(dt).double())
+                    dt.masked_fill_(dt == 0, 1.0).log_()
+                parts.append(dt.sum())
         values = torch.stack(parts).tolist()  # one synchronization per bucket
         if not (math.isfinite(values[0]) and math.isfinite(values[1])):
             engine._sync()
             raise engine._first_bad(bucket, c)
-        t = buf.t[:n]
         k = len(bucket.slots)
+        totals = [0.0] * k  # linf: maxima; l1: sums of |c|; l0: sums of log|c|
+        counts = [0] * k
+        step = 2 if method == "l0" else 1
+        for i, j in enumerate(owner):
+            v = values[2 + step * i + step - 1]
+            totals[j] = max(totals[j], v) if method == "linf" else totals[j] + v
+            if method == "l0":
+                counts[j] += int(values[2 + step * i])
+        t = buf.t
+        fields = buf.fields
         for j, s in enumerate(bucket.slots):
-            v = values[2 + j]
             if method == "l1":
-                scale = v / s.size
+                scale = totals[j] / s.size
             elif method == "linf":
-                scale = v
+                scale = totals[j]
             else:
-                count = int(values[2 + k + j])
-                scale = 0.0 if count == 0 else math.exp(v / count)
+                scale = 0.0 if counts[j] == 0 else math.exp(totals[j] / counts[j])
             mult = multiplier(method, levels, scale)
-            if mult is None:
-                t[s.offset:s.stop].zero_()
-            else:
-                torch.mul(c[s.offset:s.stop], float(mult), out=t[s.offset:s.stop])
-        t.clamp_(-levels, levels).round_()
-        q = buf.aux[:n]
-        q.copy_(t)  # exact: integers in [-levels, levels]
-        torch.add(q.view(torch.uint8), levels, out=buf.fields[:n])  # value + levels (mod 256)
+            for a, b in engine._tiles(s.size):
+                ft = fields[s.offset + a:s.offset + b]
+                if mult is None:
+                    ft.fill_(levels)
+                    continue
+                tt = t[:b - a]
+                torch.mul(c[s.offset + a:s.offset + b], float(mult), out=tt)
+                tt.clamp_(-levels, levels).round_()
+                q = buf.aux[:b - a]
+                q.copy_(tt)  # exact: integers in [-levels, levels]
+                torch.add(q.view(torch.uint8), levels, out=ft)  # value + levels (mod 256)
 
 
 #: numpy strategy class -> its torch counterpart (a new variant's line goes here).
