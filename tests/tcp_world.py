@@ -28,7 +28,21 @@ from typing import Any
 
 from bitcoll.transport.tcp import TCPTransport
 
-__all__ = ["RankResult", "free_port", "make_event", "run_world"]
+__all__ = ["RankResult", "forkserver", "free_port", "make_event", "run_world"]
+
+PRELOAD = ("numpy", "bitcoll", "bitcoll.transport.tcp", "lioncub", "tcp_world", "multiproc")
+"""What the fork server imports once, before it forks any rank."""
+
+
+def forkserver(*modules: str) -> Any:
+    """The ``forkserver`` multiprocessing context, its server preloading :data:`PRELOAD` and
+    ``modules``. The preload list only takes effect when the server starts (the session's
+    first caller); a rank imports anything else it needs itself. A forked rank inherits the
+    server's environment and working directory, not the caller's: callers that depend on
+    either pass them along (see ``multiproc``)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([*PRELOAD, *modules])
+    return ctx
 
 
 @dataclass
@@ -80,11 +94,8 @@ def run_world(size: int, worker: Callable[..., Any], *args: Any, timeout: float 
               create_timeout: float = 20.0, ranks: Sequence[int] | None = None,
               port: int | None = None, start_method: str = "forkserver") -> list[RankResult]:
     """Start ranks ``ranks`` (default all of ``range(size)``) of a ``size``-rank world."""
-    ctx: Any = mp.get_context(start_method)  # the context type differs per start method
-    if start_method == "forkserver":
-        # Only effective before the server's first start (later calls are ignored by it).
-        ctx.set_forkserver_preload(["numpy", "bitcoll.transport.tcp", __name__,
-                                    worker.__module__])
+    ctx: Any = (forkserver(worker.__module__) if start_method == "forkserver"
+                else mp.get_context(start_method))
     q = ctx.Queue()
     port = free_port() if port is None else port
     started = list(range(size)) if ranks is None else list(ranks)
