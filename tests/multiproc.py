@@ -1,4 +1,4 @@
-"""Run a function on N real ranks (spawned processes) over the TCP backend.
+"""Run a function on N real ranks (separate processes) over the TCP backend.
 
 ``run_world(size, target, *args)`` starts ``size`` processes, forked by the session's fork
 server (:func:`tcp_world.forkserver`: numpy, bitcoll and lioncub are imported once, so a rank
@@ -8,6 +8,10 @@ environment (:func:`tcp_env`), creates ``bitcoll.init("tcp")`` and returns
 ``target(comm, *args)``. ``target`` must be a module-level (importable) function and
 its result picklable. Any failing rank makes ``run_world`` raise AssertionError carrying every
 failing rank's traceback; ranks still running after ``timeout`` are killed.
+
+``start(target, *args)`` starts one such process running ``target(*args)`` (for tests that
+drive their ranks themselves); ``context(module)`` is the multiprocessing context to make its
+queues and events with.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from typing import Any
 
 from tcp_world import forkserver, free_port
 
-__all__ = ["free_port", "run_world", "tcp_env"]
+__all__ = ["context", "free_port", "run_world", "start", "tcp_env"]
 
 
 def tcp_env(rank: int, size: int, port: int) -> dict[str, str]:
@@ -31,12 +35,33 @@ def tcp_env(rank: int, size: int, port: int) -> dict[str, str]:
             "BITCOLL_MASTER_PORT": str(port)}
 
 
-def _child(rank: int, size: int, port: int, comm_timeout: float, target: Callable[..., Any],
-           args: tuple[Any, ...], results: Any, comm_kwargs: dict[str, Any],
-           extra_env: dict[str, str], environ: dict[str, str], cwd: str) -> None:
+def context(module: str) -> Any:
+    """The multiprocessing context of :func:`start` and :func:`run_world` (the fork server,
+    ``module`` preloaded if the server is not running yet): make queues and events with it."""
+    return forkserver(module)
+
+
+def _as_spawned(environ: dict[str, str], cwd: str, target: Callable[..., Any],
+                args: tuple[Any, ...]) -> None:
     os.environ.clear()
     os.environ.update(environ)
     os.chdir(cwd)
+    target(*args)
+
+
+def start(target: Callable[..., Any], *args: Any, daemon: bool = True) -> Any:
+    """Start ``target(*args)`` (a module-level function) in a process forked by the fork
+    server, with the caller's environment and working directory; return the started
+    ``multiprocessing`` process."""
+    proc = context(target.__module__).Process(
+        target=_as_spawned, args=(dict(os.environ), os.getcwd(), target, args), daemon=daemon)
+    proc.start()
+    return proc
+
+
+def _child(rank: int, size: int, port: int, comm_timeout: float, target: Callable[..., Any],
+           args: tuple[Any, ...], results: Any, comm_kwargs: dict[str, Any],
+           extra_env: dict[str, str]) -> None:
     os.environ.update(tcp_env(rank, size, port))
     os.environ.update(extra_env)
     os.environ["NUMBA_NUM_THREADS"] = "1"
@@ -60,17 +85,11 @@ def run_world(size: int, target: Callable[..., Any], *args: Any, timeout: float 
     """Run ``target(comm, *args)`` on ``size`` TCP ranks; return the results in rank order.
     ``port``: bitcoll's store port (default: a free one); ``rank_env``: extra environment
     variables of some ranks."""
-    ctx = forkserver(target.__module__)
-    results = ctx.Queue()
+    results = context(target.__module__).Queue()
     port = free_port() if port is None else port
-    environ, cwd = dict(os.environ), os.getcwd()
-    procs = [ctx.Process(target=_child, args=(r, size, port, comm_timeout, target, args,
-                                              results, comm_kwargs,
-                                              (rank_env or {}).get(r, {}), environ, cwd),
-                         daemon=True)
+    procs = [start(_child, r, size, port, comm_timeout, target, args, results, comm_kwargs,
+                   (rank_env or {}).get(r, {}))
              for r in range(size)]
-    for p in procs:
-        p.start()
     got: dict[int, tuple[bool, Any]] = {}
     try:
         while len(got) < size:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import signal
 import threading
@@ -11,7 +10,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from multiproc import free_port, run_world, tcp_env
+from multiproc import context, free_port, run_world, start, tcp_env
 from sweeps import dense_sweep, float_sweep, inplace_and_async, packed_bandwidth, packed_sweep
 
 import bitcoll
@@ -70,12 +69,9 @@ def _victim(rank: int, size: int, port: int, q: Any) -> None:
 
 @pytest.mark.timeout(120)
 def test_killed_rank_makes_survivors_fail_fast() -> None:
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
+    q = context(__name__).Queue()
     port = free_port()
-    procs = [ctx.Process(target=_victim, args=(r, 3, port, q)) for r in range(3)]
-    for p in procs:
-        p.start()
+    procs = [start(_victim, r, 3, port, q, daemon=False) for r in range(3)]
     got = sorted(q.get(timeout=90) for _ in range(2))
     for p in procs:
         p.join(timeout=10)

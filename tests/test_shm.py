@@ -7,7 +7,6 @@ ranks (tests/multiproc.py run_world puts every rank on this host; GROUP_RANK fak
 from __future__ import annotations
 
 import glob
-import multiprocessing as mp
 import os
 import signal
 import stat
@@ -19,7 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 import tcp_world
-from multiproc import free_port, run_world, tcp_env
+from multiproc import context, free_port, run_world, start, tcp_env
 from sweeps import dense_sweep, inplace_and_async, packed_bandwidth, packed_sweep
 
 import bitcoll
@@ -488,12 +487,9 @@ def _victim(rank: int, size: int, port: int, q: Any) -> None:
 
 @pytest.mark.timeout(120)
 def test_a_killed_rank_fails_the_others_fast_and_leaves_nothing_in_dev_shm() -> None:
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
+    q = context(__name__).Queue()
     port = free_port()
-    procs = [ctx.Process(target=_victim, args=(r, 3, port, q), daemon=True) for r in range(3)]
-    for p in procs:
-        p.start()
+    procs = [start(_victim, r, 3, port, q) for r in range(3)]
     jobs: set[int] = set()
     outcome: dict[int, tuple[str, str, float]] = {}
     try:

@@ -3,13 +3,12 @@ test_split_mpi.py)."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 from typing import Any
 
 import numpy as np
 import pytest
-from multiproc import free_port, run_world, tcp_env
+from multiproc import context, free_port, run_world, start, tcp_env
 from sweeps import siblings_from_threads
 
 import bitcoll
@@ -69,13 +68,9 @@ def _bad_color(rank: int, size: int, port: int, q: Any) -> None:
 @pytest.mark.parametrize("size", [3, 4])
 def test_split_tcp(size: int) -> None:
     assert run_world(size, _checks, timeout=180) == [float(size)] * size
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
+    q = context(__name__).Queue()
     port = free_port()
-    procs = [ctx.Process(target=_bad_color, args=(r, size, port, q), daemon=True)
-             for r in range(size)]
-    for p in procs:
-        p.start()
+    procs = [start(_bad_color, r, size, port, q) for r in range(size)]
     msgs = [q.get(timeout=60) for _ in range(size)]
     for p in procs:
         p.join(10)
