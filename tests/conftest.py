@@ -3,10 +3,48 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("NUMBA_NUM_THREADS", "1")
+
+MPI_MARK_TEXT = "mark.mpi"
+"""Every test file with MPI tests spells this (``@pytest.mark.mpi(...)``, ``pytestmark``)."""
+
+
+def _only_mpi_tests(config: pytest.Config) -> bool:
+    """An mpiexec run of the MPI tests alone (``--with-mpi -m mpi``, as dev.py runs them)."""
+    return bool(config.getoption("--with-mpi", default=False)) \
+        and str(config.getoption("markexpr", default="")).strip() == "mpi"
+
+
+def _has_mpi_tests(path: Path) -> bool:
+    return MPI_MARK_TEXT in path.read_text(encoding="utf-8")
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """Under mpiexec with ``-m mpi``, every rank skips importing the test files without MPI
+    tests (torch, hypothesis and the rest cost each rank seconds, on two cores shared by all
+    ranks); whether a file has MPI tests is read from its text, a rule that
+    :func:`pytest_collection_modifyitems` checks in every run that collects everything."""
+    if (_only_mpi_tests(config) and collection_path.suffix == ".py"
+            and collection_path.name.startswith("test_")
+            and not _has_mpi_tests(collection_path)):
+        return True
+    return None
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Refuse an MPI test in a file whose text does not say ``mark.mpi``: the MPI runs would
+    not collect it (see :func:`pytest_ignore_collect`)."""
+    hidden = sorted({str(item.path) for item in items
+                     if item.get_closest_marker("mpi") is not None
+                     and not _has_mpi_tests(item.path)})
+    if hidden:
+        raise pytest.UsageError(f"MPI tests in files that do not spell {MPI_MARK_TEXT!r} "
+                                f"(the MPI runs would skip them): {', '.join(hidden)}")
 
 
 @pytest.fixture(scope="session", autouse=True)
