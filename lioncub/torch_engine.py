@@ -80,7 +80,7 @@ MOMENTUM_DTYPES = (torch.float32, torch.bfloat16)
 #: Elements per tile of the element-wise passes on a CPU: a tensor is processed in ranges of
 #: this many elements, each going through all the operations of a pass while it is in the
 #: cache (:attr:`TorchEngine.tile`).
-CPU_TILE = 1 << 17
+CPU_TILE = 1 << 18
 
 _NUMPY_VIEW = {torch.float32: torch.float32, torch.float16: torch.float16,
                torch.bfloat16: torch.int16}

@@ -114,12 +114,25 @@ def expand(words: torch.Tensor, width: int, tmp: torch.Tensor) -> None:
     words.bitwise_or_(tmp)
 
 
+def _ranges(count: int, tile: int) -> list[tuple[int, int]]:
+    """``[a, b)`` ranges of at most ``padded(tile)`` fields covering ``[0, count)``, every
+    ``a`` a multiple of 8 (so a range starts on a byte of the stream); ``tile <= 0``: one."""
+    step = padded(tile) if tile > 0 else max(count, 1)
+    return [(a, min(count, a + step)) for a in range(0, count, step)]
+
+
 def pack(fields: torch.Tensor, count: int, width: int, out: torch.Tensor,
-         tmp: torch.Tensor) -> None:
+         tmp: torch.Tensor, tile: int = 0) -> None:
     """Pack ``count`` fields of ``width <= 8`` bits into the stream ``out`` (uint8,
     ``nbytes(count, width)`` elements). ``fields``: uint8, ``padded(count)`` elements, one
     field per byte, zeros after ``count``; it is overwritten (used as the words). ``tmp``:
-    int64 scratch of ``padded(count) // 8`` elements."""
+    int64 scratch of ``padded(min(count, tile)) // 8`` elements. ``tile > 0``: packed
+    ``padded(tile)`` fields at a time (the same stream; the passes stay in the cache)."""
+    if 0 < tile < count:
+        for a, b in _ranges(count, tile):
+            pack(fields[a:a + padded(b - a)], b - a, width, out[a * width // 8:nbytes(b, width)],
+                 tmp)
+        return
     words = fields.view(torch.int64)
     groups = words.numel()
     if groups == 0:
@@ -128,7 +141,7 @@ def pack(fields: torch.Tensor, count: int, width: int, out: torch.Tensor,
         words.mul_(_GATHER).bitwise_right_shift_(56).bitwise_and_(0xFF)
         out.copy_(words)
         return
-    compress(words, width, tmp)
+    compress(words, width, tmp[:groups])
     streams = words.view(torch.uint8).view(groups, 8)[:, :width]
     n = nbytes(count, width)
     whole = min(groups, n // width)  # groups whose bytes all belong to the stream
@@ -138,11 +151,17 @@ def pack(fields: torch.Tensor, count: int, width: int, out: torch.Tensor,
 
 
 def unpack(stream: torch.Tensor, count: int, width: int, fields: torch.Tensor,
-           tmp: torch.Tensor) -> None:
+           tmp: torch.Tensor, tile: int = 0) -> None:
     """Unpack ``count`` fields of ``width <= 8`` bits from ``stream`` (uint8,
     ``nbytes(count, width)`` elements) into ``fields`` (uint8, ``padded(count)`` elements:
     one field per byte; the elements after ``count`` are left undefined). ``tmp``: int64
-    scratch of ``padded(count) // 8`` elements."""
+    scratch of ``padded(min(count, tile)) // 8`` elements. ``tile > 0``: unpacked
+    ``padded(tile)`` fields at a time."""
+    if 0 < tile < count:
+        for a, b in _ranges(count, tile):
+            unpack(stream[a * width // 8:nbytes(b, width)], b - a, width,
+                   fields[a:a + padded(b - a)], tmp, tile=0)
+        return
     groups = fields.numel() // 8
     if groups == 0:
         return
@@ -160,7 +179,7 @@ def unpack(stream: torch.Tensor, count: int, width: int, fields: torch.Tensor,
     if whole < groups:
         rest = stream[whole * width:n]
         lanes[whole].reshape(-1)[:rest.numel()].copy_(rest)
-    expand(words, width, tmp)
+    expand(words, width, tmp[:groups])
 
 
 def pack_wide(values: torch.Tensor, width: int, out: torch.Tensor) -> None:

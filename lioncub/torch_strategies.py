@@ -219,7 +219,7 @@ class _Packed(TorchStrategy):
         w_in = self.widths(engine)[0]
         nb = tl.nbytes(n, w_in)
         tl.pack(buf.fields[:tl.padded(n)], n, w_in, buf.dev_in[:nb],
-                buf.words[:tl.padded(n) // 8])
+                buf.words[:tl.padded(n) // 8], tile=engine.tile)
         buf.host_in[:nb].copy_(buf.dev_in[:nb], non_blocking=True)
         return nb
 
@@ -261,7 +261,8 @@ class TorchMajorityVote(_Packed):
               hypers: Sequence[Hyper], sums: dict[int, int]) -> None:
         n = bucket.size
         bits = buf.fields[:tl.padded(n)]
-        tl.unpack(buf.dev_out[:tl.nbytes(n, 1)], n, 1, bits, buf.words[:tl.padded(n) // 8])
+        tl.unpack(buf.dev_out[:tl.nbytes(n, 1)], n, 1, bits, buf.words[:tl.padded(n) // 8],
+                  tile=engine.tile)
         sgn = bits[:n].mul_(2).sub_(1).view(torch.int8)  # 1 -> +1, 0 -> -1
         for s in bucket.slots:
             engine._apply(s, sgn[s.offset:s.stop], hypers[s.index])
@@ -296,7 +297,8 @@ class TorchExactSum(_Packed):
         bias = self.vote_levels(engine) * engine.world_size
         if w_out <= 8:
             f = buf.fields[:tl.padded(n)]
-            tl.unpack(buf.dev_out[:nb], n, w_out, f, buf.words[:tl.padded(n) // 8])
+            tl.unpack(buf.dev_out[:nb], n, w_out, f, buf.words[:tl.padded(n) // 8],
+                      tile=engine.tile)
             total = f[:n].sub_(bias).view(torch.int8)  # the sums (|sum| <= 127)
         else:
             total = tl.unpack_wide(buf.dev_out[:nb], n, w_out).sub_(bias)

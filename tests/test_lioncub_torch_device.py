@@ -74,6 +74,14 @@ def test_layout_matches_bitcoll(device: str) -> None:
                 got = tl.unpack_wide(torch.from_numpy(ref).to(device), count, width).cpu().numpy()
             assert np.array_equal(out.cpu().numpy(), ref), (width, count)
             assert np.array_equal(got, values), (width, count)
+            if width <= 8:  # in tiles of 16 fields (tile=9 rounds up to 16): the same bytes
+                fields[:count] = torch.from_numpy(values.astype(np.uint8)).to(device)
+                out.fill_(0xAA)
+                tl.pack(fields, count, width, out, words, tile=9)
+                back.fill_(0x55)
+                tl.unpack(torch.from_numpy(ref).to(device), count, width, back, words, tile=9)
+                assert np.array_equal(out.cpu().numpy(), ref), (width, count)
+                assert np.array_equal(back[:count].cpu().numpy(), values), (width, count)
 
 
 # ---------------------------------------------------------------------- float32 == numpy core
