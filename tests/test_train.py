@@ -2,7 +2,9 @@
 
 A tiny model trains for 30 steps on one rank in this process and on two ranks started by
 ``python -m launch -n 2 train.py``; the JSON logs must be complete, the losses finite and
-clearly lower at the end than at the start, and the replicas identical after training.
+clearly lower at the end than at the start, and the replicas identical after training. The
+two-rank run is also the reference that a resumed run and an overlapped run must reproduce
+bit for bit (each launch costs seconds of start-up, so they share it).
 """
 
 from __future__ import annotations
@@ -89,16 +91,32 @@ def test_one_rank_in_process(one_rank_log: dict[str, Any]) -> None:
     assert all(s["bytes_sent"] == 0 for s in one_rank_log["steps"])
 
 
-@pytest.mark.timeout(200)
-def test_two_ranks_with_launcher(tmp_path: Path) -> None:
-    log_path = tmp_path / "log.json"
+def _launch(args: list[str]) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, NUMBA_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    proc = subprocess.run(
-        [sys.executable, "-m", "launch", "-n", "2", str(ROOT / "train.py"), *TINY,
-         "--steps", str(STEPS), "--optimizer", "lioncub-l1", "--json-log", str(log_path)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    return subprocess.run([sys.executable, "-m", "launch", "-n", "2", str(ROOT / "train.py"),
+                           *TINY, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=180)
+
+
+# Two ranks, lioncub-l1 with momentum averaging on the exponential schedule (after steps 1, 2,
+# 4, 6, 9, 13, 18 and 26: its state must survive a checkpoint taken at step 10).
+TWO_RANKS = ["--steps", str(STEPS), "--optimizer", "lioncub-l1", "--momentum-sync", "exp:2"]
+
+
+@pytest.fixture(scope="module")
+def two_rank_run(tmp_path_factory: pytest.TempPathFactory
+                 ) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
+    path = tmp_path_factory.mktemp("two") / "log.json"
+    proc = _launch([*TWO_RANKS, "--json-log", str(path)])
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    log = json.loads(log_path.read_text())
+    log: dict[str, Any] = json.loads(path.read_text())
+    return proc, log
+
+
+@pytest.mark.timeout(200)
+def test_two_ranks_with_launcher(
+        two_rank_run: tuple[subprocess.CompletedProcess[str], dict[str, Any]]) -> None:
+    proc, log = two_rank_run
     _check_log(log, "lioncub-l1", 2)
     assert log["run"]["backend"] == "tcp"
     assert all(s["bytes_sent"] > 0 for s in log["steps"])
@@ -288,50 +306,45 @@ def test_target_loss_and_no_comm(train: ModuleType, tmp_path: Path) -> None:
         assert s["time"] == pytest.approx(s["forward_backward"] + s["optimizer"] + s["comm"])
 
 
-def _launch(args: list[str]) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, NUMBA_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    return subprocess.run([sys.executable, "-m", "launch", "-n", "2", str(ROOT / "train.py"),
-                           *TINY, *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=180)
-
-
 @pytest.mark.timeout(300)
-def test_resume_equals_an_uninterrupted_run(tmp_path: Path) -> None:
-    """Two ranks, lioncub-l1 with momentum averaging: 10 steps straight, and 5 steps + save +
-    resume for the other 5, give bit-identical training and validation losses."""
-    common = ["--steps", "10", "--eval-every", "5", "--optimizer", "lioncub-l1",
-              "--momentum-sync", "exp:2"]
-    straight, resumed, ckpt = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "ckpt"
-    proc = _launch([*common, "--json-log", str(straight)])
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    proc = _launch([*common, "--stop-after", "5", "--save", str(ckpt)])
+def test_resume_equals_an_uninterrupted_run(
+        two_rank_run: tuple[subprocess.CompletedProcess[str], dict[str, Any]],
+        tmp_path: Path) -> None:
+    """The two-rank run (30 steps straight) against 10 steps + save + resume for the other
+    20: bit-identical training and validation losses, and the same momentum syncs."""
+    a = two_rank_run[1]
+    resumed, ckpt = tmp_path / "b.json", tmp_path / "ckpt"
+    proc = _launch([*TWO_RANKS, "--stop-after", "10", "--save", str(ckpt)])
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert sorted(p.name for p in ckpt.iterdir()) == ["rank0.pt", "rank1.pt"]
-    proc = _launch([*common, "--resume", str(ckpt), "--json-log", str(resumed)])
+    proc = _launch([*TWO_RANKS, "--resume", str(ckpt), "--json-log", str(resumed)])
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "resumed from" in proc.stdout
-    a, b = json.loads(straight.read_text()), json.loads(resumed.read_text())
+    b = json.loads(resumed.read_text())
     assert [s["loss"] for s in a["steps"]] == [s["loss"] for s in b["steps"]]
     assert [e["val_loss"] for e in a["evals"]] == [e["val_loss"] for e in b["evals"]]
     assert [s["synced_tensors"] for s in a["steps"]] == [s["synced_tensors"]
                                                          for s in b["steps"]]
-    assert b["run"]["resumed_at"] == 5 and b["steps"][5]["warmup"] is True
+    assert b["run"]["resumed_at"] == 10 and b["steps"][10]["warmup"] is True
     assert b["summary"]["replicas_identical"] is True
 
 
 @pytest.mark.timeout(300)
-def test_overlap_gives_the_same_run(tmp_path: Path) -> None:
-    """Two ranks, lioncub-l1 with momentum averaging: --overlap (buckets started inside
-    backward, the optimizer on its own communicator) logs bit-identical losses."""
-    common = ["--steps", "6", "--eval-every", "3", "--optimizer", "lioncub-l1",
-              "--momentum-sync", "every:2"]
-    plain, overlapped = tmp_path / "a.json", tmp_path / "b.json"
-    for extra, log in (([], plain), (["--overlap"], overlapped)):
-        proc = _launch([*common, *extra, "--json-log", str(log)])
-        assert proc.returncode == 0, proc.stdout + proc.stderr
-    a, b = json.loads(plain.read_text()), json.loads(overlapped.read_text())
+def test_overlap_gives_the_same_run(
+        two_rank_run: tuple[subprocess.CompletedProcess[str], dict[str, Any]],
+        tmp_path: Path) -> None:
+    """The two-rank run again with --overlap (buckets started inside backward, the optimizer
+    on its own communicator): bit-identical losses."""
+    a = two_rank_run[1]
+    overlapped = tmp_path / "b.json"
+    proc = _launch([*TWO_RANKS, "--overlap", "--json-log", str(overlapped)])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    b = json.loads(overlapped.read_text())
+    assert b["config"]["overlap"] is True and not a["config"]["overlap"]
     assert [s["loss"] for s in a["steps"]] == [s["loss"] for s in b["steps"]]
     assert [e["val_loss"] for e in a["evals"]] == [e["val_loss"] for e in b["evals"]]
+    assert [s["synced_tensors"] for s in a["steps"]] == [s["synced_tensors"]
+                                                         for s in b["steps"]]
     assert b["summary"]["replicas_identical"] is True
 
 def test_checkpoint_of_another_run_is_refused(train: ModuleType, tmp_path: Path,
