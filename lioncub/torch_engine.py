@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from typing import Any, cast
 
 import numpy as np
@@ -151,6 +152,8 @@ class TorchEngine(DistributedLion):
         self._stages: list[Stage] = []
         self._f64: torch.Tensor | None = None
         self.tile = 0
+        self._extrema: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._covered = 0
         super().__init__(params, comm, *args, **kwargs)
 
     # ------------------------------------------------------------------ set-up
@@ -283,10 +286,14 @@ class TorchEngine(DistributedLion):
         return [(a, min(size, a + step)) for a in range(0, size, step)]
 
     def _direction(self, s: Slot, c: torch.Tensor, t: torch.Tensor,
-                   g: torch.Tensor | None, h: Hyper) -> None:
+                   g: torch.Tensor | None, h: Hyper,
+                   each: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None
+                   = None) -> None:
         """``c = m*b1 + g*a1`` and ``m = m*b2 + g*a2`` (float32 arithmetic, one rounding
         per operation, the numpy kernels' expression), tile by tile (``t``: scratch of at
-        least one tile)."""
+        least one tile). While a bucket is being prepared, every tile's minimum and maximum
+        are recorded (the engine's finiteness check) and ``each(tile, lo, hi)`` is called
+        with the tile of ``c`` just written and its extrema (0-d tensors), in order."""
         m = self._tmom[s.index]
         b1, a1, b2, a2 = float(h.b1), float(h.a1), float(h.b2), float(h.a2)
         low = m.dtype != torch.float32
@@ -306,6 +313,15 @@ class TorchEngine(DistributedLion):
                 mf.mul_(b2).add_(tt)
             if low:
                 mt.copy_(mf)
+            if self._extrema is not None:
+                lo, hi = torch.aminmax(ct)
+                self._extrema.append((lo, hi))
+                self._covered += b - a
+                if each is not None:
+                    each(ct, lo, hi)
+            elif each is not None:
+                lo, hi = torch.aminmax(ct)
+                each(ct, lo, hi)
 
     def _sync(self) -> None:
         """Wait for the work queued on the device (CUDA: its current stream)."""
@@ -326,8 +342,16 @@ class TorchEngine(DistributedLion):
         parameter whose ``c`` is not finite."""
         strategy = self.device_strategy
         c = buf.c[:bucket.size]
-        strategy.contribute(self, bucket, buf, grads, hypers)
-        lo, hi = torch.aminmax(c)
+        self._extrema, self._covered = [], 0
+        try:
+            strategy.contribute(self, bucket, buf, grads, hypers)
+            if self._covered == bucket.size and self._extrema:  # c's extrema from its tiles
+                lo = torch.stack([e[0] for e in self._extrema]).min()
+                hi = torch.stack([e[1] for e in self._extrema]).max()
+            else:
+                lo, hi = torch.aminmax(c)
+        finally:
+            self._extrema = None
         nb = strategy.encode(self, bucket, buf, lo, hi)
         self._sync()
         self._device_to_host += nb

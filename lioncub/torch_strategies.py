@@ -35,6 +35,7 @@ Adding the torch side of a new variant: subclass :class:`TorchStrategy` and add 
 
 from __future__ import annotations
 
+import functools
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -371,6 +372,36 @@ class TorchQuantizedSum(TorchExactSum):
     def vote_levels(self, engine: TorchEngine) -> int:
         return engine.levels
 
+    def contribute(self, engine: TorchEngine, bucket: Bucket, buf: Stage,
+                   grads: Sequence[torch.Tensor | None], hypers: Sequence[Hyper]) -> None:
+        """Lion's ``c`` (the default), and the partial scales of its tiles while they are in
+        the cache: ``max|c|`` ("linf"), ``sum|c|`` ("l1"), the nonzero count and
+        ``sum log|c|`` ("l0"), float64 0-d tensors, kept for :meth:`fields`."""
+        assert isinstance(self.base, QuantizedSum)
+        method = self.base.method
+        n = bucket.size
+        parts: list[torch.Tensor] = []
+        owner: list[int] = []
+        d = engine._scratch64(min(n, engine.tile) if engine.tile > 0 else n)
+
+        def partial(j: int, ct: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> None:
+            owner.append(j)
+            if method == "linf":
+                parts.append(torch.maximum(lo.neg(), hi).double())
+                return
+            dt = d[:ct.numel()]
+            dt.copy_(ct).abs_()
+            if method == "l0":
+                parts.append(torch.count_nonzero(dt).double())
+                dt.masked_fill_(dt == 0, 1.0).log_()
+            parts.append(dt.sum())
+
+        for j, s in enumerate(bucket.slots):
+            engine._direction(s, buf.c[s.offset:s.stop], buf.t[s.offset:s.stop],
+                              grads[s.index], hypers[s.index],
+                              each=functools.partial(partial, j))
+        self._parts, self._owner = parts, owner
+
     def fields(self, engine: TorchEngine, bucket: Bucket, buf: Stage, lo: torch.Tensor,
                hi: torch.Tensor) -> None:
         assert isinstance(self.base, QuantizedSum)
@@ -378,25 +409,9 @@ class TorchQuantizedSum(TorchExactSum):
         n = bucket.size
         c = buf.c[:n]
         levels = engine.levels
-        # per-tile partial scales (one synchronization per bucket), combined per slot below
-        parts: list[torch.Tensor] = [lo.double(), hi.double()]
-        owner: list[int] = []
-        d = engine._scratch64(min(n, engine.tile) if engine.tile > 0 else n)
-        for j, s in enumerate(bucket.slots):
-            cs = c[s.offset:s.stop]
-            for a, b in engine._tiles(s.size):
-                ct = cs[a:b]
-                owner.append(j)
-                if method == "linf":
-                    mn, mx = torch.aminmax(ct)
-                    parts.append(torch.maximum(mn.neg(), mx).double())
-                    continue
-                dt = d[:b - a]
-                dt.copy_(ct).abs_()
-                if method == "l0":
-                    parts.append(torch.count_nonzero(dt).double())
-                    dt.masked_fill_(dt == 0, 1.0).log_()
-                parts.append(dt.sum())
+        # the partial scales of the tiles (contribute), combined per slot below
+        parts = [lo.double(), hi.double(), *self._parts]
+        owner = self._owner
         values = torch.stack(parts).tolist()  # one synchronization per bucket
         if not (math.isfinite(values[0]) and math.isfinite(values[1])):
             engine._sync()
