@@ -27,9 +27,9 @@ def test_dense_collectives_mpi(comm: Communicator) -> None:
     assert bitcoll.detect_backend() == "mpi"
     assert dense_sweep(comm) > 100
     assert float_sweep(comm) > 10
-    comm.segment_bytes = 40
-    dense_sweep(comm, lengths=(9, 1000), dtypes=("float32", "int16"))
-    float_sweep(comm, seed=1, lengths=(9, 1000))
+    comm.segment_bytes = 40  # many tiny segments (3 or more per block) through the pipelines
+    dense_sweep(comm, lengths=(9, 305), dtypes=("float32", "int16"))
+    float_sweep(comm, seed=1, lengths=(9, 305))
     comm.segment_bytes = bitcoll.DEFAULT_SEGMENT_BYTES
     inplace_and_async(comm)
 
@@ -55,8 +55,8 @@ def test_native_mpi_algorithms(comm: Communicator) -> None:
 @pytest.mark.timeout(600)
 def test_packed_collectives_mpi(comm: Communicator) -> None:
     packed_sweep(comm)
-    comm.packed_segment_bytes = 8
-    packed_sweep(comm, lengths=(65, 4099))
+    comm.packed_segment_bytes = 8  # 64-element segments: multi-segment pipeline on every block
+    packed_sweep(comm, lengths=(65, 1031))
     comm.packed_segment_bytes = bitcoll.DEFAULT_PACKED_SEGMENT_BYTES
     packed_bandwidth(comm)
 

@@ -23,9 +23,9 @@ def _dense(comm: Communicator) -> int:
     assert comm.backend == "tcp"
     n = dense_sweep(comm)
     n += float_sweep(comm)
-    comm.segment_bytes = 40  # many tiny segments through the same pipelines
-    n += dense_sweep(comm, lengths=(9, 1000), dtypes=("float32", "int16"))
-    n += float_sweep(comm, seed=1, lengths=(9, 1000))
+    comm.segment_bytes = 40  # many tiny segments (3 or more per block) through the pipelines
+    n += dense_sweep(comm, lengths=(9, 305), dtypes=("float32", "int16"))
+    n += float_sweep(comm, seed=1, lengths=(9, 305))
     n += inplace_and_async(comm)
     return n
 
@@ -40,7 +40,7 @@ def test_dense_collectives_tcp(size: int) -> None:
 def _packed(comm: Communicator) -> dict[str, Any]:
     packed_sweep(comm)
     comm.packed_segment_bytes = 8  # 64-element segments: multi-segment pipeline on every block
-    packed_sweep(comm, lengths=(65, 4099))
+    packed_sweep(comm, lengths=(65, 1031))
     comm.packed_segment_bytes = bitcoll.DEFAULT_PACKED_SEGMENT_BYTES
     return packed_bandwidth(comm)
 

@@ -127,7 +127,7 @@ def test_packed_forms_multi_segment_threads(size: int) -> None:
     # 8-byte segments: the direct pipeline runs many segments per block, and segment and
     # block boundaries fall inside bytes of the packed streams.
     def body(c: Communicator) -> tuple[int, list[int]]:
-        return packed_io_sweep(c, lengths=(65, 4099), levels_list=(3, 7))
+        return packed_io_sweep(c, lengths=(65, 1031), levels_list=(3, 7))
 
     results = run_threads(size, body, timeout=120, packed_segment_bytes=8)
     assert all(digests == results[0][1] for _, digests in results)
@@ -146,7 +146,7 @@ def test_packed_forms_byte_bounds_threads(size: int) -> None:
 def _tcp_world(comm: Communicator) -> tuple[list[int], dict[str, Any]]:
     _, digests = packed_io_sweep(comm)
     comm.packed_segment_bytes = 8
-    packed_io_sweep(comm, lengths=(65, 4099), levels_list=(7,))
+    packed_io_sweep(comm, lengths=(65, 1031), levels_list=(7,))
     comm.packed_segment_bytes = bitcoll.DEFAULT_PACKED_SEGMENT_BYTES
     unpacked, packed = packed_bandwidth(comm), packed_bandwidth(comm, packed=True)
     assert packed == unpacked
