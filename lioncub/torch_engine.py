@@ -376,12 +376,13 @@ class TorchEngine(DistributedLion):
         self._host_to_device += self.device_strategy.fetch(self, bucket, buf)
         self.device_strategy.apply(self, bucket, buf, hypers, sums)
 
-    def _apply(self, s: Slot, u: torch.Tensor, h: Hyper) -> None:
+    def _apply(self, s: Slot, u: torch.Tensor, h: Hyper, start: int = 0) -> None:
         """``p = p*decay - lr*u`` for ``u`` in {-1, 0, 1} (any real dtype; ``lr*u`` is
-        exact; ``p*1`` is ``p``, so a decay of 1 skips the product), tile by tile."""
-        p = self._tflat[s.index]
+        exact; ``p*1`` is ``p``, so a decay of 1 skips the product), tile by tile; ``u``
+        holds elements ``[start, start + u.numel())`` of the parameter."""
+        p = self._tflat[s.index][start:start + u.numel()]
         decay, lr = float(h.decay), float(h.lr)
-        for a, b in self._tiles(s.size):
+        for a, b in self._tiles(u.numel()):
             pt = p[a:b]
             if decay != 1.0:
                 pt.mul_(decay)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["nbytes", "padded", "compress", "expand", "pack", "unpack", "pack_wide",
+__all__ = ["nbytes", "padded", "ranges", "compress", "expand", "pack", "unpack", "pack_wide",
            "unpack_wide"]
 
 _EVEN8 = 0x00FF00FF00FF00FF
@@ -114,7 +114,7 @@ def expand(words: torch.Tensor, width: int, tmp: torch.Tensor) -> None:
     words.bitwise_or_(tmp)
 
 
-def _ranges(count: int, tile: int) -> list[tuple[int, int]]:
+def ranges(count: int, tile: int) -> list[tuple[int, int]]:
     """``[a, b)`` ranges of at most ``padded(tile)`` fields covering ``[0, count)``, every
     ``a`` a multiple of 8 (so a range starts on a byte of the stream); ``tile <= 0``: one."""
     step = padded(tile) if tile > 0 else max(count, 1)
@@ -129,7 +129,7 @@ def pack(fields: torch.Tensor, count: int, width: int, out: torch.Tensor,
     int64 scratch of ``padded(min(count, tile)) // 8`` elements. ``tile > 0``: packed
     ``padded(tile)`` fields at a time (the same stream; the passes stay in the cache)."""
     if 0 < tile < count:
-        for a, b in _ranges(count, tile):
+        for a, b in ranges(count, tile):
             pack(fields[a:a + padded(b - a)], b - a, width, out[a * width // 8:nbytes(b, width)],
                  tmp)
         return
@@ -158,7 +158,7 @@ def unpack(stream: torch.Tensor, count: int, width: int, fields: torch.Tensor,
     scratch of ``padded(min(count, tile)) // 8`` elements. ``tile > 0``: unpacked
     ``padded(tile)`` fields at a time."""
     if 0 < tile < count:
-        for a, b in _ranges(count, tile):
+        for a, b in ranges(count, tile):
             unpack(stream[a * width // 8:nbytes(b, width)], b - a, width,
                    fields[a:a + padded(b - a)], tmp, tile=0)
         return

@@ -49,7 +49,7 @@ from bitcoll.errors import UsageError
 from bitcoll.layout import field_width
 
 from . import torch_layout as tl
-from .buckets import Bucket
+from .buckets import Bucket, Slot
 from .comm import WorkLike
 from .lion import Hyper
 from .quantize import multiplier
@@ -98,13 +98,24 @@ class StageSizes(NamedTuple):
     t2: int
 
 
-def _int_sum(x: torch.Tensor, bound: int) -> torch.Tensor:
-    """``x.sum()`` of integers in ``[0, bound]`` as an int64 0-d tensor, summed in int32
-    chunks that cannot overflow (torch's int64 accumulation of int8 is several times
-    slower)."""
+def _pieces(bucket: Bucket, start: int, stop: int) -> list[tuple[Slot, int, int]]:
+    """The slots' parts within elements ``[start, stop)`` of ``bucket``: ``(slot, lo, hi)``
+    in bucket coordinates, in order."""
+    return [(s, max(start, s.offset), min(stop, s.stop)) for s in bucket.slots
+            if s.offset < stop and s.stop > start]
+
+
+def _abs_sums(mag: torch.Tensor, bucket: Bucket, start: int, bound: int,
+              parts: list[torch.Tensor], owner: list[int]) -> None:
+    """Append to ``parts`` the int32 sums of ``mag`` (integers in ``[0, bound]``, elements
+    ``[start, start + mag.numel())`` of ``bucket``) per slot part, in chunks that cannot
+    overflow int32 (torch's int64 accumulation of int8 is several times slower), and the
+    slots' parameter indices to ``owner``."""
     chunk = (2**31 - 1) // max(1, bound)
-    parts = [x[i:i + chunk].sum(dtype=torch.int32) for i in range(0, x.numel(), chunk)]
-    return torch.stack(parts).sum(dtype=torch.int64)
+    for s, lo, hi in _pieces(bucket, start, start + mag.numel()):
+        for x in range(lo, hi, chunk):
+            parts.append(mag[x - start:min(hi, x + chunk) - start].sum(dtype=torch.int32))
+            owner.append(s.index)
 
 
 class TorchStrategy(ABC):
@@ -260,13 +271,12 @@ class TorchMajorityVote(_Packed):
 
     def apply(self, engine: TorchEngine, bucket: Bucket, buf: Stage,
               hypers: Sequence[Hyper], sums: dict[int, int]) -> None:
-        n = bucket.size
-        bits = buf.fields[:tl.padded(n)]
-        tl.unpack(buf.dev_out[:tl.nbytes(n, 1)], n, 1, bits, buf.words[:tl.padded(n) // 8],
-                  tile=engine.tile)
-        sgn = bits[:n].mul_(2).sub_(1).view(torch.int8)  # 1 -> +1, 0 -> -1
-        for s in bucket.slots:
-            engine._apply(s, sgn[s.offset:s.stop], hypers[s.index])
+        for a, b in tl.ranges(bucket.size, engine.tile):  # unpacked and applied per tile
+            bits = buf.fields[a:a + tl.padded(b - a)]
+            tl.unpack(buf.dev_out[a // 8:tl.nbytes(b, 1)], b - a, 1, bits, buf.words)
+            sgn = bits[:b - a].mul_(2).sub_(1).view(torch.int8)  # 1 -> +1, 0 -> -1
+            for s, lo, hi in _pieces(bucket, a, b):
+                engine._apply(s, sgn[lo - a:hi - a], hypers[s.index], lo - s.offset)
 
 
 class TorchExactSum(_Packed):
@@ -294,40 +304,36 @@ class TorchExactSum(_Packed):
               hypers: Sequence[Hyper], sums: dict[int, int]) -> None:
         n = bucket.size
         w_out = self.widths(engine)[1]
-        nb = tl.nbytes(n, w_out)
         bias = self.vote_levels(engine) * engine.world_size
-        if w_out <= 8:
-            f = buf.fields[:tl.padded(n)]
-            tl.unpack(buf.dev_out[:nb], n, w_out, f, buf.words[:tl.padded(n) // 8],
-                      tile=engine.tile)
-            total = f[:n].sub_(bias).view(torch.int8)  # the sums (|sum| <= 127)
+        parts: list[torch.Tensor] = []
+        owner: list[int] = []
+        if w_out > 8:
+            total = tl.unpack_wide(buf.dev_out[:tl.nbytes(n, w_out)], n, w_out).sub_(bias)
+            self.apply_sums(engine, bucket, buf, 0, total, hypers)
+            _abs_sums(total.abs_(), bucket, 0, bias, parts, owner)
         else:
-            total = tl.unpack_wide(buf.dev_out[:nb], n, w_out).sub_(bias)
-        self.apply_sums(engine, bucket, buf, total, hypers)
-        mag = total.abs_()
-        if engine.tile > 0 and mag.dtype == torch.int8:  # int32 sums of tiles (no overflow)
-            parts, owner = [], []
-            for s in bucket.slots:
-                for a, b in engine._tiles(s.size):
-                    parts.append(mag[s.offset + a:s.offset + b].sum(dtype=torch.int32))
-                    owner.append(s.index)
-            for i in owner:
-                sums[i] = 0
-            for i, v in zip(owner, torch.stack(parts).tolist(), strict=True):
-                sums[i] += int(v)
-            return
-        totals = [_int_sum(mag[s.offset:s.stop], bias) for s in bucket.slots]
-        for s, v in zip(bucket.slots, torch.stack(totals).tolist(), strict=True):
-            sums[s.index] = int(v)
-
-    def apply_sums(self, engine: TorchEngine, bucket: Bucket, buf: Stage,
-                   total: torch.Tensor, hypers: Sequence[Hyper]) -> None:
-        """``p = p * decay - lr * sign(total)`` for every slot (``total``: the bucket's
-        sums, int8 or wider; it may be overwritten afterwards)."""
-        sgn = torch.sign(total) if total.dtype != torch.int8 \
-            else torch.sign(total, out=buf.aux[:bucket.size])
+            for a, b in tl.ranges(n, engine.tile):  # unpacked, applied and summed per tile
+                f = buf.fields[a:a + tl.padded(b - a)]
+                tl.unpack(buf.dev_out[a * w_out // 8:tl.nbytes(b, w_out)], b - a, w_out, f,
+                          buf.words)
+                total = f[:b - a].sub_(bias).view(torch.int8)  # the sums (|sum| <= 127)
+                self.apply_sums(engine, bucket, buf, a, total, hypers)
+                _abs_sums(total.abs_(), bucket, a, bias, parts, owner)
         for s in bucket.slots:
-            engine._apply(s, sgn[s.offset:s.stop], hypers[s.index])
+            sums[s.index] = 0
+        for i, v in zip(owner, torch.stack(parts).tolist(), strict=True):
+            sums[i] += int(v)
+
+    def apply_sums(self, engine: TorchEngine, bucket: Bucket, buf: Stage, start: int,
+                   total: torch.Tensor, hypers: Sequence[Hyper]) -> None:
+        """``p = p * decay - lr * sign(total)`` for the bucket's elements ``[start, start +
+        total.numel())`` (``total``: their sums, int8 or wider; it may be overwritten
+        afterwards)."""
+        n = total.numel()
+        sgn = torch.sign(total) if total.dtype != torch.int8 \
+            else torch.sign(total, out=buf.aux[start:start + n])
+        for s, lo, hi in _pieces(bucket, start, start + n):
+            engine._apply(s, sgn[lo - start:hi - start], hypers[s.index], lo - s.offset)
 
 
 class TorchSignSum(TorchExactSum):
@@ -339,8 +345,8 @@ class TorchSignSum(TorchExactSum):
         n = bucket.size
         c = buf.c[:n]
         fields = buf.fields
-        torch.gt(c, 0, out=fields[:n].view(torch.bool))  # (c > 0) + (c >= 0)
-        ge = buf.aux[:n].view(torch.bool)
+        torch.gt(c, 0, out=fields[:n].view(torch.int8))  # (c > 0) + (c >= 0)
+        ge = buf.aux[:n]
         torch.ge(c, 0, out=ge)
         fields[:n].add_(ge.view(torch.uint8))
 
@@ -348,20 +354,20 @@ class TorchSignSum(TorchExactSum):
 class TorchSignMean(TorchSignSum):
     """:class:`lioncub.strategies.SignMean`: the sums applied as ``lr * sum / p``."""
 
-    def apply_sums(self, engine: TorchEngine, bucket: Bucket, buf: Stage,
+    def apply_sums(self, engine: TorchEngine, bucket: Bucket, buf: Stage, start: int,
                    total: torch.Tensor, hypers: Sequence[Hyper]) -> None:
         # u = sum / p takes 2p + 1 values: lr * u from a table computed as the numpy kernel
         # computes it (torch's division by a scalar multiplies by its reciprocal)
         world = engine.world_size
         quotients = np.arange(-world, world + 1, dtype=np.float32) / np.float32(world)
         index = total.to(torch.int64).add_(world)
-        for s in bucket.slots:
+        for s, lo, hi in _pieces(bucket, start, start + total.numel()):
             h = hypers[s.index]
-            p = engine._tflat[s.index]
+            p = engine._tflat[s.index][lo - s.offset:hi - s.offset]
             table = torch.from_numpy(h.lr * quotients).to(p.device)
             if float(h.decay) != 1.0:
                 p.mul_(float(h.decay))
-            p.sub_(table[index[s.offset:s.stop]])
+            p.sub_(table[index[lo - start:hi - start]])
 
 
 class TorchQuantizedSum(TorchExactSum):
