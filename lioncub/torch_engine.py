@@ -287,13 +287,14 @@ class TorchEngine(DistributedLion):
 
     def _direction(self, s: Slot, c: torch.Tensor, t: torch.Tensor,
                    g: torch.Tensor | None, h: Hyper,
-                   each: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None
-                   = None) -> None:
+                   each: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None]
+                   | None = None) -> None:
         """``c = m*b1 + g*a1`` and ``m = m*b2 + g*a2`` (float32 arithmetic, one rounding
         per operation, the numpy kernels' expression), tile by tile (``t``: scratch of at
         least one tile). While a bucket is being prepared, every tile's minimum and maximum
-        are recorded (the engine's finiteness check) and ``each(tile, lo, hi)`` is called
-        with the tile of ``c`` just written and its extrema (0-d tensors), in order."""
+        are recorded (the engine's finiteness check) and ``each(start, tile, lo, hi)`` is
+        called with the tile of ``c`` just written (elements ``[start, start + tile.numel())``
+        of the slot) and its extrema (0-d tensors), in order."""
         m = self._tmom[s.index]
         b1, a1, b2, a2 = float(h.b1), float(h.a1), float(h.b2), float(h.a2)
         low = m.dtype != torch.float32
@@ -318,10 +319,10 @@ class TorchEngine(DistributedLion):
                 self._extrema.append((lo, hi))
                 self._covered += b - a
                 if each is not None:
-                    each(ct, lo, hi)
+                    each(a, ct, lo, hi)
             elif each is not None:
                 lo, hi = torch.aminmax(ct)
-                each(ct, lo, hi)
+                each(a, ct, lo, hi)
 
     def _sync(self) -> None:
         """Wait for the work queued on the device (CUDA: its current stream)."""

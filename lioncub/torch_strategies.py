@@ -256,10 +256,25 @@ class TorchMajorityVote(_Packed):
     def widths(self, engine: TorchEngine) -> tuple[int, int]:
         return 1, 1
 
+    def contribute(self, engine: TorchEngine, bucket: Bucket, buf: Stage,
+                   grads: Sequence[torch.Tensor | None], hypers: Sequence[Hyper]) -> None:
+        """Lion's ``c`` (the default), and the votes of its tiles while they are in the
+        cache (:meth:`fields` has nothing left to do)."""
+        for s in bucket.slots:
+            engine._direction(s, buf.c[s.offset:s.stop], buf.t[s.offset:s.stop],
+                              grads[s.index], hypers[s.index],
+                              each=functools.partial(self.votes, buf, s.offset))
+
+    def votes(self, buf: Stage, offset: int, start: int, c: torch.Tensor, lo: torch.Tensor,
+              hi: torch.Tensor) -> None:
+        """The votes ``c >= 0`` of a tile ``c`` of elements ``[offset + start, offset + start
+        + c.numel())`` of the bucket into ``buf.fields``."""
+        a = offset + start
+        torch.ge(c, 0, out=buf.fields[a:a + c.numel()].view(torch.int8))  # int8: vectorized
+
     def fields(self, engine: TorchEngine, bucket: Bucket, buf: Stage, lo: torch.Tensor,
                hi: torch.Tensor) -> None:
-        n = bucket.size
-        torch.ge(buf.c[:n], 0, out=buf.fields[:n].view(torch.int8))  # int8 out: vectorized
+        pass  # written by contribute
 
     def start(self, engine: TorchEngine, bucket: Bucket, buf: Stage) -> WorkLike:
         votes, result = self.host_views(engine, bucket, buf)
@@ -340,15 +355,21 @@ class TorchSignSum(TorchExactSum):
     """:class:`lioncub.strategies.SignSum`: ternary signs + 1 as 2-bit fields (the values,
     the algorithm and the bytes on the wire are those of ``sign_allreduce(op="sum")``)."""
 
-    def fields(self, engine: TorchEngine, bucket: Bucket, buf: Stage, lo: torch.Tensor,
-               hi: torch.Tensor) -> None:
-        n = bucket.size
-        c = buf.c[:n]
-        fields = buf.fields
-        torch.gt(c, 0, out=fields[:n].view(torch.int8))  # (c > 0) + (c >= 0)
+    contribute = TorchMajorityVote.contribute
+
+    def votes(self, buf: Stage, offset: int, start: int, c: torch.Tensor, lo: torch.Tensor,
+              hi: torch.Tensor) -> None:
+        """The votes ``(c > 0) + (c >= 0)`` of a tile (:meth:`TorchMajorityVote.votes`)."""
+        a, n = offset + start, c.numel()
+        f = buf.fields[a:a + n]
+        torch.gt(c, 0, out=f.view(torch.int8))
         ge = buf.aux[:n]
         torch.ge(c, 0, out=ge)
-        fields[:n].add_(ge.view(torch.uint8))
+        f.add_(ge.view(torch.uint8))
+
+    def fields(self, engine: TorchEngine, bucket: Bucket, buf: Stage, lo: torch.Tensor,
+               hi: torch.Tensor) -> None:
+        pass  # written by contribute
 
 
 class TorchSignMean(TorchSignSum):
@@ -390,7 +411,8 @@ class TorchQuantizedSum(TorchExactSum):
         owner: list[int] = []
         d = engine._scratch64(min(n, engine.tile) if engine.tile > 0 else n)
 
-        def partial(j: int, ct: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> None:
+        def partial(j: int, start: int, ct: torch.Tensor, lo: torch.Tensor,
+                    hi: torch.Tensor) -> None:
             owner.append(j)
             if method == "linf":
                 parts.append(torch.maximum(lo.neg(), hi).double())
