@@ -5,6 +5,7 @@ the loss-curve figures of plot_curves.py (PNG and SVG)."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import re
@@ -348,19 +349,36 @@ def test_sign_two_tcp_ranks() -> None:
     assert 4096 // 8 <= maj < 4096 // 8 + 1024
 
 
-def test_bad_arguments_exit_2() -> None:
-    for cmd, size in ((tool("osu_allreduce.py", "-m", "1K,6"), 6),
-                      (tool("osu_allreduce.py", "-m", "0"), 0),
-                      (tool("osu_collectives.py", "--collective", "broadcast", "-m", "1K,1027"),
-                       1027)):
-        err = run_proc(cmd, expect=2).stderr
+def exit_status(name: str, argv: list[str], capsys: pytest.CaptureFixture[str]
+                ) -> tuple[int, str]:
+    """The exit status of ``python bench/<name>.py argv`` (whose last line is
+    ``sys.exit(main())``), found by calling its ``main`` in this process; and its stderr."""
+    module = importlib.import_module(name)
+    try:
+        code: object = module.main(argv)
+    except SystemExit as exc:
+        code = exc.code
+    status = 0 if code is None else code if isinstance(code, int) else 1
+    return status, capsys.readouterr().err
+
+
+def test_bad_arguments_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    for name, argv, size in (("osu_allreduce", ["-m", "1K,6"], 6),
+                             ("osu_allreduce", ["-m", "0"], 0),
+                             ("osu_collectives", ["--collective", "broadcast", "-m", "1K,1027"],
+                              1027)):
+        status, err = exit_status(name, argv, capsys)
+        assert status == 2, err
         assert f"size {size} bytes is not a whole number of float32 elements (4 bytes each)" \
             in err
-    assert "must be >= 1" in run_proc(tool("osu_sign_allreduce.py", "-m", "0"), expect=2).stderr
-    run(tool("osu_allreduce.py", "-m", "8K:1K"), expect=2)
-    run(tool("osu_allreduce.py", "--impl", "mpi4py", "--algorithm", "ring"), expect=2)
-    run(tool("osu_collectives.py", "--collective", "gather"), expect=2)
-    run(tool("osu_sign_allreduce.py", "--op", "mean"), expect=2)
+    status, err = exit_status("osu_sign_allreduce", ["-m", "0"], capsys)
+    assert status == 2 and "must be >= 1" in err, err
+    for name, argv in (("osu_allreduce", ["-m", "8K:1K"]),
+                       ("osu_allreduce", ["--impl", "mpi4py", "--algorithm", "ring"]),
+                       ("osu_collectives", ["--collective", "gather"]),
+                       ("osu_sign_allreduce", ["--op", "mean"])):
+        status, err = exit_status(name, argv, capsys)
+        assert status == 2, (name, argv, err)
 
 
 @pytest.mark.timeout(60)
