@@ -1,6 +1,8 @@
 """``torch.optim`` front ends: :class:`Lion` and :class:`DistributedLion`.
 
-This is the only lioncub module that imports torch. Both classes are
+torch is imported only by the ``lioncub.torch*`` modules (this one,
+:mod:`lioncub.torch_engine`, :mod:`lioncub.torch_strategies` and
+:mod:`lioncub.torch_layout`); ``import lioncub`` does not need it. Both classes are
 :class:`torch.optim.Optimizer` subclasses: param groups (per-group ``lr``, ``betas``,
 ``weight_decay``), ``zero_grad``, ``state_dict`` / ``load_state_dict`` and LR schedulers work
 as usual.
