@@ -22,6 +22,8 @@ All functions take and return tensors on one device and never synchronize it.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 __all__ = ["nbytes", "padded", "ranges", "compress", "expand", "pack", "unpack", "pack_wide",
@@ -142,8 +144,10 @@ def pack(fields: torch.Tensor, count: int, width: int, out: torch.Tensor,
         out.copy_(words)
         return
     compress(words, width, tmp[:groups])
-    streams = words.view(torch.uint8).view(groups, 8)[:, :width]
     n = nbytes(count, width)
+    done, written = _join(words, width, out[:n], tmp)
+    words, out, groups, n = words[done:], out[written:n], groups - done, n - written
+    streams = words.view(torch.uint8).view(groups, 8)[:, :width]
     whole = min(groups, n // width)  # groups whose bytes all belong to the stream
     out[:whole * width].view(whole, width).copy_(streams[:whole])
     if whole < groups:
@@ -171,15 +175,77 @@ def unpack(stream: torch.Tensor, count: int, width: int, fields: torch.Tensor,
         words.mul_(_SPREAD).bitwise_and_(_SELECT).add_(_ROUND)
         words.bitwise_right_shift_(7).bitwise_and_(_SPREAD)
         return
-    lanes = fields.view(groups, 8)
     n = nbytes(count, width)
-    whole = min(groups, n // width)
-    fields.zero_()
-    lanes[:whole, :width].copy_(stream[:whole * width].view(whole, width))
-    if whole < groups:
-        rest = stream[whole * width:n]
+    done, read = _split(stream[:n], width, words, tmp)
+    lanes = fields[8 * done:].view(groups - done, 8)
+    whole = min(groups - done, (n - read) // width)
+    lanes.zero_()
+    lanes[:whole, :width].copy_(stream[read:read + whole * width].view(whole, width))
+    if done + whole < groups:
+        rest = stream[read + whole * width:n]
         lanes[whole].reshape(-1)[:rest.numel()].copy_(rest)
     expand(words, width, tmp[:groups])
+
+
+def _groups(width: int, words: int, nbytes_: int, stream: torch.Tensor) -> tuple[int, int]:
+    """``(q, g)``: ``q`` compressed words (``8 width`` bits each) make ``q width / 8`` whole
+    int64 words of the stream; ``g`` such groups lie within ``words`` words and
+    ``nbytes_`` bytes (0 when the stream's address is not a multiple of 8)."""
+    q = 8 // math.gcd(width, 8)
+    if stream.data_ptr() % 8:
+        return q, 0
+    return q, min(words // q, nbytes_ // (q * width))
+
+
+def _join(words: torch.Tensor, width: int, out: torch.Tensor,
+          tmp: torch.Tensor) -> tuple[int, int]:
+    """Write the stream of as many whole groups of compressed ``words`` (:func:`compress`,
+    ``2 <= width <= 7``) as fit ``out`` with int64 column operations (each word's
+    ``8 width`` bits shifted into place) instead of a byte-strided copy; return the words
+    consumed and the bytes written."""
+    w8 = 8 * width
+    q, g = _groups(width, words.numel(), out.numel(), out)
+    if g == 0:
+        return 0, 0
+    r = q * width // 8
+    src = words[:g * q].view(g, q)
+    dst = out[:g * r * 8].view(torch.int64).view(g, r)
+    t = tmp[:g]
+    for j in range(q):
+        k, sh = divmod(j * w8, 64)
+        if sh == 0:  # the first bits of word k
+            dst[:, k].copy_(src[:, j])
+        else:
+            torch.bitwise_left_shift(src[:, j], sh, out=t)
+            dst[:, k].bitwise_or_(t)
+        if sh + w8 > 64:  # the rest starts word k + 1 (values < 2**56: the shift is logical)
+            torch.bitwise_right_shift(src[:, j], 64 - sh, out=dst[:, k + 1])
+    return g * q, g * r * 8
+
+
+def _split(stream: torch.Tensor, width: int, words: torch.Tensor,
+           tmp: torch.Tensor) -> tuple[int, int]:
+    """The inverse of :func:`_join`: the compressed words of as many whole groups as
+    ``stream`` and ``words`` hold (zeros above bit ``8 width``); return the words written
+    and the bytes read."""
+    w8 = 8 * width
+    q, g = _groups(width, words.numel(), stream.numel(), stream)
+    if g == 0:
+        return 0, 0
+    r = q * width // 8
+    src = stream[:g * r * 8].view(torch.int64).view(g, r)
+    dst = words[:g * q].view(g, q)
+    t = tmp[:g]
+    for j in range(q):
+        k, sh = divmod(j * w8, 64)
+        col = dst[:, j]
+        torch.bitwise_right_shift(src[:, k], sh, out=col)  # arithmetic: masked below
+        if sh + w8 > 64:
+            col.bitwise_and_((1 << (64 - sh)) - 1)
+            torch.bitwise_left_shift(src[:, k + 1], 64 - sh, out=t)
+            col.bitwise_or_(t)
+        col.bitwise_and_((1 << w8) - 1)
+    return g * q, g * r * 8
 
 
 def pack_wide(values: torch.Tensor, width: int, out: torch.Tensor) -> None:
