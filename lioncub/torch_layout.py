@@ -13,9 +13,13 @@ platform torch supports). :func:`compress` moves the 8 lanes of every word toget
 ``8 w`` contiguous bits in three shift-and-mask rounds (lane pairs, quads, halves); the
 first ``w`` bytes of every word are then the stream (for ``w <= 4`` a round is one shift,
 one or and one mask, as no field can reach its neighbour's place; for ``w = 1`` one
-multiplication gathers the 8 bits). :func:`expand` is the inverse. Fields
-of 9 to 16 bits go through a bit-per-byte expansion instead (:func:`pack_wide`,
-:func:`unpack_wide`): slower, and used only when ``levels * world size > 127``.
+multiplication gathers the 8 bits). Groups of ``8 / gcd(w, 8)`` such words are then joined
+into whole ``int64`` words of the stream by shifts on columns of words (the ragged end, and a
+stream whose address is not a multiple of 8, by byte copies). :func:`expand` and the
+splitting are the inverse. :func:`pack` and :func:`unpack` can work in tiles of fields, so
+that their passes stay in the cache. Fields of 9 to 16 bits go through a bit-per-byte
+expansion instead (:func:`pack_wide`, :func:`unpack_wide`): slower, and used only when
+``levels * world size > 127``.
 
 All functions take and return tensors on one device and never synchronize it.
 """
