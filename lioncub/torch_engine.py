@@ -153,6 +153,7 @@ class TorchEngine(DistributedLion):
         self._f64: torch.Tensor | None = None
         self.tile = 0
         self._extrema: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._extrema_of: list[int] = []
         self._covered = 0
         super().__init__(params, comm, *args, **kwargs)
 
@@ -288,20 +289,21 @@ class TorchEngine(DistributedLion):
     def _direction(self, s: Slot, c: torch.Tensor, t: torch.Tensor,
                    g: torch.Tensor | None, h: Hyper,
                    each: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None]
-                   | None = None) -> None:
+                   | None = None, keep: bool = True) -> None:
         """``c = m*b1 + g*a1`` and ``m = m*b2 + g*a2`` (float32 arithmetic, one rounding
         per operation, the numpy kernels' expression), tile by tile (``t``: scratch of at
         least one tile). While a bucket is being prepared, every tile's minimum and maximum
         are recorded (the engine's finiteness check) and ``each(start, tile, lo, hi)`` is
         called with the tile of ``c`` just written (elements ``[start, start + tile.numel())``
-        of the slot) and its extrema (0-d tensors), in order."""
+        of the slot) and its extrema (0-d tensors), in order. ``keep=False``: ``c`` is not
+        kept (every tile is computed into the first tile of ``c``, for ``each`` only)."""
         m = self._tmom[s.index]
         b1, a1, b2, a2 = float(h.b1), float(h.a1), float(h.b2), float(h.a2)
         low = m.dtype != torch.float32
         if g is not None and g.dtype != torch.float32:
             g = g.float()  # products in float32, not rounded to the gradient's dtype first
         for a, b in self._tiles(s.size):
-            mt, ct, tt = m[a:b], c[a:b], t[:b - a]
+            mt, ct, tt = m[a:b], c[a:b] if keep else c[:b - a], t[:b - a]
             mf = mt.float() if low else mt
             torch.mul(mf, b1, out=ct)
             if g is None:
@@ -317,6 +319,7 @@ class TorchEngine(DistributedLion):
             if self._extrema is not None:
                 lo, hi = torch.aminmax(ct)
                 self._extrema.append((lo, hi))
+                self._extrema_of.append(s.index)
                 self._covered += b - a
                 if each is not None:
                     each(a, ct, lo, hi)
@@ -343,21 +346,29 @@ class TorchEngine(DistributedLion):
         parameter whose ``c`` is not finite."""
         strategy = self.device_strategy
         c = buf.c[:bucket.size]
-        self._extrema, self._covered = [], 0
+        self._extrema, self._extrema_of, self._covered = [], [], 0
+        tiles: torch.Tensor | None = None  # the tiles' extrema when they cover the bucket
         try:
             strategy.contribute(self, bucket, buf, grads, hypers)
-            if self._covered == bucket.size and self._extrema:  # c's extrema from its tiles
-                lo = torch.stack([e[0] for e in self._extrema]).min()
-                hi = torch.stack([e[1] for e in self._extrema]).max()
+            if self._covered == bucket.size and self._extrema:
+                tiles = torch.stack([torch.stack([e[0] for e in self._extrema]),
+                                     torch.stack([e[1] for e in self._extrema])])
+                lo, hi = tiles[0].min(), tiles[1].max()
             else:
                 lo, hi = torch.aminmax(c)
+            owners = self._extrema_of
         finally:
             self._extrema = None
         nb = strategy.encode(self, bucket, buf, lo, hi)
         self._sync()
         self._device_to_host += nb
         if not (math.isfinite(float(lo)) and math.isfinite(float(hi))):
-            raise self._first_bad(bucket, c)
+            if tiles is None:
+                raise self._first_bad(bucket, c)
+            for index, a, b in zip(owners, *tiles.tolist(), strict=True):
+                if not (math.isfinite(a) and math.isfinite(b)):
+                    raise self._non_finite(index)
+            raise self._non_finite(bucket.slots[0].index)
 
     def _start(self, bucket: Bucket, buf: Stage) -> Any:  # type: ignore[override]
         """Start the bucket's collective on the host buffers (the device strategy's, async);

@@ -258,12 +258,12 @@ class TorchMajorityVote(_Packed):
 
     def contribute(self, engine: TorchEngine, bucket: Bucket, buf: Stage,
                    grads: Sequence[torch.Tensor | None], hypers: Sequence[Hyper]) -> None:
-        """Lion's ``c`` (the default), and the votes of its tiles while they are in the
-        cache (:meth:`fields` has nothing left to do)."""
+        """Lion's ``c`` (the default), its tiles turned into votes while they are in the
+        cache and not kept (:meth:`fields` has nothing left to do)."""
         for s in bucket.slots:
             engine._direction(s, buf.c[s.offset:s.stop], buf.t[s.offset:s.stop],
                               grads[s.index], hypers[s.index],
-                              each=functools.partial(self.votes, buf, s.offset))
+                              each=functools.partial(self.votes, buf, s.offset), keep=False)
 
     def votes(self, buf: Stage, offset: int, start: int, c: torch.Tensor, lo: torch.Tensor,
               hi: torch.Tensor) -> None:

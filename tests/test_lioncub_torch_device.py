@@ -286,6 +286,28 @@ def test_bad_inputs() -> None:
             opt.step()
 
 
+@pytest.mark.parametrize("variant", ["lioncub-mavo", "lioncub-sign", "lioncub-l1",
+                                     "lioncub-linf"])
+@pytest.mark.parametrize("tile", [0, 8])
+def test_non_finite_names_the_parameter(variant: str, tile: int) -> None:
+    """A non-finite gradient element in the third parameter (of one bucket with others) is
+    reported with that parameter's name, whole tensors or tiles of 8 elements."""
+    with bitcoll.init("local") as comm:
+        model = _model(0)
+        opt = lt.DistributedLion(model.named_parameters(), comm, variant=variant,
+                                 backend="torch")
+        engine = opt.core
+        assert isinstance(engine, TorchEngine)
+        if tile:
+            engine.tile = tile
+        _backward(model, 0, 0)
+        grad = model[2].weight.grad  # type: ignore[index]
+        assert grad is not None
+        grad.view(-1)[17] = float("inf")
+        with pytest.raises(UsageError, match=r"non-finite .* parameter 2 \(2.weight\)"):
+            opt.step()
+
+
 # ---------------------------------------------------------------------- the same on a GPU
 @CUDA
 @needs_cuda
