@@ -19,6 +19,12 @@ host and only packed results come back:
 4. One host-to-device copy of the packed result (``ceil(count / 8)`` or
    ``ceil(count w_out / 8)`` bytes), unpacked on the device, and the update applied.
 
+On a CPU the element-wise work of steps 1 and 4 goes tile by tile (:data:`CPU_TILE`
+elements, :attr:`TorchEngine.tile`): every tile passes through Lion's interpolation, the
+extrema, the variant's per-tile work (its votes or partial scales), the packing, and later
+the unpacking and the update while it is in the cache; a GPU takes whole tensors. The
+results do not depend on the tile size.
+
 What differs between variants in steps 1-4 (the contribution, its encoding, the collective,
 the decoding and the update) is the variant's torch strategy (:mod:`lioncub.torch_strategies`),
 the counterpart of its numpy strategy (:mod:`lioncub.strategies`); the engine does the rest
