@@ -22,8 +22,9 @@ host and only packed results come back:
 On a CPU the element-wise work of steps 1 and 4 goes tile by tile (:data:`CPU_TILE`
 elements, :attr:`TorchEngine.tile`): every tile passes through Lion's interpolation, the
 extrema, the variant's per-tile work (its votes or partial scales), the packing, and later
-the unpacking and the update while it is in the cache; a GPU takes whole tensors. The
-results do not depend on the tile size.
+the unpacking and the update while it is in the cache; a GPU takes whole tensors. The tile
+size changes nothing but the order of the float64 scale sums of "l1" and "l0" (summed per
+tile; see Arithmetic below).
 
 What differs between variants in steps 1-4 (the contribution, its encoding, the collective,
 the decoding and the update) is the variant's torch strategy (:mod:`lioncub.torch_strategies`),
@@ -41,13 +42,13 @@ Arithmetic: every element-wise operation is one float32 operation rounded as num
 it (``c = m*b1 + g*a1`` as two products and a sum, the update as ``p*decay - lr*u``), so
 for float32 parameters the trajectory is the numpy core's bit for bit, except for one
 difference in order: the per-tensor scale sums of "l1" (``sum|c|``) and "l0"
-(``sum log|c|``) are float64 reductions in torch's order rather than the numpy kernels'
-fixed lanes. They agree to about 1e-14 relative, and the scale enters the votes only through
-the float32 multiplier, which the two orders round to the same value except in the rare
-case where the float64 sums straddle a float32 rounding boundary (then single votes may
-differ by one level). bfloat16 / float16 parameters are updated in their dtype
-(``p*decay`` rounded, then ``- lr*u`` rounded); a bfloat16 momentum is advanced in float32
-and rounded once per step.
+(``sum log|c|``) are float64 reductions in torch's order (per tile, the tiles' sums then
+added in order) rather than the numpy kernels' fixed lanes. They agree to about 1e-14
+relative, and the scale enters the votes only through the float32 multiplier, which the
+two orders round to the same value except in the rare case where the float64 sums straddle
+a float32 rounding boundary (then single votes may differ by one level). bfloat16 / float16
+parameters are updated in their dtype (``p*decay`` rounded, then ``- lr*u`` rounded); a
+bfloat16 momentum is advanced in float32 and rounded once per step.
 
 Replicas stay identical on every rank: the collective's result is identical everywhere and
 the update is element-wise, so every rank applies the same bits (the scale each rank uses
@@ -140,8 +141,8 @@ class TorchEngine(DistributedLion):
     buffers. ``device_strategy`` is the variant's
     :class:`lioncub.torch_strategies.TorchStrategy`. ``tile``: elements per tile of the
     element-wise passes (:data:`CPU_TILE` on a CPU, 0 = whole tensors elsewhere; set before
-    the first step to change it; the results do not depend on it). Everything else is the
-    core's.
+    the first step to change it; only the order of the float64 scale sums depends on it).
+    Everything else is the core's.
     """
 
     def __init__(self, params: Any, comm: Any, *args: Any,
