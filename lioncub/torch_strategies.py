@@ -25,7 +25,9 @@ The variants' flags (``local_momentum``, ``yields_sums``, ...) stay the numpy st
 (:attr:`TorchStrategy.base`). Arithmetic matches the numpy strategies bit for bit (see
 :mod:`lioncub.torch_engine`). Besides ``engine.comm``, ``engine.levels`` and
 ``engine.world_size``, a counterpart uses the engine's device helpers: ``_direction`` (Lion's
-``c`` and momentum step of one slot), ``_apply`` (``p = p * decay - lr * u`` of one slot),
+``c`` and momentum step of one slot, tile by tile, with ``each=`` called on every tile while
+it is in the cache), ``_apply`` (``p = p * decay - lr * u`` of one slot or part of one),
+``_tiles`` and ``tile`` (the tiles of the element-wise passes),
 ``_tie_for`` (the tie rule of a bucket), ``_tflat`` (flat parameter views), ``_scratch64``,
 ``_sync`` and ``_first_bad``.
 
