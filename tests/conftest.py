@@ -53,24 +53,17 @@ def _warm_kernels(request: pytest.FixtureRequest) -> None:
     before tests start ranks that would otherwise all compile them at the same time.
 
     The single-process run warms every kernel the packed sweeps use at every world size
-    1..5 (the field widths depend on the size): a checkout without a cache compiles them here
-    once (about a minute) instead of in every rank of every multi-process world; with a cache
-    this takes about 3 s. Under mpiexec every rank is such a process already (and the
-    single-process step has filled the cache): a light warm-up only."""
-    from inproc import run_threads
-    from sweeps import packed_io_sweep, packed_sweep
+    1..5 (:func:`sweeps.warm_kernels`): a checkout without a cache compiles them here once
+    (about a minute) instead of in every rank of every multi-process world; with a cache this
+    takes about 3 s. (The fork server that starts those ranks then loads them once more,
+    before it forks any: see ``rank_preload``.) Under mpiexec every rank is such a process
+    already (and the single-process step has filled the cache): a light warm-up only."""
+    from sweeps import packed_sweep, warm_kernels
 
     import bitcoll
-    from bitcoll.communicator import Communicator
 
     if request.config.getoption("--with-mpi", default=False):
         with bitcoll.init("local") as comm:
             packed_sweep(comm, lengths=(9,), algorithms=("direct", "ring"))
         return
-
-    def body(comm: Communicator) -> None:
-        packed_sweep(comm, lengths=(9,))
-        packed_io_sweep(comm, lengths=(9,))
-
-    for size in range(1, 6):
-        run_threads(size, body, timeout=600)
+    warm_kernels()

@@ -30,18 +30,34 @@ from bitcoll.transport.tcp import TCPTransport
 
 __all__ = ["RankResult", "forkserver", "free_port", "make_event", "run_world"]
 
-PRELOAD = ("numpy", "bitcoll", "bitcoll.transport.tcp", "lioncub", "tcp_world", "multiproc")
-"""What the fork server imports once, before it forks any rank."""
+PRELOAD = ("rank_preload",)
+"""What the fork server imports once, before it forks any rank (numpy, bitcoll, lioncub, these
+helpers and the sweeps' numba kernels: see ``rank_preload``)."""
 
 
 def forkserver(*modules: str) -> Any:
-    """The ``forkserver`` multiprocessing context, its server preloading :data:`PRELOAD` and
-    ``modules``. The preload list only takes effect when the server starts (the session's
-    first caller); a rank imports anything else it needs itself. A forked rank inherits the
-    server's environment and working directory, not the caller's: callers that depend on
-    either pass them along (see ``multiproc``)."""
+    """The ``forkserver`` multiprocessing context, its server running and preloading
+    :data:`PRELOAD` and ``modules``. The preload list only takes effect when the server starts
+    (the session's first caller); a rank imports anything else it needs itself. A forked rank
+    inherits the server's environment and working directory, not the caller's: callers that
+    depend on either pass them along (see ``multiproc``)."""
+    from multiprocessing import forkserver as server
+
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload([*PRELOAD, *modules])
+    # Python 3.11's fork server does not take over the caller's sys.path: it finds the test
+    # helpers it preloads through PYTHONPATH, set while it starts (its ranks get sys.path from
+    # the caller, as spawned ones do).
+    before = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [os.path.dirname(os.path.abspath(__file__)), *([before] if before else [])])
+    try:
+        server.ensure_running()
+    finally:
+        if before is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = before
     return ctx
 
 
