@@ -169,8 +169,11 @@ def test_mismatched_collective_raises_everywhere() -> None:
 
 def test_comm_errors_carry_rank_collective_and_sequence() -> None:
     """Every CommError leaving a collective says which rank, collective and call it was."""
+    left_barrier = threading.Barrier(3)
+
     def body(c: Communicator) -> tuple[object, ...]:
         c.barrier()
+        left_barrier.wait(10)  # nobody aborts call #1 while a rank is still in call #0
         try:
             c.allreduce(np.ones(10 + c.rank))  # call #1: lengths differ
         except CommError as exc:
