@@ -13,7 +13,7 @@ from multiproc import run_world
 from sweeps import dense_sweep, packed_sweep
 
 from bitcoll.communicator import Communicator
-from bitcoll.errors import CommError, ProtocolError, UsageError
+from bitcoll.errors import CommError, PeerLostError, ProtocolError, UsageError
 from bitcoll.transport.base import HEADER_SIZE, FrameHeader
 from bitcoll.transport.tcp import FRAME_TAG_BYTES, TCPTransport, _Rendezvous
 
@@ -136,7 +136,9 @@ def test_collectives_with_integrity_tcp() -> None:
 
 
 def test_integrity_must_match_across_ranks() -> None:
-    """Rank 0 with integrity, rank 1 without (two threads here): rank 1 refuses at set-up."""
+    """Rank 0 with integrity, rank 1 without (two threads here): rank 1 refuses at set-up and
+    says so in the store, so rank 0 fails at once with its reason (PeerLostError naming rank 1),
+    not at its deadline (a timeout would be a CommTimeoutError)."""
     from tcp_world import free_port
 
     port = free_port()
@@ -157,3 +159,5 @@ def test_integrity_must_match_across_ranks() -> None:
     for t in threads:
         t.join(30)
     assert isinstance(out[1], UsageError) and "integrity" in str(out[1]), out
+    assert isinstance(out[0], PeerLostError) and "refused" in str(out[0]), out
+    assert out[0].peer == 1 and "integrity" in str(out[0])

@@ -19,7 +19,14 @@ import time
 from collections.abc import Iterable
 from typing import Final, Protocol
 
-from ..errors import CommError, CommTimeoutError, PeerLostError, ProtocolError, UsageError
+from ..errors import (
+    BitcollError,
+    CommError,
+    CommTimeoutError,
+    PeerLostError,
+    ProtocolError,
+    UsageError,
+)
 from . import auth, handshake
 from .external_store import ExternalStore
 from .netio import NOSIGNAL, Backoff
@@ -41,6 +48,9 @@ KEY_JOB: Final = "job"
 KEY_JOIN: Final = "join/{}"
 KEY_ADDR: Final = "addr/{}"
 KEY_ABORT: Final = "abort/{}"
+REFUSED: Final = b"refused "
+"""What a rank that refuses at set-up (its world size or integrity setting differs from rank
+0's) publishes as its address, followed by its reason: the others fail at once."""
 KEY_SECRET_FILE: Final = "secretfile"
 KEY_STALL: Final = "stall/{}"
 KEY_INTEGRITY: Final = "integrity"
@@ -83,13 +93,22 @@ def build_mesh(rank: int, size: int, rdv: _Rendezvous, deadline: float, timeout:
         else:
             job_id = int(store.get(key(KEY_JOB), deadline))
             size0 = int(store.get(key(KEY_SIZE), deadline))
-            if size0 != size:
-                raise UsageError(f"rank {rank} was started with world size {size} but "
-                                 f"rank 0 with {size0}")
             integrity0 = store.get(key(KEY_INTEGRITY), deadline) == b"1"
-            if integrity0 != integrity:
-                raise UsageError(f"rank {rank} was started with integrity={integrity} but "
-                                 f"rank 0 with integrity={integrity0}")
+            refusal = None
+            if size0 != size:
+                refusal = (f"rank {rank} was started with world size {size} but rank 0 with "
+                           f"{size0}")
+            elif integrity0 != integrity:
+                refusal = (f"rank {rank} was started with integrity={integrity} but rank 0 "
+                           f"with integrity={integrity0}")
+            if refusal is not None:
+                # Tell the others (they wait for this rank's address) instead of leaving them
+                # to their deadline.
+                if 0 <= rank < size0:
+                    with contextlib.suppress(BitcollError, OSError):
+                        store.set(key(KEY_ADDR.format(rank)),
+                                  REFUSED + refusal.encode()[:400], deadline)
+                raise UsageError(refusal)
         if store.add(key(KEY_JOIN.format(rank)), 1, deadline) != 1:
             raise UsageError(f"two processes claim rank {rank} of the job at {where}")
         listener, host = _listen(store, listen_addr, size)
@@ -103,8 +122,15 @@ def build_mesh(rank: int, size: int, rdv: _Rendezvous, deadline: float, timeout:
             raise CommTimeoutError(
                 f"rank {rank}: {_ranks(missing)} never showed up at the rendezvous store "
                 f"{where} within {timeout:g} s") from None
-        addrs = {p: store.get(key(KEY_ADDR.format(p)), deadline).decode()
-                 for p in range(rank + 1, size)}
+        published = {p: store.get(key(KEY_ADDR.format(p)), deadline)
+                     for p in range(size) if p != rank}
+        refused = {p: v for p, v in published.items() if v.startswith(REFUSED)}
+        if refused:
+            first = min(refused)
+            reason = refused[first][len(REFUSED):].decode("utf-8", errors="replace")
+            raise PeerLostError(f"rank {rank}: {_ranks(set(refused))} refused to join the job "
+                                f"at {where}: {reason}", rank=rank, peer=first)
+        addrs = {p: published[p].decode() for p in range(rank + 1, size)}
         socks = _Mesh(rank, size, job_id, rdv.secret, mine, deadline, timeout).connect(
             listener, addrs)
     finally:
