@@ -403,13 +403,23 @@ def _start_rank1(port: int, size: int, job: int) -> tuple[StoreServer, StoreClie
 
     def run() -> None:
         try:
-            box["t"] = TCPTransport.create(1, size, "127.0.0.1", port, timeout=5.0)
+            box["t"] = TCPTransport.create(1, size, "127.0.0.1", port, timeout=20.0)
         except BaseException as exc:
             box["err"] = exc
 
     th = threading.Thread(target=run)
     th.start()
     return server, client, box, th
+
+
+def _published(client: StoreClient, box: dict[str, Any], th: threading.Thread) -> str:
+    """The address rank 1 (started by :func:`_start_rank1`) published; an assertion naming
+    its error when it never does."""
+    try:
+        return client.get(_k(KEY_ADDR.format(1)), time.monotonic() + 20).decode()
+    except CommTimeoutError:
+        th.join(1)
+        raise AssertionError(f"rank 1 never published its address: {box}") from None
 
 
 def _hello_as_rank0(published: str, job: int) -> socket.socket:
@@ -506,7 +516,7 @@ def test_threads_world_garbage_header_is_protocol_error(
     port, job = free_port(), 77
     server, client, box, th = _start_rank1(port, 2, job)
     try:
-        published = client.get(_k(KEY_ADDR.format(1)), time.monotonic() + 5).decode()
+        published = _published(client, box, th)
         peer = _hello_as_rank0(published, job)
         th.join(10)
         t = box["t"]
@@ -652,7 +662,7 @@ def _raw_pair(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[TCPTransport, s
     server, client, box, th = _start_rank1(port, 2, job)
     peer: socket.socket | None = None
     try:
-        published = client.get(_k(KEY_ADDR.format(1)), time.monotonic() + 5).decode()
+        published = _published(client, box, th)
         peer = _hello_as_rank0(published, job)
         th.join(10)
         t = box["t"]
