@@ -198,13 +198,14 @@ def _count(count: object) -> int:
 def signature(*fields: object) -> int:
     """32-bit digest of a collective's name and arguments, carried in every frame header."""
     try:
-        return _signature(fields)
+        # The types are part of the key: 1, 1.0 and True are equal keys with different reprs.
+        return _signature(fields, tuple(map(type, fields)))
     except TypeError:  # an unhashable field
         return zlib.crc32(repr(fields).encode())
 
 
 @functools.lru_cache(maxsize=1024)
-def _signature(fields: tuple[object, ...]) -> int:
+def _signature(fields: tuple[object, ...], types: tuple[type, ...]) -> int:
     return zlib.crc32(repr(fields).encode())
 
 
