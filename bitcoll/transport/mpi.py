@@ -220,7 +220,8 @@ that sleeps long (measured: 4 ranks on 2 cores, an 8-byte all-reduce took 4.8 ms
 pauses growing at once)."""
 
 OVERSUBSCRIBED_SPIN_SECONDS: Final = 10e-6
-"""Spin time (and no yielding) when more ranks than CPUs share the node."""
+"""Spin time when more ranks than CPUs share the node (then ``sched_yield`` between tests
+until SHORT_SLEEP_SECONDS)."""
 
 CLOSE_DRAIN_SECONDS: Final = 0.2
 """How long :meth:`MPITransport.close` waits for outstanding MPI requests to finish."""
@@ -1319,8 +1320,8 @@ class MPITransport(Transport):
         for a bad ``values``; errors as :meth:`native_allreduce`.
         """
         k = len(values)
-        if not 0 < k <= 16:
-            raise UsageError(f"native_extremes takes 1 to 16 values, got {k}")
+        if not 0 < k <= _EXTREMES_LANES:
+            raise UsageError(f"native_extremes takes 1 to {_EXTREMES_LANES} values, got {k}")
         check = np.empty(2 * _EXTREMES_LANES, dtype=np.int64)
         try:
             check[:k] = values
