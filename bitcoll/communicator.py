@@ -31,12 +31,13 @@ import time
 import weakref
 import zlib
 from collections.abc import Callable, Collection
-from typing import Any, Literal, NamedTuple, TypeVar, overload
+from typing import Any, Literal, NamedTuple, NoReturn, TypeVar, overload
 
 import numpy as np
 import numpy.typing as npt
 
 from .algorithms.allgather_ring import allgather_ring
+from .algorithms.allreduce_gathered import GatheredReduce
 from .algorithms.allreduce_recursive_doubling import allreduce_recursive_doubling
 from .algorithms.allreduce_ring import (
     allreduce_ring,
@@ -51,7 +52,7 @@ from .algorithms.hierarchical import allreduce_hierarchical
 from .arrays import BFLOAT16, HostArray, bf16_tensor, to_numpy, type_name
 from .config import DEFAULT_TIMEOUT, MAX_SUM_RANGE
 from .errors import BitcollError, CommError, PeerLostError, ProtocolError, UsageError
-from .ops import ReduceOp, check_dtype, parse_op
+from .ops import FLOAT_DTYPES, SUPPORTED_DTYPES, ReduceOp, check_dtype, parse_op
 from .partition import block, block_bounds
 from .topology import Topology, digest, host_key
 from .transport.base import NativeCollectives, TrafficStats, Transport
@@ -268,7 +269,7 @@ class Communicator:
         self._majority_calls = 0
         self._scratch: dict[int, npt.NDArray[np.uint8]] = {}
         self._call_lock = threading.Lock()  # held by the thread inside a collective call
-        self._call_owner = ""
+        self._call_owner: threading.Thread | None = None  # the thread inside a collective
         self._splits = 0  # split() calls so far: names the sub-groups' namespaces
         self._agreed_failure: CommError | None = None  # see _AGREED
         self._topology: Topology | None = topology
@@ -277,6 +278,10 @@ class Communicator:
         # MPI's own collectives (algorithm="native", the argument check), when there are any.
         self._nt: NativeCollectives | None = \
             transport if isinstance(transport, NativeCollectives) else None
+        # All-reduces over MPI's own collectives or inside the argument check's records: see
+        # _mpi_plan and _fast_allreduce.
+        self._mpi_plans_on = self._nt is not None and transport.size > 1
+        self._mpi_plans: dict[tuple[object, ...], _MPIPlan | None] = {}
 
     # ------------------------------------------------------------------ properties
     @property
@@ -475,25 +480,27 @@ class Communicator:
         self._packed_segment_bytes = _check_segment("packed_segment_bytes", value)
 
     def run(self, name: str, fields: tuple[object, ...], body: Callable[[OpContext], T],
-            async_op: bool, timeout: float | None, packed: bool = False) -> T | Work[T]:
+            async_op: bool, timeout: float | None, packed: bool = False, *,
+            checks_itself: bool = False) -> T | Work[T]:
         """Run one collective: assign its sequence number, then execute ``body`` now or on the
         worker thread. Any error aborts the communicator (every peer fails fast) unless the
         world has one rank. Public for the packed-bit collectives and extensions.
         ``packed``: the context's segment size is ``packed_segment_bytes`` instead of
-        ``segment_bytes``."""
+        ``segment_bytes``. ``checks_itself``: over MPI, ``body`` makes the argument check
+        itself (:meth:`_exchange`, with its data as the payload) instead of before it."""
         self._check_usable()
         limit = self.timeout if timeout is None else _check_timeout(timeout)
         if not self._call_lock.acquire(blocking=False):
             self._concurrent_call(name)
         try:
-            return self._run_locked(name, fields, body, async_op, limit, packed)
+            return self._run_locked(name, fields, body, async_op, limit, packed, checks_itself)
         finally:
             self._call_lock.release()
 
     def _concurrent_call(self, name: str) -> None:
         """A second thread called a collective while one is inside another: refuse it (and
         abort, so that no rank pairs frames of two different calls)."""
-        owner = self._call_owner
+        owner = self._call_owner.name if self._call_owner is not None else "?"
         msg = (f"{name} called from thread {threading.current_thread().name!r} while thread "
                f"{owner!r} is inside a collective on this communicator; collectives of one "
                "communicator must be called by one thread at a time, in the same order on "
@@ -504,13 +511,12 @@ class Communicator:
 
     def _run_locked(self, name: str, fields: tuple[object, ...],
                     body: Callable[[OpContext], T], async_op: bool, limit: float,
-                    packed: bool) -> T | Work[T]:
-        self._call_owner = threading.current_thread().name
-        with self._lock:
-            seq = self._seq
-            self._seq += 1
+                    packed: bool, checks_itself: bool = False) -> T | Work[T]:
+        self._call_owner = threading.current_thread()
+        seq = self._seq  # the call lock guards the sequence number
+        self._seq = seq + 1
         sig = signature(name, *fields)
-        checked = self._nt is not None and self.size > 1
+        checked = self._nt is not None and self.size > 1 and not checks_itself
 
         def execute() -> T:
             if async_op:  # queued: the communicator may have failed since run() checked
@@ -520,20 +526,10 @@ class Communicator:
                             self._scratch)
             try:
                 if checked:
-                    self._check_same_call(ctx, name, fields)
+                    self._exchange(ctx.seq, ctx.signature, None, ctx.deadline, name, fields)
                 return body(ctx)
             except BaseException as exc:
-                if isinstance(exc, CommError):
-                    exc.add_context(rank=self.rank, collective=name, sequence=seq)
-                if isinstance(exc, CommError) and exc in _AGREED:
-                    # Every rank found the same problem from the same data and raises it
-                    # itself: no abort notice (it could overtake a peer's last frame).
-                    self._agreed_failure = exc
-                    raise
-                if self.size > 1 and self._transport.failure is None:
-                    self._transport.abort(f"{type(exc).__name__} in {name} #{seq} on rank "
-                                          f"{self.rank}: {exc}")
-                raise
+                self._failed(exc, name, seq)
 
         if async_op:
             if self._executor is None:
@@ -544,22 +540,51 @@ class Communicator:
         self._drain()
         return execute()
 
-    def _check_same_call(self, ctx: OpContext, name: str, fields: tuple[object, ...]) -> None:
-        """Over MPI, before every collective: ProtocolError on every rank unless every rank
-        called the same collective, as the same number in its sequence, with the same
-        arguments (``fields``: dtype, count, op, algorithm, ...), found by one fixed-size MPI
-        all-reduce (``MPITransport.native_extremes``) that cannot itself mismatch. MPI's own
+    def _failed(self, exc: BaseException, name: str, seq: int) -> NoReturn:
+        """Re-raise ``exc``, which ended collective ``name`` #``seq``, after the bookkeeping
+        every failed collective gets: context filled in, and the communicator aborted (every
+        peer fails fast) unless every rank found the same problem (see ``_AGREED``)."""
+        if isinstance(exc, CommError):
+            exc.add_context(rank=self.rank, collective=name, sequence=seq)
+        if isinstance(exc, CommError) and exc in _AGREED:
+            # Every rank found the same problem from the same data and raises it itself: no
+            # abort notice (it could overtake a peer's last frame).
+            self._agreed_failure = exc
+            raise exc
+        if self.size > 1 and self._transport.failure is None:
+            self._transport.abort(f"{type(exc).__name__} in {name} #{seq} on rank "
+                                  f"{self.rank}: {exc}")
+        raise exc
+
+    def _exchange(self, seq: int, sig: int, payload: memoryview | None, deadline: float,
+                  name: str, fields: tuple[object, ...]) -> Array:
+        """Over MPI, before (or as) every collective: the argument check. One fixed-size MPI
+        all-gather of every rank's record (``MPITransport.exchange_records``: sequence number,
+        signature, ``payload``) that cannot itself mismatch; ProtocolError on every rank
+        unless every rank called the same collective, as the same number in its sequence,
+        with the same arguments (``fields``: dtype, count, op, algorithm, ...). MPI's own
         collectives carry no frame headers, and ranks whose arguments differ may choose
         different algorithms (lengths on both sides of an automatic threshold, a forced
         algorithm, another collective altogether): without the check they would wait for each
-        other until the deadline instead of failing at once."""
-        lanes = (ctx.seq, _digest_of(name), *(_digest_of(f) for f in fields[:14]))
-        hi, lo = self._native_t().native_extremes(lanes, ctx.deadline)
+        other until the deadline instead of failing at once. Returns the records' payloads
+        (row r: rank r's), valid until the next collective."""
+        agree, payloads = self._native_t().exchange_records(seq, sig, payload, deadline)
+        if not agree:
+            self._mismatch(seq, deadline, name, fields)
+        return payloads
+
+    def _mismatch(self, seq: int, deadline: float, name: str,
+                  fields: tuple[object, ...]) -> NoReturn:
+        """After records that disagree (every rank sees that): find out what differs with one
+        more fixed-size MPI collective (``native_extremes`` of the sequence number, the name
+        and each field) and raise the same ProtocolError on every rank, naming it."""
+        lanes = (seq, _digest_of(name), *(_digest_of(f) for f in fields[:14]))
+        hi, lo = self._native_t().native_extremes(lanes, deadline)
         if (hi == lo).all():
-            return
-        if hi[0] != lo[0] or hi[1] != lo[1]:
+            what = f"different arguments (this rank: {fields})"
+        elif hi[0] != lo[0] or hi[1] != lo[1]:
             what = f"different collectives or a different order of them (this rank: {name} " \
-                   f"#{ctx.seq})"
+                   f"#{seq})"
         else:
             names = _FIELD_NAMES.get(name, ())
             differ = [names[i] if i < len(names) else f"argument {i + 1}"
@@ -567,8 +592,8 @@ class Communicator:
             mine = ", ".join(f"{names[i] if i < len(names) else f'argument {i + 1}'} "
                              f"{fields[i]}" for i in range(len(fields)))
             what = f"different {' and '.join(differ)} (this rank: {mine})"
-        exc = ProtocolError(f"{name} #{ctx.seq}: the ranks called it with {what}",
-                            rank=self.rank, sequence=ctx.seq)
+        exc = ProtocolError(f"{name} #{seq}: the ranks called it with {what}",
+                            rank=self.rank, sequence=seq)
         _AGREED.add(exc)
         raise exc
 
@@ -610,8 +635,19 @@ class Communicator:
         nearest, ties to even) at each block's owner; the ring's reduce-scatter moves float32,
         its all-gather bfloat16.
 
+        Over MPI, an all-reduce of at most ``record_bytes - 16`` bytes (496 bytes up to 16
+        ranks, fewer above: :func:`bitcoll.transport.mpi.record_bytes`; not bfloat16) travels
+        inside the argument check every collective over MPI starts with, and each rank reduces
+        the gathered vectors itself in rank order (:mod:`bitcoll.algorithms.allreduce_gathered`):
+        one MPI collective in all, every rank the same bits, float16 included. This is the
+        default (``algorithm`` left at "auto"); forcing an algorithm turns it off.
+
         Example, 2 ranks: rank 0 ``x=[1, 2]``, rank 1 ``x=[3, 4]`` → both get ``[4, 6]``.
         """
+        if self._mpi_plans_on and not async_op and algorithm is None and type(x) is np.ndarray:
+            done = self._fast_allreduce(x, op, out, timeout)
+            if done is not None:
+                return done
         with self._validating("allreduce"):
             rop = parse_op(op)
             v = intake(x)
@@ -652,25 +688,146 @@ class Communicator:
             if algo == "native":
                 self._native_allreduce(ctx, vec, flat, rop)
                 return res
+            if algo == "inline":
+                plan = self._mpi_plan(vec.dtype, vec.size, rop)
+                assert plan is not None and plan.reduce is not None  # "auto" chose inline
+                self._exchange(ctx.seq, ctx.signature, vec.data.cast("B"), ctx.deadline,
+                               "allreduce", plan.fields)
+                plan.reduce(flat)
+                return res
             if not inplace:
                 np.copyto(flat, vec)
             allreduce_recursive_doubling(ctx, flat, rop)
             return res
 
         return self.run("allreduce", (rop.value, v.label, vec.size, algo), body,
-                        async_op, timeout)
+                        async_op, timeout, checks_itself=algo == "inline")
+
+    def _mpi_plan(self, dtype: np.dtype[Any], size: int, op: ReduceOp) -> _MPIPlan | None:
+        """Over MPI with several ranks, the default all-reduce of ``size`` elements of
+        ``dtype`` (a supported dtype, valid with ``op``; not bfloat16) when it is one of MPI's
+        own: "inline" while the vector fits the argument check's records, "native" up to
+        :data:`NATIVE_ALLREDUCE_MAX_BYTES` when MPI reduces the dtype. None otherwise (a
+        bitcoll algorithm, or not MPI). Cached per arguments."""
+        if not self._mpi_plans_on:
+            return None
+        key = (dtype, size, op)
+        plans = self._mpi_plans
+        if key in plans:
+            return plans[key]
+        nt = self._native_t()
+        nbytes = dtype.itemsize * size
+        mpi_op = "sum" if op is ReduceOp.AVG else op.value
+        plan = None
+        if nbytes <= nt.record_bytes - 16:
+            fields = (op.value, dtype.str, size, "inline")
+            rows = nt.record_payloads[:, :nbytes].view(dtype)
+            plan = _MPIPlan(fields, signature("allreduce", *fields), GatheredReduce(rows, op),
+                            mpi_op, None)
+        elif nbytes <= NATIVE_ALLREDUCE_MAX_BYTES and nt.reducible(dtype, mpi_op):
+            fields = (op.value, dtype.str, size, "native")
+            divisor = np.asarray(self.size, dtype=dtype) if op is ReduceOp.AVG else None
+            plan = _MPIPlan(fields, signature("allreduce", *fields), None, mpi_op, divisor)
+        if len(plans) >= _MPI_PLANS_MAX:
+            plans.clear()
+        plans[key] = plan
+        return plan
+
+    def _fast_allreduce(self, x: Array, op: object, out: object, timeout: float | None) -> Any:
+        """:meth:`allreduce`'s fast path over MPI: a synchronous call on a C-contiguous numpy
+        ``x`` whose default algorithm is one of MPI's own (:meth:`_mpi_plan`), with a numpy
+        ``out`` of the right kind or none. Same semantics as the general path without its
+        closures and contexts: the argument check (carrying ``x`` when inline), then the
+        local reduction or MPI's all-reduce. Returns the result, or None without side effects
+        when the call does not qualify (anything unusual: the general path then validates it
+        and reports any error)."""
+        key = (x.dtype, x.size, op)
+        try:
+            plan = self._mpi_plans.get(key, _UNPLANNED)
+        except TypeError:  # an unhashable op
+            return None
+        if plan is _UNPLANNED:
+            plan = self._fast_plan(key)
+        if plan is None or not x.flags.c_contiguous:
+            return None
+        if out is None:
+            res = np.empty_like(x)
+        elif type(out) is np.ndarray and out.dtype == x.dtype and out.size == x.size and \
+                (flags := out.flags).c_contiguous and flags.writeable and \
+                (out is x or (out.base is None and x.base is None) or
+                 not np.may_share_memory(out, x)):
+            res = out
+        else:
+            return None
+        if timeout is None:
+            limit = self.timeout
+        elif type(timeout) in (int, float) and 0 < timeout < math.inf:
+            limit = float(timeout)
+        else:
+            return None
+        if self._closed or self._agreed_failure is not None or \
+                not self._call_lock.acquire(blocking=False):
+            return None
+        try:
+            last = self._last
+            if last is not None:
+                if not last.done():
+                    return None  # the general path waits for it
+                self._last = None
+            self._call_owner = threading.current_thread()
+            seq = self._seq  # the call lock guards the sequence number
+            self._seq = seq + 1
+            nt = self._nt
+            assert nt is not None
+            try:
+                deadline = time.monotonic() + limit
+                flat = res if res.ndim == 1 else res.reshape(-1)
+                if plan.reduce is not None:
+                    data = x.data if x.ndim == 1 else x.reshape(-1).data
+                    agree, _ = nt.exchange_records(seq, plan.signature, data.cast("B"),
+                                                   deadline)
+                    if not agree:
+                        self._mismatch(seq, deadline, "allreduce", plan.fields)
+                    plan.reduce(flat)
+                else:
+                    self._exchange(seq, plan.signature, None, deadline, "allreduce",
+                                   plan.fields)
+                    nt.native_allreduce(x if x.ndim == 1 else x.reshape(-1), flat,
+                                        plan.mpi_op, deadline)
+                    if plan.divisor is not None:
+                        np.divide(flat, plan.divisor, out=flat)
+            except BaseException as exc:
+                self._failed(exc, "allreduce", seq)
+        finally:
+            self._call_lock.release()
+        return res
+
+    def _fast_plan(self, key: tuple[np.dtype[Any], int, object]) -> _MPIPlan | None:
+        """:meth:`_mpi_plan` for the fast path's key ``(dtype, count, op as passed)``, cached
+        under that key too: None unless the op is a ReduceOp or its name and the dtype is
+        supported and valid with it (the general path reports those errors)."""
+        dtype, size, op = key
+        rop = _FAST_OPS.get(op)
+        plan = None
+        if rop is not None and dtype in SUPPORTED_DTYPES and \
+                (rop is not ReduceOp.AVG or dtype in FLOAT_DTYPES):
+            plan = self._mpi_plan(dtype, size, rop)
+        if len(self._mpi_plans) >= _MPI_PLANS_MAX:
+            self._mpi_plans.clear()
+        self._mpi_plans[key] = plan
+        return plan
 
     def _auto_allreduce(self, vec: Array, bf16: bool, op: ReduceOp) -> str:
         """The default all-reduce algorithm for ``vec`` (identical on every rank that passes
-        the same arguments): over MPI, MPI's own up to :data:`NATIVE_ALLREDUCE_MAX_BYTES` when
+        the same arguments): over MPI, "inline" while the vector fits the argument check's
+        records (not bfloat16), then MPI's own up to :data:`NATIVE_ALLREDUCE_MAX_BYTES` when
         MPI reduces the dtype (not bfloat16, not float16), then recursive doubling up to
         :data:`SMALL_MESSAGE_BYTES`, then "hierarchical" when the ranks run on several hosts
         and some host runs several, else the ring."""
         nbytes = vec.nbytes
-        nt = self._nt
-        if nt is not None and not bf16 and nbytes <= NATIVE_ALLREDUCE_MAX_BYTES and \
-                nt.reducible(vec.dtype, "sum" if op is ReduceOp.AVG else op.value):
-            return "native"
+        plan = None if bf16 else self._mpi_plan(vec.dtype, vec.size, op)
+        if plan is not None:
+            return str(plan.fields[3])
         if nbytes <= SMALL_MESSAGE_BYTES:
             return "recursive_doubling"
         return "hierarchical" if self._two_level() else "ring"
@@ -872,14 +1029,21 @@ class Communicator:
                 algorithm: str | None = None) -> Any: ...
     def barrier(self, *, async_op: bool = False, timeout: float | None = None,
                 algorithm: str | None = None) -> Any:
-        """Return once every rank has entered the barrier (or a Work)."""
+        """Return once every rank has entered the barrier (or a Work).
+
+        ``algorithm``: "auto" ("native" over MPI, else "dissemination"), "dissemination"
+        (bitcoll frames, log2(size) rounds), "native" (MPI backend: the argument check every
+        collective over MPI starts with is itself an all-gather that no rank leaves before
+        every rank entered it, so the barrier is that one MPI collective)."""
         with self._validating("barrier"):
-            algo = self._algorithm("barrier", algorithm, "dissemination")
+            algo = self._algorithm("barrier", algorithm,
+                                   "native" if self._nt is not None else "dissemination")
 
         def body(ctx: OpContext) -> None:
             if algo == "native":
-                native = self._native_t().native_barrier
-                native(ctx.deadline)
+                if ctx.size == 1:
+                    self._native_t().native_barrier(ctx.deadline)
+                # else the argument check before this body was the barrier
             else:
                 barrier_dissemination(ctx)
 
@@ -1339,6 +1503,31 @@ class Communicator:
         return self._packed_io("packed_quantized_reduce_scatter", fields, "fields", count,
                                "sum", lv, "alternate", out, False, async_op, timeout,
                                algorithm)
+
+
+class _MPIPlan(NamedTuple):
+    """An all-reduce over MPI's own collectives (:meth:`Communicator._mpi_plan`)."""
+
+    fields: tuple[object, ...]
+    """The call's signature fields: op, element type, count, algorithm ("inline" or
+    "native")."""
+    signature: int
+    """``signature("allreduce", *fields)``."""
+    reduce: GatheredReduce | None
+    """Inline: reduces the gathered payloads into a 1-D output; None for "native"."""
+    mpi_op: str
+    """MPI's op: "sum" (also for avg), "max" or "min"."""
+    divisor: Array | None
+    """Native avg: the world size in the dtype (the sum is divided by it); else None."""
+
+
+_UNPLANNED: Any = object()  # a key not in the plan cache yet
+
+#: Most cached all-reduce plans per communicator (one per dtype, count and op in use).
+_MPI_PLANS_MAX = 256
+
+#: The ops the all-reduce fast path takes as given (anything else goes through parse_op).
+_FAST_OPS: dict[object, ReduceOp] = {**{o: o for o in ReduceOp}, **{o.value: o for o in ReduceOp}}
 
 
 #: What the fields of each dense collective's signature are, for mismatch messages.

@@ -1,6 +1,6 @@
 """Automatic algorithm choice by size (the packed all-gather baseline for small vectors, MPI's
-own all-reduce for small vectors over MPI, behind the argument check) and MPI's own all-reduce
-refusing float16 before anything is sent."""
+own all-reduce for small vectors over MPI, behind the argument check, and the smallest inside
+the check's records) and MPI's own all-reduce refusing float16 before anything is sent."""
 
 from __future__ import annotations
 
@@ -72,14 +72,16 @@ def _mpi_ranks_data(rank: int, n: int, dtype: str) -> np.ndarray:
 @pytest.mark.timeout(120)
 def test_mpi_default_allreduce_is_native_up_to_the_threshold() -> None:
     """Over MPI the default all-reduce is MPI's own up to NATIVE_ALLREDUCE_MAX_BYTES (no
-    bitcoll frames are sent: native traffic is not counted) and bitcoll's own above it and
-    for float16, which MPI cannot reduce; every rank gets the exact result (integers) and the
-    same bits (floats) either way."""
+    bitcoll frames are sent: native traffic is not counted; a vector that fits the argument
+    check's records travels inside it, float16 included) and bitcoll's own above it and for
+    float16 beyond the records, which MPI cannot reduce; every rank gets the exact result
+    (integers) and the same bits (floats) either way."""
     limit = NATIVE_ALLREDUCE_MAX_BYTES // 4
     with bitcoll.init("mpi", timeout=60) as comm:
         for n, dtype, native in [(0, "float32", True), (1, "int32", True),
                                  (9, "float64", True), (limit, "float32", True),
-                                 (limit + 1, "float32", False), (9, "float16", False)]:
+                                 (limit + 1, "float32", False), (9, "float16", True),
+                                 (1000, "float16", False)]:
             x = _mpi_ranks_data(comm.rank, n, dtype)
             comm.barrier()
             comm.stats.reset()
@@ -117,3 +119,113 @@ def test_mpi_allreduce_mismatch_fails_every_rank_at_once(differ: str) -> None:
         assert info.value.sequence is not None
         with pytest.raises(bitcoll.CommError):  # the communicator is unusable afterwards
             comm.allreduce(np.ones(2, np.float32))
+
+
+def _rank_order(rows: list[np.ndarray], op: str) -> np.ndarray:
+    """The inline all-reduce's result computed here: ``op`` over the rows in rank order, each
+    step rounded in the dtype (avg: that sum divided by the number of rows)."""
+    ufunc = {"sum": np.add, "avg": np.add, "max": np.maximum, "min": np.minimum}[op]
+    acc = rows[0].copy()
+    for row in rows[1:]:
+        acc = ufunc(acc, row)
+    if op == "avg":
+        acc = acc / np.asarray(len(rows), dtype=acc.dtype)
+    return acc
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+def test_mpi_inline_allreduce_is_the_rank_order_reduction() -> None:
+    """A vector that fits the argument check's records is reduced by every rank from the
+    gathered records, in rank order: bit for bit the local rank-order reduction of every
+    rank's seeded input, for every dtype, op and shape, lengths 0, 1, 7, 8, 9 and the last
+    one that fits; out of place, in place, into a given ``out``, as async work and with a
+    timeout (the general path) alike; nothing goes through bitcoll frames."""
+    with bitcoll.init("mpi", timeout=60) as comm:
+        room = comm._transport.record_bytes - 16  # type: ignore[attr-defined]
+        for dtype in ("float16", "float32", "float64", "int8", "uint16", "int32", "int64"):
+            fits = room // np.dtype(dtype).itemsize
+            for n in sorted({0, 1, 7, 8, 9, fits}):
+                for op in ("sum", "avg", "max", "min"):
+                    if op == "avg" and np.dtype(dtype).kind != "f":
+                        continue
+                    rows = [_mpi_ranks_data(r, n, dtype) for r in range(comm.size)]
+                    want = _rank_order(rows, op)
+                    x = rows[comm.rank].copy()
+                    comm.stats.reset()
+                    np.testing.assert_array_equal(comm.allreduce(x, op=op), want)
+                    shaped = x.reshape(1, n, 1)
+                    out = np.empty((n,), dtype)
+                    assert comm.allreduce(shaped, op=op, out=out) is out
+                    np.testing.assert_array_equal(out, want)
+                    work = comm.allreduce(x, op=op, async_op=True)
+                    np.testing.assert_array_equal(work.wait(), want)
+                    np.testing.assert_array_equal(comm.allreduce(x, op=op, timeout=30), want)
+                    assert comm.allreduce(x, op=op, out=x) is x  # in place
+                    np.testing.assert_array_equal(x, want)
+                    assert comm.stats.snapshot()["messages_sent"] == 0, (dtype, n, op)
+        # The first length past the records goes to MPI's own all-reduce: same sum, for
+        # integers exactly.
+        n = room // 4 + 1
+        rows = [_mpi_ranks_data(r, n, "int32") for r in range(comm.size)]
+        np.testing.assert_array_equal(comm.allreduce(rows[comm.rank]), sum(rows))
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+def test_mpi_inline_allreduce_straddling_the_records_fails_every_rank() -> None:
+    """The last rank's vector is one element too long for the records (MPI's all-reduce
+    after the check) while the others' fit (inside the check): the check still lines up,
+    and every rank raises ProtocolError naming the element count, long before the deadline."""
+    with bitcoll.init("mpi", timeout=300) as comm:
+        room = comm._transport.record_bytes - 16  # type: ignore[attr-defined]
+        n = room // 4 + (1 if comm.rank == comm.size - 1 else 0)
+        with pytest.raises(bitcoll.ProtocolError, match="element count") as info:
+            comm.allreduce(np.ones(n, np.float32))
+        assert info.value.collective == "allreduce"
+        with pytest.raises(bitcoll.CommError):
+            comm.allreduce(np.ones(1, np.float32))
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+def test_mpi_inline_allreduce_bad_arguments_fail_every_rank() -> None:
+    """Arguments the fast path does not take go to the general path, which reports them: a
+    wrong ``out`` on one rank is a UsageError there and a PeerLostError on the others; an
+    ``out`` overlapping ``x`` without being it is a UsageError."""
+    with bitcoll.init("mpi", timeout=60) as comm:
+        x = np.ones(4, np.float32)
+        if comm.rank == 0:
+            with pytest.raises(bitcoll.UsageError, match="expected float32"):
+                comm.allreduce(x, out=np.empty(4, np.float64))
+        else:
+            with pytest.raises(bitcoll.PeerLostError, match="expected float32"):
+                comm.allreduce(x)
+    # The abort may reach a peer while it is still creating the communicator: both inside.
+    with pytest.raises((bitcoll.UsageError, bitcoll.PeerLostError), match="overlaps"), \
+            bitcoll.init("mpi", timeout=60) as comm:
+        buf = np.ones(5, np.float32)
+        comm.allreduce(buf[:4], out=buf[1:])
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+def test_mpi_barrier_is_the_argument_check() -> None:
+    """Over MPI the default barrier is the argument check alone (no bitcoll frames), and it
+    still holds every rank until all have entered: with the last rank staying out, the others
+    time out, and the last rank then finds the communicator aborted."""
+    with bitcoll.init("mpi", timeout=60) as comm:
+        comm.stats.reset()
+        for _ in range(3):
+            comm.barrier()
+        assert comm.stats.snapshot()["messages_sent"] == 0
+        comm.barrier(algorithm="dissemination")
+        assert comm.stats.snapshot()["messages_sent"] > 0
+        if comm.rank != comm.size - 1:
+            with pytest.raises(bitcoll.CommError):
+                comm.barrier(timeout=1.0)
+        # Every rank learns of the abort (an MPI barrier: the transport's is aborted).
+        from mpi4py import MPI
+        MPI.COMM_WORLD.Barrier()
+        with pytest.raises(bitcoll.CommError):
+            comm.barrier()

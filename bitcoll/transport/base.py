@@ -187,8 +187,22 @@ class NativeCollectives(Protocol):
     ``time.monotonic()`` value (CommTimeoutError past it). A dtype the library cannot reduce
     is a UsageError before anything is sent (:meth:`reducible` says so without raising).
     These collectives carry no frame headers: callers check that every rank passes the same
-    arguments first, with :meth:`native_extremes`, whose message has a fixed size.
+    arguments first, with :meth:`exchange_records`, whose message has a fixed size (and
+    :meth:`native_extremes` to find out which argument differs).
     """
+
+    record_bytes: int
+    """Bytes of one rank's record in :meth:`exchange_records` (header included)."""
+
+    record_payloads: npt.NDArray[np.uint8]
+    """The ``(size, record_bytes - 16)`` payloads :meth:`exchange_records` returns: one
+    array, refilled by each exchange (views of it stay valid)."""
+
+    def exchange_records(self, seq: int, signature: int, payload: memoryview | None,
+                         deadline: float) -> tuple[bool, npt.NDArray[np.uint8]]:
+        """One all-gather of a fixed-size record per rank: ``(agree, payloads)``, ``agree``
+        when every rank passed the same ``seq`` and ``signature``, row r of ``payloads``
+        starting with rank r's ``payload`` (at most ``record_bytes - 16`` bytes)."""
 
     def reducible(self, dtype: np.dtype[Any], op: str) -> bool:
         """Whether :meth:`native_allreduce` reduces ``dtype`` with ``op``."""
