@@ -219,6 +219,18 @@ def _out(out: object, dtype: np.dtype[Any], size: int, name: str = "out") -> npt
     return out
 
 
+def _out_dtype(dtype: npt.DTypeLike, allowed: Sequence[np.dtype[Any]]) -> np.dtype[Any]:
+    """``dtype`` as a numpy dtype, checked to be one of ``allowed``."""
+    try:
+        dt = np.dtype(dtype)
+    except TypeError as exc:
+        raise UsageError(f"invalid dtype {dtype!r}") from exc
+    if dt not in allowed:
+        raise UsageError(f"dtype {dt} not supported; expected one of: "
+                         f"{', '.join(str(d) for d in allowed)}")
+    return dt
+
+
 def _bits_input(bits: object, nbytes: int, name: str) -> npt.NDArray[np.uint8]:
     b = _vector(bits, name, (np.dtype(np.uint8),))
     if b.size != nbytes:
@@ -307,13 +319,7 @@ def unpack_signs(bits: npt.NDArray[np.uint8], n: int, out: npt.NDArray[Any] | No
     """
     n = _length(n)
     b = _bits_input(bits, packed_nbytes(n), "bits")
-    try:
-        dt = np.dtype(dtype)
-    except TypeError as exc:
-        raise UsageError(f"invalid dtype {dtype!r}") from exc
-    if dt not in _SIGN_OUT_DTYPES:
-        allowed = ", ".join(str(d) for d in _SIGN_OUT_DTYPES)
-        raise UsageError(f"dtype {dt} not supported; expected one of: {allowed}")
+    dt = _out_dtype(dtype, _SIGN_OUT_DTYPES)
     pos, neg = _sign_values(dt, scale)
     res = _out(out, dt, n)
     ut = _UNSIGNED_OF_SIZE[dt.itemsize]
@@ -510,13 +516,7 @@ def unpack_fields(packed: npt.NDArray[np.uint8], n: int, width: int, bias: int,
     w = _width(width)
     b, lo, hi = _field_range(w, bias)
     a = _bits_input(packed, packed_nbytes(n, w), "packed")
-    try:
-        dt = np.dtype(dtype)
-    except TypeError as exc:
-        raise UsageError(f"invalid dtype {dtype!r}") from exc
-    if dt not in _FIELD_OUT_DTYPES:
-        allowed = ", ".join(str(d) for d in _FIELD_OUT_DTYPES)
-        raise UsageError(f"dtype {dt} not supported; expected one of: {allowed}")
+    dt = _out_dtype(dtype, _FIELD_OUT_DTYPES)
     if dt.kind in "iu":
         info = np.iinfo(dt)
         if lo < info.min or hi > info.max:
