@@ -451,6 +451,15 @@ class HybridTransport(Transport):
                 req.wait(deadline)
                 return bytes(buf)
 
+            def settle(p: int, ch: shm.ShmChannel | None, why: str, step: int,
+                       reply: bytes) -> None:
+                """Keep the pair's channel (or why it uses TCP) and send ``reply``."""
+                if ch is None:
+                    fallbacks[p] = why
+                else:
+                    channels[p] = ch
+                send(p, step, reply)
+
             for p in local:
                 if rank < p:
                     made = offers[p] = shm.offer(tcp.job_id, ring_bytes)
@@ -460,19 +469,11 @@ class HybridTransport(Transport):
                     probe = shm.Probe()  # read by side 0 before it confirms
                     keep.append(probe)
                     ch, answer, why = shm.accept(p, take(p, 0), probe)
-                    if ch is None:
-                        fallbacks[p] = why
-                    else:
-                        channels[p] = ch
-                    send(p, 1, answer)
+                    settle(p, ch, why, 1, answer)
             for p in local:
                 if rank < p:
                     ch, confirmation, why = shm.finish_offer(offers.pop(p), p, take(p, 1))
-                    if ch is None:
-                        fallbacks[p] = why
-                    else:
-                        channels[p] = ch
-                    send(p, 2, confirmation)
+                    settle(p, ch, why, 2, confirmation)
             for p in local:
                 if p < rank:
                     shm.confirm(channels.get(p), take(p, 2))
