@@ -817,14 +817,26 @@ class _ServerProcess:
             self.proc.wait(10)
 
 
+@contextlib.contextmanager
+def _served(*args: str) -> Iterator[tuple[_ServerProcess, list[socket.socket]]]:
+    """A server process (started with ``args``, checked to serve) and a list for the test's
+    sockets; at the end the sockets are closed and the process is killed."""
+    srv = _ServerProcess(*args)
+    held: list[socket.socket] = []
+    try:
+        _works(srv.port)
+        yield srv, held
+    finally:
+        for s in held:
+            s.close()
+        srv.kill()
+
+
 RSS_BOUND_KB = 64 * 1024  # the server's peak RSS may grow at most this much under the attacks
 
 
 def test_memory_stays_bounded_under_huge_prefixes_and_garbage() -> None:
-    srv = _ServerProcess()
-    held: list[socket.socket] = []
-    try:
-        _works(srv.port)
+    with _served() as (srv, held):
         base = srv.status("VmRSS")
         rng = random.Random(1234)
 
@@ -870,17 +882,10 @@ def test_memory_stays_bounded_under_huge_prefixes_and_garbage() -> None:
         assert peak - base < RSS_BOUND_KB, f"peak RSS grew by {peak - base} kB"
         srv.ping()
         assert srv.quit() < 2
-    finally:
-        for s in held:
-            s.close()
-        srv.kill()
 
 
 def test_threads_stay_one_under_300_connections() -> None:
-    srv = _ServerProcess()
-    held: list[socket.socket] = []
-    try:
-        _works(srv.port)
+    with _served() as (srv, held):
         threads = srv.status("Threads")
         for i in range(300):  # 240 clients and 60 strangers
             s = _raw_auth(srv.port) if i % 5 \
@@ -890,17 +895,10 @@ def test_threads_stay_one_under_300_connections() -> None:
         assert srv.status("Threads") == threads  # no thread per connection
         assert srv.python_threads() == ["MainThread", "bitcoll-store"]
         assert srv.quit() < 2  # while strangers and clients hold connections
-    finally:
-        for s in held:
-            s.close()
-        srv.kill()
 
 
 def test_the_accept_loop_survives_running_out_of_descriptors() -> None:
-    srv = _ServerProcess("--nofile", "40", "--auth-seconds", "30")
-    held: list[socket.socket] = []
-    try:
-        _works(srv.port)
+    with _served("--nofile", "40", "--auth-seconds", "30") as (srv, held):
         for _ in range(60):  # more than the server has descriptors for
             held.append(socket.create_connection(("127.0.0.1", srv.port), timeout=10))
         line = srv.line(20)
@@ -911,7 +909,3 @@ def test_the_accept_loop_survives_running_out_of_descriptors() -> None:
         _works(srv.port)  # served afterwards
         srv.ping()
         assert srv.quit() < 2
-    finally:
-        for s in held:
-            s.close()
-        srv.kill()

@@ -201,6 +201,20 @@ def test_header_mismatch_is_protocol_error_and_aborts_everyone() -> None:
         assert after == "PeerLostError"
 
 
+def _receive_the_cut_frame(t: TCPTransport, sender: int, step: int, nbytes: int,
+                           deadline: float) -> None:
+    """Rank 0 receives the ``nbytes`` frame of ``step`` from ``sender``, the one cut short;
+    the other survivors wait for a 4-byte frame from rank 0 that never comes."""
+    if t.rank == 0:
+        dst = np.zeros(nbytes, dtype=np.uint8)
+        t.irecv(sender, _view(dst), FrameHeader(seq=1, step=step, signature=SIG,
+                                                length=nbytes)).wait(deadline)
+    else:
+        buf = np.zeros(4, dtype=np.uint8)
+        t.irecv(0, _view(buf), FrameHeader(seq=1, step=0, signature=SIG, length=4)).wait(
+            deadline)
+
+
 def worker_kill(t: TCPTransport) -> tuple[str, str, float]:
     """Rank 2 dies with SIGKILL while its 64 MiB frame to rank 0 is half way.
 
@@ -227,13 +241,7 @@ def worker_kill(t: TCPTransport) -> tuple[str, str, float]:
                                                             length=8)).wait(deadline)
             wait_dead(int(pid[0]), deadline)
             t0 = time.monotonic()
-            dst = np.zeros(big, dtype=np.uint8)
-            t.irecv(2, _view(dst), FrameHeader(seq=1, step=1, signature=SIG, length=big)).wait(
-                deadline)
-        else:
-            buf = np.zeros(4, dtype=np.uint8)
-            t.irecv(0, _view(buf), FrameHeader(seq=1, step=0, signature=SIG, length=4)).wait(
-                deadline)
+        _receive_the_cut_frame(t, 2, 1, big, deadline)
     except CommError as exc:
         return type(exc).__name__, str(exc), time.monotonic() - t0
     return "none", "", time.monotonic() - t0
@@ -273,13 +281,7 @@ def worker_abort(t: TCPTransport, aborted: Any) -> tuple[str, str, float, str]:
         if t.rank == 0:
             assert aborted.wait(20)  # read the frame only once rank 1 has given up on it
             t0 = time.monotonic()
-            dst = np.zeros(big, dtype=np.uint8)
-            t.irecv(1, _view(dst), FrameHeader(seq=1, step=0, signature=SIG, length=big)).wait(
-                deadline)
-        else:
-            buf = np.zeros(4, dtype=np.uint8)
-            t.irecv(0, _view(buf), FrameHeader(seq=1, step=0, signature=SIG, length=4)).wait(
-                deadline)
+        _receive_the_cut_frame(t, 1, 0, big, deadline)
     except CommError as exc:
         return type(exc).__name__, str(exc), time.monotonic() - t0, type(t.failure).__name__
     return "none", "", time.monotonic() - t0, ""
