@@ -98,17 +98,25 @@ def test_packed_nbytes() -> None:
 # --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("width", [1, 2], ids=["signs", "ternary"])
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("dtype", FLOATS)
 @SETTINGS
 @given(n=lengths, seed=seeds)
-def test_pack_signs_matches_reference(mode: str, dtype: Any, n: int, seed: int) -> None:
+def test_pack_votes_matches_reference(width: int, mode: str, dtype: Any, n: int,
+                                      seed: int) -> None:
+    """pack_signs (width 1) and pack_ternary (width 2, read back as sign(x) by
+    unpack_fields) against their reference twins."""
+    pack, ref = (K.pack_signs, R.pack_signs) if width == 1 else (K.pack_ternary, R.pack_ternary)
     x = votes_input(np.random.default_rng(seed), n, dtype)
     with dispatch_mode(mode):
-        got = K.pack_signs(x)
-    assert got.dtype == np.uint8 and got.shape == (K.packed_nbytes(n),)
-    np.testing.assert_array_equal(got, R.pack_signs(x))
-    assert_padding_zero(got, n)
+        got = pack(x)
+        if width == 2:
+            signs = K.unpack_fields(got, n, 2, 1, dtype=np.int8)
+            np.testing.assert_array_equal(signs, np.sign(x).astype(np.int8))
+    assert got.dtype == np.uint8 and got.shape == (K.packed_nbytes(n, width),)
+    np.testing.assert_array_equal(got, ref(x))
+    assert_padding_zero(got, width * n)
 
 
 def test_pack_signs_zero_votes_positive() -> None:
@@ -140,21 +148,6 @@ def test_pack_signs_nan_reports_first_index(mode: str, dtype: Any, data: st.Data
         with dispatch_mode(mode), pytest.raises(UsageError, match=rf"NaN in vote input at "
                                                             rf"index {where[0]}$"):
             fn(x)
-
-
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("dtype", FLOATS)
-@SETTINGS
-@given(n=lengths, seed=seeds)
-def test_pack_ternary_matches_reference(mode: str, dtype: Any, n: int, seed: int) -> None:
-    x = votes_input(np.random.default_rng(seed), n, dtype)
-    with dispatch_mode(mode):
-        got = K.pack_ternary(x)
-        assert got.shape == (K.packed_nbytes(n, 2),)
-        np.testing.assert_array_equal(got, R.pack_ternary(x))
-        assert_padding_zero(got, 2 * n)
-        signs = K.unpack_fields(got, n, 2, 1, dtype=np.int8)
-    np.testing.assert_array_equal(signs, np.sign(x).astype(np.int8))
 
 
 # --------------------------------------------------------------------------------------------
