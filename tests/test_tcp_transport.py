@@ -390,10 +390,12 @@ def _k(suffix: str) -> str:
     return "bitcoll/" + suffix
 
 
-def _start_rank1(port: int, size: int, job: int) -> tuple[StoreServer, StoreClient,
-                                                          dict[str, Any], threading.Thread]:
-    """A store playing rank 0's part, and rank 1 creating its transport in a thread (the
-    caller sets BITCOLL_SECRET to :data:`SECRET`)."""
+@contextlib.contextmanager
+def _rank1(port: int, size: int, job: int) -> Iterator[tuple[StoreClient, dict[str, Any],
+                                                             threading.Thread]]:
+    """A store playing rank 0's part (its client), and rank 1 creating its transport in a
+    thread that leaves it (or its error) in the box under ``"t"`` (``"err"``); the caller sets
+    BITCOLL_SECRET to :data:`SECRET`. At the end the thread is joined and the store closed."""
     server = StoreServer("127.0.0.1", port, secret=SECRET.encode())
     client = StoreClient.connect("127.0.0.1", port, time.monotonic() + 5,
                                  secret=SECRET.encode())
@@ -411,11 +413,16 @@ def _start_rank1(port: int, size: int, job: int) -> tuple[StoreServer, StoreClie
 
     th = threading.Thread(target=run)
     th.start()
-    return server, client, box, th
+    try:
+        yield client, box, th
+    finally:
+        th.join(10)
+        client.close()
+        server.close()
 
 
 def _published(client: StoreClient, box: dict[str, Any], th: threading.Thread) -> str:
-    """The address rank 1 (started by :func:`_start_rank1`) published; an assertion naming
+    """The address rank 1 (started by :func:`_rank1`) published; an assertion naming
     its error when it never does."""
     try:
         return client.get(_k(KEY_ADDR.format(1)), time.monotonic() + 20).decode()
@@ -446,8 +453,7 @@ def test_handshake_rejects_stale_peers_and_frames_follow_the_wire_format(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("BITCOLL_SECRET", SECRET)
     port, job = free_port(), 0x1234_5678_9ABC
-    server, client, box, th = _start_rank1(port, 2, job)
-    try:
+    with _rank1(port, 2, job) as (client, box, th):
         published = client.get(_k(KEY_ADDR.format(1)), time.monotonic() + 5).decode()
         port_s, host = published.split()
         addr = (host, int(port_s))
@@ -491,23 +497,15 @@ def test_handshake_rejects_stale_peers_and_frames_follow_the_wire_format(
         t.close()
         with pytest.raises(UsageError):
             t.isend(0, memoryview(b""), FrameHeader(0, 0, 0, 0))
-    finally:
-        th.join(10)
-        client.close()
-        server.close()
 
 
 @pytest.mark.timeout(30)
 def test_world_size_disagreement_is_a_usage_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("BITCOLL_SECRET", SECRET)
-    server, client, box, th = _start_rank1(free_port(), 3, 1)
-    try:
+    with _rank1(free_port(), 3, 1) as (_, box, th):
         th.join(10)
         assert isinstance(box.get("err"), UsageError)
         assert "world size 3" in str(box["err"])
-    finally:
-        client.close()
-        server.close()
 
 
 @pytest.mark.timeout(30)
@@ -516,8 +514,7 @@ def test_threads_world_garbage_header_is_protocol_error(
     """A peer writing a frame with a bad magic number fails the receiver with ProtocolError."""
     monkeypatch.setenv("BITCOLL_SECRET", SECRET)
     port, job = free_port(), 77
-    server, client, box, th = _start_rank1(port, 2, job)
-    try:
+    with _rank1(port, 2, job) as (client, box, th):
         published = _published(client, box, th)
         peer = _hello_as_rank0(published, job)
         th.join(10)
@@ -535,10 +532,6 @@ def test_threads_world_garbage_header_is_protocol_error(
         assert h.kind == 2 and "magic" in reason
         peer.close()
         t.close()
-    finally:
-        th.join(10)
-        client.close()
-        server.close()
 
 
 def _until_inside(thread: threading.Thread, function: str, seconds: float = 10.0) -> None:
@@ -661,24 +654,21 @@ def _raw_pair(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[TCPTransport, s
     client (rank 0 leaves abort reasons there)."""
     monkeypatch.setenv("BITCOLL_SECRET", SECRET)
     port, job = free_port(), 4242
-    server, client, box, th = _start_rank1(port, 2, job)
     peer: socket.socket | None = None
-    try:
-        published = _published(client, box, th)
-        peer = _hello_as_rank0(published, job)
-        th.join(10)
-        t = box["t"]
-        assert isinstance(t, TCPTransport) and t.peer_state(0) is PeerState.OPEN
+    with _rank1(port, 2, job) as (client, box, th):
         try:
-            yield t, peer, client
+            published = _published(client, box, th)
+            peer = _hello_as_rank0(published, job)
+            th.join(10)
+            t = box["t"]
+            assert isinstance(t, TCPTransport) and t.peer_state(0) is PeerState.OPEN
+            try:
+                yield t, peer, client
+            finally:
+                t.close()
         finally:
-            t.close()
-    finally:
-        th.join(10)
-        if peer is not None:
-            peer.close()
-        client.close()
-        server.close()
+            if peer is not None:
+                peer.close()
 
 
 def _rx(t: TCPTransport) -> RxPhase:
