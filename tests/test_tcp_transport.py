@@ -391,11 +391,13 @@ def _k(suffix: str) -> str:
 
 
 @contextlib.contextmanager
-def _rank1(port: int, size: int, job: int) -> Iterator[tuple[StoreClient, dict[str, Any],
-                                                             threading.Thread]]:
+def _rank1(monkeypatch: pytest.MonkeyPatch, port: int, size: int,
+           job: int) -> Iterator[tuple[StoreClient, dict[str, Any], threading.Thread]]:
     """A store playing rank 0's part (its client), and rank 1 creating its transport in a
-    thread that leaves it (or its error) in the box under ``"t"`` (``"err"``); the caller sets
-    BITCOLL_SECRET to :data:`SECRET`. At the end the thread is joined and the store closed."""
+    thread that leaves it (or its error) in the box under ``"t"`` (``"err"``), with
+    BITCOLL_SECRET set to :data:`SECRET`. At the end the thread is joined and the store
+    closed."""
+    monkeypatch.setenv("BITCOLL_SECRET", SECRET)
     server = StoreServer("127.0.0.1", port, secret=SECRET.encode())
     client = StoreClient.connect("127.0.0.1", port, time.monotonic() + 5,
                                  secret=SECRET.encode())
@@ -451,10 +453,9 @@ def _hello_as_rank0(published: str, job: int) -> socket.socket:
 @pytest.mark.timeout(30)
 def test_handshake_rejects_stale_peers_and_frames_follow_the_wire_format(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("BITCOLL_SECRET", SECRET)
     port, job = free_port(), 0x1234_5678_9ABC
-    with _rank1(port, 2, job) as (client, box, th):
-        published = client.get(_k(KEY_ADDR.format(1)), time.monotonic() + 5).decode()
+    with _rank1(monkeypatch, port, 2, job) as (client, box, th):
+        published = _published(client, box, th)
         port_s, host = published.split()
         addr = (host, int(port_s))
         # A process of another job is dropped without an answer.
@@ -501,8 +502,7 @@ def test_handshake_rejects_stale_peers_and_frames_follow_the_wire_format(
 
 @pytest.mark.timeout(30)
 def test_world_size_disagreement_is_a_usage_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("BITCOLL_SECRET", SECRET)
-    with _rank1(free_port(), 3, 1) as (_, box, th):
+    with _rank1(monkeypatch, free_port(), 3, 1) as (_, box, th):
         th.join(10)
         assert isinstance(box.get("err"), UsageError)
         assert "world size 3" in str(box["err"])
@@ -512,9 +512,8 @@ def test_world_size_disagreement_is_a_usage_error(monkeypatch: pytest.MonkeyPatc
 def test_threads_world_garbage_header_is_protocol_error(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A peer writing a frame with a bad magic number fails the receiver with ProtocolError."""
-    monkeypatch.setenv("BITCOLL_SECRET", SECRET)
     port, job = free_port(), 77
-    with _rank1(port, 2, job) as (client, box, th):
+    with _rank1(monkeypatch, port, 2, job) as (client, box, th):
         published = _published(client, box, th)
         peer = _hello_as_rank0(published, job)
         th.join(10)
@@ -652,10 +651,9 @@ def _raw_pair(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[TCPTransport, s
                                                                   StoreClient]]:
     """Rank 1's transport, the raw socket of rank 0's side of their connection, and the store
     client (rank 0 leaves abort reasons there)."""
-    monkeypatch.setenv("BITCOLL_SECRET", SECRET)
     port, job = free_port(), 4242
     peer: socket.socket | None = None
-    with _rank1(port, 2, job) as (client, box, th):
+    with _rank1(monkeypatch, port, 2, job) as (client, box, th):
         try:
             published = _published(client, box, th)
             peer = _hello_as_rank0(published, job)
