@@ -10,15 +10,14 @@ significant bit first; signs are fields of width 1 (1 = +1). ``count`` fields ta
 Method (``w <= 8``): the fields are held one per byte (``uint8``) in a buffer padded to a
 multiple of 8 elements, read as ``int64`` words of 8 byte lanes (little-endian, as on every
 platform torch supports). :func:`compress` moves the 8 lanes of every word together into
-``8 w`` contiguous bits in three shift-and-mask rounds (lane pairs, quads, halves); the
-first ``w`` bytes of every word are then the stream (for ``w <= 4`` a round is one shift,
-one or and one mask, as no field can reach its neighbour's place; for ``w = 1`` one
-multiplication gathers the 8 bits). Groups of ``8 / gcd(w, 8)`` such words are then joined
-into whole ``int64`` words of the stream by shifts on columns of words (the ragged end, and a
-stream whose address is not a multiple of 8, by byte copies). :func:`expand` and the
-splitting are the inverse. :func:`pack` and :func:`unpack` can work in tiles of fields, so
-that their passes stay in the cache. Fields of 9 to 16 bits go through a bit-per-byte
-expansion instead (:func:`pack_wide`, :func:`unpack_wide`): slower, and used only when
+``8 w`` contiguous bits in three rounds of two operations (a shift, and a subtraction of the
+shifted value times a constant) on lanes of 16, 32 and 64 bits; for ``w = 1`` one
+multiplication gathers the 8 bits. The first ``w`` bytes of every word are then the
+stream's ``w`` bytes for its 8 fields, copied by one strided copy per lane of 4, 2 or 1
+bytes (the widest dividing ``w``). :func:`expand` and the copies back are the inverse.
+:func:`pack` and :func:`unpack` can work in tiles of fields, so that their passes stay in
+the cache. Fields of 9 to 16 bits go through a bit-per-byte expansion instead
+(:func:`pack_wide`, :func:`unpack_wide`): slower, and used only when
 ``levels * world size > 127``.
 
 All functions take and return tensors on one device and never synchronize it.
@@ -26,20 +25,15 @@ All functions take and return tensors on one device and never synchronize it.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 __all__ = ["nbytes", "padded", "ranges", "compress", "expand", "pack", "unpack", "pack_wide",
            "unpack_wide"]
 
-_EVEN8 = 0x00FF00FF00FF00FF
 _GATHER = 0x0102040810204080  # lane k's bit 0 times this lands on bit 56 + k
 _SPREAD = 0x0101010101010101  # a byte times this is that byte in every lane
 _SELECT = -0x7FBFDFEFF7FBFDFF  # 0x8040201008040201 as int64: bit k of lane k
 _ROUND = 0x7F7F7F7F7F7F7F7F
-_EVEN16 = 0x0000FFFF0000FFFF
-_LOW32 = 0xFFFFFFFF
 
 
 def nbytes(count: int, width: int) -> int:
@@ -52,72 +46,36 @@ def padded(count: int) -> int:
     return (count + 7) // 8 * 8
 
 
-def _masks(bits: int, spacing: int) -> int:
-    """The int64 with ones at bits ``[k spacing, k spacing + bits)`` for every ``k``."""
-    return sum(((1 << bits) - 1) << k for k in range(0, 64, spacing))
-
-
 def compress(words: torch.Tensor, width: int, tmp: torch.Tensor) -> None:
     """In place: every int64 word of ``words`` holds 8 byte lanes, lane ``j`` (bits
     ``[8 j, 8 j + 8)``) a field below ``2**width``; afterwards it holds field ``j`` at bits
     ``[j width, (j + 1) width)`` and zeros above bit ``8 width``. ``tmp``: int64 scratch of
-    ``words``' shape. ``1 <= width <= 8`` (8 leaves the words as they are)."""
+    ``words``' shape. ``1 <= width <= 8`` (8 leaves the words as they are).
+
+    Three rounds, each two operations on lanes of 16, 32 and 64 bits: a lane ``lo + 2**h hi``
+    (two halves of ``h`` bits, ``hi < 2**(h - 1)``) becomes ``lo + 2**k hi`` as
+    ``lane - (2**h - 2**k) * (lane >> h)``, exact in the lane's integer type."""
     if width == 8:
         return
-    if width <= 4:  # a field never reaches the next one's place: shift, or, mask
-        for step, keep in ((8, _masks(2 * width, 16)), (16, _masks(4 * width, 32)),
-                           (32, (1 << (8 * width)) - 1)):
-            torch.bitwise_right_shift(words, step - (step // 8) * width, out=tmp)
-            words.bitwise_or_(tmp).bitwise_and_(keep)
-        return
-    # pairs: odd lanes move down next to the even ones (bits [16 i, 16 i + 2 w))
-    torch.bitwise_right_shift(words, 8, out=tmp)
-    tmp.bitwise_and_(_EVEN8)
-    words.bitwise_and_(_EVEN8)
-    tmp.bitwise_left_shift_(width)
-    words.bitwise_or_(tmp)
-    # quads: bits [32 k, 32 k + 4 w)
-    torch.bitwise_right_shift(words, 16, out=tmp)
-    tmp.bitwise_and_(_EVEN16)
-    words.bitwise_and_(_EVEN16)
-    tmp.bitwise_left_shift_(2 * width)
-    words.bitwise_or_(tmp)
-    # halves: bits [0, 8 w)
-    torch.bitwise_right_shift(words, 32, out=tmp)
-    words.bitwise_and_(_LOW32)
-    tmp.bitwise_left_shift_(4 * width)
-    words.bitwise_or_(tmp)
+    for lanes, half, part in ((torch.int16, 8, width), (torch.int32, 16, 2 * width),
+                              (torch.int64, 32, 4 * width)):
+        x, t = words.view(lanes), tmp.view(lanes)
+        torch.bitwise_right_shift(x, half, out=t)
+        x.sub_(t, alpha=(1 << half) - (1 << part))
 
 
 def expand(words: torch.Tensor, width: int, tmp: torch.Tensor) -> None:
     """In place, the inverse of :func:`compress`: field ``j`` at bits ``[j width, (j + 1)
-    width)`` (bits from ``8 width`` up ignored) moves to byte lane ``j``."""
+    width)`` moves to byte lane ``j``; the bits from ``8 width`` up must be 0. The rounds of
+    :func:`compress` in reverse: ``lo + 2**k hi`` becomes ``lane + (2**h - 2**k) *
+    (lane >> k)``."""
     if width == 8:
         return
-    if width <= 4:  # the inverse rounds of compress: shift up, or, mask
-        for step, keep in ((32, _masks(4 * width, 32)), (16, _masks(2 * width, 16)),
-                           (8, _masks(width, 8))):
-            torch.bitwise_left_shift(words, step - (step // 8) * width, out=tmp)
-            words.bitwise_or_(tmp).bitwise_and_(keep)
-        return
-    half = (1 << (4 * width)) - 1
-    torch.bitwise_right_shift(words, 4 * width, out=tmp)
-    tmp.bitwise_and_(half)
-    words.bitwise_and_(half)
-    tmp.bitwise_left_shift_(32)
-    words.bitwise_or_(tmp)
-    quad = ((1 << (2 * width)) - 1) * (1 + (1 << 32))
-    torch.bitwise_right_shift(words, 2 * width, out=tmp)
-    tmp.bitwise_and_(quad)
-    words.bitwise_and_(quad)
-    tmp.bitwise_left_shift_(16)
-    words.bitwise_or_(tmp)
-    lane = ((1 << width) - 1) * 0x0001000100010001
-    torch.bitwise_right_shift(words, width, out=tmp)
-    tmp.bitwise_and_(lane)
-    words.bitwise_and_(lane)
-    tmp.bitwise_left_shift_(8)
-    words.bitwise_or_(tmp)
+    for lanes, half, part in ((torch.int64, 32, 4 * width), (torch.int32, 16, 2 * width),
+                              (torch.int16, 8, width)):
+        x, t = words.view(lanes), tmp.view(lanes)
+        torch.bitwise_right_shift(x, part, out=t)
+        x.add_(t, alpha=(1 << half) - (1 << part))
 
 
 def ranges(count: int, tile: int) -> list[tuple[int, int]]:
@@ -149,13 +107,12 @@ def pack(fields: torch.Tensor, count: int, width: int, out: torch.Tensor,
         return
     compress(words, width, tmp[:groups])
     n = nbytes(count, width)
-    done, written = _join(words, width, out[:n], tmp)
-    words, out, groups, n = words[done:], out[written:n], groups - done, n - written
-    streams = words.view(torch.uint8).view(groups, 8)[:, :width]
     whole = min(groups, n // width)  # groups whose bytes all belong to the stream
-    out[:whole * width].view(whole, width).copy_(streams[:whole])
+    for dst, src in _columns(words[:whole], width, out[:whole * width]):
+        dst.copy_(src)
     if whole < groups:
-        out[whole * width:n].copy_(streams[whole].reshape(-1)[:n - whole * width])
+        streams = words.view(torch.uint8).view(groups, 8)
+        out[whole * width:n].copy_(streams[whole][:n - whole * width])
 
 
 def unpack(stream: torch.Tensor, count: int, width: int, fields: torch.Tensor,
@@ -180,76 +137,32 @@ def unpack(stream: torch.Tensor, count: int, width: int, fields: torch.Tensor,
         words.bitwise_right_shift_(7).bitwise_and_(_SPREAD)
         return
     n = nbytes(count, width)
-    done, read = _split(stream[:n], width, words, tmp)
-    lanes = fields[8 * done:].view(groups - done, 8)
-    whole = min(groups - done, (n - read) // width)
-    lanes.zero_()
-    lanes[:whole, :width].copy_(stream[read:read + whole * width].view(whole, width))
-    if done + whole < groups:
-        rest = stream[read + whole * width:n]
-        lanes[whole].reshape(-1)[:rest.numel()].copy_(rest)
+    whole = min(groups, n // width)
+    words.zero_()  # expand needs zeros above bit 8 width
+    for src, dst in _columns(words[:whole], width, stream[:whole * width]):
+        dst.copy_(src)
+    if whole < groups:
+        rest = stream[whole * width:n]
+        fields[8 * whole:8 * whole + rest.numel()].copy_(rest)
     expand(words, width, tmp[:groups])
 
 
-def _groups(width: int, words: int, nbytes_: int, stream: torch.Tensor) -> tuple[int, int]:
-    """``(q, g)``: ``q`` compressed words (``8 width`` bits each) make ``q width / 8`` whole
-    int64 words of the stream; ``g`` such groups lie within ``words`` words and
-    ``nbytes_`` bytes (0 when the stream's address is not a multiple of 8)."""
-    q = 8 // math.gcd(width, 8)
-    if stream.data_ptr() % 8:
-        return q, 0
-    return q, min(words // q, nbytes_ // (q * width))
-
-
-def _join(words: torch.Tensor, width: int, out: torch.Tensor,
-          tmp: torch.Tensor) -> tuple[int, int]:
-    """Write the stream of as many whole groups of compressed ``words`` (:func:`compress`,
-    ``2 <= width <= 7``) as fit ``out`` with int64 column operations (each word's
-    ``8 width`` bits shifted into place) instead of a byte-strided copy; return the words
-    consumed and the bytes written."""
-    w8 = 8 * width
-    q, g = _groups(width, words.numel(), out.numel(), out)
-    if g == 0:
-        return 0, 0
-    r = q * width // 8
-    src = words[:g * q].view(g, q)
-    dst = out[:g * r * 8].view(torch.int64).view(g, r)
-    t = tmp[:g]
-    for j in range(q):
-        k, sh = divmod(j * w8, 64)
-        if sh == 0:  # the first bits of word k
-            dst[:, k].copy_(src[:, j])
-        else:
-            torch.bitwise_left_shift(src[:, j], sh, out=t)
-            dst[:, k].bitwise_or_(t)
-        if sh + w8 > 64:  # the rest starts word k + 1 (values < 2**56: the shift is logical)
-            torch.bitwise_right_shift(src[:, j], 64 - sh, out=dst[:, k + 1])
-    return g * q, g * r * 8
-
-
-def _split(stream: torch.Tensor, width: int, words: torch.Tensor,
-           tmp: torch.Tensor) -> tuple[int, int]:
-    """The inverse of :func:`_join`: the compressed words of as many whole groups as
-    ``stream`` and ``words`` hold (zeros above bit ``8 width``); return the words written
-    and the bytes read."""
-    w8 = 8 * width
-    q, g = _groups(width, words.numel(), stream.numel(), stream)
-    if g == 0:
-        return 0, 0
-    r = q * width // 8
-    src = stream[:g * r * 8].view(torch.int64).view(g, r)
-    dst = words[:g * q].view(g, q)
-    t = tmp[:g]
-    for j in range(q):
-        k, sh = divmod(j * w8, 64)
-        col = dst[:, j]
-        torch.bitwise_right_shift(src[:, k], sh, out=col)  # arithmetic: masked below
-        if sh + w8 > 64:
-            col.bitwise_and_((1 << (64 - sh)) - 1)
-            torch.bitwise_left_shift(src[:, k + 1], 64 - sh, out=t)
-            col.bitwise_or_(t)
-        col.bitwise_and_((1 << w8) - 1)
-    return g * q, g * r * 8
+def _columns(words: torch.Tensor, width: int,
+             stream: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``(stream part, word part)`` pairs of equal 1-D views: the first ``width`` bytes of
+    every compressed word (:func:`compress`, ``8 width`` bits) are the ``width`` bytes of
+    its group in ``stream``; copied as lanes of 4, 2 or 1 bytes (the widest dividing
+    ``width`` and the stream's address), one strided copy per lane position."""
+    groups = words.numel()
+    if groups == 0:
+        return []
+    lane = next(k for k in (4, 2, 1) if width % k == 0 and stream.data_ptr() % k == 0
+                and stream.storage_offset() % k == 0)
+    dtype = {4: torch.int32, 2: torch.int16, 1: torch.uint8}[lane]
+    per = width // lane
+    src = words.view(dtype).view(groups, 8 // lane)
+    dst = stream.view(dtype).view(groups, per)
+    return [(dst[:, i], src[:, i]) for i in range(per)]
 
 
 def pack_wide(values: torch.Tensor, width: int, out: torch.Tensor) -> None:

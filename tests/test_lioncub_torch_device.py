@@ -82,6 +82,14 @@ def test_layout_matches_bitcoll(device: str) -> None:
                 tl.unpack(torch.from_numpy(ref).to(device), count, width, back, words, tile=9)
                 assert np.array_equal(out.cpu().numpy(), ref), (width, count)
                 assert np.array_equal(back[:count].cpu().numpy(), values), (width, count)
+                # a stream at an odd address (copied in byte lanes): the same bytes
+                odd = torch.full((out.numel() + 1,), 0xAA, dtype=torch.uint8, device=device)
+                fields[:count] = torch.from_numpy(values.astype(np.uint8)).to(device)
+                tl.pack(fields, count, width, odd[1:], words)
+                assert np.array_equal(odd[1:].cpu().numpy(), ref), (width, count)
+                back.fill_(0x55)
+                tl.unpack(odd[1:], count, width, back, words)
+                assert np.array_equal(back[:count].cpu().numpy(), values), (width, count)
 
 
 # ---------------------------------------------------------------------- float32 == numpy core
