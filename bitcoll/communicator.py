@@ -136,10 +136,12 @@ def as_vector(x: object, name: str = "x") -> Array:
 def in_place(flat: Array, vec: Array) -> bool:
     """True when the output ``flat`` is the input ``vec`` itself; UsageError when they overlap
     otherwise (the result would depend on the algorithm's order of reads and writes)."""
-    if not np.shares_memory(flat, vec):
+    # Both are 1-D and C-contiguous, so overlapping bounds are overlapping memory: the bounds
+    # test suffices (np.shares_memory solves the exact problem, tens of microseconds).
+    if not np.may_share_memory(flat, vec):
         return False
-    if flat.__array_interface__["data"][0] == vec.__array_interface__["data"][0] and \
-            flat.size == vec.size and flat.strides == vec.strides:
+    if flat.size == vec.size and flat.strides == vec.strides and \
+            flat.__array_interface__["data"][0] == vec.__array_interface__["data"][0]:
         return True
     raise UsageError("out overlaps x without being x; pass out=x to reduce in place or a "
                      "separate array")
@@ -921,25 +923,41 @@ class Communicator:
         """Concatenate every rank's ``x`` (same length and dtype on every rank) in rank order.
 
         Returns ``out`` (1-D, ``size * x.size`` elements) or a Work. Rank ``j``'s data is
-        ``out[j * x.size:(j + 1) * x.size]`` on every rank.
+        ``out[j * x.size:(j + 1) * x.size]`` on every rank. ``algorithm``: "auto" (over MPI,
+        an ``x`` that fits the argument check's records travels inside it, as in
+        :meth:`allreduce`: one MPI collective; else "ring"), "ring", "native" (MPI backend).
         """
         with self._validating("allgather"):
             v = intake(x)
             vec = v.flat
             m, p = vec.size, self.size
             res, flat = output(out, m * p, vec.dtype, bf16=v.bf16)
-            algo = self._algorithm("allgather", algorithm, "ring")
+            algo = self._algorithm("allgather", algorithm,
+                                   "inline" if vec.nbytes <= self._record_room() else "ring")
+        fields = (v.label, m, algo)
 
         def body(ctx: OpContext) -> Any:
             if algo == "native":
                 native = self._native_t().native_allgather
                 native(vec, flat, ctx.deadline)
                 return res
+            if algo == "inline":
+                rows = self._exchange(ctx.seq, ctx.signature, vec.data.cast("B"), ctx.deadline,
+                                      "allgather", fields)
+                np.copyto(flat.reshape(p, m), rows[:, :vec.nbytes].view(vec.dtype))
+                return res
             np.copyto(flat[self.rank * m:(self.rank + 1) * m], vec)
             allgather_ring(ctx, flat, [j * m for j in range(p + 1)])
             return res
 
-        return self.run("allgather", (v.label, m, algo), body, async_op, timeout)
+        return self.run("allgather", fields, body, async_op, timeout,
+                        checks_itself=algo == "inline")
+
+    def _record_room(self) -> int:
+        """Payload bytes of the argument check's records (MPI, several ranks), else -1: a
+        collective whose data fits travels inside the check (algorithm "inline")."""
+        nt = self._nt
+        return nt.record_bytes - 16 if nt is not None and self.size > 1 else -1
 
     @overload
     def broadcast(self, x: HostArray, root: int = 0, *, async_op: Literal[False] = False,
@@ -955,8 +973,11 @@ class Communicator:
         """Copy the root's ``x`` into ``x`` on every rank, in place (``x`` must be C-contiguous
         and writeable everywhere). Returns ``x`` or a Work.
 
-        Every rank must pass the same ``root``: the roots are compared first (one small
-        all-reduce), and a mismatch is a ProtocolError on every rank."""
+        Every rank must pass the same ``root``: the roots are compared first (over TCP one small
+        all-reduce; over MPI the argument check), and a mismatch is a ProtocolError on every
+        rank. ``algorithm``: "auto" (over MPI, an ``x`` that fits the argument check's records
+        travels inside the root's record: one MPI collective; else "tree"), "tree", "native"
+        (MPI backend)."""
         with self._validating("broadcast"):
             arr, bf16 = to_numpy(x, "x")
             _, flat = output(x, arr.size, arr.dtype, name="x", bf16=bf16)
@@ -965,20 +986,32 @@ class Communicator:
             if isinstance(root, bool) or not isinstance(root, (int, np.integer)) or \
                     not 0 <= root < self.size:
                 raise UsageError(f"root must be a rank in [0, {self.size}), got {root!r}")
-            algo = self._algorithm("broadcast", algorithm, "tree")
+            algo = self._algorithm("broadcast", algorithm,
+                                   "inline" if flat.nbytes <= self._record_room() else "tree")
+        checked = self._nt is not None and self.size > 1
+        fields: tuple[object, ...] = (BFLOAT16 if bf16 else flat.dtype.str, flat.size, algo)
+        if checked:  # over MPI the argument check compares the roots
+            fields += (int(root),)
 
         def body(ctx: OpContext) -> Any:
-            _check_same_root(ctx, int(root))
+            if not checked:
+                # Over TCP the root is not in the signature: compared across ranks first.
+                _check_same_root(ctx, int(root))
             if algo == "native":
                 native = self._native_t().native_bcast
                 native(flat, int(root), ctx.deadline)
+            elif algo == "inline":
+                mine = flat.data.cast("B") if self.rank == root else None
+                rows = self._exchange(ctx.seq, ctx.signature, mine, ctx.deadline, "broadcast",
+                                      fields)
+                if self.rank != root:
+                    np.copyto(flat, rows[int(root), :flat.nbytes].view(flat.dtype))
             else:
                 broadcast_tree(ctx, flat, int(root))
             return x
 
-        # The root is not in the signature: _check_same_root compares it across ranks first.
-        return self.run("broadcast", (BFLOAT16 if bf16 else flat.dtype.str, flat.size, algo),
-                        body, async_op, timeout)
+        return self.run("broadcast", fields, body, async_op, timeout,
+                        checks_itself=algo == "inline")
 
     @overload
     def alltoall(self, x: HostArray, out: HostArray | None = None, *,
@@ -1535,7 +1568,7 @@ _FIELD_NAMES: dict[str, tuple[str, ...]] = {
     "allreduce": ("op", "element type", "element count", "algorithm"),
     "reduce_scatter": ("op", "element type", "element count", "algorithm"),
     "allgather": ("element type", "element count", "algorithm"),
-    "broadcast": ("element type", "element count", "algorithm"),
+    "broadcast": ("element type", "element count", "algorithm", "root"),
     "alltoall": ("element type", "element count", "algorithm"),
     "barrier": ("algorithm",),
 }

@@ -229,3 +229,41 @@ def test_mpi_barrier_is_the_argument_check() -> None:
         MPI.COMM_WORLD.Barrier()
         with pytest.raises(bitcoll.CommError):
             comm.barrier()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+def test_mpi_small_allgather_and_broadcast_travel_in_the_check() -> None:
+    """Over MPI an all-gather or a broadcast whose data fits the argument check's records
+    travels inside it (no bitcoll frames), for lengths 0, 1, 7, 8, 9 and the last that fits;
+    the results are every rank's seeded data (all-gather) and the root's (broadcast); one
+    element more goes the general way and gives the same result."""
+    with bitcoll.init("mpi", timeout=60) as comm:
+        p = comm.size
+        room = comm._transport.record_bytes - 16  # type: ignore[attr-defined]
+        for dtype in ("float16", "float64", "int8", "uint64"):
+            fits = room // np.dtype(dtype).itemsize
+            for n in sorted({0, 1, 7, 8, 9, fits, fits + 1}):
+                rows = [_mpi_ranks_data(r, n, dtype) for r in range(p)]
+                comm.stats.reset()
+                got = comm.allgather(rows[comm.rank])
+                np.testing.assert_array_equal(got, np.concatenate(rows))
+                root = n % p
+                buf = rows[comm.rank].copy()
+                assert comm.broadcast(buf, root=root) is buf
+                np.testing.assert_array_equal(buf, rows[root])
+                frames = comm.stats.snapshot()["messages_sent"]
+                assert (frames == 0) == (n <= fits) or n == 0, (dtype, n, frames)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("n", [3, 1000])
+def test_mpi_broadcast_roots_that_differ_fail_every_rank(n: int) -> None:
+    """Over MPI the argument check compares the broadcast roots (small broadcasts inside it,
+    large ones before MPI's or bitcoll's broadcast): every rank raises ProtocolError naming
+    the root."""
+    with bitcoll.init("mpi", timeout=300) as comm:
+        root = 1 if comm.rank == comm.size - 1 else 0
+        with pytest.raises(bitcoll.ProtocolError, match="root"):
+            comm.broadcast(np.zeros(n, np.float64), root=root)
