@@ -1078,3 +1078,37 @@ def test_excepthook_prints_tells_the_peers_then_aborts(transport: MPITransport,
         _world_barrier()
         _expect_peer_abort(t, 0, "rank 0 aborted: uncaught ValueError: bad value")
         assert not printed and not aborts
+
+
+@mpi
+@pytest.mark.timeout(60)
+def test_record_exchange_contract_and_clean_close() -> None:
+    """``exchange_records``: every rank gets every rank's payload in rank order and ``agree``
+    says whether every header matched (the same answer everywhere); a payload too large is a
+    UsageError before anything is sent; ``record_bytes`` follows ``record_bytes(size)``. A clean
+    close frees the persistent request and the communicator (nothing leaked)."""
+    from mpi4py import MPI
+
+    t = MPITransport.create(timeout=TIMEOUT)
+    p, r = t.size, t.rank
+    assert t.record_bytes == mpi_module.record_bytes(p)
+    assert [mpi_module.record_bytes(n) for n in (1, 2, 16, 32, 64, 256, 4096)] == \
+        [512, 512, 512, 256, 128, 32, 32]
+    room = t.record_bytes - 16
+    for n in (0, 1, 7, room):
+        mine = _payload(r, 0, n)
+        agree, rows = t.exchange_records(n + 1, SIG, mine.data, _deadline())
+        assert agree
+        for src in range(p):
+            np.testing.assert_array_equal(rows[src, :n], _payload(src, 0, n))
+    # One rank's header differs: every rank is told (no payload this time).
+    agree, _ = t.exchange_records(99, SIG + (r == p - 1), None, _deadline())
+    assert not agree
+    with pytest.raises(UsageError, match="at most"):
+        t.exchange_records(100, SIG, np.zeros(room + 1, np.uint8).data, _deadline())
+    persistent = t._rec_req
+    leaked = len(mpi_module._LEAKED)
+    t.close()
+    assert len(mpi_module._LEAKED) == leaked
+    if persistent is not None:  # MPI has persistent collectives: the request was freed
+        assert persistent == MPI.REQUEST_NULL
