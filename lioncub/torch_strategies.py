@@ -108,12 +108,16 @@ def _pieces(bucket: Bucket, start: int, stop: int) -> list[tuple[Slot, int, int]
 
 
 def _abs_sums(mag: torch.Tensor, bucket: Bucket, start: int, bound: int,
-              parts: list[torch.Tensor], owner: list[int]) -> None:
+              parts: list[torch.Tensor], owner: list[int],
+              wide: torch.Tensor | None = None) -> None:
     """Append to ``parts`` the int32 sums of ``mag`` (integers in ``[0, bound]``, elements
     ``[start, start + mag.numel())`` of ``bucket``) per slot part, in chunks that cannot
     overflow int32 (torch's int64 accumulation of int8 is several times slower), and the
-    slots' parameter indices to ``owner``."""
+    slots' parameter indices to ``owner``. ``wide``: int32 scratch of ``mag``'s size for the
+    widened values (else torch allocates it per sum)."""
     chunk = (2**31 - 1) // max(1, bound)
+    if wide is not None and mag.dtype != torch.int32:
+        mag = wide[:mag.numel()].copy_(mag)
     for s, lo, hi in _pieces(bucket, start, start + mag.numel()):
         for x in range(lo, hi, chunk):
             parts.append(mag[x - start:min(hi, x + chunk) - start].sum(dtype=torch.int32))
@@ -335,7 +339,8 @@ class TorchExactSum(_Packed):
                           buf.words)
                 total = f[:b - a].sub_(bias).view(torch.int8)  # the sums (|sum| <= 127)
                 self.apply_sums(engine, bucket, buf, a, total, hypers)
-                _abs_sums(total.abs_(), bucket, a, bias, parts, owner)
+                _abs_sums(total.abs_(), bucket, a, bias, parts, owner,
+                          buf.t.view(torch.int32))
         for s in bucket.slots:
             sums[s.index] = 0
         for i, v in zip(owner, torch.stack(parts).tolist(), strict=True):
