@@ -52,6 +52,7 @@ from .algorithms.hierarchical import allreduce_hierarchical
 from .arrays import BFLOAT16, HostArray, bf16_tensor, to_numpy, type_name
 from .config import DEFAULT_TIMEOUT, MAX_SUM_RANGE
 from .errors import BitcollError, CommError, PeerLostError, ProtocolError, UsageError
+from .layout import packed_stream
 from .ops import FLOAT_DTYPES, SUPPORTED_DTYPES, ReduceOp, check_dtype, parse_op
 from .partition import block, block_bounds
 from .topology import Topology, digest, host_key
@@ -1232,13 +1233,7 @@ class Communicator:
 
         with self._validating(name):
             n = _count(count)
-            arr, bf16 = to_numpy(data, arg)
-            if bf16 or arr.dtype != np.uint8:
-                raise UsageError(f"{arg} must have dtype uint8 (a packed stream), got "
-                                 f"{type_name(arr, bf16)}")
-            if not arr.flags.c_contiguous:
-                raise UsageError(f"{arg} must be C-contiguous")
-            vec = arr.reshape(-1)
+            vec = packed_stream(data, arg)
             w_in = 1 if kind == "majority" else field_width(levels)
             w_out = 1 if kind == "majority" else field_width(levels * self.size)
             need = (n * w_in + 7) // 8

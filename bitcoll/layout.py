@@ -58,7 +58,9 @@ def _values(x: HostArray, name: str) -> Array:
     return np.ascontiguousarray(arr).reshape(-1)
 
 
-def _stream(x: HostArray, name: str) -> Array:
+def packed_stream(x: HostArray, name: str) -> Array:
+    """``x`` as a 1-D uint8 view of a packed stream: UsageError unless it is C-contiguous
+    uint8 (numpy, DLPack or buffer protocol, as :mod:`bitcoll.arrays` reads it)."""
     arr, bf16 = to_numpy(x, name)
     if bf16 or arr.dtype != np.uint8:
         raise UsageError(f"{name} must have dtype uint8 (a packed stream), got "
@@ -106,7 +108,7 @@ def unpack_signs(bits: HostArray, count: int, out: Array | None = None,
     ``bits`` must hold exactly ``ceil(count / 8)`` bytes; padding bits are ignored."""
     from . import kernels
 
-    return kernels.unpack_signs(_stream(bits, "bits"), count, out=out, dtype=dtype)
+    return kernels.unpack_signs(packed_stream(bits, "bits"), count, out=out, dtype=dtype)
 
 
 def pack_fields(values: HostArray, width: int, bias: int = 0,
@@ -133,5 +135,5 @@ def unpack_fields(packed: HostArray, count: int, width: int, bias: int = 0,
     levels * size)``."""
     from . import kernels
 
-    return kernels.unpack_fields(_stream(packed, "packed"), count, width, bias, out=out,
+    return kernels.unpack_fields(packed_stream(packed, "packed"), count, width, bias, out=out,
                                  dtype=dtype)

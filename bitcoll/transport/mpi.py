@@ -1123,6 +1123,18 @@ class MPITransport(Transport):
 
     # ---------------------------------------------------------------- frames
 
+    def _frame_view(self, peer: int, payload: memoryview, header: FrameHeader,
+                    writable: bool) -> memoryview:
+        """The checks ``isend`` and ``irecv`` share: ``peer`` valid, ``payload`` a C-contiguous
+        (writable) buffer of exactly ``header.length`` bytes, returned as a byte view;
+        UsageError otherwise."""
+        self._check_peer(peer)
+        mv = byte_view(payload, writable=writable, what="payload")
+        if header.length != mv.nbytes:
+            raise UsageError(f"header.length is {header.length} but the payload has "
+                             f"{mv.nbytes} bytes")
+        return mv
+
     def isend(self, peer: int, payload: memoryview, header: FrameHeader) -> Request:
         """Start sending ``header`` + ``payload`` to ``peer``; see the module docstring.
 
@@ -1130,11 +1142,8 @@ class MPITransport(Transport):
         completes; ``header.length`` must equal its size in bytes (UsageError otherwise). Raises
         the transport's failure after an abort.
         """
-        self._check_peer(peer)
-        mv = byte_view(payload, writable=False, what="payload")
+        mv = self._frame_view(peer, payload, header, writable=False)
         n = mv.nbytes
-        if header.length != n:
-            raise UsageError(f"header.length is {header.length} but the payload has {n} bytes")
         mpi = self._mpi
         with self._lock:
             self._check_usable()
@@ -1165,11 +1174,8 @@ class MPITransport(Transport):
         differs from ``header``, its size disagrees with its header, or it is longer than
         posted. Raises the transport's failure after an abort.
         """
-        self._check_peer(peer)
-        mv = byte_view(payload, writable=True, what="payload")
+        mv = self._frame_view(peer, payload, header, writable=True)
         n = mv.nbytes
-        if header.length != n:
-            raise UsageError(f"header.length is {header.length} but the payload has {n} bytes")
         mpi = self._mpi
         staging = np.empty(HEADER_SIZE + INLINE_MAX, dtype=np.uint8)
         with self._lock:
