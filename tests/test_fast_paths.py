@@ -193,15 +193,18 @@ def test_mpi_inline_allreduce_bad_arguments_fail_every_rank() -> None:
     """Arguments the fast path does not take go to the general path, which reports them: a
     wrong ``out`` on one rank is a UsageError there and a PeerLostError on the others; an
     ``out`` overlapping ``x`` without being it is a UsageError."""
-    with bitcoll.init("mpi", timeout=60) as comm:
-        x = np.ones(4, np.float32)
-        if comm.rank == 0:
-            with pytest.raises(bitcoll.UsageError, match="expected float32"):
-                comm.allreduce(x, out=np.empty(4, np.float64))
-        else:
-            with pytest.raises(bitcoll.PeerLostError, match="expected float32"):
-                comm.allreduce(x)
-    # The abort may reach a peer while it is still creating the communicator: both inside.
+    # The abort may reach a peer while it is still creating the communicator (rank 0 can
+    # leave the set-up's last collective before the others have finished it): on the other
+    # ranks the creation is inside the check too.
+    from mpi4py import MPI
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        with bitcoll.init("mpi", timeout=60) as comm, \
+                pytest.raises(bitcoll.UsageError, match="expected float32"):
+            comm.allreduce(np.ones(4, np.float32), out=np.empty(4, np.float64))
+    else:
+        with pytest.raises(bitcoll.PeerLostError, match="expected float32"), \
+                bitcoll.init("mpi", timeout=60) as comm:
+            comm.allreduce(np.ones(4, np.float32))
     with pytest.raises((bitcoll.UsageError, bitcoll.PeerLostError), match="overlaps"), \
             bitcoll.init("mpi", timeout=60) as comm:
         buf = np.ones(5, np.float32)
@@ -221,11 +224,13 @@ def test_mpi_barrier_is_the_argument_check() -> None:
         assert comm.stats.snapshot()["messages_sent"] == 0
         comm.barrier(algorithm="dissemination")
         assert comm.stats.snapshot()["messages_sent"] > 0
+        # Every rank has left the barriers above before the others' timeout can abort them.
+        from mpi4py import MPI
+        MPI.COMM_WORLD.Barrier()
         if comm.rank != comm.size - 1:
             with pytest.raises(bitcoll.CommError):
                 comm.barrier(timeout=1.0)
         # Every rank learns of the abort (an MPI barrier: the transport's is aborted).
-        from mpi4py import MPI
         MPI.COMM_WORLD.Barrier()
         with pytest.raises(bitcoll.CommError):
             comm.barrier()

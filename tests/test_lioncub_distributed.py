@@ -175,7 +175,7 @@ def check_global_lion_batch_split(comm: Any, out: dict[str, Any]) -> None:
     single-process Lion's within float32 tolerance."""
     p, r = comm.size, comm.rank
     rng = np.random.default_rng(42)
-    n, d = 48, 20
+    n, d = 60, 20  # equal shards for 1 to 6 ranks: the mean of shard means is the batch mean
     x = rng.standard_normal((n, d))
     y = x @ rng.standard_normal(d) + 0.1 * rng.standard_normal(n)
     w0 = (0.1 * rng.standard_normal(d)).astype(np.float32)
