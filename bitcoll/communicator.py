@@ -80,8 +80,9 @@ DEFAULT_PACKED_SEGMENT_BYTES = 1 << 20
 SMALL_MESSAGE_BYTES = 64 << 10
 #: Over MPI, at or below this many bytes the dense all-reduce's default is MPI's own
 #: all-reduce (after the one fixed-size argument check every all-reduce over MPI starts with):
-#: see :meth:`Communicator.allreduce` and the README for the measured crossover.
-NATIVE_ALLREDUCE_MAX_BYTES = 256 << 10
+#: see :meth:`Communicator.allreduce` and the README for the measured crossover (2 ranks: MPICH's
+#: all-reduce faster up to 1 MiB, bitcoll's ring from 2-4 MiB).
+NATIVE_ALLREDUCE_MAX_BYTES = 1 << 20
 #: The packed collectives' default is the all-gather baseline while it sends at most this many
 #: bytes more per rank than the bandwidth-optimal direct exchange (one round of messages
 #: instead of two), the direct exchange above: see :func:`packed_auto_algorithm`.
