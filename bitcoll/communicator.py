@@ -282,10 +282,11 @@ class Communicator:
         # MPI's own collectives (algorithm="native", the argument check), when there are any.
         self._nt: NativeCollectives | None = \
             transport if isinstance(transport, NativeCollectives) else None
-        # All-reduces over MPI's own collectives or inside the argument check's records: see
-        # _mpi_plan and _fast_allreduce.
-        self._mpi_plans_on = self._nt is not None and transport.size > 1
-        self._mpi_plans: dict[tuple[object, ...], _MPIPlan | None] = {}
+        # The synchronous all-reduce's plans (several ranks): over MPI, MPI's own collectives
+        # or the argument check's records (_mpi_plan); elsewhere recursive doubling for small
+        # vectors. See _fast_allreduce.
+        self._plans_on = transport.size > 1
+        self._plans: dict[tuple[object, ...], _Plan | None] = {}
 
     # ------------------------------------------------------------------ properties
     @property
@@ -648,7 +649,7 @@ class Communicator:
 
         Example, 2 ranks: rank 0 ``x=[1, 2]``, rank 1 ``x=[3, 4]`` → both get ``[4, 6]``.
         """
-        if self._mpi_plans_on and not async_op and algorithm is None and type(x) is np.ndarray:
+        if self._plans_on and not async_op and algorithm is None and type(x) is np.ndarray:
             done = self._fast_allreduce(x, op, out, timeout)
             if done is not None:
                 return done
@@ -707,16 +708,16 @@ class Communicator:
         return self.run("allreduce", (rop.value, v.label, vec.size, algo), body,
                         async_op, timeout, checks_itself=algo == "inline")
 
-    def _mpi_plan(self, dtype: np.dtype[Any], size: int, op: ReduceOp) -> _MPIPlan | None:
+    def _mpi_plan(self, dtype: np.dtype[Any], size: int, op: ReduceOp) -> _Plan | None:
         """Over MPI with several ranks, the default all-reduce of ``size`` elements of
         ``dtype`` (a supported dtype, valid with ``op``; not bfloat16) when it is one of MPI's
         own: "inline" while the vector fits the argument check's records, "native" up to
         :data:`NATIVE_ALLREDUCE_MAX_BYTES` when MPI reduces the dtype. None otherwise (a
         bitcoll algorithm, or not MPI). Cached per arguments."""
-        if not self._mpi_plans_on:
+        if self._nt is None or not self._plans_on:
             return None
         key = (dtype, size, op)
-        plans = self._mpi_plans
+        plans = self._plans
         if key in plans:
             return plans[key]
         nt = self._native_t()
@@ -726,28 +727,30 @@ class Communicator:
         if nbytes <= nt.record_bytes - 16:
             fields = (op.value, dtype.str, size, "inline")
             rows = nt.record_payloads[:, :nbytes].view(dtype)
-            plan = _MPIPlan(fields, signature("allreduce", *fields), GatheredReduce(rows, op),
-                            mpi_op, None)
+            plan = _Plan(fields, signature("allreduce", *fields), GatheredReduce(rows, op),
+                         mpi_op, None, op)
         elif nbytes <= NATIVE_ALLREDUCE_MAX_BYTES and nt.reducible(dtype, mpi_op):
             fields = (op.value, dtype.str, size, "native")
             divisor = np.asarray(self.size, dtype=dtype) if op is ReduceOp.AVG else None
-            plan = _MPIPlan(fields, signature("allreduce", *fields), None, mpi_op, divisor)
-        if len(plans) >= _MPI_PLANS_MAX:
+            plan = _Plan(fields, signature("allreduce", *fields), None, mpi_op, divisor, op)
+        if len(plans) >= _PLANS_MAX:
             plans.clear()
         plans[key] = plan
         return plan
 
     def _fast_allreduce(self, x: Array, op: object, out: object, timeout: float | None) -> Any:
-        """:meth:`allreduce`'s fast path over MPI: a synchronous call on a C-contiguous numpy
-        ``x`` whose default algorithm is one of MPI's own (:meth:`_mpi_plan`), with a numpy
-        ``out`` of the right kind or none. Same semantics as the general path without its
-        closures and contexts: the argument check (carrying ``x`` when inline), then the
-        local reduction or MPI's all-reduce. Returns the result, or None without side effects
-        when the call does not qualify (anything unusual: the general path then validates it
-        and reports any error)."""
+        """:meth:`allreduce`'s fast path: a synchronous call on a C-contiguous numpy ``x``
+        whose default algorithm is one of MPI's own (:meth:`_mpi_plan`) or, on other
+        transports, recursive doubling (at most :data:`SMALL_MESSAGE_BYTES`), with a numpy
+        ``out`` of the right kind or none. Same semantics, frames and signature as the general
+        path without its validation closures: over MPI the argument check (carrying ``x`` when
+        inline), then the local reduction or MPI's all-reduce; elsewhere the recursive
+        doubling. Returns the result, or None without side effects when the call does not
+        qualify (anything unusual: the general path then validates it and reports any
+        error)."""
         key = (x.dtype, x.size, op)
         try:
-            plan = self._mpi_plans.get(key, _UNPLANNED)
+            plan = self._plans.get(key, _UNPLANNED)
         except TypeError:  # an unhashable op
             return None
         if plan is _UNPLANNED:
@@ -782,11 +785,16 @@ class Communicator:
             seq = self._seq  # the call lock guards the sequence number
             self._seq = seq + 1
             nt = self._nt
-            assert nt is not None
             try:
                 deadline = time.monotonic() + limit
                 flat = res if res.ndim == 1 else res.reshape(-1)
-                if plan.reduce is not None:
+                if nt is None:  # recursive doubling over bitcoll frames
+                    if res is not x:
+                        np.copyto(flat, x if x.ndim == 1 else x.reshape(-1))
+                    allreduce_recursive_doubling(
+                        OpContext(self._transport, seq, plan.signature, deadline,
+                                  self._segment_bytes, self._scratch), flat, plan.op)
+                elif plan.reduce is not None:
                     data = x.data if x.ndim == 1 else x.reshape(-1).data
                     agree, _ = nt.exchange_records(seq, plan.signature, data.cast("B"),
                                                    deadline)
@@ -806,19 +814,24 @@ class Communicator:
             self._call_lock.release()
         return res
 
-    def _fast_plan(self, key: tuple[np.dtype[Any], int, object]) -> _MPIPlan | None:
-        """:meth:`_mpi_plan` for the fast path's key ``(dtype, count, op as passed)``, cached
-        under that key too: None unless the op is a ReduceOp or its name and the dtype is
-        supported and valid with it (the general path reports those errors)."""
+    def _fast_plan(self, key: tuple[np.dtype[Any], int, object]) -> _Plan | None:
+        """The fast path's plan for its key ``(dtype, count, op as passed)``, cached under that
+        key: :meth:`_mpi_plan` over MPI, elsewhere recursive doubling up to
+        :data:`SMALL_MESSAGE_BYTES`. None unless the op is a ReduceOp or its name and the
+        dtype is supported and valid with it (the general path reports those errors)."""
         dtype, size, op = key
         rop = _FAST_OPS.get(op)
         plan = None
         if rop is not None and dtype in SUPPORTED_DTYPES and \
                 (rop is not ReduceOp.AVG or dtype in FLOAT_DTYPES):
-            plan = self._mpi_plan(dtype, size, rop)
-        if len(self._mpi_plans) >= _MPI_PLANS_MAX:
-            self._mpi_plans.clear()
-        self._mpi_plans[key] = plan
+            if self._nt is not None:
+                plan = self._mpi_plan(dtype, size, rop)
+            elif dtype.itemsize * size <= SMALL_MESSAGE_BYTES:
+                fields = (rop.value, dtype.str, size, "recursive_doubling")
+                plan = _Plan(fields, signature("allreduce", *fields), None, "", None, rop)
+        if len(self._plans) >= _PLANS_MAX:
+            self._plans.clear()
+        self._plans[key] = plan
         return plan
 
     def _auto_allreduce(self, vec: Array, bf16: bool, op: ReduceOp) -> str:
@@ -1534,12 +1547,14 @@ class Communicator:
                                algorithm)
 
 
-class _MPIPlan(NamedTuple):
-    """An all-reduce over MPI's own collectives (:meth:`Communicator._mpi_plan`)."""
+class _Plan(NamedTuple):
+    """A synchronous all-reduce's plan: over MPI's own collectives
+    (:meth:`Communicator._mpi_plan`), or recursive doubling on other transports
+    (:meth:`Communicator._fast_plan`)."""
 
     fields: tuple[object, ...]
-    """The call's signature fields: op, element type, count, algorithm ("inline" or
-    "native")."""
+    """The call's signature fields: op, element type, count, algorithm ("inline", "native"
+    or "recursive_doubling")."""
     signature: int
     """``signature("allreduce", *fields)``."""
     reduce: GatheredReduce | None
@@ -1548,12 +1563,14 @@ class _MPIPlan(NamedTuple):
     """MPI's op: "sum" (also for avg), "max" or "min"."""
     divisor: Array | None
     """Native avg: the world size in the dtype (the sum is divided by it); else None."""
+    op: ReduceOp
+    """The reduction."""
 
 
 _UNPLANNED: Any = object()  # a key not in the plan cache yet
 
 #: Most cached all-reduce plans per communicator (one per dtype, count and op in use).
-_MPI_PLANS_MAX = 256
+_PLANS_MAX = 256
 
 #: The ops the all-reduce fast path takes as given (anything else goes through parse_op).
 _FAST_OPS: dict[object, ReduceOp] = {**{o: o for o in ReduceOp}, **{o.value: o for o in ReduceOp}}

@@ -272,3 +272,47 @@ def test_mpi_broadcast_roots_that_differ_fail_every_rank(n: int) -> None:
         root = 1 if comm.rank == comm.size - 1 else 0
         with pytest.raises(bitcoll.ProtocolError, match="root"):
             comm.broadcast(np.zeros(n, np.float64), root=root)
+
+
+def _mixed_paths(comm: Communicator) -> list[object]:
+    """Small all-reduces where the ranks take different paths: the synchronous fast path
+    (a contiguous numpy vector, no algorithm), the general path (a strided view, a forced
+    algorithm, an async call): same frames, same signature, same bits."""
+    got: list[object] = []
+    for n in (0, 1, 7, 8, 9, 1001):
+        base = np.random.default_rng([comm.rank, n]).standard_normal(2 * n).astype(np.float32)
+        x = base[::2] if comm.rank % 2 else np.ascontiguousarray(base[::2])
+        comm.stats.reset()
+        y = comm.allreduce(x)
+        frames = comm.stats.snapshot()["messages_sent"]
+        forced = comm.allreduce(np.ascontiguousarray(x), algorithm="recursive_doubling")
+        late = comm.allreduce(np.ascontiguousarray(x), async_op=True).wait()
+        inplace = np.ascontiguousarray(x)
+        assert comm.allreduce(inplace, out=inplace, op="max") is inplace
+        got.append((y.tobytes(), forced.tobytes(), late.tobytes(), inplace.tobytes(), frames))
+    # A mismatch between ranks that take the fast path is still caught: ProtocolError where
+    # a header differs, PeerLostError (its abort) elsewhere.
+    with pytest.raises((bitcoll.ProtocolError, bitcoll.PeerLostError), match="different"):
+        comm.allreduce(np.ones(4, np.float32 if comm.rank else np.float64))
+    return got
+
+
+def test_fast_allreduce_over_frames_matches_the_general_path() -> None:
+    """Off MPI, the synchronous all-reduce of a small contiguous numpy vector takes a lean
+    path (recursive doubling without the general path's closures): a rank on it and a rank on
+    the general path pair up, and every form gives the seeded sums and maxima."""
+    p = 3
+    results = run_threads(p, _mixed_paths)
+    for i, n in enumerate((0, 1, 7, 8, 9, 1001)):
+        rows = [np.random.default_rng([r, n]).standard_normal(2 * n).astype(np.float32)[::2]
+                for r in range(p)]
+        want_sum = rows[0] + rows[1] + rows[2]
+        want_max = np.maximum(np.maximum(rows[0], rows[1]), rows[2])
+        for got in results:
+            y, forced, late, inplace, frames = got[i]
+            assert y == forced == late  # the same bits on every path and rank
+            np.testing.assert_allclose(np.frombuffer(y, np.float32), want_sum, rtol=1e-5,
+                                       atol=1e-5)
+            assert inplace == want_max.tobytes()
+            assert frames > 0
+    assert len({got[0][0] for got in results}) == 1
