@@ -539,14 +539,32 @@ def _st_word(out: Any, word: int, v: np.uint64, n: int) -> None:
 
 
 @_helper()
+def _st_tile(out: Any, t0: int, m: int, tile: Any, n: int) -> None:
+    """Store words ``tile[0 .. m]`` as words ``t0 .. t0 + m`` of the ``n``-bit packed vector
+    ``out`` (1-D uint8), as :func:`_st_word` does word by word: the words wholly below bit
+    ``n`` through a word view (one 64-bit store each), the last ones masked and cut."""
+    whole = min(m, n // 64 - t0)
+    if whole > 0:
+        words = out[t0 * 8:(t0 + whole) * 8].view(np.uint64)
+        for w in range(whole):
+            words[w] = tile[w]
+    for w in range(max(whole, 0), m):
+        _st_word(out, t0 + w, tile[w], n)
+
+
+@_helper()
 def _add_row(packed: Any, r: int, t0: int, m: int, full: int, planes: Any, carry: Any,
              shift: int) -> None:
     """Add row ``r`` of ``packed`` (words ``t0 .. t0 + m``, ``full`` of them complete) at
     weight ``2**shift`` to the vertical counter ``planes`` (ripple carry through the planes
     from ``shift`` up)."""
     nbytes = packed.shape[1]
-    for w in range(full):
-        carry[w] = _ld64_row(packed, r, (t0 + w) * 8)
+    if full > 0:
+        # One 64-bit load per word through a word view of the row (byte loads of a 2-D
+        # array are not merged by LLVM: 13x slower here).
+        words = packed[r, t0 * 8:(t0 + full) * 8].view(np.uint64)
+        for w in range(full):
+            carry[w] = words[w]
     for w in range(max(full, 0), m):
         j = (t0 + w) * 8
         carry[w] = _ld_row_partial(packed, r, j, nbytes - j)
@@ -579,7 +597,8 @@ def _majority_words(packed: Any, shifts: Any, out: Any, n: int, w0: int, w1: int
             tie = _ALL
             for s in range(top):
                 tie &= planes[s, w]
-            _st_word(out, t0 + w, planes[top, w] | (tie & tie_mask), n)
+            carry[w] = planes[top, w] | (tie & tie_mask)
+        _st_tile(out, t0, m, carry, n)
 
 
 @_kernel()
@@ -626,9 +645,7 @@ def _count_plane_words(packed: Any, out: Any, n: int, w0: int, w1: int) -> None:
         for r in range(p):
             _add_row(packed, r, t0, m, full, planes, carry, 0)
         for s in range(width):
-            row = out[s]
-            for w in range(m):
-                _st_word(row, t0 + w, planes[s, w], n)
+            _st_tile(out[s], t0, m, planes[s], n)
 
 
 @_kernel()
