@@ -216,15 +216,6 @@ def _st_partial(out: Any, j: int, v: np.uint64, nb: int) -> None:
 
 
 @_helper()
-def _ld64_row(a: Any, r: int, j: int) -> np.uint64:
-    """Load ``a[r, j:j+8]`` as a little-endian word."""
-    v = np.uint64(0)
-    for k in range(8):
-        v |= np.uint64(a[r, j + k]) << np.uint64(8 * k)
-    return v
-
-
-@_helper()
 def _ld_row_partial(a: Any, r: int, j: int, nb: int) -> np.uint64:
     v = np.uint64(0)
     for k in range(nb):
