@@ -307,8 +307,40 @@ def test_count_planes_and_majority_of_counts(mode: str, n: int, groups: list[int
     np.testing.assert_array_equal(got, R.majority(packed, n, tie, offset))
 
 
+@pytest.mark.parametrize("mode", MODES)
+@SETTINGS
+@given(n=lengths, before=st.integers(0, 300), after=st.integers(0, 100),
+       rows=st.integers(0, 7), seed=seeds)
+def test_count_planes_of_a_sub_range(mode: str, n: int, before: int, after: int, rows: int,
+                                     seed: int) -> None:
+    """``start`` counts elements ``start .. start + n`` of longer rows: the planes of that
+    slice of the rows, with zero padding (the votes after it do not leak in)."""
+    start = 8 * before
+    total = start + n + after
+    packed = random_packed(np.random.default_rng(seed), rows, total)
+    width = max(1, rows.bit_length())
+    sliced = np.zeros((rows, K.packed_nbytes(n)), np.uint8)
+    for r in range(rows):
+        bits = np.unpackbits(packed[r], count=total, bitorder="little")[start:start + n]
+        sliced[r] = np.packbits(bits, bitorder="little")[:K.packed_nbytes(n)] \
+            if n else sliced[r]
+    with dispatch_mode(mode):
+        got = K.count_planes(packed, n, width, start=start)
+        out = np.full((width, K.packed_nbytes(n)), 0xFF, np.uint8)
+        assert K.count_planes(packed, n, width, out=out, start=start) is out
+    want = K.count_planes(sliced, n, width)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(out, want)
+    for row in got:
+        assert_padding_zero(row, n)
+
+
 def test_count_planes_errors() -> None:
     packed = np.zeros((3, 2), np.uint8)
+    with pytest.raises(UsageError, match="start must be a multiple of 8"):
+        K.count_planes(packed, 8, 2, start=4)
+    with pytest.raises(UsageError, match="at least 3 bytes per row"):
+        K.count_planes(packed, 9, 2, start=8)
     with pytest.raises(UsageError, match="2\\*\\*width > 3"):
         K.count_planes(packed, 16, 1)
     with pytest.raises(UsageError, match="out must be"):

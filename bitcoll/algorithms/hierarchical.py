@@ -176,11 +176,6 @@ def packed_hierarchical(ctx: OpContext, codec: VoteCodec, x: Array, out: Array,
 
     majority = codec.kind == "majority"
 
-    def count_shape(m: int, w: int) -> tuple[int, ...]:
-        """A host's counts of ``m`` elements at width ``w`` on the wire: ``w`` bit planes
-        (majority) or ``w``-bit fields (sums)."""
-        return (w, nbytes(m, 1)) if majority else (nbytes(m, w),)
-
     sends: list[Request] = []
     # Per (segment, owned slice): the state that travels from one step to the next.
     rows: dict[tuple[int, int], tuple[Array, list[Request]]] = {}
@@ -212,23 +207,31 @@ def packed_hierarchical(ctx: OpContext, codec: VoteCodec, x: Array, out: Array,
             sub = _aligned_bounds(a, b, H)
             x0, x1 = sub[me], sub[me + 1]
             posted = []
-            for t in range(H):
-                if t != me:
-                    land = np.empty(count_shape(x1 - x0, cw[t][0]), np.uint8)
-                    posted.append((t, land, ctx.irecv(plan.owner(t, s), land)))
             if majority:
-                # Bit planes (plane j = bit j of every element's count), cut per sub-block.
-                planes = kernels.count_planes(buf, b - a, wc)
+                # Bit planes (plane j = bit j of every element's count), counted per
+                # sub-block. One array holds every host's planes of this rank's sub-block:
+                # its own rows first, then each other host's rows, where they land.
+                stack = np.empty((sum(cw[t][0] for t in range(H)), nbytes(x1 - x0, 1)),
+                                 np.uint8)
+                row = wc
                 for t in range(H):
                     if t != me:
-                        c0 = (sub[t] - a) // 8
-                        c1 = c0 + nbytes(sub[t + 1] - sub[t], 1)
-                        sends.append(ctx.isend(plan.owner(t, s),
-                                               np.ascontiguousarray(planes[:, c0:c1])))
-                c0 = (x0 - a) // 8
-                c1 = c0 + nbytes(x1 - x0, 1)
-                counts[k, s] = (np.ascontiguousarray(planes[:, c0:c1]), posted)
+                        land = stack[row:row + cw[t][0]]
+                        row += cw[t][0]
+                        posted.append((t, land, ctx.irecv(plan.owner(t, s), land)))
+                # (Sub-block bounds are a + 8k, except that an empty one may start at b.)
+                for t in range(H):
+                    if t != me:
+                        sends.append(ctx.isend(plan.owner(t, s), kernels.count_planes(
+                            buf, sub[t + 1] - sub[t], wc, start=(sub[t] - a) // 8 * 8)))
+                kernels.count_planes(buf, x1 - x0, wc, out=stack[:wc],
+                                     start=(x0 - a) // 8 * 8)
+                counts[k, s] = (stack, posted)
                 continue
+            for t in range(H):
+                if t != me:
+                    land = np.empty(nbytes(x1 - x0, cw[t][0]), np.uint8)  # w-bit fields
+                    posted.append((t, land, ctx.irecv(plan.owner(t, s), land)))
             assert counts_buf is not None
             acc = counts_buf[k % 2, mine.index(s), :b - a]
             acc[:] = 0
@@ -256,13 +259,12 @@ def packed_hierarchical(ctx: OpContext, codec: VoteCodec, x: Array, out: Array,
             reqs = [ctx.irecv(plan.owner(t, s), pieces[t]) for t in range(H) if t != me]
             own = pieces[me]
             if majority:
-                stack = [total]
+                # ``total``: this host's planes, then the other hosts' in the order posted.
                 shifts = list(range(wc))
-                for t, land, req in posted:
+                for t, _, req in posted:
                     ctx.wait(req)
-                    stack.append(land)
                     shifts.extend(range(cw[t][0]))
-                kernels.majority_of_counts(np.concatenate(stack), shifts, p, m, codec.tie,
+                kernels.majority_of_counts(total, shifts, p, m, codec.tie,
                                            sub[me] + codec.tie_call, out=own)
             else:
                 for t, land, req in posted:

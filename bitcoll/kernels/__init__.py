@@ -439,17 +439,26 @@ def _majority(a: npt.NDArray[np.uint8], shifts: npt.NDArray[np.int64], p: int, n
 
 
 def count_planes(packed: npt.NDArray[np.uint8], n: int, width: int,
-                 out: npt.NDArray[np.uint8] | None = None) -> npt.NDArray[np.uint8]:
+                 out: npt.NDArray[np.uint8] | None = None, *,
+                 start: int = 0) -> npt.NDArray[np.uint8]:
     """The +1 votes per element as ``width`` bit planes: ``uint8[width, ceil(n/8)]``.
 
-    ``packed`` is ``uint8[p, ceil(n/8)]`` (p >= 0 vote vectors). Plane ``s`` holds bit ``s``
-    of every element's count (bit i of the plane, the sign vectors' layout; the padding bits
+    ``packed`` is ``uint8[p, k]`` (p >= 0 vote vectors) with ``k >= ceil((start + n)/8)``:
+    the elements ``start .. start + n`` of each row are counted, element ``start`` at bit 0
+    of the planes (``start``: a multiple of 8, default 0). Plane ``s`` holds bit ``s`` of
+    every element's count (bit i of the plane, the sign vectors' layout; the padding bits
     after element ``n - 1`` are 0), so element i's count is ``sum_s plane_s[i] << s``; needs
     ``2**width > p`` (UsageError otherwise, and for bad arguments). ``out``, when given, is a
     C-contiguous ``uint8[width, ceil(n/8)]``.
     """
     n = _length(n)
-    a = _votes_input(packed, n)
+    first = _as_int(start, "start")
+    if first < 0 or first % 8:
+        raise UsageError(f"start must be a multiple of 8 and >= 0, got {first}")
+    a = _vector(packed, "packed", (np.dtype(np.uint8),), ndim=2)
+    if a.shape[1] < packed_nbytes(first + n):
+        raise UsageError(f"packed must have at least {packed_nbytes(first + n)} bytes per row "
+                         f"for start={first}, n={n}, got shape {a.shape}")
     w = _as_int(width, "width")
     if not 1 <= w <= 16 or (1 << w) <= a.shape[0]:
         raise UsageError(f"width must be in [1, 16] with 2**width > {a.shape[0]} rows, got {w}")
@@ -461,7 +470,7 @@ def count_planes(packed: npt.NDArray[np.uint8], n: int, width: int,
                 not out.flags.c_contiguous or not out.flags.writeable:
             raise UsageError(f"out must be a writeable C-contiguous uint8{list(shape)} array")
         res = out
-    _dispatch(n, _k.count_planes_serial, _k.count_planes_parallel, (a, res, n),
+    _dispatch(n, _k.count_planes_serial, _k.count_planes_parallel, (a, res, n, first // 8),
               _CHUNK_ELEMENTS // 64)
     return res
 

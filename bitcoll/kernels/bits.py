@@ -545,20 +545,19 @@ def _st_tile(out: Any, t0: int, m: int, tile: Any, n: int) -> None:
 
 @_helper()
 def _add_row(packed: Any, r: int, t0: int, m: int, full: int, planes: Any, carry: Any,
-             shift: int) -> None:
-    """Add row ``r`` of ``packed`` (words ``t0 .. t0 + m``, ``full`` of them complete) at
-    weight ``2**shift`` to the vertical counter ``planes`` (ripple carry through the planes
-    from ``shift`` up)."""
-    nbytes = packed.shape[1]
+             shift: int, b0: int, nbytes: int) -> None:
+    """Add row ``r`` of ``packed`` (words ``t0 .. t0 + m`` of the ``nbytes`` bytes from byte
+    ``b0``, ``full`` of them complete) at weight ``2**shift`` to the vertical counter
+    ``planes`` (ripple carry through the planes from ``shift`` up)."""
     if full > 0:
         # One 64-bit load per word through a word view of the row (byte loads of a 2-D
         # array are not merged by LLVM: 13x slower here).
-        words = packed[r, t0 * 8:(t0 + full) * 8].view(np.uint64)
+        words = packed[r, b0 + t0 * 8:b0 + (t0 + full) * 8].view(np.uint64)
         for w in range(full):
             carry[w] = words[w]
     for w in range(max(full, 0), m):
         j = (t0 + w) * 8
-        carry[w] = _ld_row_partial(packed, r, j, nbytes - j)
+        carry[w] = _ld_row_partial(packed, r, b0 + j, nbytes - j)
     for s in range(shift, planes.shape[0]):
         for w in range(m):
             c = carry[w]
@@ -583,7 +582,7 @@ def _majority_words(packed: Any, shifts: Any, out: Any, n: int, w0: int, w1: int
             for w in range(m):
                 planes[s, w] = v
         for r in range(p):  # row r counts 2**shifts[r] votes
-            _add_row(packed, r, t0, m, full, planes, carry, shifts[r])
+            _add_row(packed, r, t0, m, full, planes, carry, shifts[r], 0, nbytes)
         for w in range(m):
             tie = _ALL
             for s in range(top):
@@ -621,9 +620,11 @@ def majority_parallel(packed: Any, shifts: Any, out: Any, n: int, nplanes: int, 
 
 
 @_helper()
-def _count_plane_words(packed: Any, out: Any, n: int, w0: int, w1: int) -> None:
+def _count_plane_words(packed: Any, out: Any, n: int, b0: int, w0: int, w1: int) -> None:
+    """Count planes of words ``w0 .. w1`` of the ``n`` elements from byte ``b0`` of each
+    row."""
     p = packed.shape[0]
-    nbytes = packed.shape[1]
+    nbytes = (n + 7) // 8
     width = out.shape[0]
     planes = np.empty((width, _MAJ_TILE), np.uint64)
     carry = np.empty(_MAJ_TILE, np.uint64)
@@ -634,25 +635,26 @@ def _count_plane_words(packed: Any, out: Any, n: int, w0: int, w1: int) -> None:
             for w in range(m):
                 planes[s, w] = np.uint64(0)
         for r in range(p):
-            _add_row(packed, r, t0, m, full, planes, carry, 0)
+            _add_row(packed, r, t0, m, full, planes, carry, 0, b0, nbytes)
         for s in range(width):
             _st_tile(out[s], t0, m, planes[s], n)
 
 
 @_kernel()
-def count_planes_serial(packed: Any, out: Any, n: int) -> int:
-    """The vote counts of the rows of ``packed`` as the bit planes ``out``; returns 0."""
-    _count_plane_words(packed, out, n, 0, (packed.shape[1] + 7) // 8)
+def count_planes_serial(packed: Any, out: Any, n: int, b0: int) -> int:
+    """The vote counts of elements ``8 b0 .. 8 b0 + n`` of the rows of ``packed`` as the bit
+    planes ``out``; returns 0."""
+    _count_plane_words(packed, out, n, b0, 0, (n + 63) // 64)
     return 0
 
 
 @_kernel(parallel=True)
-def count_planes_parallel(packed: Any, out: Any, n: int, chunk: int) -> int:
+def count_planes_parallel(packed: Any, out: Any, n: int, b0: int, chunk: int) -> int:
     """:func:`count_planes_serial` split into chunks of ``chunk`` 64-element words."""
-    nwords = (packed.shape[1] + 7) // 8
+    nwords = (n + 63) // 64
     nchunks = (nwords + chunk - 1) // chunk
     for c in prange(nchunks):
-        _count_plane_words(packed, out, n, c * chunk, min(nwords, (c + 1) * chunk))
+        _count_plane_words(packed, out, n, b0, c * chunk, min(nwords, (c + 1) * chunk))
     return 0
 
 
