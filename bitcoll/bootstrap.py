@@ -39,7 +39,7 @@ from .communicator import (
     DEFAULT_SEGMENT_BYTES,
     Communicator,
 )
-from .config import DEFAULT_TIMEOUT, ENV_INTEGRITY, ENV_MASTER_PORT
+from .config import DEFAULT_TIMEOUT, ENV_INTEGRITY, ENV_MASTER_PORT, ENV_TWO_LEVEL, switch
 from .errors import UsageError
 from .transport.base import Transport
 from .transport.local import LocalTransport
@@ -185,17 +185,6 @@ def tcp_environment(environ: dict[str, str] | None = None,
     return TcpEnvironment(rank, size, addr, port, agent and not external_store, source)
 
 
-def _integrity(value: bool | None) -> bool:
-    if value is None:
-        env = os.environ.get(ENV_INTEGRITY, "0")
-        if env not in ("0", "1", ""):
-            raise UsageError(f"{ENV_INTEGRITY} must be 0 or 1, got {env!r}")
-        return env == "1"
-    if not isinstance(value, bool):
-        raise UsageError(f"integrity must be True, False or None, got {value!r}")
-    return value
-
-
 def _tcp_transport(timeout: float, store: object | None, integrity: bool) -> Transport:
     from .transport.external_store import check_store, torchrun_store
     from .transport.tcp import TCPTransport
@@ -213,7 +202,8 @@ def init(backend: str = "auto", timeout: float = DEFAULT_TIMEOUT,
          segment_bytes: int = DEFAULT_SEGMENT_BYTES,
          packed_segment_bytes: int = DEFAULT_PACKED_SEGMENT_BYTES, *,
          comm: object | None = None, store: object | None = None,
-         integrity: bool | None = None, shm: bool | None = None) -> Communicator:
+         integrity: bool | None = None, shm: bool | None = None,
+         two_level: bool | None = None) -> Communicator:
     """Create the communicator of this process's world.
 
     ``backend``: "auto", "mpi", "tcp" or "local" (see the module docstring for how "auto"
@@ -231,7 +221,11 @@ def init(backend: str = "auto", timeout: float = DEFAULT_TIMEOUT,
     each side, see the README). ``shm`` (TCP backend; default: ``BITCOLL_SHM`` in the
     environment, ``0`` or ``1``, else on): ranks that share a host exchange frames through
     shared memory instead of TCP (:mod:`bitcoll.transport.hybrid`); ignored by the other
-    backends.
+    backends. ``two_level`` (default: ``BITCOLL_TWO_LEVEL`` in the environment, ``0`` or
+    ``1``, else on): whether the two-level algorithms are the default when the ranks run on
+    several hosts and some host runs several (:attr:`Communicator.two_level`); every rank
+    must use the same setting (a rank that differs fails the first collective it changes
+    with ProtocolError).
 
     Raises UsageError for an unknown backend, ``comm`` that is not an mpi4py
     intra-communicator, ``comm`` with a non-MPI backend, ``store`` lacking a method or with a
@@ -257,7 +251,8 @@ def init(backend: str = "auto", timeout: float = DEFAULT_TIMEOUT,
             raise UsageError(f"store= selects the TCP backend; backend={backend!r} "
                              "contradicts it")
         backend = "tcp"
-    check = _integrity(integrity)
+    check = switch(integrity, "integrity", ENV_INTEGRITY, False)
+    layered = switch(two_level, "two_level", ENV_TWO_LEVEL, True)
     from .transport.hybrid import shm_enabled
 
     use_shm = shm_enabled(shm)
@@ -276,7 +271,7 @@ def init(backend: str = "auto", timeout: float = DEFAULT_TIMEOUT,
     else:
         transport = LocalTransport()
     comm = Communicator(transport, timeout=timeout, segment_bytes=segment_bytes,
-                        packed_segment_bytes=packed_segment_bytes)
+                        packed_segment_bytes=packed_segment_bytes, two_level=layered)
     try:
         comm.topology  # noqa: B018  (exchanges the host keys once, see bitcoll.topology)
     except BaseException:

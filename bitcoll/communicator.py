@@ -250,12 +250,15 @@ class Communicator:
     ``topology``: which ranks share a host (:class:`~bitcoll.topology.Topology` of this rank,
     the same ``hosts`` on every rank) when the caller knows it; default None: exchanged on
     first use of :attr:`topology`. UsageError unless it has ``size`` entries and this rank.
+    ``two_level``: see :attr:`two_level` (the same on every rank).
     """
 
     def __init__(self, transport: Transport, timeout: float = DEFAULT_TIMEOUT,
                  segment_bytes: int = DEFAULT_SEGMENT_BYTES,
                  packed_segment_bytes: int = DEFAULT_PACKED_SEGMENT_BYTES,
-                 topology: Topology | None = None) -> None:
+                 topology: Topology | None = None, two_level: bool = True) -> None:
+        if not isinstance(two_level, bool):
+            raise UsageError(f"two_level must be True or False, got {two_level!r}")
         if topology is not None and (len(topology.hosts) != transport.size or
                                      topology.rank != transport.rank):
             raise UsageError(f"topology covers {len(topology.hosts)} ranks as rank "
@@ -277,6 +280,7 @@ class Communicator:
         self._splits = 0  # split() calls so far: names the sub-groups' namespaces
         self._agreed_failure: CommError | None = None  # see _AGREED
         self._topology: Topology | None = topology
+        self._two_level_on = two_level
         self._host_comms: dict[str, Communicator] = {}  # host_comm() / cross_host_comm()
         self._no_local_stats: TrafficStats | None = None  # stats_local without shared memory
         # MPI's own collectives (algorithm="native", the argument check), when there are any.
@@ -445,11 +449,20 @@ class Communicator:
         if last is not None:
             cf.wait([last])
 
+    @property
+    def two_level(self) -> bool:
+        """Whether the two-level algorithms (``algorithm="hierarchical"``) are the default
+        where the ranks run on several hosts and some host runs several (``bitcoll.init``'s
+        ``two_level``, default on; ``BITCOLL_TWO_LEVEL=0`` turns it off). Off, those
+        collectives default to the flat algorithms, as on one host. Sub-communicators from
+        :meth:`split` inherit it."""
+        return self._two_level_on
+
     def _two_level(self) -> bool:
-        """Whether the two-level algorithms are the default: the topology is known, the ranks
-        run on several hosts and some host runs several of them."""
+        """Whether the two-level algorithms are the default: :attr:`two_level` is on, the
+        topology is known, the ranks run on several hosts and some host runs several."""
         topo = self._topology
-        return topo is not None and 1 < topo.num_hosts < self.size
+        return self._two_level_on and topo is not None and 1 < topo.num_hosts < self.size
 
     def _hosts(self) -> tuple[int, ...]:
         """Every rank's host index, for ``algorithm="hierarchical"`` (on a communicator
@@ -1145,7 +1158,8 @@ class Communicator:
         topo = None if self._topology is None else \
             self._topology.subset(members, members.index(self.rank))
         return Communicator(transport, timeout=self.timeout, segment_bytes=self.segment_bytes,
-                            packed_segment_bytes=self.packed_segment_bytes, topology=topo)
+                            packed_segment_bytes=self.packed_segment_bytes, topology=topo,
+                            two_level=self._two_level_on)
 
     # ------------------------------------------------------------------ packed-bit collectives
     def _packed(self, name: str, x: Any, codec_args: tuple[str, str, int], out: Any,

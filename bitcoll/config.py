@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from typing import Final
 
-__all__ = ["DEFAULT_TIMEOUT", "ENV_MASTER_PORT", "ENV_INTEGRITY", "MAX_SUM_RANGE"]
+from .errors import UsageError
+
+__all__ = ["DEFAULT_TIMEOUT", "ENV_MASTER_PORT", "ENV_INTEGRITY", "ENV_TWO_LEVEL",
+           "MAX_SUM_RANGE", "switch"]
 
 #: Default deadline, in seconds, of every blocking operation (set-up included).
 DEFAULT_TIMEOUT: Final = 300.0
@@ -15,6 +19,24 @@ ENV_MASTER_PORT: Final = "BITCOLL_MASTER_PORT"
 #: Environment variable that turns on the TCP backend's per-frame integrity tags ("1").
 ENV_INTEGRITY: Final = "BITCOLL_INTEGRITY"
 
+#: Environment variable that sets whether the two-level algorithms are the default on hosts
+#: with several ranks ("0": flat, "1": two-level, the default).
+ENV_TWO_LEVEL: Final = "BITCOLL_TWO_LEVEL"
+
 #: Largest ``levels * size`` of the exact-sum collectives (their results travel in at most
 #: 16-bit fields).
 MAX_SUM_RANGE: Final = (1 << 15) - 1
+
+
+def switch(value: object, name: str, env: str, default: bool) -> bool:
+    """An on/off option of ``bitcoll.init``: ``value`` when it is True or False, else (None)
+    the environment variable ``env`` ("0" or "1"; unset or empty: ``default``). UsageError
+    for anything else, naming the option ``name`` or the variable."""
+    if value is None:
+        text = os.environ.get(env, "")
+        if text not in ("0", "1", ""):
+            raise UsageError(f"{env} must be 0 or 1, got {text!r}")
+        return default if text == "" else text == "1"
+    if not isinstance(value, bool):
+        raise UsageError(f"{name} must be True, False or None, got {value!r}")
+    return value

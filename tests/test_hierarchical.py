@@ -29,7 +29,7 @@ from bitcoll.algorithms.context import OpContext, Slot
 from bitcoll.algorithms.hierarchical import HostPlan, count_width
 from bitcoll.algorithms.sign_allreduce_direct import segment_elements
 from bitcoll.algorithms.votes import field_width
-from bitcoll.communicator import Communicator
+from bitcoll.communicator import Communicator, packed_auto_algorithm
 from bitcoll.errors import UsageError
 from bitcoll.partition import block_bounds
 from bitcoll.topology import Topology
@@ -132,6 +132,49 @@ def test_same_bits_as_direct_and_default() -> None:
         assert comm._algorithm("packed", None, "hierarchical") == "hierarchical"
 
     run_hosts(hosts, body, packed_segment_bytes=1024)
+
+
+def test_two_level_off_makes_the_flat_algorithms_the_default(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``two_level=False`` (``BITCOLL_TWO_LEVEL=0``): on several hosts with several ranks
+    the defaults send exactly what the flat algorithms send (the packed collectives' choice
+    by size, the ring for a large dense all-reduce); on (the default) exactly what the
+    two-level ones send. Splits inherit the setting; a bad value is a UsageError."""
+    hosts = (0, 0, 1, 1)
+    n = 40_001
+
+    def sent(comm: Communicator, packed: str | None = None, dense: str | None = None
+             ) -> tuple[int, int]:
+        x = vote_input(5, comm.rank, n, "float32")
+        comm.stats.reset()
+        comm.sign_allreduce(x, algorithm=packed)
+        comm.allreduce(x, algorithm=dense)
+        snap = comm.stats.snapshot()
+        return snap["bytes_sent"], snap["messages_sent"]
+
+    def body(comm: Communicator) -> list[tuple[int, int]]:
+        return [sent(comm), sent(comm, packed_auto_algorithm(n, comm.size), "ring"),
+                sent(comm, "hierarchical", "hierarchical")]
+
+    for on in (False, True):
+        for default, flat, layered in run_hosts(hosts, body, two_level=on):
+            assert default == (layered if on else flat)
+            assert flat != layered
+    for value, want in (("0", False), ("1", True), ("", True)):
+        monkeypatch.setenv("BITCOLL_TWO_LEVEL", value)
+        with bitcoll.init("local") as comm:
+            assert comm.two_level is want
+    with bitcoll.init("local", two_level=False) as comm:
+        assert comm.two_level is False
+        sub = comm.split(0)
+        assert sub is not None and sub.two_level is False
+        sub.close()
+    monkeypatch.setenv("BITCOLL_TWO_LEVEL", "yes")
+    with pytest.raises(bitcoll.UsageError, match="BITCOLL_TWO_LEVEL must be 0 or 1"):
+        bitcoll.init("local")
+    monkeypatch.delenv("BITCOLL_TWO_LEVEL")
+    with pytest.raises(bitcoll.UsageError, match="two_level must be True, False or None"):
+        bitcoll.init("local", two_level="no")  # type: ignore[arg-type]
 
 
 def _between_hosts_bytes(hosts: Sequence[int], rank: int, n: int, kind: str, levels: int,

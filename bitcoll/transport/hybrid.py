@@ -95,6 +95,7 @@ from typing import TYPE_CHECKING, Any, Final
 import numpy as np
 import numpy.typing as npt
 
+from ..config import switch
 from ..errors import (
     BitcollError,
     CommError,
@@ -140,14 +141,7 @@ _log = logging.getLogger("bitcoll.shm")
 def shm_enabled(value: bool | None) -> bool:
     """The ``shm`` setting of ``bitcoll.init``: ``value`` when given, else ``BITCOLL_SHM``
     ("0" or "1"), else :data:`DEFAULT_SHM`. UsageError for anything else."""
-    if value is None:
-        env = os.environ.get(ENV_SHM, "")
-        if env not in ("0", "1", ""):
-            raise UsageError(f"{ENV_SHM} must be 0 or 1, got {env!r}")
-        return DEFAULT_SHM if env == "" else env == "1"
-    if not isinstance(value, bool):
-        raise UsageError(f"shm must be True, False or None, got {value!r}")
-    return value
+    return switch(value, "shm", ENV_SHM, DEFAULT_SHM)
 
 
 def share_hosts(comm: Communicator, use_shm: bool, timeout: float) -> Communicator:
@@ -183,7 +177,8 @@ def share_hosts(comm: Communicator, use_shm: bool, timeout: float) -> Communicat
     # A new Communicator on every rank, also where no segment was mapped (a host of one rank,
     # or a failed probe): every rank must restart at collective #0 together.
     return Communicator(wrapped, timeout=comm.timeout, segment_bytes=comm.segment_bytes,
-                        packed_segment_bytes=comm.packed_segment_bytes, topology=topo)
+                        packed_segment_bytes=comm.packed_segment_bytes, topology=topo,
+                        two_level=comm.two_level)
 
 
 def _summed(key: str) -> Any:
