@@ -512,12 +512,7 @@ def test_world_size_disagreement_is_a_usage_error(monkeypatch: pytest.MonkeyPatc
 def test_threads_world_garbage_header_is_protocol_error(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A peer writing a frame with a bad magic number fails the receiver with ProtocolError."""
-    port, job = free_port(), 77
-    with _rank1(monkeypatch, port, 2, job) as (client, box, th):
-        published = _published(client, box, th)
-        peer = _hello_as_rank0(published, job)
-        th.join(10)
-        t = box["t"]
+    with _raw_pair(monkeypatch) as (t, peer, _):
         buf = bytearray(4)
         req = t.irecv(0, memoryview(buf), FrameHeader(seq=1, step=0, signature=SIG, length=4))
         peer.sendall(b"\x00" * HEADER_SIZE)
@@ -529,8 +524,6 @@ def test_threads_world_garbage_header_is_protocol_error(
         h = FrameHeader.unpack(head)
         reason = peer.recv(h.length, socket.MSG_WAITALL).decode()
         assert h.kind == 2 and "magic" in reason
-        peer.close()
-        t.close()
 
 
 def _until_inside(thread: threading.Thread, function: str, seconds: float = 10.0) -> None:
