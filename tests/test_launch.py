@@ -231,12 +231,6 @@ def test_console_script_and_module_form(tmp_path: Path) -> None:
     _check_env_run(proc, 2, ["x", "--", "-m"], "the user's own secret")  # passed through
 
 
-def _fifo(tmp_path: Path) -> Path:
-    path = tmp_path / "fifo"
-    os.mkfifo(path)
-    return path
-
-
 #: Ranks other than ``WAITER`` write their pid to ``pid<rank>`` and a line to the FIFO once
 #: ready (after SETUP); the waiter writes its pid and reads one line per other rank, so it
 #: acts only when all of them are ready. No sleeps: the FIFO orders the events.
@@ -257,10 +251,17 @@ _READY = """
 """
 
 
+def _ready_script(tmp_path: Path, body: str) -> Path:
+    """Write ``tmp_path/job.py``, a rank script running :data:`_READY` then ``body``, and
+    create the FIFO ``tmp_path/fifo`` that :data:`_READY` synchronises on; return the script's
+    path. ``body`` is indented like :data:`_READY` (the script is dedented as a whole)."""
+    os.mkfifo(tmp_path / "fifo")
+    return _script(tmp_path, _READY + body)
+
+
 @pytest.mark.timeout(60)
 def test_failing_rank_stops_the_others_and_sets_the_exit_status(tmp_path: Path) -> None:
-    _fifo(tmp_path)
-    script = _script(tmp_path, _READY + """
+    script = _ready_script(tmp_path, """
     if rank == 1:
         wait_for_the_others()
         print("rank one gives up", flush=True)
@@ -281,8 +282,7 @@ def test_failing_rank_stops_the_others_and_sets_the_exit_status(tmp_path: Path) 
 def test_the_rank_that_fails_first_in_time_is_reported(tmp_path: Path) -> None:
     # Ranks 0 and 2 fail too (status 4), but only when the launcher's SIGTERM tells them that
     # rank 1 has failed: the report and the exit status must be rank 1's, not rank 0's.
-    _fifo(tmp_path)
-    script = _script(tmp_path, _READY + """
+    script = _ready_script(tmp_path, """
     def fail_late(signum, frame):
         print(f"rank {rank} got SIGTERM, fails with status 4", flush=True)
         os._exit(4)
@@ -319,8 +319,7 @@ def test_rank_killed_by_a_signal_is_reported(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(60)
 def test_rank_ignoring_sigterm_is_killed_after_the_grace_period(tmp_path: Path) -> None:
-    _fifo(tmp_path)
-    script = _script(tmp_path, _READY + """
+    script = _ready_script(tmp_path, """
     if rank == 0:
         wait_for_the_others()
         sys.exit(5)
