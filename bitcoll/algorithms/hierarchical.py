@@ -213,11 +213,11 @@ def packed_hierarchical(ctx: OpContext, codec: VoteCodec, x: Array, out: Array,
                 # its own rows first, then each other host's rows, where they land.
                 stack = np.empty((sum(cw[t][0] for t in range(H)), nbytes(x1 - x0, 1)),
                                  np.uint8)
-                row = wc
+                first = wc  # host t's first row in stack
                 for t in range(H):
                     if t != me:
-                        land = stack[row:row + cw[t][0]]
-                        row += cw[t][0]
+                        land = stack[first:first + cw[t][0]]
+                        first += cw[t][0]
                         posted.append((t, land, ctx.irecv(plan.owner(t, s), land)))
                 # (Sub-block bounds are a + 8k, except that an empty one may start at b.)
                 for t in range(H):
