@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -67,3 +69,69 @@ def _warm_kernels(request: pytest.FixtureRequest) -> None:
             packed_sweep(comm, lengths=(9,), algorithms=("direct", "ring"))
         return
     warm_kernels()
+
+
+# --------------------------------------------------------------------------------------------
+# Under mpiexec: the ranks stay in step, or the run stops
+# --------------------------------------------------------------------------------------------
+
+_FAILED = pytest.StashKey[bool]()
+"""Set on a test item when its set-up or call failed on this rank."""
+
+STEP_CHECK_SECONDS = 900.0
+"""How long a rank waits after an MPI test for the other ranks to finish it (longer than any
+test's own timeout)."""
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    outcome = yield
+    if outcome.get_result().failed:
+        item.stash[_FAILED] = True
+
+
+@pytest.fixture(scope="session")
+def _step_comm(request: pytest.FixtureRequest) -> Any:
+    """A private duplicate of MPI's world for :func:`_ranks_in_step` (made by every rank at
+    its first MPI test, where all of them still are in step)."""
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD.Dup()
+    yield comm
+    comm.Free()
+
+
+@pytest.fixture(autouse=True)
+def _ranks_in_step(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After every MPI test under mpiexec, the ranks tell each other whether it failed. A
+    test that failed on some ranks only can leave them out of step: the ones that stopped
+    early skipped collectives on ``MPI.COMM_WORLD`` (a communicator's creation duplicates
+    it) that the others made, so every later test would pair the wrong calls and fail or
+    hang. The run then stops at once on every rank (``pytest.exit``, with the failures
+    reported), naming the test and the ranks where it failed."""
+    item = request.node
+    if item.get_closest_marker("mpi") is None or \
+            not request.config.getoption("--with-mpi", default=False):
+        yield
+        return
+    comm = request.getfixturevalue("_step_comm")
+    yield
+    import time
+
+    import numpy as np
+
+    mine = np.array([1 if item.stash.get(_FAILED, False) else 0], dtype=np.int64)
+    where = np.zeros(comm.Get_size(), dtype=np.int64)
+    req = comm.Iallgather(mine, where)
+    deadline = time.monotonic() + STEP_CHECK_SECONDS
+    while not req.Test():
+        if time.monotonic() > deadline:
+            pytest.exit(f"rank {comm.Get_rank()}: the other ranks did not finish "
+                        f"{item.nodeid} within {STEP_CHECK_SECONDS:.0f} s after this one; "
+                        "stopping the MPI tests", returncode=1)
+        time.sleep(0.001)
+    failed = [int(r) for r in np.flatnonzero(where)]
+    if 0 < len(failed) < comm.Get_size():
+        pytest.exit(f"{item.nodeid} failed on rank(s) {failed} only (of "
+                    f"{comm.Get_size()}): the ranks may be out of step, so the remaining MPI "
+                    "tests would not be meaningful; stopping", returncode=1)
