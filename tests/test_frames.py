@@ -2,9 +2,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from bitcoll.errors import ProtocolError
+from bitcoll.errors import ProtocolError, UsageError
 from bitcoll.transport import base, wire
 from bitcoll.transport.base import HEADER_SIZE, MAGIC, FrameHeader, FrameKind, TrafficStats
+from bitcoll.transport.local import LocalTransport
 
 
 @given(st.integers(0, 2**64 - 1), st.integers(0, 2**32 - 1), st.integers(0, 2**32 - 1),
@@ -75,3 +76,13 @@ def test_abort_frame_carries_its_reason_cut_to_the_limit() -> None:
 def test_base_reexports_the_wire_names() -> None:
     assert base.FrameHeader is wire.FrameHeader and base.HEADER_SIZE == wire.HEADER_SIZE
     assert base.MAGIC == wire.MAGIC and base.FrameKind is wire.FrameKind
+
+
+def test_receive_side_consumers_are_optional() -> None:
+    """A transport without receive-side consumers says so with a UsageError naming itself
+    (algorithms ask ``consumes_on_receive`` first)."""
+    t = LocalTransport()
+    assert not t.consumes_on_receive
+    with pytest.raises(UsageError, match="local transport cannot hand a payload over"):
+        t.irecv_consume(0, 8, FrameHeader(seq=0, step=0, signature=0, length=8),
+                        lambda offset, chunk: None)

@@ -136,8 +136,9 @@ class Transport(ABC):
         is passed to ``consume(offset, chunk)`` in order, in chunks whose sizes are multiples
         of 8 bytes except possibly the last (``chunk`` is only valid during the call). Called
         on a transport thread; an exception from ``consume`` fails the request and aborts the
-        transport. Only when :attr:`consumes_on_receive`."""
-        raise NotImplementedError(f"{self.name} transport has no irecv_consume")
+        transport. Only when :attr:`consumes_on_receive`; UsageError elsewhere."""
+        raise UsageError(f"the {self.name} transport cannot hand a payload over as it arrives "
+                         "(consumes_on_receive is False)")
 
     def subgroup(self, members: list[int], tag: str, timeout: float) -> Transport:
         """A new transport over the ranks ``members`` of this one (sorted in the new rank
