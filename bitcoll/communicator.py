@@ -675,7 +675,7 @@ class Communicator:
             res, flat = output(out, vec.size, vec.dtype, v.shape, bf16=v.bf16)
             algo = self._algorithm("allreduce", algorithm, "")
             if not algo:
-                algo = self._auto_allreduce(vec, v.bf16, rop)
+                algo = self._auto_allreduce(vec.dtype, vec.size, v.bf16, rop)
             hosts = self._hosts() if algo == "hierarchical" else ()
             if algo == "native" and vec.dtype == np.float16:
                 raise UsageError("algorithm='native' cannot reduce float16 (MPI has no float16 "
@@ -839,7 +839,7 @@ class Communicator:
                 (rop is not ReduceOp.AVG or dtype in FLOAT_DTYPES):
             if self._nt is not None:
                 plan = self._mpi_plan(dtype, size, rop)
-            elif dtype.itemsize * size <= SMALL_MESSAGE_BYTES:
+            elif self._auto_allreduce(dtype, size, False, rop) == "recursive_doubling":
                 fields = (rop.value, dtype.str, size, "recursive_doubling")
                 plan = _Plan(fields, signature("allreduce", *fields), None, "", None, rop)
         if len(self._plans) >= _PLANS_MAX:
@@ -847,18 +847,19 @@ class Communicator:
         self._plans[key] = plan
         return plan
 
-    def _auto_allreduce(self, vec: Array, bf16: bool, op: ReduceOp) -> str:
-        """The default all-reduce algorithm for ``vec`` (identical on every rank that passes
-        the same arguments): over MPI, "inline" while the vector fits the argument check's
-        records (not bfloat16), then MPI's own up to :data:`NATIVE_ALLREDUCE_MAX_BYTES` when
-        MPI reduces the dtype (not bfloat16, not float16), then recursive doubling up to
-        :data:`SMALL_MESSAGE_BYTES`, then "hierarchical" when the ranks run on several hosts
-        and some host runs several, else the ring."""
-        nbytes = vec.nbytes
-        plan = None if bf16 else self._mpi_plan(vec.dtype, vec.size, op)
+    def _auto_allreduce(self, dtype: np.dtype[Any], size: int, bf16: bool, op: ReduceOp
+                        ) -> str:
+        """The default all-reduce algorithm for ``size`` elements of ``dtype`` (bfloat16: the
+        uint16 bits and ``bf16``; identical on every rank that passes the same arguments):
+        over MPI, "inline" while the vector fits the argument check's records (not bfloat16),
+        then MPI's own up to :data:`NATIVE_ALLREDUCE_MAX_BYTES` when MPI reduces the dtype (not
+        bfloat16, not float16), then recursive doubling up to :data:`SMALL_MESSAGE_BYTES`, then
+        "hierarchical" when the ranks run on several hosts and some host runs several, else
+        the ring."""
+        plan = None if bf16 else self._mpi_plan(dtype, size, op)
         if plan is not None:
             return str(plan.fields[3])
-        if nbytes <= SMALL_MESSAGE_BYTES:
+        if dtype.itemsize * size <= SMALL_MESSAGE_BYTES:
             return "recursive_doubling"
         return "hierarchical" if self._two_level() else "ring"
 
