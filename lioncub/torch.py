@@ -17,11 +17,11 @@ as usual.
     buckets the collectives need. Float32 CPU tensors only.
   - ``"torch"``: :class:`lioncub.torch_engine.TorchEngine`, the same algorithm written with
     torch operations on the parameters' device (CPU or CUDA; float32, bfloat16 or float16
-    parameters; float32 or bfloat16 momenta): only the packed votes go to the host and only
-    the packed result comes back (``last_stats.device_to_host_bytes`` /
-    ``host_to_device_bytes``).
-  - ``"auto"`` (default): "numpy" when every tensor is a float32 CPU tensor and the momentum
-    is float32, "torch" otherwise.
+    parameters; float32 or bfloat16 momenta): on a GPU only the packed votes go to the host
+    and only the packed result comes back (``last_stats.device_to_host_bytes`` /
+    ``host_to_device_bytes``); on a CPU bitcoll packs the votes (``packing=``).
+  - ``"auto"`` (default): "numpy" when every tensor is a float32 CPU tensor, the momentum
+    is float32 and ``packing`` is "auto", "torch" otherwise.
 
   Either way, parameters must be dense and contiguous; do not replace a parameter's storage
   (``p.data = ...``) after construction (checked at every step).
@@ -68,7 +68,7 @@ from .lion import check_hyper
 from .replicas import ReplicaSet
 from .stats import StepStats
 from .sync import MomentumSync
-from .torch_engine import MOMENTUM_DTYPES, PARAM_DTYPES, TensorReplicas, TorchEngine
+from .torch_engine import MOMENTUM_DTYPES, PACKINGS, PARAM_DTYPES, TensorReplicas, TorchEngine
 
 if TYPE_CHECKING:
     from torch._C._distributed_c10d import GradBucket
@@ -174,6 +174,15 @@ class DistributedLion(Optimizer):
     ``torch.float32`` (default, also what None means) or ``torch.bfloat16`` (half the
     memory; the arithmetic stays float32 and the momentum is rounded once per step).
 
+    ``packing`` (torch engine): where the votes are packed into bits. "device" packs them
+    with torch operations on the parameters' device, so that only packed bytes cross to the
+    host and back (``last_stats.device_to_host_bytes`` / ``host_to_device_bytes``); "host"
+    (CPU parameters only) hands them to bitcoll unpacked, whose collective packs them on the
+    way to the wire, as the numpy engine does: nothing crosses a bus on a CPU, and the votes
+    are not packed twice. The results and the bytes on the wire are the same. "auto"
+    (default): "host" on a CPU, "device" elsewhere. The numpy engine takes only "auto"
+    (another value with ``backend="auto"`` selects the torch engine).
+
     ``overlap``: True starts each bucket's work (direction, votes, packing and its
     collective) during ``backward()``, as soon as every gradient of the bucket is final and
     every later bucket has started (hooks ``register_post_accumulate_grad_hook``; buckets
@@ -214,7 +223,8 @@ class DistributedLion(Optimizer):
                  bucket_size: int = DEFAULT_BUCKET_BYTES,
                  names: Sequence[str] | None = None, *,
                  broadcast_parameters: bool = True, backend: str = "auto",
-                 momentum_dtype: torch.dtype | None = None, overlap: bool = False) -> None:
+                 momentum_dtype: torch.dtype | None = None, overlap: bool = False,
+                 packing: str = "auto") -> None:
         b1, b2 = _betas(betas)
         check_hyper(lr, b1, b2, weight_decay)
         self._constructed = False
@@ -222,7 +232,7 @@ class DistributedLion(Optimizer):
         self._all: list[torch.Tensor] = [p for g in self.param_groups for p in g["params"]]
         all_names, self._named = self._names(names)
         self._all_names = all_names
-        self._backend = self._choose_backend(backend, momentum_dtype)
+        self._backend = self._choose_backend(backend, momentum_dtype, packing)
         core_groups = []
         core_names: list[str] = []
         self._tensors: list[torch.Tensor] = []
@@ -251,7 +261,8 @@ class DistributedLion(Optimizer):
             self._core = _CoreDistributedLion(core_groups, comm, **options)
         else:
             self._core = TorchEngine(core_groups, comm, **options,
-                                     momentum_dtype=momentum_dtype or torch.float32)
+                                     momentum_dtype=momentum_dtype or torch.float32,
+                                     packing=packing)
         self._ptrs = [p.data_ptr() for p in self._tensors]
         self._accumulating = False
         self._local_index = {id(p): i for i, p in enumerate(self._tensors)}
@@ -273,7 +284,7 @@ class DistributedLion(Optimizer):
         self._constructed = True
 
     # ------------------------------------------------------------------ set-up helpers
-    def _choose_backend(self, backend: object, momentum_dtype: object) -> str:
+    def _choose_backend(self, backend: object, momentum_dtype: object, packing: str) -> str:
         if backend not in BACKENDS:
             raise UsageError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
         if momentum_dtype is not None and momentum_dtype not in MOMENTUM_DTYPES:
@@ -281,11 +292,16 @@ class DistributedLion(Optimizer):
                              f"{momentum_dtype!r}")
         plain = all(p.dtype == torch.float32 and p.device.type == "cpu" for p in self._all) \
             and momentum_dtype in (None, torch.float32)
+        if packing not in PACKINGS:
+            raise UsageError(f"packing must be one of {', '.join(PACKINGS)}, got {packing!r}")
+        if backend == "numpy" and packing != "auto":
+            raise UsageError(f"packing={packing!r} is an option of the torch engine; the "
+                             "numpy backend packs inside bitcoll's collectives")
         if backend == "numpy" and momentum_dtype not in (None, torch.float32):
             raise UsageError("the numpy backend keeps float32 momenta; use backend='torch' "
                              "for another momentum_dtype")
         if backend == "auto":
-            return "numpy" if plain else "torch"
+            return "numpy" if plain and packing == "auto" else "torch"
         return str(backend)
 
     def _names(self, names: Sequence[str] | None) -> tuple[list[str], bool]:

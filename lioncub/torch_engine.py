@@ -19,6 +19,15 @@ host and only packed results come back:
 4. One host-to-device copy of the packed result (``ceil(count / 8)`` or
    ``ceil(count w_out / 8)`` bytes), unpacked on the device, and the update applied.
 
+That is ``packing="device"`` (:attr:`TorchEngine.packing`), the default on a GPU. On a CPU
+there is no bus to cross, and the default is ``packing="host"``: steps 2 and 4 go, the
+votes (``c`` itself for the sign-based variants, the int8 values for the quantized ones)
+are written into the stage's own host buffer and handed to bitcoll's unpacked collective
+(``sign_allreduce`` / ``quantized_allreduce``, which packs them on the way to the wire, as
+for the numpy core), and its result (one int8 or int16 per element) is applied where it
+lies: the same results and wire bytes, without packing twice; the step's device/host byte
+counts are 0.
+
 On a CPU the element-wise work of steps 1 and 4 goes tile by tile (:data:`CPU_TILE`
 elements, :attr:`TorchEngine.tile`): every tile passes through Lion's interpolation, the
 extrema, the variant's per-tile work (its votes or partial scales), the packing, and later
@@ -78,12 +87,16 @@ from .strategies import VariantStrategy
 from .torch_strategies import Stage, TorchStrategy, torch_strategy_for
 from .variants import VariantSpec
 
-__all__ = ["TorchEngine", "TensorReplicas", "PARAM_DTYPES", "MOMENTUM_DTYPES", "CPU_TILE"]
+__all__ = ["TorchEngine", "TensorReplicas", "PARAM_DTYPES", "MOMENTUM_DTYPES", "CPU_TILE",
+           "PACKINGS"]
 
 #: Parameter dtypes of the torch engine.
 PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 #: Momentum dtypes of the torch engine.
 MOMENTUM_DTYPES = (torch.float32, torch.bfloat16)
+
+#: Where the votes are packed (:attr:`TorchEngine.packing`).
+PACKINGS = ("auto", "device", "host")
 
 #: Elements per tile of the element-wise passes on a CPU: a tensor is processed in ranges of
 #: this many elements, each going through all the operations of a pass while it is in the
@@ -142,14 +155,19 @@ class TorchEngine(DistributedLion):
     :class:`lioncub.torch_strategies.TorchStrategy`. ``tile``: elements per tile of the
     element-wise passes (:data:`CPU_TILE` on a CPU, 0 = whole tensors elsewhere; set before
     the first step to change it; only the order of the float64 scale sums depends on it).
-    Everything else is the core's.
+    ``packing``: "device", "host" (CPU parameters only; UsageError otherwise) or "auto"
+    (module docstring), resolved at construction. Everything else is the core's.
     """
 
     def __init__(self, params: Any, comm: Any, *args: Any,
-                 momentum_dtype: torch.dtype = torch.float32, **kwargs: Any) -> None:
+                 momentum_dtype: torch.dtype = torch.float32, packing: str = "auto",
+                 **kwargs: Any) -> None:
         if momentum_dtype not in MOMENTUM_DTYPES:
             raise UsageError(f"momentum_dtype must be torch.float32 or torch.bfloat16, got "
                              f"{momentum_dtype}")
+        if packing not in PACKINGS:
+            raise UsageError(f"packing must be one of {', '.join(PACKINGS)}, got {packing!r}")
+        self.packing = packing
         for name in ("packed_sign_allreduce", "packed_quantized_allreduce"):
             if not callable(getattr(comm, name, None)):
                 raise UsageError(f"the torch engine needs a communicator with {name} "
@@ -158,6 +176,7 @@ class TorchEngine(DistributedLion):
         self.device: torch.device | None = None
         self._stages: list[Stage] = []
         self._f64: torch.Tensor | None = None
+        self._f32: torch.Tensor | None = None
         self.tile = 0
         self._extrema: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self._extrema_of: list[int] = []
@@ -200,6 +219,12 @@ class TorchEngine(DistributedLion):
 
     def _allocate_state(self) -> None:
         dev = self.device if self.device is not None else torch.device("cpu")
+        if self.packing == "auto":
+            self.packing = "host" if dev.type == "cpu" else "device"
+        elif self.packing == "host" and dev.type != "cpu":
+            raise UsageError(f"packing='host' needs the parameters on the CPU, they are on "
+                             f"{dev}: on a device the votes are packed there so that only "
+                             "packed bytes cross to the host (packing='device')")
         if not self.tile:
             self.tile = CPU_TILE if dev.type == "cpu" else 0
         self._flat = []
@@ -295,15 +320,18 @@ class TorchEngine(DistributedLion):
 
     def _direction(self, s: Slot, c: torch.Tensor, t: torch.Tensor,
                    g: torch.Tensor | None, h: Hyper,
-                   each: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None]
-                   | None = None, keep: bool = True) -> None:
+                   each: Callable[[int, torch.Tensor, torch.Tensor | None,
+                                   torch.Tensor | None], None] | None = None,
+                   keep: bool = True) -> None:
         """``c = m*b1 + g*a1`` and ``m = m*b2 + g*a2`` (float32 arithmetic, one rounding
         per operation, the numpy kernels' expression), tile by tile (``t``: scratch of at
         least one tile). While a bucket is being prepared, every tile's minimum and maximum
-        are recorded (the engine's finiteness check) and ``each(start, tile, lo, hi)`` is
-        called with the tile of ``c`` just written (elements ``[start, start + tile.numel())``
-        of the slot) and its extrema (0-d tensors), in order. ``keep=False``: ``c`` is not
-        kept (every tile is computed into the first tile of ``c``, for ``each`` only)."""
+        are recorded (the engine's finiteness check; not for a strategy that
+        :meth:`~lioncub.torch_strategies.TorchStrategy.checks_finite` itself) and
+        ``each(start, tile, lo, hi)`` is called with the tile of ``c`` just written (elements
+        ``[start, start + tile.numel())`` of the slot) and its extrema (0-d tensors, None
+        when none are recorded), in order. ``keep=False``: ``c`` is not kept (every tile is
+        computed into the first tile of ``c``, for ``each`` only)."""
         m = self._tmom[s.index]
         b1, a1, b2, a2 = float(h.b1), float(h.a1), float(h.b2), float(h.a2)
         low = m.dtype != torch.float32
@@ -323,15 +351,13 @@ class TorchEngine(DistributedLion):
                 mf.mul_(b2).add_(tt)
             if low:
                 mt.copy_(mf)
+            lo = hi = None
             if self._extrema is not None:
                 lo, hi = torch.aminmax(ct)
                 self._extrema.append((lo, hi))
                 self._extrema_of.append(s.index)
                 self._covered += b - a
-                if each is not None:
-                    each(a, ct, lo, hi)
-            elif each is not None:
-                lo, hi = torch.aminmax(ct)
+            if each is not None:
                 each(a, ct, lo, hi)
 
     def _sync(self) -> None:
@@ -350,9 +376,15 @@ class TorchEngine(DistributedLion):
                  hypers: list[Hyper]) -> None:
         """This rank's contribution of ``bucket`` computed and encoded on the device and
         copied into ``buf.host_in`` (the device strategy's); UsageError naming the first
-        parameter whose ``c`` is not finite."""
+        parameter whose ``c`` is not finite (found from the tiles' extrema, or by the
+        strategy when it :meth:`~lioncub.torch_strategies.TorchStrategy.checks_finite`)."""
         strategy = self.device_strategy
         c = buf.c[:bucket.size]
+        if strategy.checks_finite():
+            strategy.contribute(self, bucket, buf, grads, hypers)
+            self._device_to_host += strategy.encode(self, bucket, buf, None, None)
+            self._sync()
+            return
         self._extrema, self._extrema_of, self._covered = [], [], 0
         tiles: torch.Tensor | None = None  # the tiles' extrema when they cover the bucket
         try:
@@ -398,14 +430,26 @@ class TorchEngine(DistributedLion):
     def _apply(self, s: Slot, u: torch.Tensor, h: Hyper, start: int = 0) -> None:
         """``p = p*decay - lr*u`` for ``u`` in {-1, 0, 1} (any real dtype; ``lr*u`` is
         exact; ``p*1`` is ``p``, so a decay of 1 skips the product), tile by tile; ``u``
-        holds elements ``[start, start + u.numel())`` of the parameter."""
+        holds elements ``[start, start + u.numel())`` of the parameter. A ``u`` other than
+        float32 is converted tile by tile into the engine's float32 scratch (not into a
+        new tensor per tile: fresh memory costs page faults on a CPU)."""
         p = self._tflat[s.index][start:start + u.numel()]
         decay, lr = float(h.decay), float(h.lr)
+        wide = u.dtype != torch.float32
         for a, b in self._tiles(u.numel()):
-            pt = p[a:b]
+            pt, ut = p[a:b], u[a:b]
+            if wide:
+                ut = self._scratch32(b - a).copy_(ut)
             if decay != 1.0:
                 pt.mul_(decay)
-            pt.sub_(u[a:b], alpha=lr)
+            pt.sub_(ut, alpha=lr)
+
+    def _scratch32(self, n: int) -> torch.Tensor:
+        """Float32 scratch of ``n`` elements (grown when asked for more), for :meth:`_apply`
+        and the strategies' updates."""
+        if self._f32 is None or self._f32.numel() < n:
+            self._f32 = torch.zeros(max(n, self.tile), dtype=torch.float32, device=self.device)
+        return self._f32[:n]
 
     # ------------------------------------------------------------------ momentum sync
     def average_momenta(self, bucket: int, slots: list[Slot] | None = None) -> None:  # type: ignore[override]

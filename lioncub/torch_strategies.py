@@ -85,7 +85,7 @@ class Stage:
     host_in: torch.Tensor    # uint8: packed votes on the host (page-locked on CUDA)
     host_out: torch.Tensor   # uint8: packed result on the host
     dev_out: torch.Tensor    # uint8: packed result on the device
-    aux: torch.Tensor        # int8 [padded] scratch: the signs of the sums
+    aux: torch.Tensor        # int8 [padded] scratch of the votes
     t2: torch.Tensor         # float32 scratch (empty unless the strategy asks for it)
 
 
@@ -143,12 +143,19 @@ class TorchStrategy(ABC):
             engine._direction(s, buf.c[s.offset:s.stop], buf.t[s.offset:s.stop],
                               grads[s.index], hypers[s.index])
 
+    def checks_finite(self) -> bool:
+        """Whether :meth:`encode` itself raises the engine's ``_non_finite`` error for the
+        first parameter whose ``c`` is not finite (before anything is sent); then the engine
+        records no extrema (one pass less per tile) and passes None as ``lo`` and ``hi``."""
+        return False
+
     @abstractmethod
-    def encode(self, engine: TorchEngine, bucket: Bucket, buf: Stage, lo: torch.Tensor,
-               hi: torch.Tensor) -> int:
+    def encode(self, engine: TorchEngine, bucket: Bucket, buf: Stage,
+               lo: torch.Tensor | None, hi: torch.Tensor | None) -> int:
         """Encode ``buf.c[:bucket.size]`` (its minimum ``lo`` and maximum ``hi``, 0-d device
-        tensors) into ``buf.host_in`` (the copy may be asynchronous; the engine synchronizes
-        the device next); return the bytes copied to the host."""
+        tensors, or None when :meth:`checks_finite`) into ``buf.host_in`` (the copy may be
+        asynchronous; the engine synchronizes the device next); return the bytes copied to
+        the host."""
 
     @abstractmethod
     def start(self, engine: TorchEngine, bucket: Bucket, buf: Stage) -> WorkLike:
@@ -185,8 +192,8 @@ class TorchGlobalAverage(TorchStrategy):
             else:
                 buf.c[s.offset:s.stop].copy_(g)
 
-    def encode(self, engine: TorchEngine, bucket: Bucket, buf: Stage, lo: torch.Tensor,
-               hi: torch.Tensor) -> int:
+    def encode(self, engine: TorchEngine, bucket: Bucket, buf: Stage,
+               lo: torch.Tensor | None, hi: torch.Tensor | None) -> int:
         nb = 4 * bucket.size
         buf.host_in[:nb].view(torch.float32).copy_(buf.c[:bucket.size], non_blocking=True)
         return nb
@@ -211,28 +218,75 @@ class TorchGlobalAverage(TorchStrategy):
 
 
 class _Packed(TorchStrategy):
-    """Votes packed on the device into fields of ``widths()[0]`` bits, the result coming
-    back in fields of ``widths()[1]`` bits (:mod:`bitcoll.layout`'s layout)."""
+    """Votes packed into fields of ``widths()[0]`` bits, the result coming back in fields of
+    ``widths()[1]`` bits (:mod:`bitcoll.layout`'s layout). Where they are packed is
+    ``engine.packing``:
+
+    * "device": by torch operations on the parameters' device (:mod:`lioncub.torch_layout`);
+      only the packed bytes cross to the host and back, and bitcoll's packed collective
+      (``packed_sign_allreduce`` / ``packed_quantized_allreduce``) runs on them.
+    * "host" (CPU parameters only): nothing crosses a bus, so the votes go to bitcoll
+      unpacked (``c`` itself for the sign-based variants, the int8 values for the quantized
+      ones, in the stage's own host buffer) and its collective packs them on the way to the
+      wire (``sign_allreduce`` / ``quantized_allreduce``, as the numpy core calls them); the
+      result comes back one integer per element (int8, or int16 when the sums exceed 127)
+      and is applied where it lies. The same bits and the same wire bytes as "device",
+      without packing twice.
+    """
 
     @abstractmethod
     def widths(self, engine: TorchEngine) -> tuple[int, int]:
         """Bits per element of the packed votes and of the packed result."""
 
     @abstractmethod
-    def fields(self, engine: TorchEngine, bucket: Bucket, buf: Stage, lo: torch.Tensor,
-               hi: torch.Tensor) -> None:
-        """This rank's votes, one unsigned field value per byte, into
-        ``buf.fields[:bucket.size]``."""
+    def fields(self, engine: TorchEngine, bucket: Bucket, buf: Stage,
+               lo: torch.Tensor | None, hi: torch.Tensor | None) -> None:
+        """This rank's votes into ``buf.fields[:bucket.size]``, one unsigned field value per
+        byte ("device" packing); "host" packing: whatever :meth:`start_host` reads into
+        ``buf.host_in``."""
+
+    @abstractmethod
+    def start_packed(self, engine: TorchEngine, bucket: Bucket, votes: np.ndarray[Any, Any],
+                     result: np.ndarray[Any, Any]) -> WorkLike:
+        """bitcoll's packed collective from the packed ``votes`` into the packed ``result``
+        (host arrays, ``async_op=True``)."""
+
+    @abstractmethod
+    def start_host(self, engine: TorchEngine, bucket: Bucket, buf: Stage,
+                   result: np.ndarray[Any, Any]) -> WorkLike:
+        """"host" packing: bitcoll's collective from ``buf.host_in`` into ``result`` (one
+        integer of :meth:`result_dtype` per element; ``async_op=True``)."""
+
+    def result_dtype(self, engine: TorchEngine) -> torch.dtype:
+        """"host" packing: the dtype of one result element (int8 when the widest result
+        field has at most 8 bits, else int16)."""
+        return torch.int8 if self.widths(engine)[1] <= 8 else torch.int16
+
+    def host_in_bytes(self, engine: TorchEngine, size: int) -> int:
+        """"host" packing: bytes of ``host_in`` for buckets of at most ``size`` elements
+        (default: ``c`` in float32)."""
+        return 4 * tl.padded(size)
+
+    def host_c(self, buf: Stage) -> torch.Tensor:
+        """"host" packing: ``c`` in float32 in the stage's own host buffer (the sign-based
+        variants hand it to bitcoll, which takes the signs)."""
+        return buf.host_in.view(torch.float32)
 
     def stage_sizes(self, engine: TorchEngine, size: int) -> StageSizes:
+        if engine.packing == "host":
+            item = torch.empty(0, dtype=self.result_dtype(engine)).element_size()
+            return StageSizes(self.host_in_bytes(engine, size), item * tl.padded(size), 0, 0,
+                              0)
         w_in, w_out = self.widths(engine)
         n_in, n_out = tl.nbytes(size, w_in), tl.nbytes(size, w_out)
         return StageSizes(n_in, n_out, n_in, n_out, 0)
 
-    def encode(self, engine: TorchEngine, bucket: Bucket, buf: Stage, lo: torch.Tensor,
-               hi: torch.Tensor) -> int:
+    def encode(self, engine: TorchEngine, bucket: Bucket, buf: Stage,
+               lo: torch.Tensor | None, hi: torch.Tensor | None) -> int:
         n = bucket.size
         self.fields(engine, bucket, buf, lo, hi)
+        if engine.packing == "host":
+            return 0  # already in the host buffer: nothing crosses
         buf.fields[n:tl.padded(n)].zero_()
         w_in = self.widths(engine)[0]
         nb = tl.nbytes(n, w_in)
@@ -241,57 +295,86 @@ class _Packed(TorchStrategy):
         buf.host_in[:nb].copy_(buf.dev_in[:nb], non_blocking=True)
         return nb
 
+    def start(self, engine: TorchEngine, bucket: Bucket, buf: Stage) -> WorkLike:
+        if engine.packing == "host":
+            return self.start_host(engine, bucket, buf, self.host_result(engine, bucket,
+                                                                         buf).numpy())
+        w_in, w_out = self.widths(engine)
+        n = bucket.size
+        return self.start_packed(engine, bucket, buf.host_in[:tl.nbytes(n, w_in)].numpy(),
+                                 buf.host_out[:tl.nbytes(n, w_out)].numpy())
+
+    def host_result(self, engine: TorchEngine, bucket: Bucket, buf: Stage) -> torch.Tensor:
+        """"host" packing: the bucket's result, one integer per element, in ``host_out``."""
+        return buf.host_out.view(self.result_dtype(engine))[:bucket.size]
+
     def fetch(self, engine: TorchEngine, bucket: Bucket, buf: Stage) -> int:
+        if engine.packing == "host":
+            return 0  # applied where it lies
         nb = tl.nbytes(bucket.size, self.widths(engine)[1])
         buf.dev_out[:nb].copy_(buf.host_out[:nb], non_blocking=True)
         return nb
 
-    def host_views(self, engine: TorchEngine, bucket: Bucket,
-                   buf: Stage) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
-        """numpy views of the packed votes and of the result buffer on the host."""
-        w_in, w_out = self.widths(engine)
-        n = bucket.size
-        return (buf.host_in[:tl.nbytes(n, w_in)].numpy(),
-                buf.host_out[:tl.nbytes(n, w_out)].numpy())
-
 
 class TorchMajorityVote(_Packed):
     """:class:`lioncub.strategies.MajorityVote`: 1-bit votes ``c >= 0``, bitcoll's
-    ``packed_sign_allreduce``, the majority bits applied as +-1."""
+    ``packed_sign_allreduce`` ("host" packing: ``sign_allreduce`` of ``c``), the majority
+    applied as +-1."""
 
     def widths(self, engine: TorchEngine) -> tuple[int, int]:
         return 1, 1
 
     def contribute(self, engine: TorchEngine, bucket: Bucket, buf: Stage,
                    grads: Sequence[torch.Tensor | None], hypers: Sequence[Hyper]) -> None:
-        """Lion's ``c`` (the default), its tiles turned into votes while they are in the
-        cache and not kept (:meth:`fields` has nothing left to do)."""
+        """Lion's ``c``: "device" packing turns its tiles into votes while they are in the
+        cache and does not keep it (:meth:`fields` has nothing left to do); "host" packing
+        writes it into the stage's host buffer for bitcoll."""
+        if engine.packing == "host":
+            c = self.host_c(buf)
+            for s in bucket.slots:
+                engine._direction(s, c[s.offset:s.stop], buf.t[s.offset:s.stop],
+                                  grads[s.index], hypers[s.index])
+            return
         for s in bucket.slots:
             engine._direction(s, buf.c[s.offset:s.stop], buf.t[s.offset:s.stop],
                               grads[s.index], hypers[s.index],
                               each=functools.partial(self.votes, buf, s.offset), keep=False)
 
-    def votes(self, buf: Stage, offset: int, start: int, c: torch.Tensor, lo: torch.Tensor,
-              hi: torch.Tensor) -> None:
+    def votes(self, buf: Stage, offset: int, start: int, c: torch.Tensor,
+              lo: torch.Tensor | None, hi: torch.Tensor | None) -> None:
         """The votes ``c >= 0`` of a tile ``c`` of elements ``[offset + start, offset + start
         + c.numel())`` of the bucket into ``buf.fields``."""
         a = offset + start
         torch.ge(c, 0, out=buf.fields[a:a + c.numel()].view(torch.int8))  # int8: vectorized
 
-    def fields(self, engine: TorchEngine, bucket: Bucket, buf: Stage, lo: torch.Tensor,
-               hi: torch.Tensor) -> None:
+    def fields(self, engine: TorchEngine, bucket: Bucket, buf: Stage,
+               lo: torch.Tensor | None, hi: torch.Tensor | None) -> None:
         pass  # written by contribute
 
-    def start(self, engine: TorchEngine, bucket: Bucket, buf: Stage) -> WorkLike:
-        votes, result = self.host_views(engine, bucket, buf)
+    def start_packed(self, engine: TorchEngine, bucket: Bucket, votes: np.ndarray[Any, Any],
+                     result: np.ndarray[Any, Any]) -> WorkLike:
         comm: Any = engine.comm
         work: WorkLike = comm.packed_sign_allreduce(
             votes, bucket.size, tie=engine._tie_for(bucket.index), out=result, async_op=True,
             algorithm=self.base.spec.algorithm)
         return work
 
+    def start_host(self, engine: TorchEngine, bucket: Bucket, buf: Stage,
+                   result: np.ndarray[Any, Any]) -> WorkLike:
+        comm: Any = engine.comm
+        work: WorkLike = comm.sign_allreduce(
+            self.host_c(buf)[:bucket.size].numpy(), op="majority",
+            tie=engine._tie_for(bucket.index), out=result, async_op=True,
+            algorithm=self.base.spec.algorithm)
+        return work
+
     def apply(self, engine: TorchEngine, bucket: Bucket, buf: Stage,
               hypers: Sequence[Hyper], sums: dict[int, int]) -> None:
+        if engine.packing == "host":
+            signs = self.host_result(engine, bucket, buf)  # +-1
+            for s in bucket.slots:
+                engine._apply(s, signs[s.offset:s.stop], hypers[s.index])
+            return
         for a, b in tl.ranges(bucket.size, engine.tile):  # unpacked and applied per tile
             bits = buf.fields[a:a + tl.padded(b - a)]
             tl.unpack(buf.dev_out[a // 8:tl.nbytes(b, 1)], b - a, 1, bits, buf.words)
@@ -313,13 +396,17 @@ class TorchExactSum(_Packed):
         levels = self.vote_levels(engine)
         return field_width(levels), field_width(levels * engine.world_size)
 
-    def start(self, engine: TorchEngine, bucket: Bucket, buf: Stage) -> WorkLike:
-        votes, result = self.host_views(engine, bucket, buf)
+    def start_packed(self, engine: TorchEngine, bucket: Bucket, votes: np.ndarray[Any, Any],
+                     result: np.ndarray[Any, Any]) -> WorkLike:
         comm: Any = engine.comm
         work: WorkLike = comm.packed_quantized_allreduce(
             votes, bucket.size, self.vote_levels(engine), out=result, async_op=True,
             algorithm=self.base.spec.algorithm)
         return work
+
+    def result_dtype(self, engine: TorchEngine) -> torch.dtype:
+        return torch.int8 if self.vote_levels(engine) * engine.world_size <= 127 \
+            else torch.int16
 
     def apply(self, engine: TorchEngine, bucket: Bucket, buf: Stage,
               hypers: Sequence[Hyper], sums: dict[int, int]) -> None:
@@ -328,7 +415,14 @@ class TorchExactSum(_Packed):
         bias = self.vote_levels(engine) * engine.world_size
         parts: list[torch.Tensor] = []
         owner: list[int] = []
-        if w_out > 8:
+        if engine.packing == "host":
+            result = self.host_result(engine, bucket, buf)  # the sums, where they lie
+            for a, b in tl.ranges(n, engine.tile):  # applied and summed per tile
+                total = result[a:b]
+                self.apply_sums(engine, bucket, buf, a, total, hypers)
+                _abs_sums(total.abs_(), bucket, a, bias, parts, owner,
+                          buf.t.view(torch.int32))
+        elif w_out > 8:
             total = tl.unpack_wide(buf.dev_out[:tl.nbytes(n, w_out)], n, w_out).sub_(bias)
             self.apply_sums(engine, bucket, buf, 0, total, hypers)
             _abs_sums(total.abs_(), bucket, 0, bias, parts, owner)
@@ -352,8 +446,7 @@ class TorchExactSum(_Packed):
         total.numel())`` (``total``: their sums, int8 or wider; it may be overwritten
         afterwards)."""
         n = total.numel()
-        sgn = torch.sign(total) if total.dtype != torch.int8 \
-            else torch.sign(total, out=buf.aux[start:start + n])
+        sgn = engine._scratch32(n).copy_(total).sign_()  # float32: _apply converts nothing
         for s, lo, hi in _pieces(bucket, start, start + n):
             engine._apply(s, sgn[lo - start:hi - start], hypers[s.index], lo - s.offset)
 
@@ -364,8 +457,8 @@ class TorchSignSum(TorchExactSum):
 
     contribute = TorchMajorityVote.contribute
 
-    def votes(self, buf: Stage, offset: int, start: int, c: torch.Tensor, lo: torch.Tensor,
-              hi: torch.Tensor) -> None:
+    def votes(self, buf: Stage, offset: int, start: int, c: torch.Tensor,
+              lo: torch.Tensor | None, hi: torch.Tensor | None) -> None:
         """The votes ``(c > 0) + (c >= 0)`` of a tile (:meth:`TorchMajorityVote.votes`)."""
         a, n = offset + start, c.numel()
         f = buf.fields[a:a + n]
@@ -374,9 +467,17 @@ class TorchSignSum(TorchExactSum):
         torch.ge(c, 0, out=ge)
         f.add_(ge.view(torch.uint8))
 
-    def fields(self, engine: TorchEngine, bucket: Bucket, buf: Stage, lo: torch.Tensor,
-               hi: torch.Tensor) -> None:
+    def fields(self, engine: TorchEngine, bucket: Bucket, buf: Stage,
+               lo: torch.Tensor | None, hi: torch.Tensor | None) -> None:
         pass  # written by contribute
+
+    def start_host(self, engine: TorchEngine, bucket: Bucket, buf: Stage,
+                   result: np.ndarray[Any, Any]) -> WorkLike:
+        comm: Any = engine.comm
+        work: WorkLike = comm.sign_allreduce(
+            self.host_c(buf)[:bucket.size].numpy(), op="sum", out=result, async_op=True,
+            algorithm=self.base.spec.algorithm)
+        return work
 
 
 class TorchSignMean(TorchSignSum):
@@ -418,10 +519,11 @@ class TorchQuantizedSum(TorchExactSum):
         owner: list[int] = []
         d = engine._scratch64(min(n, engine.tile) if engine.tile > 0 else n)
 
-        def partial(j: int, start: int, ct: torch.Tensor, lo: torch.Tensor,
-                    hi: torch.Tensor) -> None:
+        def partial(j: int, start: int, ct: torch.Tensor, lo: torch.Tensor | None,
+                    hi: torch.Tensor | None) -> None:
             owner.append(j)
             if method == "linf":
+                assert lo is not None and hi is not None
                 parts.append(torch.maximum(lo.neg(), hi).double())
                 return
             dt = d[:ct.numel()]
@@ -437,31 +539,41 @@ class TorchQuantizedSum(TorchExactSum):
                               each=functools.partial(partial, j))
         self._parts, self._owner = parts, owner
 
-    def fields(self, engine: TorchEngine, bucket: Bucket, buf: Stage, lo: torch.Tensor,
-               hi: torch.Tensor) -> None:
+    def checks_finite(self) -> bool:
+        assert isinstance(self.base, QuantizedSum)
+        return self.base.method != "linf"  # l1 and l0 from their partial sums (fields)
+
+    def fields(self, engine: TorchEngine, bucket: Bucket, buf: Stage,
+               lo: torch.Tensor | None, hi: torch.Tensor | None) -> None:
         assert isinstance(self.base, QuantizedSum)
         method = self.base.method
         n = bucket.size
         c = buf.c[:n]
         levels = engine.levels
-        # the partial scales of the tiles (contribute), combined per slot below
-        parts = [lo.double(), hi.double(), *self._parts]
-        owner = self._owner
-        values = torch.stack(parts).tolist()  # one synchronization per bucket
-        if not (math.isfinite(values[0]) and math.isfinite(values[1])):
+        # the partial scales of the tiles (contribute), combined per slot below; linf: after
+        # the bucket's extrema (the finiteness check), l1 and l0: their sums are finite only
+        # if every c is (sums of |c| or of log|c|, zeros counted apart, cannot overflow)
+        extrema = [lo.double(), hi.double()] if lo is not None and hi is not None else []
+        values = torch.stack(extrema + self._parts).tolist()  # one synchronization per bucket
+        if extrema and not (math.isfinite(values[0]) and math.isfinite(values[1])):
             engine._sync()
             raise engine._first_bad(bucket, c)
+        owner = self._owner
+        first = len(extrema)
         k = len(bucket.slots)
         totals = [0.0] * k  # linf: maxima; l1: sums of |c|; l0: sums of log|c|
         counts = [0] * k
         step = 2 if method == "l0" else 1
         for i, j in enumerate(owner):
-            v = values[2 + step * i + step - 1]
+            v = values[first + step * i + step - 1]
+            if not math.isfinite(v):  # l1 / l0: the first non-finite tile's parameter
+                raise engine._non_finite(bucket.slots[j].index)
             totals[j] = max(totals[j], v) if method == "linf" else totals[j] + v
             if method == "l0":
-                counts[j] += int(values[2 + step * i])
+                counts[j] += int(values[first + step * i])
         t = buf.t
-        fields = buf.fields
+        host = engine.packing == "host"  # the values themselves, else value + levels
+        fields = buf.host_in.view(torch.int8) if host else buf.fields
         for j, s in enumerate(bucket.slots):
             if method == "l1":
                 scale = totals[j] / s.size
@@ -473,14 +585,28 @@ class TorchQuantizedSum(TorchExactSum):
             for a, b in engine._tiles(s.size):
                 ft = fields[s.offset + a:s.offset + b]
                 if mult is None:
-                    ft.fill_(levels)
+                    ft.fill_(0 if host else levels)
                     continue
                 tt = t[:b - a]
                 torch.mul(c[s.offset + a:s.offset + b], float(mult), out=tt)
                 tt.clamp_(-levels, levels).round_()
+                if host:
+                    ft.copy_(tt)  # exact: integers in [-levels, levels]
+                    continue
                 q = buf.aux[:b - a]
-                q.copy_(tt)  # exact: integers in [-levels, levels]
+                q.copy_(tt)
                 torch.add(q.view(torch.uint8), levels, out=ft)  # value + levels (mod 256)
+
+    def host_in_bytes(self, engine: TorchEngine, size: int) -> int:
+        return tl.padded(size)  # int8 values
+
+    def start_host(self, engine: TorchEngine, bucket: Bucket, buf: Stage,
+                   result: np.ndarray[Any, Any]) -> WorkLike:
+        comm: Any = engine.comm
+        work: WorkLike = comm.quantized_allreduce(
+            buf.host_in.view(torch.int8)[:bucket.size].numpy(), engine.levels, out=result,
+            async_op=True, algorithm=self.base.spec.algorithm)
+        return work
 
 
 #: numpy strategy class -> its torch counterpart (a new variant's line goes here).

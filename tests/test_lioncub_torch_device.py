@@ -94,9 +94,9 @@ def test_layout_matches_bitcoll(device: str) -> None:
 
 # ---------------------------------------------------------------------- float32 == numpy core
 def _pair_run(comm: Any, variant: str, sync: str | None, steps: int,
-              tile: int = 0) -> dict[str, Any]:
+              tile: int = 0, packing: str = "auto") -> dict[str, Any]:
     """The numpy core and the torch engine side by side on this rank's gradients (``tile``:
-    the torch engine's tile size when not 0)."""
+    the torch engine's tile size when not 0; ``packing``: the torch engine's)."""
     rank = int(comm.rank)
     models = [_model(2), _model(2)]
     opts = []
@@ -107,7 +107,8 @@ def _pair_run(comm: Any, variant: str, sync: str | None, steps: int,
                   {"params": named[2:], "betas": (0.8, 0.95)}]
         opts.append(lt.DistributedLion(groups, comm, variant=variant, lr=1e-2,
                                        bucket_size=4 * 90, momentum_sync=sync,
-                                       backend=backend))
+                                       backend=backend,
+                                       **({"packing": packing} if backend == "torch" else {})))
     assert [o.backend for o in opts] == ["numpy", "torch"]
     if tile:
         engine = opts[1].core
@@ -133,25 +134,30 @@ def _pair_run(comm: Any, variant: str, sync: str | None, steps: int,
     return {"params": [p.detach().clone() for p in models[1].parameters()]}
 
 
+@pytest.mark.parametrize("packing", ["host", "device"])
 @pytest.mark.parametrize("variant", lioncub.VARIANTS)
-def test_float32_trajectory_is_the_numpy_cores(variant: str) -> None:
-    """Every variant, 3 ranks: the torch engine on float32 CPU tensors reproduces the numpy
-    core bit for bit (parameters, momenta, agreement, syncs), with param groups, a frozen
-    tensor, a missing gradient and a momentum schedule."""
+def test_float32_trajectory_is_the_numpy_cores(variant: str, packing: str) -> None:
+    """Every variant, 3 ranks, votes packed by bitcoll (the CPU default) or on the device:
+    the torch engine on float32 CPU tensors reproduces the numpy core bit for bit
+    (parameters, momenta, agreement, syncs), with param groups, a frozen tensor, a missing
+    gradient and a momentum schedule."""
     sync = None if variant == "global" else (
         "adaptive:0.5" if lioncub.SPECS[variant].yields_sums else "every:2")
-    out = run_threads(3, lambda c: _pair_run(c, variant, sync, 4), timeout=120)
+    out = run_threads(3, lambda c: _pair_run(c, variant, sync, 4, packing=packing),
+                      timeout=120)
     for r in out[1:]:
         assert all(torch.equal(x, y) for x, y in zip(out[0]["params"], r["params"],
                                                        strict=True))
 
 
+@pytest.mark.parametrize("packing", ["host", "device"])
 @pytest.mark.parametrize("variant", lioncub.VARIANTS)
-def test_small_tiles_give_the_same_trajectory(variant: str) -> None:
+def test_small_tiles_give_the_same_trajectory(variant: str, packing: str) -> None:
     """3 ranks: the torch engine's element-wise passes and packing cut into tiles of 5 / 8
     elements (tiles ending inside tensors and packed bytes) still reproduce the numpy core
     bit for bit."""
-    run_threads(3, lambda c: _pair_run(c, variant, "every:2", 3, tile=5), timeout=120)
+    run_threads(3, lambda c: _pair_run(c, variant, "every:2", 3, tile=5, packing=packing),
+                timeout=120)
 
 
 def test_even_world_ties_match() -> None:
@@ -207,7 +213,7 @@ def test_host_device_bytes(variant: str) -> None:
     def run(comm: Any) -> None:
         model = _model(3)
         opt = lt.DistributedLion(model.parameters(), comm, variant=variant, lr=1e-3,
-                                 bucket_size=4 * 100, backend="torch")
+                                 bucket_size=4 * 100, backend="torch", packing="device")
         _backward(model, int(comm.rank), 0)
         opt.step()
         stats = opt.last_stats
@@ -225,6 +231,31 @@ def test_host_device_bytes(variant: str) -> None:
         assert stats.host_device_bytes == stats.device_to_host_bytes + \
             stats.host_to_device_bytes
     run_threads(3, run, timeout=60)
+
+
+@pytest.mark.parametrize("variant", ["lioncub-mavo", "dlion-avg", "lioncub-l1",
+                                     "lioncub-linf"])
+def test_host_packing_moves_the_same_wire_bytes(variant: str) -> None:
+    """3 ranks, 2 steps: votes packed by bitcoll ("host", the CPU default) and on the device
+    give the same parameters, the same bytes and messages on the wire, and no device/host
+    copies with "host"; the 1-rank-sums path (int16 results: 31 levels x 5 > 127) too."""
+    def run(comm: Any) -> None:
+        models = [_model(3), _model(3)]
+        opts = [lt.DistributedLion(m.parameters(), comm, variant=variant, lr=1e-3,
+                                   bucket_size=4 * 100, backend="torch", packing=k)
+                for m, k in zip(models, ("host", "device"), strict=True)]
+        assert [o.core.packing for o in opts] == ["host", "device"]  # type: ignore[union-attr]
+        for step in range(2):
+            for m, o in zip(models, opts, strict=True):
+                _backward(m, int(comm.rank), step)
+                o.step()
+            a, b = (o.last_stats for o in opts)
+            assert a is not None and b is not None
+            assert (a.bytes_sent, a.messages_sent) == (b.bytes_sent, b.messages_sent)
+            assert a.host_device_bytes == 0 and b.host_device_bytes > 0
+            for x, y in zip(models[0].parameters(), models[1].parameters(), strict=True):
+                assert torch.equal(x, y)
+    run_threads(3 if variant != "lioncub-l1" else 5, run, timeout=60)
 
 
 # ---------------------------------------------------------------------- checkpoints
@@ -270,6 +301,14 @@ def test_bad_inputs() -> None:
             lt.DistributedLion(bf.parameters(), comm, backend="jax")
         with pytest.raises(UsageError, match="momentum_dtype"):
             lt.DistributedLion(bf.parameters(), comm, momentum_dtype=torch.float16)
+        with pytest.raises(UsageError, match="packing must be one of auto, device, host"):
+            lt.DistributedLion(bf.parameters(), comm, packing="gpu")
+        with pytest.raises(UsageError, match="packing='device' is an option of the torch"):
+            lt.DistributedLion(_model(0).parameters(), comm, backend="numpy",
+                               packing="device")
+        forced = lt.DistributedLion(_model(0).parameters(), comm, packing="device")
+        assert forced.backend == "torch" and forced.core.packing == "device"  # type: ignore[union-attr]
+        assert lt.DistributedLion(bf.parameters(), comm).core.packing == "host"  # type: ignore[union-attr]
         with pytest.raises(UsageError, match="bfloat16"):
             lt.DistributedLion(_model(0).double().parameters(), comm, backend="torch")
         opt = lt.DistributedLion(bf.parameters(), comm, variant="lioncub-l0")
@@ -295,15 +334,16 @@ def test_bad_inputs() -> None:
 
 
 @pytest.mark.parametrize("variant", ["lioncub-mavo", "lioncub-sign", "lioncub-l1",
-                                     "lioncub-linf"])
+                                     "lioncub-l0", "lioncub-linf"])
 @pytest.mark.parametrize("tile", [0, 8])
-def test_non_finite_names_the_parameter(variant: str, tile: int) -> None:
+@pytest.mark.parametrize("packing", ["host", "device"])
+def test_non_finite_names_the_parameter(variant: str, tile: int, packing: str) -> None:
     """A non-finite gradient element in the third parameter (of one bucket with others) is
     reported with that parameter's name, whole tensors or tiles of 8 elements."""
     with bitcoll.init("local") as comm:
         model = _model(0)
         opt = lt.DistributedLion(model.named_parameters(), comm, variant=variant,
-                                 backend="torch")
+                                 backend="torch", packing=packing)
         engine = opt.core
         assert isinstance(engine, TorchEngine)
         if tile:
