@@ -379,7 +379,7 @@ class TorchEngine(DistributedLion):
         parameter whose ``c`` is not finite (found from the tiles' extrema, or by the
         strategy when it :meth:`~lioncub.torch_strategies.TorchStrategy.checks_finite`)."""
         strategy = self.device_strategy
-        c = buf.c[:bucket.size]
+        c = strategy.contribution(self, buf)[:bucket.size]
         if strategy.checks_finite():
             strategy.contribute(self, bucket, buf, grads, hypers)
             self._device_to_host += strategy.encode(self, bucket, buf, None, None)

@@ -107,6 +107,50 @@ def _pieces(bucket: Bucket, start: int, stop: int) -> list[tuple[Slot, int, int]
             if s.offset < stop and s.stop > start]
 
 
+_LOG_BLOCK = 256  # mantissas in [1, 2) multiplied per logarithm: the product < 2**256
+_LN2 = math.log(2.0)
+
+
+def _log_abs_sum(x: torch.Tensor, wide: torch.Tensor, scratch: torch.Tensor
+                 ) -> list[torch.Tensor]:
+    """``[count, total, normal, top]`` for float32 ``x``: the number of nonzero elements,
+    ``sum log|x_i|`` over them (float64), the number of normal ones and the largest biased
+    exponent, as float64 0-d tensors (no synchronization). As
+    :func:`lioncub.kernels.log_abs_sum` computes it: ``|x_i| = 2**e_i m_i``, the exponents
+    summed as integers and the mantissas ``m_i`` in [1, 2) multiplied in float64, one
+    logarithm per :data:`_LOG_BLOCK` elements (zeros contribute ``m = 1, e = 0``).
+    ``top == 255``: some element is not finite (``total`` is meaningless). ``total`` is
+    right only when ``normal == count`` (no subnormals); otherwise take the logarithms one
+    by one. ``wide``: float64 scratch, ``scratch``: float32 scratch, each of at least
+    ``x.numel()`` elements."""
+    n = x.numel()
+    bits = scratch[:n].view(torch.int32)
+    torch.bitwise_and(x.view(torch.int32), 0x7FFFFFFF, out=bits)
+    e = wide[:n].view(torch.int32)[:n]
+    torch.bitwise_right_shift(bits, 23, out=e)
+    top = e.amax() if n else torch.zeros((), dtype=torch.int32, device=x.device)
+    esum = _int_sum(e, 255)
+    normal = _int_sum(e.clamp_(max=1), 1)  # (sums of 0 / 1 are cheaper than count_nonzero)
+    count = _int_sum(torch.clamp(bits, max=1, out=e), 1)  # bits >= 0
+    bits.bitwise_and_(0x7FFFFF).bitwise_or_(0x3F800000)  # the mantissas, as float32 bits
+    m = wide[:n].copy_(bits.view(torch.float32))  # e is no longer needed
+    whole = n - n % _LOG_BLOCK
+    logs = m[:whole].view(-1, _LOG_BLOCK).prod(dim=1).log_().sum() + m[whole:].prod().log()
+    total = logs + (esum - 127 * count) * _LN2
+    return [count, total, normal, top.double()]
+
+
+def _int_sum(x: torch.Tensor, bound: int) -> torch.Tensor:
+    """The sum of int32 ``x`` (elements in ``[0, bound]``) as a float64 0-d tensor, summed
+    in int32 chunks that cannot overflow."""
+    chunk = (2**31 - 1) // max(1, bound)
+    if x.numel() <= chunk:
+        return x.sum(dtype=torch.int32).double()
+    return sum((x[a:a + chunk].sum(dtype=torch.int32).double()
+                for a in range(0, x.numel(), chunk)),
+               start=torch.zeros((), dtype=torch.float64, device=x.device))
+
+
 def _abs_sums(mag: torch.Tensor, bucket: Bucket, start: int, bound: int,
               parts: list[torch.Tensor], owner: list[int],
               wide: torch.Tensor | None = None) -> None:
@@ -143,6 +187,11 @@ class TorchStrategy(ABC):
             engine._direction(s, buf.c[s.offset:s.stop], buf.t[s.offset:s.stop],
                               grads[s.index], hypers[s.index])
 
+    def contribution(self, engine: TorchEngine, buf: Stage) -> torch.Tensor:
+        """Where :meth:`contribute` leaves ``c`` (float32, bucket coordinates; the engine's
+        finiteness check reads it): ``buf.c`` by default."""
+        return buf.c
+
     def checks_finite(self) -> bool:
         """Whether :meth:`encode` itself raises the engine's ``_non_finite`` error for the
         first parameter whose ``c`` is not finite (before anything is sent); then the engine
@@ -177,23 +226,31 @@ class TorchStrategy(ABC):
 
 class TorchGlobalAverage(TorchStrategy):
     """:class:`lioncub.strategies.GlobalAverage`: float32 gradients to the host (4 bytes per
-    element each way), averaged, then Lion with the shared momentum on the device."""
+    element each way), averaged, then Lion with the shared momentum on the device. On a CPU
+    (``engine.packing == "host"``) the gradients are copied straight into the stage's host
+    buffer and the average is used where it lies (nothing crosses, no copies back)."""
 
     def stage_sizes(self, engine: TorchEngine, size: int) -> StageSizes:
         padded = tl.padded(size)
         return StageSizes(4 * padded, 0, 0, 0, padded)
 
+    def contribution(self, engine: TorchEngine, buf: Stage) -> torch.Tensor:
+        return buf.host_in.view(torch.float32) if engine.packing == "host" else buf.c
+
     def contribute(self, engine: TorchEngine, bucket: Bucket, buf: Stage,
                    grads: Sequence[torch.Tensor | None], hypers: Sequence[Hyper]) -> None:
+        c = self.contribution(engine, buf)
         for s in bucket.slots:
             g = grads[s.index]
             if g is None:
-                buf.c[s.offset:s.stop].zero_()
+                c[s.offset:s.stop].zero_()
             else:
-                buf.c[s.offset:s.stop].copy_(g)
+                c[s.offset:s.stop].copy_(g)
 
     def encode(self, engine: TorchEngine, bucket: Bucket, buf: Stage,
                lo: torch.Tensor | None, hi: torch.Tensor | None) -> int:
+        if engine.packing == "host":
+            return 0
         nb = 4 * bucket.size
         buf.host_in[:nb].view(torch.float32).copy_(buf.c[:bucket.size], non_blocking=True)
         return nb
@@ -203,13 +260,15 @@ class TorchGlobalAverage(TorchStrategy):
         return engine.comm.allreduce(host, op="avg", out=host, async_op=True)
 
     def fetch(self, engine: TorchEngine, bucket: Bucket, buf: Stage) -> int:
+        if engine.packing == "host":
+            return 0
         n = bucket.size
         buf.c[:n].copy_(buf.host_in[:4 * n].view(torch.float32), non_blocking=True)
         return 4 * n
 
     def apply(self, engine: TorchEngine, bucket: Bucket, buf: Stage,
               hypers: Sequence[Hyper], sums: dict[int, int]) -> None:
-        c = buf.c
+        c = self.contribution(engine, buf)
         for s in bucket.slots:
             h = hypers[s.index]
             u = buf.t[s.offset:s.stop]
@@ -487,16 +546,20 @@ class TorchSignMean(TorchSignSum):
                    total: torch.Tensor, hypers: Sequence[Hyper]) -> None:
         # u = sum / p takes 2p + 1 values: lr * u from a table computed as the numpy kernel
         # computes it (torch's division by a scalar multiplies by its reciprocal)
+        # (int32 indices into the table, in the t scratch; the looked-up updates in the
+        # engine's float32 scratch: no tensor allocated per tile)
         world = engine.world_size
         quotients = np.arange(-world, world + 1, dtype=np.float32) / np.float32(world)
-        index = total.to(torch.int64).add_(world)
+        index = buf.t.view(torch.int32)[:total.numel()].copy_(total).add_(world)
         for s, lo, hi in _pieces(bucket, start, start + total.numel()):
             h = hypers[s.index]
             p = engine._tflat[s.index][lo - s.offset:hi - s.offset]
             table = torch.from_numpy(h.lr * quotients).to(p.device)
+            u = torch.index_select(table, 0, index[lo - start:hi - start],
+                                   out=engine._scratch32(hi - lo))
             if float(h.decay) != 1.0:
                 p.mul_(float(h.decay))
-            p.sub_(table[index[lo - start:hi - start]])
+            p.sub_(u)
 
 
 class TorchQuantizedSum(TorchExactSum):
@@ -519,25 +582,28 @@ class TorchQuantizedSum(TorchExactSum):
         owner: list[int] = []
         d = engine._scratch64(min(n, engine.tile) if engine.tile > 0 else n)
 
-        def partial(j: int, start: int, ct: torch.Tensor, lo: torch.Tensor | None,
+        tiles: list[tuple[int, int]] = []  # (first element, count) in the bucket per part
+
+        def partial(j: int, s: Slot, start: int, ct: torch.Tensor, lo: torch.Tensor | None,
                     hi: torch.Tensor | None) -> None:
             owner.append(j)
+            tiles.append((s.offset + start, ct.numel()))
             if method == "linf":
                 assert lo is not None and hi is not None
                 parts.append(torch.maximum(lo.neg(), hi).double())
                 return
+            if method == "l0":
+                parts.extend(_log_abs_sum(ct, d, engine._scratch32(ct.numel())))
+                return
             dt = d[:ct.numel()]
             dt.copy_(ct).abs_()
-            if method == "l0":
-                parts.append(torch.count_nonzero(dt).double())
-                dt.masked_fill_(dt == 0, 1.0).log_()
             parts.append(dt.sum())
 
         for j, s in enumerate(bucket.slots):
             engine._direction(s, buf.c[s.offset:s.stop], buf.t[s.offset:s.stop],
                               grads[s.index], hypers[s.index],
-                              each=functools.partial(partial, j))
-        self._parts, self._owner = parts, owner
+                              each=functools.partial(partial, j, s))
+        self._parts, self._owner, self._tiles = parts, owner, tiles
 
     def checks_finite(self) -> bool:
         assert isinstance(self.base, QuantizedSum)
@@ -558,19 +624,23 @@ class TorchQuantizedSum(TorchExactSum):
         if extrema and not (math.isfinite(values[0]) and math.isfinite(values[1])):
             engine._sync()
             raise engine._first_bad(bucket, c)
-        owner = self._owner
         first = len(extrema)
         k = len(bucket.slots)
         totals = [0.0] * k  # linf: maxima; l1: sums of |c|; l0: sums of log|c|
         counts = [0] * k
-        step = 2 if method == "l0" else 1
-        for i, j in enumerate(owner):
-            v = values[first + step * i + step - 1]
-            if not math.isfinite(v):  # l1 / l0: the first non-finite tile's parameter
-                raise engine._non_finite(bucket.slots[j].index)
-            totals[j] = max(totals[j], v) if method == "linf" else totals[j] + v
+        step = 4 if method == "l0" else 1  # l0: count, sum log|c|, normal count, top exponent
+        for i, j in enumerate(self._owner):
+            v = values[first + step * i]
             if method == "l0":
-                counts[j] += int(values[first + step * i])
+                count, v, normal, top = values[first + step * i:first + step * (i + 1)]
+                if top < 255 and normal != count:  # subnormals: logarithm by logarithm
+                    a, length = self._tiles[i]
+                    dt = engine._scratch64(length).copy_(c[a:a + length]).abs_()
+                    v = float(dt.masked_fill_(dt == 0, 1.0).log_().sum())
+                counts[j] += int(count)
+            if not math.isfinite(v) or (method == "l0" and top >= 255):
+                raise engine._non_finite(bucket.slots[j].index)  # l1 / l0: the first one
+            totals[j] = max(totals[j], v) if method == "linf" else totals[j] + v
         t = buf.t
         host = engine.packing == "host"  # the values themselves, else value + levels
         fields = buf.host_in.view(torch.int8) if host else buf.fields

@@ -233,7 +233,7 @@ def test_host_device_bytes(variant: str) -> None:
     run_threads(3, run, timeout=60)
 
 
-@pytest.mark.parametrize("variant", ["lioncub-mavo", "dlion-avg", "lioncub-l1",
+@pytest.mark.parametrize("variant", ["global", "lioncub-mavo", "dlion-avg", "lioncub-l1",
                                      "lioncub-linf"])
 def test_host_packing_moves_the_same_wire_bytes(variant: str) -> None:
     """3 ranks, 2 steps: votes packed by bitcoll ("host", the CPU default) and on the device
