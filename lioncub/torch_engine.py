@@ -51,8 +51,10 @@ Arithmetic: every element-wise operation is one float32 operation rounded as num
 it (``c = m*b1 + g*a1`` as two products and a sum, the update as ``p*decay - lr*u``), so
 for float32 parameters the trajectory is the numpy core's bit for bit, except for one
 difference in order: the per-tensor scale sums of "l1" (``sum|c|``) and "l0"
-(``sum log|c|``) are float64 reductions in torch's order (per tile, the tiles' sums then
-added in order) rather than the numpy kernels' fixed lanes. They agree to about 1e-14
+(``sum log|c|``, from exponents summed as integers and float64 products of 256 mantissas,
+as the numpy kernel takes it) are float64 reductions in torch's order (per tile, the
+tiles' sums then added in order) rather than the numpy kernels' fixed lanes. They agree to
+about 1e-14
 relative, and the scale enters the votes only through the float32 multiplier, which the
 two orders round to the same value except in the rare case where the float64 sums straddle
 a float32 rounding boundary (then single votes may differ by one level). bfloat16 / float16

@@ -389,7 +389,7 @@ class TorchMajorityVote(_Packed):
         cache and does not keep it (:meth:`fields` has nothing left to do); "host" packing
         writes it into the stage's host buffer for bitcoll."""
         if engine.packing == "host":
-            c = self.host_c(buf)
+            c = self.contribution(engine, buf)
             for s in bucket.slots:
                 engine._direction(s, c[s.offset:s.stop], buf.t[s.offset:s.stop],
                                   grads[s.index], hypers[s.index])
@@ -398,6 +398,9 @@ class TorchMajorityVote(_Packed):
             engine._direction(s, buf.c[s.offset:s.stop], buf.t[s.offset:s.stop],
                               grads[s.index], hypers[s.index],
                               each=functools.partial(self.votes, buf, s.offset), keep=False)
+
+    def contribution(self, engine: TorchEngine, buf: Stage) -> torch.Tensor:
+        return self.host_c(buf) if engine.packing == "host" else buf.c
 
     def votes(self, buf: Stage, offset: int, start: int, c: torch.Tensor,
               lo: torch.Tensor | None, hi: torch.Tensor | None) -> None:
@@ -515,6 +518,7 @@ class TorchSignSum(TorchExactSum):
     the algorithm and the bytes on the wire are those of ``sign_allreduce(op="sum")``)."""
 
     contribute = TorchMajorityVote.contribute
+    contribution = TorchMajorityVote.contribution
 
     def votes(self, buf: Stage, offset: int, start: int, c: torch.Tensor,
               lo: torch.Tensor | None, hi: torch.Tensor | None) -> None:

@@ -50,6 +50,12 @@ def _backward(model: torch.nn.Module, rank: int, step: int) -> torch.Tensor:
     return loss.detach()
 
 
+def _engine(opt: lt.DistributedLion) -> TorchEngine:
+    engine = opt.core
+    assert isinstance(engine, TorchEngine)
+    return engine
+
+
 # ---------------------------------------------------------------------- layout
 @pytest.mark.parametrize("device", DEVICES)
 def test_layout_matches_bitcoll(device: str) -> None:
@@ -108,7 +114,7 @@ def _pair_run(comm: Any, variant: str, sync: str | None, steps: int,
         opts.append(lt.DistributedLion(groups, comm, variant=variant, lr=1e-2,
                                        bucket_size=4 * 90, momentum_sync=sync,
                                        backend=backend,
-                                       **({"packing": packing} if backend == "torch" else {})))
+                                       packing=packing if backend == "torch" else "auto"))
     assert [o.backend for o in opts] == ["numpy", "torch"]
     if tile:
         engine = opts[1].core
@@ -244,7 +250,7 @@ def test_host_packing_moves_the_same_wire_bytes(variant: str) -> None:
         opts = [lt.DistributedLion(m.parameters(), comm, variant=variant, lr=1e-3,
                                    bucket_size=4 * 100, backend="torch", packing=k)
                 for m, k in zip(models, ("host", "device"), strict=True)]
-        assert [o.core.packing for o in opts] == ["host", "device"]  # type: ignore[union-attr]
+        assert [_engine(o).packing for o in opts] == ["host", "device"]
         for step in range(2):
             for m, o in zip(models, opts, strict=True):
                 _backward(m, int(comm.rank), step)
@@ -307,8 +313,8 @@ def test_bad_inputs() -> None:
             lt.DistributedLion(_model(0).parameters(), comm, backend="numpy",
                                packing="device")
         forced = lt.DistributedLion(_model(0).parameters(), comm, packing="device")
-        assert forced.backend == "torch" and forced.core.packing == "device"  # type: ignore[union-attr]
-        assert lt.DistributedLion(bf.parameters(), comm).core.packing == "host"  # type: ignore[union-attr]
+        assert forced.backend == "torch" and _engine(forced).packing == "device"
+        assert _engine(lt.DistributedLion(bf.parameters(), comm)).packing == "host"
         with pytest.raises(UsageError, match="bfloat16"):
             lt.DistributedLion(_model(0).double().parameters(), comm, backend="torch")
         opt = lt.DistributedLion(bf.parameters(), comm, variant="lioncub-l0")
@@ -331,6 +337,43 @@ def test_bad_inputs() -> None:
         w.grad = bad
         with pytest.raises(UsageError, match=r"non-finite .* parameter 0 \(0\)"):
             opt.step()
+
+
+@pytest.mark.parametrize("packing", ["host", "device"])
+def test_l0_scale_with_zeros_and_subnormals_is_the_numpy_cores(packing: str) -> None:
+    """3 ranks: l0's scale (the mean of log|c| over the nonzero c) on tiles holding zeros,
+    subnormal and huge values (the torch engine's exponent/mantissa sums, and its
+    logarithm-by-logarithm path where a tile holds subnormals) gives the numpy core's
+    trajectory bit for bit (the summed votes expose any change of scale)."""
+    def run(comm: Any) -> None:
+        rank = int(comm.rank)
+        models = [_model(6), _model(6)]
+        opts = [lt.DistributedLion(m.parameters(), comm, variant="lioncub-l0", lr=1e-2,
+                                   backend=b, momentum_sync="adaptive:0.5",
+                                   packing=packing if b == "torch" else "auto")
+                for m, b in zip(models, ("numpy", "torch"), strict=True)]
+        engine = opts[1].core
+        assert isinstance(engine, TorchEngine)
+        engine.tile = 16  # some tiles with subnormals, some without
+        gen = torch.Generator().manual_seed(3 + rank)
+        for step in range(3):
+            grads = [torch.randn(p.shape, generator=gen) for p in models[0].parameters()]
+            flat = grads[0].view(-1)
+            flat[:20] = 0.0
+            flat[30] *= 1e-40  # a subnormal c (float32)
+            flat[60] = 3e38
+            grads[2].view(-1)[:] = 0.0  # a whole tensor of zeros
+            for m in models:
+                for p, g in zip(m.parameters(), grads, strict=True):
+                    p.grad = g.clone()
+            for o in opts:
+                o.step()
+            for x, y in zip(models[0].parameters(), models[1].parameters(), strict=True):
+                assert torch.equal(x, y), step
+            sa, sb = opts[0].last_stats, opts[1].last_stats
+            assert sa is not None and sb is not None
+            assert sa.agreement is not None and sa.agreement == sb.agreement, step
+    run_threads(3, run, timeout=60)
 
 
 @pytest.mark.parametrize("variant", ["lioncub-mavo", "lioncub-sign", "lioncub-l1",
