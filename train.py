@@ -139,6 +139,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import bitcoll
+import bitcoll.kernels
 import lioncub
 from bitcoll.errors import BitcollError, CommError, UsageError
 from lioncub.quantize import check_levels
@@ -603,7 +604,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--corpus-mb", type=_float_in(0.0, 1000.0, low_open=True), default=2.0,
                    help="corpus size in MB (10**6 bytes), validation included")
     g.add_argument("--threads", type=_positive_int, default=None,
-                   help="torch threads per rank (default: usable cores // ranks on this node, "
+                   help="torch threads per rank (default: usable cores // ranks on this host, "
                         "at least 1)")
     g.add_argument("--comm-timeout", type=_float_in(0.0, 86400.0, low_open=True),
                    default=300.0, help="deadline of every collective, seconds")
@@ -856,18 +857,11 @@ def _write_json(path: Path, record: dict[str, Any]) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def default_threads(world_size: int) -> int:
+def default_threads(local_size: int) -> int:
     """Torch threads per rank when ``--threads`` is not given: the usable cores divided by the
-    ranks on this node (``LOCAL_WORLD_SIZE`` from the launcher, ``MPI_LOCALNRANKS`` from MPICH,
-    ``OMPI_COMM_WORLD_LOCAL_SIZE`` from Open MPI, else the world size), at least 1."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    local = world_size
-    for var in ("LOCAL_WORLD_SIZE", "MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE"):
-        value = os.environ.get(var, "")
-        if value.isdigit() and int(value) > 0:
-            local = int(value)
-            break
-    return max(1, (cores or 1) // local)
+    ranks on this host (``comm.local_size``, as bitcoll shares them among its kernels), at
+    least 1."""
+    return max(1, bitcoll.kernels.usable_cores() // max(1, local_size))
 
 
 def _digest48(data: bytes) -> float:
@@ -1015,7 +1009,7 @@ def run(args: argparse.Namespace, comm: bitcoll.Communicator,
     does not fit the run.
     """
     stream = sys.stdout if out is None else out
-    rank, size = comm.rank, comm.size
+    rank = comm.rank
     lead = rank == 0
     wall0 = time.perf_counter()
     device, dtype = args.device, DTYPES[args.dtype]
@@ -1025,7 +1019,7 @@ def run(args: argparse.Namespace, comm: bitcoll.Communicator,
             stream.write(text + "\n")
             stream.flush()
 
-    threads = args.threads or default_threads(size)
+    threads = args.threads or default_threads(comm.local_size)
     torch.set_num_threads(threads)
 
     corpus = load_corpus(args.corpus_mb)

@@ -277,6 +277,9 @@ def init(backend: str = "auto", timeout: float = DEFAULT_TIMEOUT,
     except BaseException:
         comm.close()
         raise
+    from . import kernels
+
+    kernels.fit_threads_to_host(comm.local_size)  # the host's cores shared by its ranks
     # -- shared memory between the ranks of one host (bitcoll.transport.hybrid) ----------------
     if backend == "tcp" and comm.topology.num_hosts < comm.size:
         from .transport.hybrid import share_hosts

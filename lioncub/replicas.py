@@ -16,7 +16,8 @@ Checksums: 64-bit BLAKE2b of an array's dtype, shape and raw bytes (C order). Ar
 equal bytes always have equal checksums; arrays that differ in any bit have equal checksums
 with probability about ``2**-64``. "Bitwise" is meant literally: ``-0.0`` and ``0.0``, or two
 NaNs with different payloads, count as different values. Hashing runs at about 0.7 GB/s per
-core; the arrays are hashed on ``numba.get_num_threads()`` threads (each array on one).
+core; the arrays are hashed on ``bitcoll.kernels.get_num_threads()`` threads (each array on
+one).
 """
 
 from __future__ import annotations
@@ -26,10 +27,10 @@ import hashlib
 from collections.abc import Sequence
 from typing import Any
 
-import numba
 import numpy as np
 import numpy.typing as npt
 
+from bitcoll import kernels
 from bitcoll.errors import UsageError
 
 from .comm import CommLike
@@ -57,8 +58,9 @@ def checksum(a: Array) -> int:
 
 def checksums(arrays: Sequence[Array], threads: int | None = None) -> npt.NDArray[np.int64]:
     """:func:`checksum` of every array, in order (int64). ``threads``: how many arrays are
-    hashed at once (hashlib releases the GIL); default ``numba.get_num_threads()``."""
-    workers = max(1, int(numba.get_num_threads() if threads is None else threads))
+    hashed at once (hashlib releases the GIL); default ``bitcoll.kernels.get_num_threads()``
+    (the kernels' share of the host's cores)."""
+    workers = max(1, int(kernels.get_num_threads() if threads is None else threads))
     total = sum(int(a.nbytes) for a in arrays)
     if workers == 1 or len(arrays) < 2 or total < _PARALLEL_BYTES:
         values = [checksum(a) for a in arrays]

@@ -41,10 +41,12 @@ def dispatch_mode(mode: str) -> Iterator[None]:
     if mode == "serial":
         yield
         return
-    names = ("PARALLEL_MIN_ELEMENTS", "_CHUNK_ELEMENTS", "_nb_get_num_threads")
+    names = ("PARALLEL_MIN_ELEMENTS", "_CHUNK_ELEMENTS", "_nb_get_num_threads",
+             "_process_threads")
     saved = [getattr(K, name) for name in names]
-    # threshold 0; 3 blocks, 24 bytes, 3 words or 24 groups per chunk; a pool of 2 threads
-    for name, value in zip(names, (0, 3 * 64, lambda: 2), strict=True):
+    # threshold 0; 3 blocks, 24 bytes, 3 words or 24 groups per chunk; a pool of 2 threads,
+    # no process-wide count
+    for name, value in zip(names, (0, 3 * 64, lambda: 2, None), strict=True):
         setattr(K, name, value)
     try:
         yield
@@ -696,15 +698,43 @@ def test_concurrent_calls_from_threads() -> None:
             np.testing.assert_array_equal(got, want)
 
 
-def test_num_threads() -> None:
+def test_num_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """set_num_threads is process-wide: a helper thread's kernels use the count too."""
+    monkeypatch.setattr(K, "_process_threads", None)  # restored afterwards
+    monkeypatch.setattr(K, "_explicit_threads", False)
     n = K.get_num_threads()
     assert n >= 1
     K.set_num_threads(1)
-    try:
-        assert K.get_num_threads() == 1
-    finally:
-        K.set_num_threads(n)
+    seen: list[int] = []
+    helper = threading.Thread(target=lambda: seen.append(K.get_num_threads()))
+    helper.start()
+    helper.join(timeout=30)
+    assert K.get_num_threads() == 1 and seen == [1]
+    monkeypatch.setattr(K, "_nb_get_num_threads", lambda: 2)  # a pool of 2 would be free
+    with K.parallel_slot(10**9) as par:
+        assert not par  # the process-wide count decides
+    K.set_num_threads(n)
     with pytest.raises(UsageError):
         K.set_num_threads(0)
     with pytest.raises(UsageError):
         K.set_num_threads(10**6)
+    assert K.get_num_threads() == n
+
+
+def test_fit_threads_to_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The host's cores shared by its ranks, at most numba's pool; NUMBA_NUM_THREADS in the
+    environment or an explicit set_num_threads wins."""
+    monkeypatch.setattr(K, "_process_threads", None)
+    monkeypatch.setattr(K, "_explicit_threads", False)
+    monkeypatch.delenv("NUMBA_NUM_THREADS", raising=False)
+    monkeypatch.setattr(K, "usable_cores", lambda: 8)
+    monkeypatch.setattr(K, "_nb_get_num_threads", lambda: 6)  # the pool numba started
+    assert [K.fit_threads_to_host(k) for k in (1, 2, 3, 4, 8, 16)] == [6, 4, 2, 2, 1, 1]
+    assert K.get_num_threads() == 1
+    K._process_threads = None
+    monkeypatch.setenv("NUMBA_NUM_THREADS", "6")
+    assert K.fit_threads_to_host(4) == 6 and K._process_threads is None
+    monkeypatch.delenv("NUMBA_NUM_THREADS")
+    monkeypatch.setattr(K, "_nb_set_num_threads", lambda n: None)
+    K.set_num_threads(5)
+    assert K.fit_threads_to_host(4) == 5  # the explicit choice stays

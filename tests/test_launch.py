@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -257,6 +258,33 @@ def _ready_script(tmp_path: Path, body: str) -> Path:
     path. ``body`` is indented like :data:`_READY` (the script is dedented as a whole)."""
     os.mkfifo(tmp_path / "fifo")
     return _script(tmp_path, _READY + body)
+
+
+@pytest.mark.timeout(120)
+def test_ranks_of_one_host_share_its_cores_for_the_kernels(tmp_path: Path) -> None:
+    """3 ranks launched without NUMBA_NUM_THREADS: after bitcoll.init each rank's kernels
+    use the host's usable cores divided by 3 (at least 1, at most numba's pool), not one
+    thread per core each; with NUMBA_NUM_THREADS set, numba's count stays."""
+    script = _script(tmp_path, """
+    import numba
+    import bitcoll
+    import bitcoll.kernels as K
+
+    pool = numba.config.NUMBA_NUM_THREADS
+    with bitcoll.init("tcp") as comm:
+        want = max(1, min(pool, K.usable_cores() // 3)) if comm.local_size == 3 else -1
+        print("threads", K.get_num_threads(), want, pool, flush=True)
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_NUM_THREADS"}
+    proc = _run([*LAUNCH, "-n", "3", str(script)], timeout=100, env=env)
+    assert proc.returncode == 0, proc.stderr
+    lines = re.findall(r"threads (\d+) (-?\d+) (\d+)", proc.stdout)
+    assert len(lines) == 3, proc.stdout
+    assert all(got == want for got, want, _ in lines), lines
+    proc = _run([*LAUNCH, "-n", "3", str(script)], timeout=100,
+                env={**env, "NUMBA_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("threads 1 1 1") == 3, proc.stdout
 
 
 @pytest.mark.timeout(60)

@@ -76,6 +76,8 @@ __all__ = [
     "float32_to_bf16",
     "get_num_threads",
     "set_num_threads",
+    "fit_threads_to_host",
+    "usable_cores",
 ]
 
 TIE_POSITIVE = 0
@@ -122,33 +124,76 @@ _pool_lock = threading.Lock()
 # --------------------------------------------------------------------------------------------
 
 
+#: Threads of the parallel kernels in this process (every thread that runs them), once
+#: :func:`set_num_threads` or :func:`fit_threads_to_host` chose it; None: numba's own count.
+_process_threads: int | None = None
+_explicit_threads = False
+
+
 def get_num_threads() -> int:
-    """The number of threads the parallel kernels use from the calling thread."""
-    return int(_nb_get_num_threads())
+    """The number of threads the parallel kernels use (process-wide once
+    :func:`set_num_threads` or ``bitcoll.init`` chose it, else numba's count for the calling
+    thread)."""
+    return _process_threads if _process_threads is not None else int(_nb_get_num_threads())
 
 
 def set_num_threads(n: int) -> None:
-    """Use ``n`` threads for parallel kernels called from this thread (1 = always serial).
+    """Use ``n`` threads for the parallel kernels (1 = always serial), from every thread of
+    this process that runs them (the collectives' helper threads too). ``bitcoll.init`` then
+    keeps it (see :func:`fit_threads_to_host`).
 
     ``n`` must lie in ``[1, NUMBA_NUM_THREADS]``, else :class:`UsageError`.
     """
+    global _process_threads, _explicit_threads
+    k = _as_int(n, "n")
     try:
-        _nb_set_num_threads(_as_int(n, "n"))
+        _nb_set_num_threads(k)
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
+    _process_threads, _explicit_threads = k, True
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity), at least 1."""
+    import os
+
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return max(1, os.cpu_count() or 1)
+
+
+def fit_threads_to_host(local_size: int) -> int:
+    """Share the host's cores among the ``local_size`` ranks that run on it: the parallel
+    kernels of this process use ``max(1, usable_cores() // local_size)`` threads (at most
+    numba's pool), unless ``NUMBA_NUM_THREADS`` is set in the environment or
+    :func:`set_num_threads` was called, which win. ``bitcoll.init`` calls it with the
+    world's ranks per host: without it, every rank of a host would start as many kernel
+    threads as the host has cores (4 ranks on 2 cores: a 64M-element majority took 5x as
+    long). Returns the count in use."""
+    import os
+
+    global _process_threads
+    if not _explicit_threads and "NUMBA_NUM_THREADS" not in os.environ:
+        share = max(1, usable_cores() // max(1, int(local_size)))
+        _process_threads = min(share, int(_nb_get_num_threads()))
+    return get_num_threads()
 
 
 @contextlib.contextmanager
 def parallel_slot(n: int, min_elements: int | None = None) -> Iterator[bool]:
     """Yield whether a kernel over ``n`` elements should use numba's thread pool now: True
     when ``n >= min_elements`` (default :data:`PARALLEL_MIN_ELEMENTS`), more than one thread
-    is configured and no other thread of this process is using the pool (numba's pool must
+    is configured (:func:`get_num_threads`; the calling thread then runs on that many) and
+    no other thread of this process is using the pool (numba's pool must
     not be entered from two threads at once; the loser runs serially). The pool stays
     reserved until the ``with`` block ends. For other packages' numba kernels too (lioncub).
     """
     limit = PARALLEL_MIN_ELEMENTS if min_elements is None else min_elements
-    if n >= limit and _nb_get_num_threads() > 1 and _pool_lock.acquire(blocking=False):
+    threads = _process_threads if _process_threads is not None else _nb_get_num_threads()
+    if n >= limit and threads > 1 and _pool_lock.acquire(blocking=False):
         try:
+            if _process_threads is not None and _nb_get_num_threads() != _process_threads:
+                _nb_set_num_threads(_process_threads)  # numba's count is per thread
             yield True
         finally:
             _pool_lock.release()
