@@ -227,6 +227,10 @@ def init(backend: str = "auto", timeout: float = DEFAULT_TIMEOUT,
     must use the same setting (a rank that differs fails the first collective it changes
     with ProtocolError).
 
+    Once the ranks know which of them share a host, the numba kernels of this process get
+    its share of the host's cores (:func:`bitcoll.kernels.fit_threads_to_host`; not when
+    ``NUMBA_NUM_THREADS`` is set or :func:`bitcoll.kernels.set_num_threads` was called).
+
     Raises UsageError for an unknown backend, ``comm`` that is not an mpi4py
     intra-communicator, ``comm`` with a non-MPI backend, ``store`` lacking a method or with a
     non-TCP backend, or an inconsistent environment; CommTimeoutError when the other ranks do
