@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from .communicator import (
     DEFAULT_PACKED_SEGMENT_BYTES,
     DEFAULT_SEGMENT_BYTES,
+    REMOTE_SEGMENT_BYTES,
     Communicator,
 )
 from .config import DEFAULT_TIMEOUT, ENV_INTEGRITY, ENV_MASTER_PORT, ENV_TWO_LEVEL, switch
@@ -199,7 +200,7 @@ def _tcp_transport(timeout: float, store: object | None, integrity: bool) -> Tra
 
 
 def init(backend: str = "auto", timeout: float = DEFAULT_TIMEOUT,
-         segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+         segment_bytes: int | None = None,
          packed_segment_bytes: int = DEFAULT_PACKED_SEGMENT_BYTES, *,
          comm: object | None = None, store: object | None = None,
          integrity: bool | None = None, shm: bool | None = None,
@@ -209,7 +210,9 @@ def init(backend: str = "auto", timeout: float = DEFAULT_TIMEOUT,
     ``backend``: "auto", "mpi", "tcp" or "local" (see the module docstring for how "auto"
     chooses and where the TCP ranks meet). ``timeout``: the default deadline in seconds of
     every blocking operation, connection set-up included. ``segment_bytes``: the wire segment
-    size of the dense ring algorithms (default 32 MiB); ``packed_segment_bytes``: that of the
+    size of the dense ring algorithms (default: 32 MiB when every rank runs on one host, 4 MiB
+    when they span several, :data:`~bitcoll.communicator.REMOTE_SEGMENT_BYTES`);
+    ``packed_segment_bytes``: that of the
     packed-bit pipelines (default 1 MiB). Every rank must pass the same values.
     ``comm``: an mpi4py communicator (e.g. ``MPI.COMM_WORLD.Split(...)``): the MPI backend on
     a private duplicate of it (collective over ``comm``). ``store``: a torch.distributed
@@ -274,7 +277,9 @@ def init(backend: str = "auto", timeout: float = DEFAULT_TIMEOUT,
         transport = _tcp_transport(timeout, store, check)
     else:
         transport = LocalTransport()
-    comm = Communicator(transport, timeout=timeout, segment_bytes=segment_bytes,
+    comm = Communicator(transport, timeout=timeout,
+                        segment_bytes=DEFAULT_SEGMENT_BYTES if segment_bytes is None
+                        else segment_bytes,
                         packed_segment_bytes=packed_segment_bytes, two_level=layered)
     try:
         comm.topology  # noqa: B018  (exchanges the host keys once, see bitcoll.topology)
@@ -290,4 +295,6 @@ def init(backend: str = "auto", timeout: float = DEFAULT_TIMEOUT,
 
         comm = share_hosts(comm, use_shm, timeout)  # closes comm when it raises
     # -- end of shared memory ----------------------------------------------------------------
+    if segment_bytes is None and comm.num_hosts > 1:
+        comm.segment_bytes = REMOTE_SEGMENT_BYTES  # across links: smaller pieces stream better
     return comm

@@ -59,7 +59,7 @@ from .topology import Topology, digest, host_key
 from .transport.base import NativeCollectives, TrafficStats, Transport
 from .work import Work
 
-__all__ = ["Communicator", "DEFAULT_TIMEOUT", "DEFAULT_SEGMENT_BYTES",
+__all__ = ["Communicator", "DEFAULT_TIMEOUT", "DEFAULT_SEGMENT_BYTES", "REMOTE_SEGMENT_BYTES",
            "DEFAULT_PACKED_SEGMENT_BYTES", "SMALL_MESSAGE_BYTES", "NATIVE_ALLREDUCE_MAX_BYTES"]
 
 T = TypeVar("T")
@@ -67,12 +67,20 @@ Array = npt.NDArray[Any]
 
 #: Payload size of one wire segment in the pipelined algorithms.
 DEFAULT_SEGMENT_BYTES = 32 << 20
-"""Wire segment of the dense ring algorithms. Per-segment costs (a frame, thread hand-offs,
-a reduction call, cache misses) dominate on fast links: in interleaved runs (best of 3) of
-64-256 MiB all-reduces, 32 MiB segments were 0-20% faster than 8 MiB ones on loopback with 2
-and 4 ranks, 12-15% faster on 10 Gbit testbed links and faster over MPI; 1-4 MiB segments were
-slower still. Blocks of at most 32 MiB (all-reduces up to 64 MiB on 2 ranks, 128 MiB on 4)
-move as one segment per ring step."""
+"""Wire segment of the dense ring algorithms among the ranks of one host. Per-segment costs (a
+frame, thread hand-offs, a reduction call, cache misses) dominate there: in interleaved runs
+(best of 3) of 64-256 MiB all-reduces, 32 MiB segments were 0-20% faster than 8 MiB ones on
+loopback with 2 and 4 ranks and faster over MPI; 4 ranks of one host, 256 MiB, 78-102 ms with
+shared memory and 238-259 ms over loopback TCP against 102-112 and 290-302 ms with 4 MiB.
+Blocks of at most 32 MiB (all-reduces up to 64 MiB on 2 ranks, 128 MiB on 4) move as one
+segment per ring step."""
+REMOTE_SEGMENT_BYTES = 4 << 20
+"""The dense segment ``bitcoll.init`` takes by default when the ranks span several hosts:
+across a link the ring streams better in smaller pieces (the next step forwards a segment as
+soon as it is reduced). 4 hosts on the 10 Gbit testbed, 3 interleaved rounds, 64 MiB:
+156-167 ms against 170-185 ms with 32 MiB; 256 MiB: 618-652 against 648-756 ms; 16 MiB
+(one segment per block either way): 37-39 ms both. (An earlier series on a busier machine had
+found 32 MiB 12-15% faster there.)"""
 DEFAULT_PACKED_SEGMENT_BYTES = 1 << 20
 """Wire segment of the packed-bit pipelines: 1 MiB of packed signs is 8M elements, so a
 64M-element sign all-reduce on 4 ranks packs, counts and decodes in 2 segments per block."""

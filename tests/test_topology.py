@@ -40,7 +40,7 @@ def test_one_rank() -> None:
 HOSTS = [0, 1, 0, 1, 1]  # 5 ranks on 2 hosts of 2 and 3 ranks, interleaved
 
 
-def _topo(comm: Communicator) -> tuple[int, int, int, int, int, int, float, float]:
+def _topo(comm: Communicator) -> tuple[int, int, int, int, int, int, float, float, int]:
     host = comm.host_comm()
     cross = comm.cross_host_comm()
     assert comm.host_comm() is host  # cached
@@ -49,7 +49,7 @@ def _topo(comm: Communicator) -> tuple[int, int, int, int, int, int, float, floa
     assert host.local_size == host.size and host.num_hosts == 1
     assert cross.num_hosts == cross.size
     return (comm.host_index, comm.local_rank, comm.local_size, comm.num_hosts, host.rank,
-            cross.rank, h, c)
+            cross.rank, h, c, comm.segment_bytes)
 
 
 @pytest.mark.timeout(200)
@@ -63,6 +63,19 @@ def test_uneven_hosts_tcp() -> None:
     # Cross-host groups by local rank: {0, 1}, {2, 3}, {4}.
     assert [r[7] for r in res] == [1.0, 1.0, 5.0, 5.0, 4.0]
     assert [r[5] for r in res] == [0, 1, 0, 1, 0]
+    # Several hosts: the dense rings stream in the smaller segments by default.
+    assert [r[8] for r in res] == [bitcoll.communicator.REMOTE_SEGMENT_BYTES] * 5
+
+
+def _segment(comm: Communicator) -> int:
+    return comm.segment_bytes
+
+
+@pytest.mark.timeout(200)
+def test_a_chosen_segment_size_stays_across_hosts() -> None:
+    env = {r: {"GROUP_RANK": str(r)} for r in range(2)}
+    assert run_world(2, _segment, timeout=180, rank_env=env, segment_bytes=1 << 20) == \
+        [1 << 20] * 2
 
 
 @pytest.mark.timeout(200)
@@ -71,3 +84,4 @@ def test_launcher_node_rank_is_the_host() -> None:
     network namespace)."""
     res = run_world(3, _topo, timeout=180)
     assert [r[:4] for r in res] == [(0, 0, 3, 1), (0, 1, 3, 1), (0, 2, 3, 1)]
+    assert [r[8] for r in res] == [bitcoll.DEFAULT_SEGMENT_BYTES] * 3  # one host
