@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import operator
+import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -155,8 +156,6 @@ def set_num_threads(n: int) -> None:
 
 def usable_cores() -> int:
     """The cores this process may run on (its CPU affinity), at least 1."""
-    import os
-
     if hasattr(os, "sched_getaffinity"):
         return max(1, len(os.sched_getaffinity(0)))
     return max(1, os.cpu_count() or 1)
@@ -170,8 +169,6 @@ def fit_threads_to_host(local_size: int) -> int:
     world's ranks per host: without it, every rank of a host would start as many kernel
     threads as the host has cores (4 ranks on 2 cores: a 64M-element majority took 5x as
     long). Returns the count in use."""
-    import os
-
     global _process_threads
     if not _explicit_threads and "NUMBA_NUM_THREADS" not in os.environ:
         share = max(1, usable_cores() // max(1, int(local_size)))
