@@ -112,17 +112,18 @@ _LN2 = math.log(2.0)
 
 
 def _log_abs_sum(x: torch.Tensor, wide: torch.Tensor, scratch: torch.Tensor
-                 ) -> list[torch.Tensor]:
-    """``[count, total, normal, top]`` for float32 ``x``: the number of nonzero elements,
-    ``sum log|x_i|`` over them (float64), the number of normal ones and the largest biased
-    exponent, as float64 0-d tensors (no synchronization). As
-    :func:`lioncub.kernels.log_abs_sum` computes it: ``|x_i| = 2**e_i m_i``, the exponents
-    summed as integers and the mantissas ``m_i`` in [1, 2) multiplied in float64, one
-    logarithm per :data:`_LOG_BLOCK` elements (zeros contribute ``m = 1, e = 0``).
-    ``top == 255``: some element is not finite (``total`` is meaningless). ``total`` is
-    right only when ``normal == count`` (no subnormals); otherwise take the logarithms one
-    by one. ``wide``: float64 scratch, ``scratch``: float32 scratch, each of at least
-    ``x.numel()`` elements."""
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ints, logs)`` for float32 ``x``, without synchronizing: ``ints`` holds ``[normal,
+    top, esum]`` (an integer tensor: the normal elements, the largest biased exponent, the sum
+    of the biased exponents) and ``logs`` (float64, 0-d) the sum of the logarithms of the
+    mantissas. As :func:`lioncub.kernels.log_abs_sum` computes it: ``|x_i| = 2**e_i m_i``,
+    the exponents summed as integers and the mantissas ``m_i`` in [1, 2) multiplied in
+    float64, one logarithm per :data:`_LOG_BLOCK` elements (zeros contribute ``m = 1, e = 0``),
+    so that ``sum log|x_i| = logs + (esum - 127 count)`` ln 2 over the ``count`` nonzero
+    elements. ``top == 255``: some element is not finite. ``normal == x.numel()``: no zeros
+    and no subnormals, so ``count == normal``; otherwise count the nonzero elements, and if
+    some are subnormal (``count > normal``) take the logarithms one by one. ``wide``: float64
+    scratch, ``scratch``: float32 scratch, each of at least ``x.numel()`` elements."""
     n = x.numel()
     bits = scratch[:n].view(torch.int32)
     torch.bitwise_and(x.view(torch.int32), 0x7FFFFFFF, out=bits)
@@ -131,24 +132,26 @@ def _log_abs_sum(x: torch.Tensor, wide: torch.Tensor, scratch: torch.Tensor
     top = e.amax() if n else torch.zeros((), dtype=torch.int32, device=x.device)
     esum = _int_sum(e, 255)
     normal = _int_sum(e.clamp_(max=1), 1)  # (sums of 0 / 1 are cheaper than count_nonzero)
-    count = _int_sum(torch.clamp(bits, max=1, out=e), 1)  # bits >= 0
+    found = [normal, top, esum]
+    if len({v.dtype for v in found}) > 1:
+        found = [v.long() for v in found]
     bits.bitwise_and_(0x7FFFFF).bitwise_or_(0x3F800000)  # the mantissas, as float32 bits
     m = wide[:n].copy_(bits.view(torch.float32))  # e is no longer needed
     whole = n - n % _LOG_BLOCK
-    logs = m[:whole].view(-1, _LOG_BLOCK).prod(dim=1).log_().sum() + m[whole:].prod().log()
-    total = logs + (esum - 127 * count) * _LN2
-    return [count, total, normal, top.double()]
+    logs = m[:whole].view(-1, _LOG_BLOCK).prod(dim=1).log_().sum()
+    if whole < n:
+        logs = logs + m[whole:].prod().log()
+    return torch.stack(found), logs
 
 
 def _int_sum(x: torch.Tensor, bound: int) -> torch.Tensor:
-    """The sum of int32 ``x`` (elements in ``[0, bound]``) as a float64 0-d tensor, summed
-    in int32 chunks that cannot overflow."""
+    """The sum of int32 ``x`` (elements in ``[0, bound]``): int32 where it cannot overflow,
+    else int64 from int32 chunks that cannot."""
     chunk = (2**31 - 1) // max(1, bound)
     if x.numel() <= chunk:
-        return x.sum(dtype=torch.int32).double()
-    return sum((x[a:a + chunk].sum(dtype=torch.int32).double()
-                for a in range(0, x.numel(), chunk)),
-               start=torch.zeros((), dtype=torch.float64, device=x.device))
+        return x.sum(dtype=torch.int32)
+    return torch.stack([x[a:a + chunk].sum(dtype=torch.int32)
+                        for a in range(0, x.numel(), chunk)]).sum(dtype=torch.int64)
 
 
 def _abs_sums(mag: torch.Tensor, bucket: Bucket, start: int, bound: int,
@@ -587,6 +590,7 @@ class TorchQuantizedSum(TorchExactSum):
         d = engine._scratch64(min(n, engine.tile) if engine.tile > 0 else n)
 
         tiles: list[tuple[int, int]] = []  # (first element, count) in the bucket per part
+        ints: list[torch.Tensor] = []  # l0: normal count, top exponent, exponent sum
 
         def partial(j: int, s: Slot, start: int, ct: torch.Tensor, lo: torch.Tensor | None,
                     hi: torch.Tensor | None) -> None:
@@ -597,7 +601,9 @@ class TorchQuantizedSum(TorchExactSum):
                 parts.append(torch.maximum(lo.neg(), hi).double())
                 return
             if method == "l0":
-                parts.extend(_log_abs_sum(ct, d, engine._scratch32(ct.numel())))
+                found, logs = _log_abs_sum(ct, d, engine._scratch32(ct.numel()))
+                ints.append(found)
+                parts.append(logs)
                 return
             dt = d[:ct.numel()]
             dt.copy_(ct).abs_()
@@ -607,7 +613,7 @@ class TorchQuantizedSum(TorchExactSum):
             engine._direction(s, buf.c[s.offset:s.stop], buf.t[s.offset:s.stop],
                               grads[s.index], hypers[s.index],
                               each=functools.partial(partial, j, s))
-        self._parts, self._owner, self._tiles = parts, owner, tiles
+        self._parts, self._ints, self._owner, self._tiles = parts, ints, owner, tiles
 
     def checks_finite(self) -> bool:
         assert isinstance(self.base, QuantizedSum)
@@ -624,7 +630,14 @@ class TorchQuantizedSum(TorchExactSum):
         # the bucket's extrema (the finiteness check), l1 and l0: their sums are finite only
         # if every c is (sums of |c| or of log|c|, zeros counted apart, cannot overflow)
         extrema = [lo.double(), hi.double()] if lo is not None and hi is not None else []
-        values = torch.stack(extrema + self._parts).tolist()  # one synchronization per bucket
+        floats = torch.stack(extrema + self._parts)
+        ints: list[int] = []
+        if self._ints:  # l0: with the integers, still one synchronization per bucket
+            everything = torch.cat([floats, torch.cat(self._ints).double()]).tolist()
+            values, ints = everything[:floats.numel()], [int(v) for v in
+                                                          everything[floats.numel():]]
+        else:
+            values = floats.tolist()  # one synchronization per bucket
         if extrema and not (math.isfinite(values[0]) and math.isfinite(values[1])):
             engine._sync()
             raise engine._first_bad(bucket, c)
@@ -632,17 +645,22 @@ class TorchQuantizedSum(TorchExactSum):
         k = len(bucket.slots)
         totals = [0.0] * k  # linf: maxima; l1: sums of |c|; l0: sums of log|c|
         counts = [0] * k
-        step = 4 if method == "l0" else 1  # l0: count, sum log|c|, normal count, top exponent
         for i, j in enumerate(self._owner):
-            v = values[first + step * i]
+            v = values[first + i]
             if method == "l0":
-                count, v, normal, top = values[first + step * i:first + step * (i + 1)]
-                if top < 255 and normal != count:  # subnormals: logarithm by logarithm
-                    a, length = self._tiles[i]
+                normal, top, esum = ints[3 * i:3 * i + 3]
+                if top >= 255:  # an infinity or a NaN
+                    raise engine._non_finite(bucket.slots[j].index)
+                a, length = self._tiles[i]
+                count = normal if normal == length else \
+                    int(torch.count_nonzero(c[a:a + length]))  # zeros, or subnormals too
+                if count != normal:  # subnormals: logarithm by logarithm
                     dt = engine._scratch64(length).copy_(c[a:a + length]).abs_()
                     v = float(dt.masked_fill_(dt == 0, 1.0).log_().sum())
-                counts[j] += int(count)
-            if not math.isfinite(v) or (method == "l0" and top >= 255):
+                else:
+                    v = v + (esum - 127 * count) * _LN2
+                counts[j] += count
+            if not math.isfinite(v):
                 raise engine._non_finite(bucket.slots[j].index)  # l1 / l0: the first one
             totals[j] = max(totals[j], v) if method == "linf" else totals[j] + v
         t = buf.t
