@@ -166,6 +166,14 @@ def test_small_tiles_give_the_same_trajectory(variant: str, packing: str) -> Non
                 timeout=120)
 
 
+@pytest.mark.parametrize("packing", ["host", "device"])
+def test_mean_of_signs_divides_as_numpy_does(packing: str) -> None:
+    """7 ranks, dlion-avg: ``sum / p`` is a correctly rounded division in the torch engine too
+    (multiplying by a rounded 1/7, as torch's CUDA kernels do for a scalar divisor, gives
+    other bits for some sums), so it follows the numpy core bit for bit."""
+    run_threads(7, lambda c: _pair_run(c, "dlion-avg", None, 3, packing=packing), timeout=120)
+
+
 def test_even_world_ties_match() -> None:
     """2 ranks: ties of the 1-bit majority (alternating rule) as in the numpy core."""
     run_threads(2, lambda c: _pair_run(c, "lioncub-mavo", None, 4), timeout=120)
