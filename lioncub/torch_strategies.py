@@ -511,7 +511,10 @@ class TorchExactSum(_Packed):
         total.numel())`` (``total``: their sums, int8 or wider; it may be overwritten
         afterwards)."""
         n = total.numel()
-        sgn = engine._scratch32(n).copy_(total).sign_()  # float32: _apply converts nothing
+        if total.dtype == torch.int8:  # the signs as bytes; _apply widens them per tile
+            sgn = torch.sign(total, out=buf.aux[start:start + n])
+        else:
+            sgn = engine._scratch32(n).copy_(total).sign_()
         for s, lo, hi in _pieces(bucket, start, start + n):
             engine._apply(s, sgn[lo - start:hi - start], hypers[s.index], lo - s.offset)
 
