@@ -19,7 +19,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
-import socket
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -27,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bitcoll.transport.tcp import TCPTransport
+from launch.__main__ import free_ports
 
 __all__ = ["RankResult", "forkserver", "free_port", "make_event", "run_world"]
 
@@ -82,10 +82,9 @@ class RankResult:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free right now."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    """A TCP port that is free on ``host`` right now (the launcher's
+    :func:`launch.__main__.free_ports`, as for the benchmarks)."""
+    return free_ports(host)[0]
 
 
 def make_event(start_method: str = "forkserver") -> Any:
