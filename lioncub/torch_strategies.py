@@ -119,7 +119,7 @@ def _log_abs_sum(x: torch.Tensor, wide: torch.Tensor, scratch: torch.Tensor
     mantissas. As :func:`lioncub.kernels.log_abs_sum` computes it: ``|x_i| = 2**e_i m_i``,
     the exponents summed as integers and the mantissas ``m_i`` in [1, 2) multiplied in
     float64, one logarithm per :data:`_LOG_BLOCK` elements (zeros contribute ``m = 1, e = 0``),
-    so that ``sum log|x_i| = logs + (esum - 127 count)`` ln 2 over the ``count`` nonzero
+    so that ``sum log|x_i| = logs + (esum - 127 count) ln 2`` over the ``count`` nonzero
     elements. ``top == 255``: some element is not finite. ``normal == x.numel()``: no zeros
     and no subnormals, so ``count == normal``; otherwise count the nonzero elements, and if
     some are subnormal (``count > normal``) take the logarithms one by one. ``wide``: float64

@@ -164,8 +164,9 @@ def usable_cores() -> int:
 def fit_threads_to_host(local_size: int) -> int:
     """Share the host's cores among the ``local_size`` ranks that run on it: the parallel
     kernels of this process use ``max(1, usable_cores() // local_size)`` threads (at most
-    numba's pool), unless ``NUMBA_NUM_THREADS`` is set in the environment or
-    :func:`set_num_threads` was called, which win. ``bitcoll.init`` calls it with the
+    numba's count for the calling thread: its pool unless changed), unless
+    ``NUMBA_NUM_THREADS`` is set in the environment or :func:`set_num_threads` was called,
+    which win. ``bitcoll.init`` calls it with the
     world's ranks per host: without it, every rank of a host would start as many kernel
     threads as the host has cores (4 ranks on 2 cores: a 64M-element majority took 5x as
     long). Returns the count in use."""
