@@ -24,9 +24,11 @@ from sweeps import dense_sweep, inplace_and_async, packed_bandwidth, packed_swee
 import bitcoll
 from bitcoll.communicator import Communicator
 from bitcoll.errors import CommError, CommTimeoutError, PeerLostError, ProtocolError, UsageError
+from bitcoll.transport import peer as peer_mod
 from bitcoll.transport import shm
 from bitcoll.transport.base import HEADER_SIZE, FrameHeader, Transport
 from bitcoll.transport.hybrid import HybridTransport, shm_enabled
+from bitcoll.transport.peer import FrameRequest, PeerState
 from bitcoll.transport.tcp import TCPTransport
 
 pytestmark = pytest.mark.skipif(not shm.supported(), reason="no shared memory rings here")
@@ -181,6 +183,118 @@ def test_header_mismatch_is_a_protocol_error_and_aborts_the_peer() -> None:
             t0.irecv(1, np.zeros(4, np.uint8).data, _h(0, 4)).wait(deadline)
     finally:
         _close([t0, t1])
+
+
+def _finishers(monkeypatch: pytest.MonkeyPatch) -> dict[tuple[bool, int], str]:
+    """Record, per (is_send, payload bytes), the name of the thread that completed a request
+    (shared-memory and TCP requests alike)."""
+    seen: dict[tuple[bool, int], str] = {}
+    original = FrameRequest._finish
+
+    def finish(self: FrameRequest, error: Any) -> None:
+        if not self._done:
+            seen[self.is_send, self.header.length] = threading.current_thread().name
+        original(self, error)
+
+    monkeypatch.setattr(FrameRequest, "_finish", finish)
+    return seen
+
+
+@pytest.mark.parametrize("path", ["shm", "tcp"])
+def test_small_frames_progress_on_the_calling_thread_large_ones_on_the_receiver(
+        path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A small receive (posted before its frame is written) completes on the thread that
+    waits for it, with no helper thread; a large receive and a consumed one on the peer's
+    receiver thread. The payloads arrive whole either way. Both paths of the TCP backend."""
+    t0, t1 = _thread_world(2, hosts=[0, 0] if path == "shm" else [0, 1])
+    assert isinstance(t1, HybridTransport if path == "shm" else TCPTransport)
+    seen = _finishers(monkeypatch)
+    try:
+        me = threading.current_thread().name
+        deadline = time.monotonic() + 20
+        small, large = 64, peer_mod.HELPER_RECEIVE_BYTES
+        payload = np.random.default_rng(5).integers(0, 256, large, dtype=np.uint8)
+        got_small, got_large = np.zeros(small, np.uint8), np.zeros(large, np.uint8)
+        r_small = t1.irecv(0, got_small.data, _h(0, small))
+        assert not r_small.done()  # nothing sent yet
+        s_small = t0.isend(1, payload[:small].data, _h(0, small))
+        r_small.wait(deadline)
+        s_small.wait(deadline)
+        np.testing.assert_array_equal(got_small, payload[:small])
+        assert seen[False, small] == me, seen
+        assert seen[True, small] == me  # written by isend itself
+
+        consumed = np.zeros(100, np.uint8)
+
+        def consume(offset: int, chunk: memoryview) -> None:
+            consumed[offset:offset + len(chunk)] = np.frombuffer(chunk, np.uint8)
+
+        r_large = t1.irecv(0, got_large.data, _h(1, large))
+        r_cons = t1.irecv_consume(0, 100, _h(2, 100), consume)
+        sends = [t0.isend(1, payload.data, _h(1, large)),
+                 t0.isend(1, payload[:100].data, _h(2, 100))]
+        for r in (r_large, r_cons, *sends):
+            r.wait(deadline)
+        np.testing.assert_array_equal(got_large, payload)
+        np.testing.assert_array_equal(consumed, payload[:100])
+        helper = f"bitcoll-{path}-recv-1-from-0"
+        assert seen[False, large] == seen[False, 100] == helper, seen
+        assert t1.peer_state(0) is PeerState.OPEN
+    finally:
+        _close([t0, t1])
+    assert t1.peer_state(0) is PeerState.CLOSED
+
+
+def test_a_wait_on_tcp_hands_the_shared_memory_receives_to_their_thread() -> None:
+    """Ranks 0 and 1 share a host, rank 2 is on another. Rank 0 posts three small receives
+    from rank 1, whose frames fill its 8 KiB ring, then waits on a TCP receive from rank 2
+    first. Rank 2 sends only once rank 1's third send (which needs rank 0 to read the
+    first) has completed: the wait on TCP must hand the shared-memory receives to the
+    receiver thread, or the three ranks would wait on each other until the deadline."""
+    ts = _thread_world(3, hosts=[0, 0, 1], ring_bytes=8192)
+    h0, h1, t2 = ts
+    try:
+        assert isinstance(h0, HybridTransport) and h0.shm_peers == [1]
+        deadline = time.monotonic() + 20
+        n = 4000
+        third_sent = threading.Event()
+        errors: list[BaseException] = []
+
+        def rank1() -> None:
+            try:
+                frames = [np.full(n, i, np.uint8) for i in range(3)]
+                reqs = [h1.isend(0, f.data, _h(i, n)) for i, f in enumerate(frames)]
+                assert not reqs[2].done()  # the ring holds two frames only
+                for r in reqs:
+                    r.wait(deadline)
+                third_sent.set()
+            except BaseException as exc:
+                errors.append(exc)
+
+        def rank2() -> None:
+            try:
+                assert third_sent.wait(20)
+                t2.isend(0, np.full(8, 9, np.uint8).data, _h(0, 8)).wait(deadline)
+            except BaseException as exc:
+                errors.append(exc)
+
+        got = [np.zeros(n, np.uint8) for _ in range(3)]
+        reqs = [h0.irecv(1, g.data, _h(i, n)) for i, g in enumerate(got)]
+        tcp_got = np.zeros(8, np.uint8)
+        tcp_req = h0.irecv(2, tcp_got.data, _h(0, 8))
+        threads = [threading.Thread(target=rank1), threading.Thread(target=rank2)]
+        for t in threads:
+            t.start()
+        tcp_req.wait(deadline)
+        for r in reqs:
+            r.wait(deadline)
+        for t in threads:
+            t.join(20)
+        assert not errors, errors
+        assert tcp_got.tolist() == [9] * 8
+        assert [int(g[0]) for g in got] == [0, 1, 2] and all(len(set(g)) == 1 for g in got)
+    finally:
+        _close(ts)
 
 
 @pytest.mark.parametrize("single_copy", [False, True])

@@ -25,7 +25,6 @@ Contract every transport implements
 
 from __future__ import annotations
 
-import queue
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
@@ -34,7 +33,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import numpy.typing as npt
 
-from ..errors import BitcollError, CommError, UsageError
+from ..errors import CommError, UsageError
 from .wire import HEADER_SIZE, MAGIC, PROTOCOL_VERSION, FrameHeader, FrameKind
 
 __all__ = [
@@ -159,25 +158,6 @@ class Transport(ABC):
     @abstractmethod
     def failure(self) -> CommError | None:
         """The error that aborted this transport, or None while it is healthy."""
-
-
-def drain_peer(p: Any, error: BitcollError) -> None:
-    """Fail every request still queued for peer ``p`` with ``error`` and wake its sender and
-    receiver threads (a ``None`` on each queue: they exit). ``p`` is a transport's per-peer
-    record with ``send_q`` and ``recv_q`` (queues of requests with ``is_send`` and
-    ``_finish``), ``state`` (a lock) and ``queued`` (sends handed to the sender thread)."""
-    for q in (p.send_q, p.recv_q):
-        while True:
-            try:
-                r = q.get_nowait()
-            except queue.Empty:
-                break
-            if r is not None:
-                if r.is_send:
-                    with p.state:
-                        p.queued -= 1
-                r._finish(error)
-        q.put(None)
 
 
 @runtime_checkable

@@ -33,18 +33,32 @@ Contract (that of :class:`~bitcoll.transport.base.Transport`, kept per peer)
 
 Data path
 ---------
-Per shared-memory peer, like TCP: one *sender* thread takes frames from a FIFO queue and
-copies them into the out ring chunk by chunk, waiting on the "space" doorbell when the ring is
-full; ``isend`` first copies what fits without waiting itself when nothing is queued for that
-peer (small frames complete in the caller). A frame of at least
-:data:`~bitcoll.transport.shm.SINGLE_COPY_MIN_BYTES` to a peer that can read this process's
-memory goes as a single-copy record instead (only its address enters the ring; the sender
-thread waits for the receiver's acknowledgement): one copy instead of two. One *receiver*
-thread serves posted receives in order: it waits on the "data" doorbell for the record,
-checks the header, then copies (or consumes) the payload as it is published, advancing the
-ring's ``read`` counter after every chunk so that the sender can stream a frame larger than
-the ring, or copies a single-copy payload out of the sender with ``process_vm_readv``. Large
-copies (numpy, ctypes) release the GIL.
+Every shared-memory peer is a :class:`~bitcoll.transport.peer.PeerLink`, like a TCP
+connection: the same lifecycle (:class:`~bitcoll.transport.peer.PeerState`: ``OPEN`` until
+the transport fails or closes; a peer's exit is seen by whoever waits on it, so
+``PEER_CLOSED`` is TCP's only), the same send queue and posted receives, the same reader token
+and the same split between the calling thread and the helper threads:
+
+* ``isend`` copies the record into the out ring right away when nothing is queued for that
+  peer and it fits; the rest of a frame that does not fit (the ring is full, or the frame is
+  larger than the ring) goes to the peer's *sender* thread, which copies it chunk by chunk,
+  waiting on the "space" doorbell. A frame of at least
+  :data:`~bitcoll.transport.shm.SINGLE_COPY_MIN_BYTES` to a peer that can read this process's
+  memory goes as a single-copy record instead (only its address enters the ring; the sender
+  thread waits for the receiver's acknowledgement): one copy instead of two.
+* A receive smaller than :data:`~bitcoll.transport.peer.HELPER_RECEIVE_BYTES` whose record
+  fits the ring is read by the thread that waits for it (``irecv`` already takes it when the
+  record is there): it looks at the ring's counters without sleeping for
+  :data:`~bitcoll.transport.peer.SPIN_SECONDS`, then blocks on the "data" doorbell, so an
+  exchange of small frames wakes no other thread. Larger receives and every
+  ``irecv_consume`` are served by the peer's *receiver* thread (overlap with the caller's
+  work): it checks the header, then copies (or consumes) the payload as it is published,
+  advancing the ring's ``read`` counter after every chunk so that the sender can stream a
+  frame larger than the ring, or copies a single-copy payload out of the sender with
+  ``process_vm_readv``. Large copies (numpy, ctypes) release the GIL.
+* A caller about to block on something it does not drive (a send, a receive the receiver
+  thread serves, a TCP request) first hands every posted receive of both paths to the
+  receiver threads, so that no two ranks wait on each other's unread data.
 
 Failure
 -------
@@ -60,7 +74,8 @@ Failure
   is gone fails the same way.
 * A failure of the TCP transport (a remote peer lost or aborted) fails this transport too:
   seen at once by a caller waiting on a TCP request, within :data:`~bitcoll.transport.shm.
-  WATCH_SECONDS` by a thread waiting on a doorbell.
+  WATCH_SECONDS` by a thread waiting on a doorbell (a caller waiting there also reads the
+  idle TCP connections then, so an abort notice from another host is seen).
 * ``Request.wait`` past its deadline raises :class:`~bitcoll.errors.CommTimeoutError` naming
   the rank the silence started from (the TCP transport's store record,
   ``TCPTransport.silent_origin``) and leaves the transport as it is.
@@ -83,7 +98,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import queue
 import select
 import struct
 import threading
@@ -113,7 +127,15 @@ from .base import (
     TrafficStats,
     Transport,
     byte_view,
-    drain_peer,
+)
+from .peer import (
+    HELPER_RECEIVE_BYTES,
+    SPIN_SECONDS,
+    FrameRequest,
+    PeerLink,
+    PeerState,
+    Want,
+    timeout_error,
 )
 
 if TYPE_CHECKING:
@@ -132,8 +154,6 @@ SETUP_SEQ: Final = 2**64 - 2
 _SETUP_SIG: Final = zlib.crc32(b"bitcoll shared-memory set-up")
 #: How long a receiver that found a mismatched header waits for the peer's abort reason.
 MISMATCH_GRACE_SECONDS: Final = 0.2
-#: How long an idle receiver thread (nothing posted) sleeps between looks at its queue.
-IDLE_WATCH_SECONDS: Final = 1.0
 
 _log = logging.getLogger("bitcoll.shm")
 
@@ -255,23 +275,17 @@ _PREFIX: Final = _RECORD.size + HEADER_SIZE  # 40 bytes before an inline payload
 _NUMPY_COPY_BYTES: Final = 64 << 10
 
 
-class _ShmRequest(Request):
-    """A pending shared-memory send or receive (completion releases a lock, as on TCP)."""
+class _ShmRequest(FrameRequest):
+    """A pending shared-memory send or receive (:class:`~bitcoll.transport.peer.
+    FrameRequest`): ``wait`` of a receive reads the ring itself (:meth:`HybridTransport.
+    _drive`), ``wait`` of a send first hands the posted receives to the receiver threads."""
 
-    __slots__ = ("_done", "_error", "_lock", "_owner", "consume", "data", "head", "header",
-                 "inline", "is_send", "peer", "pos", "posted", "single", "total", "view")
+    __slots__ = ("_owner", "data", "head", "inline", "pos", "single", "total")
 
     def __init__(self, owner: HybridTransport, peer: int, header: FrameHeader,
                  view: memoryview, is_send: bool, single: bool = False) -> None:
-        self._lock = threading.Lock()
-        self._lock.acquire()
-        self._done = False
-        self._error: BitcollError | None = None
+        super().__init__(peer, header, view, is_send)
         self._owner = owner
-        self.peer = peer
-        self.header = header
-        self.is_send = is_send
-        self.view = view  # the payload (unsigned bytes): small copies go through it
         self.data = np.frombuffer(view, np.uint8) if len(view) else np.empty(0, np.uint8)
         #: A send whose payload the receiver copies out of this process (single copy).
         self.single = single
@@ -285,28 +299,17 @@ class _ShmRequest(Request):
         self.inline = 0 if single else header.length  # payload bytes in the ring
         self.total = _align8(len(head) + self.inline)  # record bytes in the ring
         self.pos = 0  # record bytes already in the ring (sends)
-        self.posted = time.monotonic()
-        self.consume: Consumer | None = None
 
-    def _finish(self, error: BitcollError | None) -> None:
-        if self._done:
-            return
-        self._error = error
-        self._done = True
-        with contextlib.suppress(RuntimeError):
-            self._lock.release()
+    def _progress(self, deadline: float) -> None:
+        if self.is_send:
+            self._owner.hand_over()
+        else:
+            self._owner._drive(self, deadline)
 
-    def done(self) -> bool:
-        return self._done
-
-    def wait(self, deadline: float) -> None:
-        if not self._done:
-            left = deadline - time.monotonic()
-            if left <= 0 or not self._lock.acquire(timeout=min(left, threading.TIMEOUT_MAX)):
-                raise self._owner._timed_out(self.peer, self.header, self.is_send, self.posted)
-            self._lock.release()
-        if self._error is not None:
-            raise self._error.with_traceback(None)
+    def _timed_out(self) -> CommTimeoutError:
+        owner = self._owner
+        return timeout_error(owner.rank, self, owner.silent_origin(self.peer),
+                             "; shared memory")
 
 
 class _Routed(Request):
@@ -325,6 +328,10 @@ class _Routed(Request):
 
     def wait(self, deadline: float) -> None:
         try:
+            if not self._inner.done():
+                # The TCP transport drives only its own connections while it waits: the
+                # posted shared-memory receives go to their receiver threads.
+                self._owner.hand_over_shm()
             self._inner.wait(deadline)
         except CommTimeoutError:
             raise
@@ -336,21 +343,16 @@ class _Routed(Request):
             raise
 
 
-class _Peer:
-    """One shared-memory peer: its channel, queues and two threads."""
+class _Peer(PeerLink[_ShmRequest]):
+    """One shared-memory peer: the shared :class:`~bitcoll.transport.peer.PeerLink` (state,
+    send queue, posted receives, reader token, sender and receiver threads) and its
+    channel. The reader-token holder owns ``bounce`` and ``poller``."""
 
     def __init__(self, ch: shm.ShmChannel) -> None:
-        self.rank = ch.peer
+        super().__init__(ch.peer)
         self.ch = ch
-        self.send_q: queue.SimpleQueue[_ShmRequest | None] = queue.SimpleQueue()
-        self.recv_q: queue.SimpleQueue[_ShmRequest | None] = queue.SimpleQueue()
-        self.send_lock = threading.Lock()  # held while a frame is being copied in
-        self.state = threading.Lock()  # guards ``queued``
-        self.queued = 0
-        self.current: _ShmRequest | None = None  # the receive being served
         self.bounce: npt.NDArray[np.uint8] | None = None  # single-copy consume buffer
-        self.sender: threading.Thread | None = None
-        self.receiver: threading.Thread | None = None
+        self.poller: select.poll | None = None  # the data bell and the wake pipe
 
 
 class HybridTransport(Transport):
@@ -387,7 +389,7 @@ class HybridTransport(Transport):
             peer.sender = threading.Thread(target=self._send_loop, args=(peer,), daemon=True,
                                            name=f"bitcoll-shm-send-{self.rank}-to-{peer.rank}")
             peer.receiver = threading.Thread(
-                target=self._recv_loop, args=(peer,), daemon=True,
+                target=self._helper_loop, args=(peer,), daemon=True,
                 name=f"bitcoll-shm-recv-{self.rank}-from-{peer.rank}")
             peer.sender.start()
             peer.receiver.start()
@@ -540,18 +542,6 @@ class HybridTransport(Transport):
             raise UsageError(f"peer {peer} is not a shared-memory peer of rank {self.rank}")
         return p
 
-    def _timed_out(self, peer: int, h: FrameHeader, is_send: bool,
-                   posted: float) -> CommTimeoutError:
-        what = f"send to rank {peer}" if is_send else f"receive from rank {peer}"
-        waited = time.monotonic() - posted
-        silent = self._tcp.silent_origin(peer)
-        why = "" if silent == peer else (
-            f"; rank {peer} was itself waiting: rank {silent} is the one that went silent")
-        return CommTimeoutError(
-            f"rank {self.rank}: {what} (collective #{h.seq}, step {h.step}, {h.length} bytes) "
-            f"did not complete before the deadline ({waited:.3g} s after it was posted; "
-            f"shared memory){why}", rank=self.rank, peer=peer, sequence=h.seq, silent=silent)
-
     # ---------------------------------------------------------------- frames
 
     def isend(self, peer: int, payload: memoryview, header: FrameHeader) -> Request:
@@ -567,7 +557,7 @@ class HybridTransport(Transport):
         single = p.ch.single_copy and header.length >= max(1, shm.SINGLE_COPY_MIN_BYTES) and \
             shm.SINGLE_COPY
         req = _ShmRequest(self, peer, header, mv, True, single)
-        with p.state:
+        with p.lock:
             # Nothing queued for this peer: copy what fits right here (order is kept, no
             # frame is ahead). A single-copy frame waits for the peer: the thread's job.
             inline = p.queued == 0 and not single and p.send_lock.acquire(blocking=False)
@@ -585,13 +575,13 @@ class HybridTransport(Transport):
                 self.stats_local.add_sent(HEADER_SIZE + header.length)
                 req._finish(None)
             elif not req.done():
-                with p.state:
+                with p.lock:
                     p.queued += 1
                 p.send_q.put(req)
         else:
             p.send_q.put(req)
         if self._failure is not None:
-            self._drain(p, self._failure)
+            p.fail_requests(self._failure)
         return req
 
     def irecv(self, peer: int, payload: memoryview, header: FrameHeader) -> Request:
@@ -620,9 +610,21 @@ class HybridTransport(Transport):
                              f"{nbytes} bytes")
         req = _ShmRequest(self, p.rank, header, view, False)
         req.consume = consume
-        p.recv_q.put(req)
+        # Large frames, consumers and records that cannot sit whole in the ring are the
+        # receiver thread's (overlap); the others are read by the thread that waits.
+        req.helper = consume is not None or nbytes >= HELPER_RECEIVE_BYTES or \
+            _align8(_PREFIX + nbytes) > p.ch.ring_bytes
+        with p.lock:
+            p.posted.append(req)
+        if req.helper:
+            p.helper_q.put(True)
+        elif p.rx.acquire(blocking=False):
+            try:  # take the frame if it is here already (the peer often sent first)
+                self._advance(p)
+            finally:
+                p.rx.release()
         if self._failure is not None:
-            self._drain(p, self._failure)
+            p.fail_requests(self._failure)
         return req
 
     def _routed(self, start: Callable[[], Request]) -> Request:
@@ -661,9 +663,7 @@ class HybridTransport(Transport):
             if ch.eof:
                 if ready():
                     return
-                self._fail(PeerLostError(
-                    f"rank {self.rank}: lost rank {p.rank} (shared memory): rank {p.rank} "
-                    "exited, was killed or closed its transport"))
+                self._fail(self._lost(p))
                 raise _Stop
             tcp_failure = self._tcp.failure
             if tcp_failure is not None:
@@ -672,19 +672,6 @@ class HybridTransport(Transport):
             for got, _ in shm.wait_bell(poller, shm.WATCH_SECONDS):
                 if got == fd:
                     ch.drain(fd)
-
-    def _idle(self, p: _Peer, poller: select.poll) -> None:
-        """Wait until a record starts in the in ring, the peer went away (the next receive
-        then finds out) or a receive is posted and the transport must watch its TCP side;
-        raise _Stop when this transport failed or closes, or the peer aborted."""
-        ch = p.ch
-        while ch.in_avail() < _PREFIX and not ch.eof:
-            self._stop_if_over(p)
-            if not p.recv_q.empty():
-                return  # posted: _wait watches the TCP side too
-            for got, _ in shm.wait_bell(poller, IDLE_WATCH_SECONDS):
-                if got == ch.data_in:
-                    ch.drain(got)
 
     def _abort_reason(self, p: _Peer, poller: select.poll) -> str | None:
         """The peer's abort reason, waiting up to :data:`MISMATCH_GRACE_SECONDS` for it (its
@@ -868,56 +855,189 @@ class HybridTransport(Transport):
                         self._fail(CommError(f"rank {self.rank}: shared-memory send to rank "
                                              f"{p.rank} failed: {type(exc).__name__}: {exc}"))
                         error = self._failure
-            with p.state:
+            with p.lock:
                 p.queued -= 1
             if error is None:
                 stats.add_sent(HEADER_SIZE + req.header.length)
             req._finish(error)
 
-    def _recv_loop(self, p: _Peer) -> None:
-        stats = self.stats_local
-        poller = self._poller(p.ch.data_in)
-        while self._failure is None:
-            try:
-                req = p.recv_q.get_nowait()
-            except queue.Empty:
-                # Nothing posted: wait for the next record first (as TCP reads the next
-                # header), so that a receive posted before its frame arrives costs no
-                # wake-up, and a peer's abort is seen even by an idle rank.
-                try:
-                    self._idle(p, poller)
-                except _Stop:
-                    return
-                req = p.recv_q.get()
-            if req is None:
+    def _helper_loop(self, p: _Peer) -> None:
+        """The receiver thread: serve the receives handed to it (large ones, consumers, and
+        everything posted while the caller blocks elsewhere), blocking on the ring."""
+        while True:
+            job = p.helper_q.get()
+            if job is None:
                 return
-            p.current = req
-            try:
-                self._take(p, req, poller)
-            except (_Stop, _ConsumerFailed):
-                p.current = None
-                req._finish(self._failure or UsageError("the TCP transport is closed"))
-                return
-            except ProtocolError as exc:  # bad magic or version
-                self._fail(ProtocolError(f"from rank {p.rank}: {exc}"))
-                p.current = None
-                req._finish(self._failure)
-                return
-            except Exception as exc:  # pragma: no cover - a bug; never hang a peer
-                self._fail(CommError(f"rank {self.rank}: shared-memory receive from rank "
-                                     f"{p.rank} failed: {type(exc).__name__}: {exc}"))
-                p.current = None
-                req._finish(self._failure)
-                return
-            p.current = None
-            stats.add_received(HEADER_SIZE + req.header.length)
+            while True:
+                with p.rx:
+                    while self._failure is None and not self._closing:
+                        req = p.head()
+                        if req is None or not self._serve(p, req):
+                            break
+                # Look again after releasing the token: a receive posted while we held it may
+                # have found the token taken.
+                if not p.posted or self._failure is not None or self._closing:
+                    break
+
+    def _serve(self, p: _Peer, req: _ShmRequest) -> bool:
+        """Receive the next record of ``p``'s in ring into ``req`` (its oldest posted
+        receive) and complete it; False when the transport failed instead (``req`` failed
+        with it). Blocks until the record is there: callers that must not block check
+        :meth:`_ready` first. Precondition: the reader token ``p.rx`` is held."""
+        try:
+            self._take(p, req, self._bell(p))
+        except (_Stop, _ConsumerFailed):
+            req._finish(self._failure or UsageError("the TCP transport is closed"))
+            return False
+        except ProtocolError as exc:  # bad magic or version
+            self._fail(ProtocolError(f"from rank {p.rank}: {exc}", rank=self.rank, peer=p.rank))
+            req._finish(self._failure)
+            return False
+        except Exception as exc:  # pragma: no cover - a bug; never hang a peer
+            self._fail(CommError(f"rank {self.rank}: shared-memory receive from rank "
+                                 f"{p.rank} failed: {type(exc).__name__}: {exc}"))
+            req._finish(self._failure)
+            return False
+        if p.pop(req):
+            self.stats_local.add_received(HEADER_SIZE + req.header.length)
             req._finish(None)
+        return True
+
+    def _bell(self, p: _Peer) -> select.poll:
+        """The poller of ``p``'s data bell and this rank's wake pipe (reader token held)."""
+        if p.poller is None:
+            p.poller = self._poller(p.ch.data_in)
+        return p.poller
+
+    @staticmethod
+    def _ready(ch: shm.ShmChannel, req: _ShmRequest) -> bool:
+        """Whether the next record of ``ch``'s in ring can be taken for ``req`` without
+        waiting: all of an inline record, the address of a single-copy one, or enough of a
+        record that does not match ``req`` for the mismatch to be reported."""
+        avail = ch.in_avail()
+        if avail >= _align8(_PREFIX + req.header.length):
+            return True  # the frame (or more than it: a mismatch, found at once)
+        if avail < _PREFIX:
+            return False
+        raw = ch.read_in(ch.read, _PREFIX)
+        mode, _ = _RECORD.unpack_from(raw)
+        if mode == _SINGLE:
+            return avail >= _PREFIX + _ADDRESS.size
+        try:
+            length = FrameHeader.unpack(raw[_RECORD.size:]).length
+        except ProtocolError:
+            return True  # bad magic or version: reported by _serve
+        return mode != _INLINE or length != req.header.length
+
+    def _advance(self, p: _Peer) -> Want:
+        """Complete the posted receives of ``p`` whose records are in the ring, in order,
+        without blocking; notice the peer's abort or exit when nothing is there.
+        Precondition: the reader token ``p.rx`` is held."""
+        ch = p.ch
+        while self._failure is None and not self._closing:
+            req = p.head()
+            if req is None:
+                return Want.IDLE
+            if req.helper:
+                return Want.HELPER
+            if not self._ready(ch, req):
+                if ch.in_avail() < _PREFIX:
+                    reason = ch.peer_abort_reason()
+                    if reason is not None:
+                        self._fail(PeerLostError(f"rank {p.rank} aborted: {reason}",
+                                                 rank=self.rank, peer=p.rank))
+                        return Want.IDLE
+                    if ch.eof:
+                        self._fail(self._lost(p))
+                        return Want.IDLE
+                return Want.READ
+            if not self._serve(p, req):
+                return Want.IDLE
+        return Want.IDLE
+
+    def _drive(self, req: _ShmRequest, deadline: float) -> None:
+        """Make progress on the calling thread until ``req`` (a receive from a shared-memory
+        peer) completes, the transport fails or ``deadline`` passes: read the ring, looking
+        without sleeping for :data:`~bitcoll.transport.peer.SPIN_SECONDS`, then block on the
+        data bell (handing every other posted receive to its receiver thread first, and
+        looking at the TCP side every :data:`~bitcoll.transport.shm.WATCH_SECONDS`). Returns
+        without completing ``req`` when the receiver thread serves it (the caller then blocks
+        on the request)."""
+        p = self._peers[req.peer]
+        if not p.rx.acquire(blocking=False):
+            self.hand_over()  # the receiver thread reads from p: it serves req too
+            return
+        want = Want.IDLE
+        try:
+            spin_end = time.monotonic() + SPIN_SECONDS
+            handed = False
+            ch = p.ch
+            while True:
+                want = self._advance(p)
+                if want is not Want.READ or req._done:
+                    break
+                now = time.monotonic()
+                if now >= deadline:
+                    break
+                if now < spin_end:
+                    continue
+                if not handed:
+                    self.hand_over(but=p)
+                    handed = True
+                rung = False
+                for got, _ in shm.wait_bell(self._bell(p),
+                                            min(deadline - now, shm.WATCH_SECONDS)):
+                    if got == ch.data_in:
+                        ch.drain(got)
+                        rung = True
+                if not rung:  # a quiet moment: look at the TCP side's health
+                    self._tcp.progress()
+                    tcp_failure = self._tcp.failure
+                    if tcp_failure is not None:
+                        self._fail(tcp_failure)
+                        break
+        finally:
+            p.rx.release()
+        if want is Want.HELPER:
+            self.hand_over()
+
+    def hand_over(self, but: _Peer | None = None) -> None:
+        """The calling thread is about to block on something it does not drive: give every
+        posted receive (but ``but``'s) to its receiver thread, on both paths."""
+        for p in self._peers.values():
+            if p is not but:
+                p.hand_over()
+        self._tcp.hand_over()
+
+    def hand_over_shm(self) -> None:
+        """:meth:`hand_over` for the shared-memory peers only."""
+        for p in self._peers.values():
+            p.hand_over()
+
+    def progress(self) -> None:
+        """Complete, without blocking, the receives whose frames have arrived on every link
+        no other thread is reading (both paths; see ``TCPTransport.progress``). Never
+        raises (look at :attr:`failure`)."""
+        for p in self._peers.values():
+            if p.rx.acquire(blocking=False):
+                try:
+                    self._advance(p)
+                finally:
+                    p.rx.release()
+        self._tcp.progress()
+
+    def peer_state(self, peer: int) -> PeerState:
+        """The :class:`~bitcoll.transport.peer.PeerState` of the link to ``peer``
+        (UsageError for a rank that is not another rank of this transport)."""
+        p = self._peers.get(peer)
+        return self._tcp.peer_state(peer) if p is None else p.state
+
+    def _lost(self, p: _Peer) -> PeerLostError:
+        return PeerLostError(f"rank {self.rank}: lost rank {p.rank} (shared memory): rank "
+                             f"{p.rank} exited, was killed or closed its transport",
+                             rank=self.rank, peer=p.rank)
 
     # ---------------------------------------------------------------- abort / close
-
-    def _drain(self, p: _Peer, error: BitcollError) -> None:
-        """Fail every request still queued for ``p`` and wake its threads."""
-        drain_peer(p, error)
 
     def _wake_all(self) -> None:
         """Wake every thread of this rank waiting on a doorbell (the byte stays: every later
@@ -940,10 +1060,10 @@ class HybridTransport(Transport):
         self._wake_all()
         self._tcp.abort(raw.decode("utf-8", errors="replace"))
         for p in self._peers.values():
-            self._drain(p, error)
-            current = p.current
-            if current is not None:
-                current._finish(error)
+            with p.lock:
+                p.transition(PeerState.FAILED)
+            p.fail_requests(error)
+            p.helper_q.put(None)  # a receiver thread blocked on the ring sees the failure
 
     def abort(self, reason: str) -> None:
         """Fail every pending and future request here and make every peer fail promptly
@@ -968,15 +1088,15 @@ class HybridTransport(Transport):
         self._closing = True
         self._wake_all()
         for p in self._peers.values():
-            self._drain(p, closed)
+            with p.lock:
+                p.transition(PeerState.CLOSED)
+            p.fail_requests(closed)
+            p.helper_q.put(None)
         for p in self._peers.values():
             for t in (p.sender, p.receiver):
                 if t is not None:
                     t.join(5.0)
-            self._drain(p, closed)
-            current = p.current
-            if current is not None:
-                current._finish(closed)
+            p.fail_requests(closed)
             p.ch.close()
         for fd in (self._wake_r, self._wake_w):
             with contextlib.suppress(OSError):

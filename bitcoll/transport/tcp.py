@@ -37,21 +37,14 @@ socket. The frame layout is in :mod:`bitcoll.transport.wire`.
 
 Per-peer state machine
 ----------------------
-Every connection is a :class:`_Peer` whose lifecycle is a :class:`PeerState`, changed only by
-:meth:`TCPTransport._transition` with the peer's ``lock`` held::
-
-    OPEN ──► PEER_CLOSED ──► FAILED ──► CLOSED
-      │                        ▲          ▲
-      └────────────────────────┴──────────┘
-
-* ``OPEN``: frames flow.
-* ``PEER_CLOSED``: the peer closed the connection cleanly between frames while nothing was
-  posted from it (it closed its transport); the next ``isend``/``irecv`` involving it fails
-  the transport.
-* ``FAILED``: the transport failed (:meth:`TCPTransport._fail`, the one failure path): every
-  request of the peer has failed and its helper thread reads and drops whatever the peer still
-  sends until it closes, so no peer stays blocked writing to this rank.
-* ``CLOSED``: :meth:`TCPTransport.close` shut the connection down.
+Every connection is a :class:`_Peer`, a :class:`~bitcoll.transport.peer.PeerLink` whose
+lifecycle is a :class:`~bitcoll.transport.peer.PeerState` (``OPEN``, ``PEER_CLOSED``,
+``FAILED``, ``CLOSED``; the diagram and the rules are in :mod:`bitcoll.transport.peer`),
+changed only by ``PeerLink.transition`` with the peer's ``lock`` held. Here ``PEER_CLOSED``
+means the peer closed the connection cleanly between frames while nothing was posted from it;
+in ``FAILED`` the peer's helper thread reads and drops whatever the peer still sends until it
+closes, so no peer stays blocked writing to this rank; ``CLOSED``: :meth:`TCPTransport.close`
+shut the connection down.
 
 The receiving side of an open connection is a second, finer machine (:class:`RxPhase`),
 advanced only by whoever holds the peer's *reader token* (``rx``, a lock) in
@@ -120,12 +113,10 @@ close timeout passes.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import enum
 import hmac
 import os
-import queue
 import select
 import socket
 import threading
@@ -154,6 +145,9 @@ from .base import (
 )
 from .external_store import check_store
 from .netio import DONTWAIT, NOSIGNAL, WAITALL, recv_exact, send_all_parts, send_some
+from .peer import HELPER_RECEIVE_BYTES as HELPER_RECEIVE_BYTES
+from .peer import SPIN_SECONDS as SPIN_SECONDS
+from .peer import FrameRequest, PeerLink, PeerState, Want, timeout_error
 from .tcp_bootstrap import KEY_ABORT as KEY_ABORT
 from .tcp_bootstrap import KEY_ADDR as KEY_ADDR
 from .tcp_bootstrap import KEY_INTEGRITY as KEY_INTEGRITY
@@ -174,9 +168,6 @@ __all__ = ["TCPTransport", "SOCKET_BUFFER_BYTES", "PeerState", "RxPhase"]
 #: Piece size of :meth:`TCPTransport.irecv_consume`: small enough to stay in a core's L2
 #: cache between the kernel's copy and the consumer's read.
 CONSUME_CHUNK_BYTES: Final = 256 << 10
-#: Receives of at least this many payload bytes are served by the peer's receiver thread
-#: (overlap with the caller's work); smaller ones by the thread that waits for them.
-HELPER_RECEIVE_BYTES: Final = 256 << 10
 #: How long an abort spends at most writing its reason into the store.
 ABORT_STORE_SECONDS: Final = 0.5
 #: Default of ``close_timeout``: how long ``close()`` waits for queued sends and for the
@@ -184,8 +175,6 @@ ABORT_STORE_SECONDS: Final = 0.5
 CLOSE_TIMEOUT: Final = 30.0
 #: After a failure rank 0 keeps its store at most this long for peers to read abort reasons.
 FAILED_CLOSE_SECONDS: Final = 2.0
-#: How long a caller polls its sockets without sleeping before it blocks in ``poll``.
-SPIN_SECONDS: Final = 50e-6
 #: A caller blocked on a request it does not drive itself looks at the idle connections
 #: (abort notices, lost peers) this often.
 IDLE_LOOK_SECONDS: Final = 0.05
@@ -197,24 +186,6 @@ STALL_POLL_SECONDS: Final = 0.02
 _POLL_IN: Final = select.POLLIN | select.POLLPRI | select.POLLERR | select.POLLHUP
 
 
-class PeerState(enum.Enum):
-    """Lifecycle of one connection (see the module docstring)."""
-
-    OPEN = "open"
-    PEER_CLOSED = "peer closed"
-    FAILED = "failed"
-    CLOSED = "closed"
-
-
-#: The transitions :meth:`TCPTransport._transition` allows.
-_ALLOWED: Final[dict[PeerState, frozenset[PeerState]]] = {
-    PeerState.OPEN: frozenset({PeerState.PEER_CLOSED, PeerState.FAILED, PeerState.CLOSED}),
-    PeerState.PEER_CLOSED: frozenset({PeerState.FAILED, PeerState.CLOSED}),
-    PeerState.FAILED: frozenset({PeerState.CLOSED}),
-    PeerState.CLOSED: frozenset(),
-}
-
-
 class RxPhase(enum.Enum):
     """Where the receiving side of an open connection is within the byte stream."""
 
@@ -224,46 +195,24 @@ class RxPhase(enum.Enum):
     TAG = "tag"  # reading the frame's integrity tag
 
 
-class _Want(enum.Enum):
-    """What :meth:`TCPTransport._advance` needs before it can go on."""
-
-    READ = 1  # more bytes from the socket
-    IDLE = 2  # a receive to be posted (or the connection is no longer open)
-    HELPER = 3  # the next receive is the receiver thread's
-
-
 class _ConsumerFailed(Exception):
     """A consumer of :meth:`TCPTransport.irecv_consume` raised (the transport has failed)."""
 
 
-class _TCPRequest(Request):
-    """A pending send or receive of one frame.
+class _TCPRequest(FrameRequest):
+    """A pending send or receive of one frame. ``wait`` of a receive drives the connections
+    itself (:meth:`TCPTransport._drive`); ``wait`` of a send first hands the posted receives
+    to the receiver threads."""
 
-    Completion is signalled by releasing a lock taken at creation (cheaper than an Event:
-    one C call on each side, no Python-level condition). ``wait`` of a receive drives the
-    connections itself (:meth:`TCPTransport._drive`).
-    """
-
-    __slots__ = ("_done", "_error", "_lock", "_owner", "consume", "head", "header", "helper",
-                 "is_send", "peer", "posted", "sent", "tail", "view")
+    __slots__ = ("_owner", "head", "sent", "tail")
 
     def __init__(self, owner: TCPTransport, peer: int, header: FrameHeader, view: memoryview,
                  is_send: bool) -> None:
-        self._lock = threading.Lock()
-        self._lock.acquire()
-        self._done = False
-        self._error: BitcollError | None = None
+        super().__init__(peer, header, view, is_send)
         self._owner = owner
-        self.peer = peer
-        self.header = header
-        self.view = view
         self.head = header.pack() if is_send else b""
         self.tail = b""  # the frame's integrity tag (sends, with frame integrity on)
-        self.is_send = is_send
-        self.posted = time.monotonic()
         self.sent = 0  # bytes of a send already written by isend itself
-        self.consume: Consumer | None = None  # irecv_consume: the payload goes here
-        self.helper = False  # a receive served by the peer's receiver thread
 
     def parts(self) -> list[bytes | memoryview]:
         """What a send writes: header, payload, tag (empty pieces left out)."""
@@ -274,75 +223,33 @@ class _TCPRequest(Request):
             out.append(self.tail)
         return out
 
-    def _finish(self, error: BitcollError | None) -> None:
-        if self._done:
-            return
-        self._error = error
-        self._done = True
-        with contextlib.suppress(RuntimeError):  # a concurrent _finish released it already
-            self._lock.release()
-
-    def done(self) -> bool:
-        return self._done
-
-    def wait(self, deadline: float) -> None:
-        if not self._done:
-            if self.is_send:
-                self._owner._hand_over()
-            else:
-                self._owner._drive(self, deadline)
-            if not self._done:
-                left = deadline - time.monotonic()
-                if left <= 0 or not self._lock.acquire(timeout=min(left, threading.TIMEOUT_MAX)):
-                    raise self._timed_out()
-                self._lock.release()
-        if self._error is not None:
-            raise self._error.with_traceback(None)
+    def _progress(self, deadline: float) -> None:
+        if self.is_send:
+            self._owner.hand_over()
+        else:
+            self._owner._drive(self, deadline)
 
     def _timed_out(self) -> CommTimeoutError:
-        h = self.header
-        what = f"send to rank {self.peer}" if self.is_send else f"receive from rank {self.peer}"
-        waited = time.monotonic() - self.posted
-        silent = self._owner.silent_origin(self.peer)
-        why = "" if silent == self.peer else (
-            f"; rank {self.peer} was itself waiting: rank {silent} is the one that went silent")
-        return CommTimeoutError(
-            f"rank {self._owner.rank}: {what} (collective #{h.seq}, step {h.step}, "
-            f"{h.length} bytes) did not complete before the deadline "
-            f"({waited:.3g} s after it was posted){why}", rank=self._owner.rank,
-            peer=self.peer, sequence=h.seq, silent=silent)
+        return timeout_error(self._owner.rank, self, self._owner.silent_origin(self.peer))
 
 
-class _Peer:
-    """One connection: its :class:`PeerState`, its send side (queue, sender thread) and its
-    receive side (posted receives, the :class:`RxPhase` machine, the receiver thread).
-
-    Locks: ``lock`` guards ``state``, ``queued``, ``partial`` and appending to / removing
-    from ``posted``; ``send_lock`` is held while a frame is being written; ``rx`` (the reader
-    token) is held by whoever reads the socket and owns every ``rx_*`` field.
-    """
+class _Peer(PeerLink[_TCPRequest]):
+    """One connection: the shared :class:`~bitcoll.transport.peer.PeerLink` (state, send
+    queue, posted receives, reader token) plus its socket, the :class:`RxPhase` machine and
+    frame integrity. ``lock`` also guards ``partial``; the reader-token holder owns every
+    ``rx_*`` field."""
 
     def __init__(self, rank: int, sock: socket.socket) -> None:
-        self.rank = rank
+        super().__init__(rank)
         self.sock = sock
         self.fd = sock.fileno()
-        self.state = PeerState.OPEN
-        self.lock = threading.Lock()
-        # send side
-        self.send_q: queue.SimpleQueue[_TCPRequest | None] = queue.SimpleQueue()
-        self.send_lock = threading.Lock()
-        self.queued = 0  # sends handed to the sender thread and not finished by it
         self.partial = False  # the connection is in the middle of a frame written by isend
-        # receive side
-        self.posted: collections.deque[_TCPRequest] = collections.deque()
-        self.rx = threading.Lock()
         self.rx_phase = RxPhase.HEADER
         self.rx_got = 0
         self.rx_header: FrameHeader | None = None
         self.hbuf = bytearray(HEADER_SIZE)
         self.hview = memoryview(self.hbuf)
         self.tag = bytearray(FRAME_TAG_BYTES)
-        self.helper_q: queue.SimpleQueue[bool | None] = queue.SimpleQueue()
         self.bounce = memoryview(bytearray(CONSUME_CHUNK_BYTES))  # irecv_consume's buffer
         # Frame integrity (None when off): keys and frame counters of each direction; the
         # MAC lock keeps outgoing counters in isend order.
@@ -352,13 +259,6 @@ class _Peer:
         self.count_in = 0
         self.mac_lock = threading.Lock()
         self.rx_mac: Any = None  # the tag hasher of the frame being consumed
-        self.sender: threading.Thread | None = None
-        self.receiver: threading.Thread | None = None
-
-    def head(self) -> _TCPRequest | None:
-        """The oldest posted receive (only the reader-token holder removes it)."""
-        posted = self.posted
-        return posted[0] if posted else None
 
 
 # --------------------------------------------------------------------------------------------
@@ -502,15 +402,6 @@ class TCPTransport(Transport):
                              f"transport (this is rank {self.rank})")
         return p.state
 
-    def _transition(self, p: _Peer, new: PeerState) -> bool:
-        """Move ``p`` to ``new`` if :data:`_ALLOWED` permits it; return whether it moved.
-        Precondition: the caller holds ``p.lock``. The only place ``p.state`` changes."""
-        assert p.lock.locked()
-        if new not in _ALLOWED[p.state]:
-            return False
-        p.state = new
-        return True
-
     def _check_usable(self, peer: int) -> _Peer:
         if self._closed:
             raise UsageError("the TCP transport is closed")
@@ -556,7 +447,7 @@ class TCPTransport(Transport):
                 self._submit(p, req)
         failure = self._failure
         if failure is not None:
-            self._fail_requests(p, failure)
+            p.fail_requests(failure)
         return req
 
     def _submit(self, p: _Peer, req: _TCPRequest) -> None:
@@ -670,7 +561,7 @@ class TCPTransport(Transport):
                 p.rx.release()
         failure = self._failure
         if failure is not None:
-            self._fail_requests(p, failure)
+            p.fail_requests(failure)
             if isinstance(failure, PeerLostError) and failure.peer == p.rank:
                 raise failure.with_traceback(None)
         return req
@@ -688,12 +579,11 @@ class TCPTransport(Transport):
                 finally:
                     p.rx.release()
 
-    def _hand_over(self) -> None:
+    def hand_over(self) -> None:
         """The calling thread is about to block on something it does not drive: give every
         posted receive to its peer's receiver thread."""
         for p in self._order:
-            if p.posted and p.state is PeerState.OPEN:
-                p.helper_q.put(True)
+            p.hand_over()
 
     def _drive(self, req: _TCPRequest, deadline: float) -> None:
         """Make progress on the calling thread until ``req`` (a receive) completes, the
@@ -703,7 +593,7 @@ class TCPTransport(Transport):
         then blocks on the request, looking at the idle connections every
         :data:`IDLE_LOOK_SECONDS`)."""
         target = self._peers[req.peer]
-        wants: dict[_Peer, _Want] = {}
+        wants: dict[_Peer, Want] = {}
         ready: list[_Peer] = [target] + [p for p in self._order if p is not target]
         poller: Any = None
         registered: set[int] = set()
@@ -721,10 +611,10 @@ class TCPTransport(Transport):
             left = deadline - time.monotonic()
             if left <= 0:
                 return
-            if wants.get(target) is not _Want.READ:
+            if wants.get(target) is not Want.READ:
                 # The receiver thread (or another thread) has the target connection: block
                 # on the request, looking at the idle connections now and then.
-                self._hand_over()
+                self.hand_over()
                 if req._lock.acquire(timeout=min(left, IDLE_LOOK_SECONDS)):
                     req._lock.release()
                     return
@@ -734,7 +624,7 @@ class TCPTransport(Transport):
                 poller = select.poll()
                 poller.register(self._wake_r, _POLL_IN)
             polled = {p.fd: p for p, w in wants.items()
-                      if w is _Want.READ and p.state is PeerState.OPEN}
+                      if w is Want.READ and p.state is PeerState.OPEN}
             for fd in registered - polled.keys():
                 poller.unregister(fd)
             for fd in polled.keys() - registered:
@@ -782,7 +672,7 @@ class TCPTransport(Transport):
             while not self._closing and p.sock.recv_into(scratch):
                 pass
 
-    def _advance(self, p: _Peer, blocking: bool) -> _Want:
+    def _advance(self, p: _Peer, blocking: bool) -> Want:
         """Run ``p``'s receive machine (:class:`RxPhase`) as far as the socket allows:
         complete posted receives in order, notice ABORT frames, end of file and errors.
         ``blocking``: wait for bytes (the receiver thread; stops when nothing is posted);
@@ -795,9 +685,9 @@ class TCPTransport(Transport):
                 req = p.head()
                 if phase is RxPhase.HEADER:
                     if req is None and blocking:
-                        return _Want.IDLE
+                        return Want.IDLE
                     if req is not None and req.helper and not blocking:
-                        return _Want.HELPER
+                        return Want.HELPER
                     got = p.rx_got
                     if got == 0 and req is not None and req.consume is None and len(req.view):
                         # The header and whatever part of the payload is here, in one call.
@@ -807,7 +697,7 @@ class TCPTransport(Transport):
                         n = sock.recv_into(p.hview[got:], HEADER_SIZE - got, flags)
                     if n == 0:
                         self._eof(p, between_frames=got == 0)
-                        return _Want.IDLE
+                        return Want.IDLE
                     got += n
                     if got < HEADER_SIZE:
                         p.rx_got = got
@@ -817,32 +707,32 @@ class TCPTransport(Transport):
                     early = got - HEADER_SIZE
                     if header.kind == FrameKind.ABORT:
                         self._abort_notice(p, header, req, early)
-                        return _Want.IDLE
+                        return Want.IDLE
                     p.rx_header = header
                     if req is None:
                         p.rx_phase = RxPhase.HELD
-                        return _Want.IDLE
+                        return Want.IDLE
                     self._match(p, req, header, early)
                 elif phase is RxPhase.HELD:
                     if req is None:
-                        return _Want.IDLE
+                        return Want.IDLE
                     if req.helper and not blocking:
-                        return _Want.HELPER
+                        return Want.HELPER
                     assert p.rx_header is not None
                     self._match(p, req, p.rx_header, 0)
                 elif phase is RxPhase.BODY:
                     assert req is not None and p.rx_header is not None
                     if req.consume is not None:
                         if not blocking:
-                            return _Want.HELPER
+                            return Want.HELPER
                         if not self._consume(p, req, p.rx_header):
-                            return _Want.IDLE
+                            return Want.IDLE
                     else:
                         got = p.rx_got
                         n = sock.recv_into(req.view[got:], len(req.view) - got, flags)
                         if n == 0:
                             self._eof(p, between_frames=False)
-                            return _Want.IDLE
+                            return Want.IDLE
                         p.rx_got = got + n
                     if p.rx_got == p.rx_header.length:
                         self._payload_done(p, req)
@@ -852,21 +742,21 @@ class TCPTransport(Transport):
                     n = sock.recv_into(memoryview(p.tag)[got:], FRAME_TAG_BYTES - got, flags)
                     if n == 0:
                         self._eof(p, between_frames=False)
-                        return _Want.IDLE
+                        return Want.IDLE
                     p.rx_got = got + n
                     if p.rx_got == FRAME_TAG_BYTES:
                         self._check_tag(p, req)
-            return _Want.IDLE
+            return Want.IDLE
         except (BlockingIOError, InterruptedError):
-            return _Want.READ
+            return Want.READ
         except _ConsumerFailed:
-            return _Want.IDLE
+            return Want.IDLE
         except ProtocolError as exc:  # bad magic or version
             self._fail(ProtocolError(f"from rank {p.rank}: {exc}", rank=self.rank, peer=p.rank))
-            return _Want.IDLE
+            return Want.IDLE
         except OSError as exc:
             self._os_error(p, exc)
-            return _Want.IDLE
+            return Want.IDLE
 
     def _match(self, p: _Peer, req: _TCPRequest, header: FrameHeader, early: int) -> None:
         """A data header for ``req`` (``early`` payload bytes already in ``req.view``):
@@ -897,10 +787,8 @@ class TCPTransport(Transport):
 
     def _complete(self, p: _Peer, req: _TCPRequest, extra: int) -> None:
         """The frame of ``req`` (the oldest posted receive) is complete: -> HEADER."""
-        with p.lock:
-            if not p.posted or p.posted[0] is not req:
-                return  # failed meanwhile: the failure path finished it
-            p.posted.popleft()
+        if not p.pop(req):
+            return  # failed meanwhile: the failure path finished it
         p.rx_phase = RxPhase.HEADER
         p.rx_got = 0
         self.stats.add_received(HEADER_SIZE + req.header.length + extra)
@@ -981,7 +869,7 @@ class TCPTransport(Transport):
             return
         if between_frames and p.rx_phase is RxPhase.HEADER:
             with p.lock:
-                if not p.posted and self._transition(p, PeerState.PEER_CLOSED):
+                if not p.posted and p.transition(PeerState.PEER_CLOSED):
                     return  # a clean close: only later calls involving p fail
         self._fail(PeerLostError(self._lost_message(p.rank, None), rank=self.rank,
                                  peer=p.rank))
@@ -1054,25 +942,6 @@ class TCPTransport(Transport):
 
     # ---------------------------------------------------------------- failure / close
 
-    def _fail_requests(self, p: _Peer, error: BitcollError) -> None:
-        """Fail every request posted or queued for ``p`` with ``error`` and stop its sender
-        thread (its receiver thread stays: it drops what the peer still sends)."""
-        with p.lock:
-            posted = list(p.posted)
-            p.posted.clear()
-        for r in posted:
-            r._finish(error)
-        while True:
-            try:
-                s = p.send_q.get_nowait()
-            except queue.Empty:
-                break
-            if s is not None:
-                with p.lock:
-                    p.queued -= 1
-                s._finish(error)
-        p.send_q.put(None)
-
     def _fail(self, error: CommError, reason: str | None = None) -> None:
         """The one failure path: record the first failure, tell every peer, move every
         connection to FAILED, fail every waiting request and wake every waiting thread.
@@ -1104,8 +973,8 @@ class TCPTransport(Transport):
                 p.sock.shutdown(socket.SHUT_WR)
         for p in self._order:
             with p.lock:
-                self._transition(p, PeerState.FAILED)
-            self._fail_requests(p, error)
+                p.transition(PeerState.FAILED)
+            p.fail_requests(error)
             p.helper_q.put(True)
         self._wake()
 
@@ -1146,17 +1015,17 @@ class TCPTransport(Transport):
         self._closing = True
         for p in self._order:
             with p.lock:
-                self._transition(p, PeerState.CLOSED)
+                p.transition(PeerState.CLOSED)
             with contextlib.suppress(OSError):
                 p.sock.shutdown(socket.SHUT_RDWR)
-            self._fail_requests(p, closed)
+            p.fail_requests(closed)
             p.helper_q.put(None)
         self._wake()
         for p in self._order:
             for t in (p.sender, p.receiver):
                 if t is not None:
                     t.join(5.0)
-            self._fail_requests(p, closed)
+            p.fail_requests(closed)
             p.sock.close()
         if self._peers:
             for fd in (self._wake_r, self._wake_w):

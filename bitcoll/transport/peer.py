@@ -1,0 +1,237 @@
+"""The per-peer machinery every frame transport with its own connections shares.
+
+:class:`~bitcoll.transport.tcp.TCPTransport` (one socket per peer) and the shared-memory side
+of :class:`~bitcoll.transport.hybrid.HybridTransport` (one pair of rings per peer) keep each
+peer in a :class:`PeerLink`: its lifecycle state, its send queue and its posted receives, with
+one routine that fails everything queued. Their requests are :class:`FrameRequest`.
+
+Lifecycle (:class:`PeerState`), changed only by :meth:`PeerLink.transition` with the link's
+``lock`` held::
+
+    OPEN ──► PEER_CLOSED ──► FAILED ──► CLOSED
+      │                        ▲          ▲
+      └────────────────────────┴──────────┘
+
+* ``OPEN``: frames flow.
+* ``PEER_CLOSED``: the peer closed its end cleanly between frames while nothing was posted
+  from it (it closed its transport); the next ``isend``/``irecv`` involving it fails the
+  transport.
+* ``FAILED``: the transport failed (its one failure path): every request of the peer has
+  failed.
+* ``CLOSED``: the transport was closed.
+
+Progress
+--------
+Receives progress on the thread that waits for them: whoever holds a link's *reader token*
+(``rx``) reads from the peer and completes posted receives in posting order. A receive that
+is worth overlapping (large, or consumed piece by piece) is marked ``helper`` and served by the
+link's receiver thread instead, woken through ``helper_q``. A caller about to block on
+something it does not drive itself (a send still being written, a receive a helper serves)
+first hands every posted receive to the helpers (``helper_q``), so that no two ranks can wait
+on each other's unread data. Sends that do not fit at once go to the link's sender thread
+through ``send_q``, in order.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import enum
+import queue
+import threading
+import time
+from typing import Final, Generic, TypeVar
+
+from ..errors import BitcollError, CommTimeoutError
+from .base import Consumer, FrameHeader, Request
+
+__all__ = ["PeerState", "ALLOWED", "Want", "FrameRequest", "PeerLink", "timeout_error",
+           "HELPER_RECEIVE_BYTES", "SPIN_SECONDS"]
+
+#: Receives of at least this many payload bytes are served by the link's receiver thread
+#: (overlap with the caller's work); smaller ones by the thread that waits for them.
+HELPER_RECEIVE_BYTES: Final = 256 << 10
+#: How long a caller looks for its frame without sleeping before it blocks in ``poll`` (a
+#: reply to a small frame usually comes within microseconds; waking from poll costs a
+#: reschedule).
+SPIN_SECONDS: Final = 50e-6
+
+
+class PeerState(enum.Enum):
+    """Lifecycle of one peer link (see the module docstring)."""
+
+    OPEN = "open"
+    PEER_CLOSED = "peer closed"
+    FAILED = "failed"
+    CLOSED = "closed"
+
+
+#: The transitions :meth:`PeerLink.transition` allows.
+ALLOWED: Final[dict[PeerState, frozenset[PeerState]]] = {
+    PeerState.OPEN: frozenset({PeerState.PEER_CLOSED, PeerState.FAILED, PeerState.CLOSED}),
+    PeerState.PEER_CLOSED: frozenset({PeerState.FAILED, PeerState.CLOSED}),
+    PeerState.FAILED: frozenset({PeerState.CLOSED}),
+    PeerState.CLOSED: frozenset(),
+}
+
+
+class Want(enum.Enum):
+    """What advancing a link's receive side needs before it can go on."""
+
+    READ = 1  # more bytes from the peer
+    IDLE = 2  # a receive to be posted (or the link is no longer open)
+    HELPER = 3  # the next receive is the receiver thread's
+
+
+class FrameRequest(Request):
+    """A pending send or receive of one frame to or from ``peer``.
+
+    Completion is signalled by releasing a lock taken at creation (cheaper than an Event: one
+    C call on each side). :meth:`wait` first lets the transport make progress on the calling
+    thread (``_progress``), then blocks on the lock until the deadline.
+    """
+
+    __slots__ = ("_done", "_error", "_lock", "consume", "header", "helper", "is_send", "peer",
+                 "posted", "view")
+
+    def __init__(self, peer: int, header: FrameHeader, view: memoryview,
+                 is_send: bool) -> None:
+        self._lock = threading.Lock()
+        self._lock.acquire()
+        self._done = False
+        self._error: BitcollError | None = None
+        self.peer = peer
+        self.header = header
+        self.view = view  # the payload (unsigned bytes)
+        self.is_send = is_send
+        self.posted = time.monotonic()
+        self.consume: Consumer | None = None  # irecv_consume: the payload goes here
+        self.helper = False  # a receive served by the link's receiver thread
+
+    def _finish(self, error: BitcollError | None) -> None:
+        """Complete the request (first call wins); wakes its waiter."""
+        if self._done:
+            return
+        self._error = error
+        self._done = True
+        with contextlib.suppress(RuntimeError):  # a concurrent _finish released it already
+            self._lock.release()
+
+    def done(self) -> bool:
+        return self._done
+
+    def _progress(self, deadline: float) -> None:
+        """Make progress on the calling thread before blocking (the transport's part)."""
+
+    def _timed_out(self) -> CommTimeoutError:
+        """The error for a wait that passed its deadline (the transport's part)."""
+        raise NotImplementedError  # pragma: no cover - every transport's request defines it
+
+    def block(self, timeout: float) -> bool:
+        """Block up to ``timeout`` seconds for completion; whether it completed."""
+        if self._done:
+            return True
+        if timeout <= 0 or not self._lock.acquire(timeout=min(timeout, threading.TIMEOUT_MAX)):
+            return self._done
+        self._lock.release()
+        return True
+
+    def wait(self, deadline: float) -> None:
+        if not self._done:
+            self._progress(deadline)
+            if not self.block(deadline - time.monotonic()):
+                raise self._timed_out()
+        if self._error is not None:
+            raise self._error.with_traceback(None)
+
+
+R = TypeVar("R", bound=FrameRequest)
+
+
+class PeerLink(Generic[R]):
+    """One peer of a transport: its :class:`PeerState`, send side and receive side.
+
+    Locks: ``lock`` guards ``state``, ``queued`` and appending to / removing from
+    ``posted``; ``send_lock`` is held while a frame is being written; ``rx`` (the reader
+    token) is held by whoever reads from the peer.
+    """
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.state = PeerState.OPEN
+        self.lock = threading.Lock()
+        # send side
+        self.send_q: queue.SimpleQueue[R | None] = queue.SimpleQueue()
+        self.send_lock = threading.Lock()
+        self.queued = 0  # sends handed to the sender thread and not finished by it
+        # receive side
+        self.posted: collections.deque[R] = collections.deque()
+        self.rx = threading.Lock()
+        self.helper_q: queue.SimpleQueue[bool | None] = queue.SimpleQueue()
+        self.sender: threading.Thread | None = None
+        self.receiver: threading.Thread | None = None
+
+    def transition(self, new: PeerState) -> bool:
+        """Move to ``new`` if :data:`ALLOWED` permits it; return whether it moved.
+        Precondition: the caller holds ``lock``. The only place ``state`` changes."""
+        assert self.lock.locked()
+        if new not in ALLOWED[self.state]:
+            return False
+        self.state = new
+        return True
+
+    def head(self) -> R | None:
+        """The oldest posted receive (only the reader-token holder removes it)."""
+        posted = self.posted
+        return posted[0] if posted else None
+
+    def pop(self, req: R) -> bool:
+        """Remove ``req``, the oldest posted receive, once its frame is complete; False when
+        the failure path has already taken it (and finished it)."""
+        with self.lock:
+            if not self.posted or self.posted[0] is not req:
+                return False
+            self.posted.popleft()
+        return True
+
+    def hand_over(self) -> None:
+        """Give the posted receives to the receiver thread (the caller is about to block on
+        something it does not drive)."""
+        if self.posted and self.state is PeerState.OPEN:
+            self.helper_q.put(True)
+
+    def fail_requests(self, error: BitcollError) -> None:
+        """Fail every request posted or queued for this peer with ``error`` and stop the
+        sender thread (a ``None`` on its queue)."""
+        with self.lock:
+            posted = list(self.posted)
+            self.posted.clear()
+        for r in posted:
+            r._finish(error)
+        while True:
+            try:
+                s = self.send_q.get_nowait()
+            except queue.Empty:
+                break
+            if s is not None:
+                with self.lock:
+                    self.queued -= 1
+                s._finish(error)
+        self.send_q.put(None)
+
+
+def timeout_error(rank: int, req: FrameRequest, silent: int,
+                  where: str = "") -> CommTimeoutError:
+    """The CommTimeoutError of ``req`` on ``rank``: what it was, how long it waited, and the
+    rank the silence started from (``silent``, see ``TCPTransport.silent_origin``).
+    ``where``: words on the path, e.g. ``"; shared memory"``."""
+    h = req.header
+    peer = req.peer
+    what = f"send to rank {peer}" if req.is_send else f"receive from rank {peer}"
+    waited = time.monotonic() - req.posted
+    why = "" if silent == peer else (
+        f"; rank {peer} was itself waiting: rank {silent} is the one that went silent")
+    return CommTimeoutError(
+        f"rank {rank}: {what} (collective #{h.seq}, step {h.step}, {h.length} bytes) did not "
+        f"complete before the deadline ({waited:.3g} s after it was posted{where}){why}",
+        rank=rank, peer=peer, sequence=h.seq, silent=silent)
