@@ -97,7 +97,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import select
 import struct
 import threading
@@ -132,6 +131,7 @@ from .peer import (
     HELPER_RECEIVE_BYTES,
     SPIN_SECONDS,
     FrameRequest,
+    LinkTransport,
     PeerLink,
     PeerState,
     Want,
@@ -280,12 +280,11 @@ class _ShmRequest(FrameRequest):
     FrameRequest`): ``wait`` of a receive reads the ring itself (:meth:`HybridTransport.
     _drive`), ``wait`` of a send first hands the posted receives to the receiver threads."""
 
-    __slots__ = ("_owner", "data", "head", "inline", "pos", "single", "total")
+    __slots__ = ("data", "head", "inline", "pos", "single", "total")
 
     def __init__(self, owner: HybridTransport, peer: int, header: FrameHeader,
                  view: memoryview, is_send: bool, single: bool = False) -> None:
-        super().__init__(peer, header, view, is_send)
-        self._owner = owner
+        super().__init__(owner, peer, header, view, is_send)
         self.data = np.frombuffer(view, np.uint8) if len(view) else np.empty(0, np.uint8)
         #: A send whose payload the receiver copies out of this process (single copy).
         self.single = single
@@ -299,17 +298,6 @@ class _ShmRequest(FrameRequest):
         self.inline = 0 if single else header.length  # payload bytes in the ring
         self.total = _align8(len(head) + self.inline)  # record bytes in the ring
         self.pos = 0  # record bytes already in the ring (sends)
-
-    def _progress(self, deadline: float) -> None:
-        if self.is_send:
-            self._owner.hand_over()
-        else:
-            self._owner._drive(self, deadline)
-
-    def _timed_out(self) -> CommTimeoutError:
-        owner = self._owner
-        return timeout_error(owner.rank, self, owner.silent_origin(self.peer),
-                             "; shared memory")
 
 
 class _Routed(Request):
@@ -355,7 +343,7 @@ class _Peer(PeerLink[_ShmRequest]):
         self.poller: select.poll | None = None  # the data bell and the wake pipe
 
 
-class HybridTransport(Transport):
+class HybridTransport(LinkTransport):
     """TCP for peers on other hosts, shared memory for peers on this one. Build it with
     :meth:`create` over a connected TCP transport (which it then owns)."""
 
@@ -379,11 +367,7 @@ class HybridTransport(Transport):
         #: Frames through TCP only (the TCP transport's own counters).
         self.stats_remote = tcp.stats
         self.stats = CombinedStats(self.stats_local, self.stats_remote)
-        self._lock = threading.Lock()
-        self._failure: CommError | None = None
-        self._closed = False
-        self._closing = False
-        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._init_links(pipe=True)
         self._peers: dict[int, _Peer] = {p: _Peer(ch) for p, ch in channels.items()}
         for peer in self._peers.values():
             peer.sender = threading.Thread(target=self._send_loop, args=(peer,), daemon=True,
@@ -864,20 +848,17 @@ class HybridTransport(Transport):
     def _helper_loop(self, p: _Peer) -> None:
         """The receiver thread: serve the receives handed to it (large ones, consumers, and
         everything posted while the caller blocks elsewhere), blocking on the ring."""
-        while True:
-            job = p.helper_q.get()
-            if job is None:
-                return
-            while True:
-                with p.rx:
-                    while self._failure is None and not self._closing:
-                        req = p.head()
-                        if req is None or not self._serve(p, req):
-                            break
-                # Look again after releasing the token: a receive posted while we held it may
-                # have found the token taken.
-                if not p.posted or self._failure is not None or self._closing:
-                    break
+
+        def busy() -> bool:
+            return self._failure is None and not self._closing
+
+        def serve() -> None:
+            while busy():
+                req = p.head()
+                if req is None or not self._serve(p, req):
+                    return
+
+        p.serve_handed(serve, busy)
 
     def _serve(self, p: _Peer, req: _ShmRequest) -> bool:
         """Receive the next record of ``p``'s in ring into ``req`` (its oldest posted
@@ -954,6 +935,9 @@ class HybridTransport(Transport):
             if not self._serve(p, req):
                 return Want.IDLE
         return Want.IDLE
+
+    def _timeout_for(self, req: _ShmRequest) -> CommTimeoutError:
+        return timeout_error(self.rank, req, self.silent_origin(req.peer), "; shared memory")
 
     def _drive(self, req: _ShmRequest, deadline: float) -> None:
         """Make progress on the calling thread until ``req`` (a receive from a shared-memory
@@ -1039,31 +1023,20 @@ class HybridTransport(Transport):
 
     # ---------------------------------------------------------------- abort / close
 
-    def _wake_all(self) -> None:
-        """Wake every thread of this rank waiting on a doorbell (the byte stays: every later
-        wait returns at once too, which is what a failed or closing transport wants)."""
-        with contextlib.suppress(OSError):
-            os.write(self._wake_w, b"!")
-
     def _fail(self, error: CommError, reason: str | None = None) -> None:
         """Record the first failure, tell every peer (shared memory and TCP), stop
         everything. Never raises."""
-        with self._lock:
-            if self._failure is not None or self._closed:
-                return
-            self._failure = error
+        if not self._record_failure(error):
+            return
         text = str(error) if reason is None else reason
         raw = text.encode("utf-8", errors="replace")[:shm.MAX_REASON_BYTES]
         for p in self._peers.values():
             with contextlib.suppress(ValueError, BufferError):
                 p.ch.set_aborted(raw)
-        self._wake_all()
+        self._wake()
         self._tcp.abort(raw.decode("utf-8", errors="replace"))
         for p in self._peers.values():
-            with p.lock:
-                p.transition(PeerState.FAILED)
-            p.fail_requests(error)
-            p.helper_q.put(None)  # a receiver thread blocked on the ring sees the failure
+            p.stop(PeerState.FAILED, error)
 
     def abort(self, reason: str) -> None:
         """Fail every pending and future request here and make every peer fail promptly
@@ -1074,40 +1047,12 @@ class HybridTransport(Transport):
         """Let queued sends finish (within ``timeout``, default the TCP transport's
         ``close_timeout``), stop the threads, unmap the segments, close the TCP transport.
         Requests still pending fail with UsageError. Idempotent; never raises."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-        deadline = time.monotonic() + (self.close_timeout if timeout is None else timeout)
-        closed = UsageError("the TCP transport is closed")
-        for p in self._peers.values():
-            p.send_q.put(None)  # senders exit after the frames queued before it
-        for p in self._peers.values():
-            if p.sender is not None:
-                p.sender.join(max(0.0, deadline - time.monotonic()))
-        self._closing = True
-        self._wake_all()
-        for p in self._peers.values():
-            with p.lock:
-                p.transition(PeerState.CLOSED)
-            p.fail_requests(closed)
-            p.helper_q.put(None)
-        for p in self._peers.values():
-            for t in (p.sender, p.receiver):
-                if t is not None:
-                    t.join(5.0)
-            p.fail_requests(closed)
-            p.ch.close()
-        for fd in (self._wake_r, self._wake_w):
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        deadline = self._begin_close(timeout, self.close_timeout)
+        if deadline is None:
+            return
+        self._close_links(list(self._peers.values()), deadline, lambda p: None,
+                          lambda p: p.ch.close())
         self._tcp.close(max(0.0, deadline - time.monotonic()))
-
-    def __enter__(self) -> HybridTransport:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def _beyond(ch: shm.ShmChannel, cursor: int) -> Callable[[], bool]:

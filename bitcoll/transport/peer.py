@@ -37,16 +37,19 @@ from __future__ import annotations
 import collections
 import contextlib
 import enum
+import os
 import queue
 import threading
 import time
-from typing import Final, Generic, TypeVar
+from abc import abstractmethod
+from collections.abc import Callable
+from typing import Any, Final, Generic, Self, TypeVar
 
-from ..errors import BitcollError, CommTimeoutError
-from .base import Consumer, FrameHeader, Request
+from ..errors import BitcollError, CommError, CommTimeoutError, UsageError
+from .base import Consumer, FrameHeader, Request, Transport
 
-__all__ = ["PeerState", "ALLOWED", "Want", "FrameRequest", "PeerLink", "timeout_error",
-           "HELPER_RECEIVE_BYTES", "SPIN_SECONDS"]
+__all__ = ["PeerState", "ALLOWED", "Want", "FrameRequest", "PeerLink", "LinkTransport",
+           "timeout_error", "HELPER_RECEIVE_BYTES", "SPIN_SECONDS"]
 
 #: Receives of at least this many payload bytes are served by the link's receiver thread
 #: (overlap with the caller's work); smaller ones by the thread that waits for them.
@@ -84,18 +87,20 @@ class Want(enum.Enum):
 
 
 class FrameRequest(Request):
-    """A pending send or receive of one frame to or from ``peer``.
+    """A pending send or receive of one frame to or from ``peer``, on ``owner``.
 
     Completion is signalled by releasing a lock taken at creation (cheaper than an Event: one
-    C call on each side). :meth:`wait` first lets the transport make progress on the calling
-    thread (``_progress``), then blocks on the lock until the deadline.
+    C call on each side). :meth:`wait` first makes progress on the calling thread (a receive:
+    ``owner._drive``; a send: ``owner.hand_over``), then blocks on the lock until the
+    deadline (``owner._timeout_for`` past it).
     """
 
-    __slots__ = ("_done", "_error", "_lock", "consume", "header", "helper", "is_send", "peer",
-                 "posted", "view")
+    __slots__ = ("_done", "_error", "_lock", "_owner", "consume", "header", "helper",
+                 "is_send", "peer", "posted", "view")
 
-    def __init__(self, peer: int, header: FrameHeader, view: memoryview,
+    def __init__(self, owner: LinkTransport, peer: int, header: FrameHeader, view: memoryview,
                  is_send: bool) -> None:
+        self._owner = owner
         self._lock = threading.Lock()
         self._lock.acquire()
         self._done = False
@@ -120,13 +125,6 @@ class FrameRequest(Request):
     def done(self) -> bool:
         return self._done
 
-    def _progress(self, deadline: float) -> None:
-        """Make progress on the calling thread before blocking (the transport's part)."""
-
-    def _timed_out(self) -> CommTimeoutError:
-        """The error for a wait that passed its deadline (the transport's part)."""
-        raise NotImplementedError  # pragma: no cover - every transport's request defines it
-
     def block(self, timeout: float) -> bool:
         """Block up to ``timeout`` seconds for completion; whether it completed."""
         if self._done:
@@ -138,9 +136,12 @@ class FrameRequest(Request):
 
     def wait(self, deadline: float) -> None:
         if not self._done:
-            self._progress(deadline)
+            if self.is_send:
+                self._owner.hand_over()
+            else:
+                self._owner._drive(self, deadline)
             if not self.block(deadline - time.monotonic()):
-                raise self._timed_out()
+                raise self._owner._timeout_for(self)
         if self._error is not None:
             raise self._error.with_traceback(None)
 
@@ -200,6 +201,28 @@ class PeerLink(Generic[R]):
         if self.posted and self.state is PeerState.OPEN:
             self.helper_q.put(True)
 
+    def serve_handed(self, serve: Callable[[], None], busy: Callable[[], bool]) -> None:
+        """The receiver thread's body: for every hand-over (``helper_q``), take the reader
+        token and ``serve()`` the posted receives; again while receives are posted and
+        ``busy()`` (the link is open and the transport healthy); return at a ``None``."""
+        while self.helper_q.get() is not None:
+            while True:
+                with self.rx:
+                    serve()
+                # Look again after releasing the token: a receive posted while we held it may
+                # have found the token taken.
+                if not self.posted or not busy():
+                    break
+
+    def stop(self, state: PeerState, error: BitcollError, drain: bool = False) -> None:
+        """Move to ``state`` (FAILED or CLOSED), fail every request with ``error`` and tell
+        the receiver thread to exit (``drain``: to read and drop what the peer still
+        sends, then wait for the next hand-over instead)."""
+        with self.lock:
+            self.transition(state)
+        self.fail_requests(error)
+        self.helper_q.put(True if drain else None)
+
     def fail_requests(self, error: BitcollError) -> None:
         """Fail every request posted or queued for this peer with ``error`` and stop the
         sender thread (a ``None`` on its queue)."""
@@ -218,6 +241,102 @@ class PeerLink(Generic[R]):
                     self.queued -= 1
                 s._finish(error)
         self.send_q.put(None)
+
+
+class LinkTransport(Transport):
+    """Base of the transports that keep a :class:`PeerLink` per peer: the failure record,
+    the close flags, the wake-up pipe every waiting thread polls, and the calls a
+    :class:`FrameRequest` makes while it waits."""
+
+    def _init_links(self, pipe: bool) -> None:
+        """Set up the shared state (``pipe``: whether threads will poll the wake pipe)."""
+        self._lock = threading.Lock()  # guards _failure, _closed, _closing
+        self._failure: CommError | None = None
+        self._closed = False  # close() began: queued sends are flushed, nothing new starts
+        self._closing = False  # the links are being shut down: their errors are expected
+        # A byte written here wakes every thread polling (failure, close); it stays, so that
+        # every later poll returns at once too.
+        self._wake_r, self._wake_w = (os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC) if pipe
+                                      else (-1, -1))
+
+    @property
+    def failure(self) -> CommError | None:
+        """The error that aborted this transport, or None while it is healthy."""
+        return self._failure
+
+    def _record_failure(self, error: CommError) -> bool:
+        """Record ``error`` as the failure unless one is recorded or the transport closed;
+        whether it was (the caller then runs the rest of its failure path)."""
+        with self._lock:
+            if self._failure is not None or self._closed:
+                return False
+            self._failure = error
+            return True
+
+    def _begin_close(self, timeout: float | None, default: float) -> float | None:
+        """Mark the transport closed; the close deadline (``timeout`` or ``default``
+        seconds from now), or None when it was closed already."""
+        with self._lock:
+            if self._closed:
+                return None
+            self._closed = True
+        return time.monotonic() + (default if timeout is None else timeout)
+
+    def _wake(self) -> None:
+        """Wake every thread polling the wake pipe."""
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"!")
+
+    def _close_links(self, links: list[Any], deadline: float, shut: Callable[[Any], None],
+                     release: Callable[[Any], None]) -> None:
+        """The common part of ``close()``: let each link's sender thread finish the frames
+        queued before now (until ``deadline``), then shut the links down (``shut(link)``),
+        fail what is still pending with UsageError, join the threads, ``release(link)``
+        and close the wake pipe."""
+        closed = UsageError(f"the {self.name.upper()} transport is closed")
+        for p in links:
+            p.send_q.put(None)  # senders exit after the frames queued before it
+        for p in links:
+            if p.sender is not None:
+                p.sender.join(max(0.0, deadline - time.monotonic()))
+        self._closing = True
+        for p in links:
+            shut(p)
+            p.stop(PeerState.CLOSED, closed)
+        self._wake()
+        for p in links:
+            for t in (p.sender, p.receiver):
+                if t is not None:
+                    t.join(5.0)
+            p.fail_requests(closed)
+            release(p)
+        self._close_wake_pipe()
+
+    def _close_wake_pipe(self) -> None:
+        for fd in (self._wake_r, self._wake_w):
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+
+    @abstractmethod
+    def hand_over(self) -> None:
+        """The calling thread is about to block on something it does not drive: give every
+        posted receive to its link's receiver thread."""
+
+    @abstractmethod
+    def _drive(self, req: Any, deadline: float) -> None:
+        """Make progress on the calling thread until the receive ``req`` completes, the
+        transport fails or ``deadline`` passes (or return early when a helper serves it)."""
+
+    @abstractmethod
+    def _timeout_for(self, req: Any) -> CommTimeoutError:
+        """The error of a wait on ``req`` that passed its deadline."""
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def timeout_error(rank: int, req: FrameRequest, silent: int,

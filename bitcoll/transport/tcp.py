@@ -116,7 +116,6 @@ from __future__ import annotations
 import contextlib
 import enum
 import hmac
-import os
 import select
 import socket
 import threading
@@ -140,14 +139,13 @@ from .base import (
     FrameKind,
     Request,
     TrafficStats,
-    Transport,
     byte_view,
 )
 from .external_store import check_store
 from .netio import DONTWAIT, NOSIGNAL, WAITALL, recv_exact, send_all_parts, send_some
 from .peer import HELPER_RECEIVE_BYTES as HELPER_RECEIVE_BYTES
 from .peer import SPIN_SECONDS as SPIN_SECONDS
-from .peer import FrameRequest, PeerLink, PeerState, Want, timeout_error
+from .peer import FrameRequest, LinkTransport, PeerLink, PeerState, Want, timeout_error
 from .tcp_bootstrap import KEY_ABORT as KEY_ABORT
 from .tcp_bootstrap import KEY_ADDR as KEY_ADDR
 from .tcp_bootstrap import KEY_INTEGRITY as KEY_INTEGRITY
@@ -204,12 +202,11 @@ class _TCPRequest(FrameRequest):
     itself (:meth:`TCPTransport._drive`); ``wait`` of a send first hands the posted receives
     to the receiver threads."""
 
-    __slots__ = ("_owner", "head", "sent", "tail")
+    __slots__ = ("head", "sent", "tail")
 
     def __init__(self, owner: TCPTransport, peer: int, header: FrameHeader, view: memoryview,
                  is_send: bool) -> None:
-        super().__init__(peer, header, view, is_send)
-        self._owner = owner
+        super().__init__(owner, peer, header, view, is_send)
         self.head = header.pack() if is_send else b""
         self.tail = b""  # the frame's integrity tag (sends, with frame integrity on)
         self.sent = 0  # bytes of a send already written by isend itself
@@ -222,15 +219,6 @@ class _TCPRequest(FrameRequest):
         if self.tail:
             out.append(self.tail)
         return out
-
-    def _progress(self, deadline: float) -> None:
-        if self.is_send:
-            self._owner.hand_over()
-        else:
-            self._owner._drive(self, deadline)
-
-    def _timed_out(self) -> CommTimeoutError:
-        return timeout_error(self._owner.rank, self, self._owner.silent_origin(self.peer))
 
 
 class _Peer(PeerLink[_TCPRequest]):
@@ -266,7 +254,7 @@ class _Peer(PeerLink[_TCPRequest]):
 # --------------------------------------------------------------------------------------------
 
 
-class TCPTransport(Transport):
+class TCPTransport(LinkTransport):
     """Frames between the ranks of one job over TCP. Build it with :meth:`create`."""
 
     name = "tcp"
@@ -284,17 +272,9 @@ class TCPTransport(Transport):
         self._rdv = rendezvous
         self._store: RendezvousStore | None = None if rendezvous is None else rendezvous.store
         self._groups = 0  # sub-groups made so far (their key namespaces)
-        self._lock = threading.Lock()  # guards _failure, _closed, _closing
-        self._failure: CommError | None = None
-        self._closed = False  # close() began: queued sends are flushed, nothing new starts
-        self._closing = False  # the sockets are being shut down: their errors are expected
+        self._init_links(pipe=bool(socks))
         self._peers: dict[int, _Peer] = {p: _Peer(p, s) for p, s in socks.items()}
         self._order = list(self._peers.values())
-        # A byte written here wakes every caller polling the sockets (failure, close).
-        self._wake_r, self._wake_w = os.pipe() if socks else (-1, -1)
-        if socks:
-            os.set_blocking(self._wake_r, False)
-            os.set_blocking(self._wake_w, False)
         if integrity and rendezvous is not None:
             for peer in self._peers.values():
                 peer.key_out = auth.mac(rendezvous.secret, "frame-key", job_id, rank, peer.rank)
@@ -387,11 +367,6 @@ class TCPTransport(Transport):
     def _key(self, suffix: str) -> str:
         assert self._rdv is not None
         return self._rdv.key(suffix)
-
-    @property
-    def failure(self) -> CommError | None:
-        """The error that aborted this transport, or None while it is healthy."""
-        return self._failure
 
     def peer_state(self, peer: int) -> PeerState:
         """The :class:`PeerState` of the connection to ``peer`` (UsageError for a rank that is
@@ -585,6 +560,9 @@ class TCPTransport(Transport):
         for p in self._order:
             p.hand_over()
 
+    def _timeout_for(self, req: _TCPRequest) -> CommTimeoutError:
+        return timeout_error(self.rank, req, self.silent_origin(req.peer))
+
     def _drive(self, req: _TCPRequest, deadline: float) -> None:
         """Make progress on the calling thread until ``req`` (a receive) completes, the
         transport fails or ``deadline`` passes: read every connection whose reader token is
@@ -644,23 +622,16 @@ class TCPTransport(Transport):
         """The receiver thread: serve the receives handed to it (large ones, consumers, and
         everything posted while the caller blocks elsewhere); after a failure read and drop
         what the peer still sends until it closes."""
-        while True:
-            job = p.helper_q.get()
-            if job is None:
-                return
-            while True:
-                with p.rx:
-                    if self._failure is not None:
-                        self._drop_until_closed(p)
-                        break
-                    while p.posted and p.state is PeerState.OPEN and self._failure is None \
-                            and not self._closing:
-                        self._advance(p, blocking=True)
-                # Look again after releasing the token: a receive posted while we held it may
-                # have found the token taken.
-                if not p.posted or p.state is not PeerState.OPEN or self._failure is not None \
-                        or self._closing:
-                    break
+        def busy() -> bool:
+            return p.state is PeerState.OPEN and self._failure is None and not self._closing
+
+        def serve() -> None:
+            if self._failure is not None:
+                self._drop_until_closed(p)
+            while p.posted and busy():
+                self._advance(p, blocking=True)
+
+        p.serve_handed(serve, busy)
 
     def _drop_until_closed(self, p: _Peer) -> None:
         """Failed: read and drop whatever ``p`` still sends until it closes, so that a peer
@@ -946,10 +917,8 @@ class TCPTransport(Transport):
         """The one failure path: record the first failure, tell every peer, move every
         connection to FAILED, fail every waiting request and wake every waiting thread.
         Never raises."""
-        with self._lock:
-            if self._failure is not None or self._closed:
-                return
-            self._failure = error
+        if not self._record_failure(error):
+            return
         frame = abort_frame(str(error) if reason is None else reason)
         # 1. An ABORT frame on every connection that is between frames (the fast path).
         for p in self._order:
@@ -972,16 +941,8 @@ class TCPTransport(Transport):
             with contextlib.suppress(OSError):
                 p.sock.shutdown(socket.SHUT_WR)
         for p in self._order:
-            with p.lock:
-                p.transition(PeerState.FAILED)
-            p.fail_requests(error)
-            p.helper_q.put(True)
+            p.stop(PeerState.FAILED, error, drain=True)
         self._wake()
-
-    def _wake(self) -> None:
-        """Wake every thread polling the sockets in :meth:`_drive`."""
-        with contextlib.suppress(OSError):
-            os.write(self._wake_w, b"!")
 
     def abort(self, reason: str) -> None:
         """Fail every pending and future request here and make every peer fail promptly.
@@ -1001,43 +962,16 @@ class TCPTransport(Transport):
         :data:`FAILED_CLOSE_SECONDS`). Requests still pending afterwards fail with UsageError.
         Never raises.
         """
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-        deadline = time.monotonic() + (self.close_timeout if timeout is None else timeout)
-        closed = UsageError("the TCP transport is closed")
-        for p in self._order:
-            p.send_q.put(None)  # senders exit after the frames queued before it
-        for p in self._order:
-            if p.sender is not None:
-                p.sender.join(max(0.0, deadline - time.monotonic()))
-        self._closing = True
-        for p in self._order:
-            with p.lock:
-                p.transition(PeerState.CLOSED)
+        deadline = self._begin_close(timeout, self.close_timeout)
+        if deadline is None:
+            return
+        def shut(p: _Peer) -> None:
             with contextlib.suppress(OSError):
                 p.sock.shutdown(socket.SHUT_RDWR)
-            p.fail_requests(closed)
-            p.helper_q.put(None)
-        self._wake()
-        for p in self._order:
-            for t in (p.sender, p.receiver):
-                if t is not None:
-                    t.join(5.0)
-            p.fail_requests(closed)
-            p.sock.close()
-        if self._peers:
-            for fd in (self._wake_r, self._wake_w):
-                with contextlib.suppress(OSError):
-                    os.close(fd)
+
+        self._close_links(self._order, deadline, shut, lambda p: p.sock.close())
         if self._rdv is not None:
             if self._failure is not None:
                 deadline = min(deadline, time.monotonic() + FAILED_CLOSE_SECONDS)
             self._rdv.close(deadline)
 
-    def __enter__(self) -> TCPTransport:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
