@@ -142,6 +142,7 @@ import bitcoll
 import bitcoll.kernels
 import lioncub
 from bitcoll.errors import BitcollError, CommError, UsageError
+from bitcoll.transport.base import format_bytes
 from lioncub.quantize import check_levels
 from lioncub.replicas import ReplicaMismatchError
 from lioncub.sync import parse_sync
@@ -712,14 +713,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 # --------------------------------------------------------------------------------------------
 
 
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "kB", "MB", "GB"):
-        if abs(n) < 1000 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    raise AssertionError("unreachable")
-
-
 def _fmt_duration(seconds: float) -> str:
     s = round(seconds)
     return f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{seconds:.1f}s"
@@ -772,7 +765,7 @@ class Progress:
             bar = "#" * filled + "." * (width - filled)
             line = (f"step {step:>{len(str(self.total))}}/{self.total} [{bar}] "
                     f"loss {loss:.4f}  {step_time * 1e3:.0f} ms/step "
-                    f"(comm {comm * 1e3:.0f} ms, sent {_fmt_bytes(sent)})  "
+                    f"(comm {comm * 1e3:.0f} ms, sent {format_bytes(sent)})  "
                     f"ETA {_fmt_duration(eta)}")
             line = line[:max(20, shutil.get_terminal_size().columns - 1)]
             pad = max(0, self._width - len(line))
@@ -786,7 +779,7 @@ class Progress:
             self.stream.write(
                 f"step {step:>{len(str(self.total))}}/{self.total}  loss {loss:.4f}  "
                 f"step {step_time * 1e3:.0f} ms (compute {compute * 1e3:.0f} ms, "
-                f"comm {comm * 1e3:.0f} ms)  sent {_fmt_bytes(sent)}/step  "
+                f"comm {comm * 1e3:.0f} ms)  sent {format_bytes(sent)}/step  "
                 f"elapsed {_fmt_duration(elapsed)}  ETA {_fmt_duration(eta)}\n")
             self.stream.flush()
 
@@ -825,8 +818,8 @@ def format_summary(summary: dict[str, Any]) -> str:
         ("  communication", f"{comm_t * 1e3:.1f} ms ({share(comm_t)})"),
         ("first step (warm-up)", f"{summary['first_step_time'] * 1e3:.0f} ms (comm "
                                  f"{summary['first_step_comm'] * 1e3:.0f} ms), not in the means"),
-        ("bytes sent / step", f"{_fmt_bytes(summary['bytes_sent_per_step'])} per rank"),
-        ("bytes received / step", f"{_fmt_bytes(summary['bytes_received_per_step'])} per rank"),
+        ("bytes sent / step", f"{format_bytes(summary['bytes_sent_per_step'])} per rank"),
+        ("bytes received / step", f"{format_bytes(summary['bytes_received_per_step'])} per rank"),
         ("replicas identical", "not checked (--no-comm)" if identical is None
          else "yes" if identical else "NO"),
         ("total wall time", _fmt_duration(summary["wall_time"])),

@@ -202,12 +202,11 @@ def ranks(p: int) -> str:
 
 
 def fmt_bytes(n: float) -> str:
-    """``n`` bytes in decimal units for reports: ``"512 B"``, ``"1.5 kB"``, ``"2.0 GB"``."""
-    for unit in ("B", "kB", "MB", "GB"):
-        if abs(n) < 1000 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    raise AssertionError("unreachable")
+    """``n`` bytes in decimal units for reports: bitcoll's
+    :func:`~bitcoll.transport.base.format_bytes` (imported when first used, as bitcoll is)."""
+    from bitcoll.transport.base import format_bytes
+
+    return format_bytes(n)
 
 
 # ------------------------------------------------------------------------------- iterations

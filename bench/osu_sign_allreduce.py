@@ -62,6 +62,7 @@ import numpy.typing as npt
 import osu
 
 from bitcoll import kernels
+from bitcoll.kernels import reference
 
 OPS = ("majority", "sum", "quantized")
 FLOOR = "floor"
@@ -161,16 +162,7 @@ def expected(v: Variant, p: int, start: int, stop: int, tie: str, call: int, ran
             acc += np.where(x >= 0, 1, -1).astype(np.int32)
     if v.op == "sum":
         return acc
-    maj = np.sign(acc).astype(np.int8)
-    ties = maj == 0
-    if tie == "positive":
-        maj[ties] = 1
-    elif tie == "negative":
-        maj[ties] = -1
-    else:
-        idx = np.arange(start, stop, dtype=np.int64)
-        maj[ties] = np.where((idx[ties] + call) % 2 == 0, 1, -1).astype(np.int8)
-    return maj
+    return reference.majority_of_sums(acc, tie, start + call)
 
 
 class Bench:

@@ -15,6 +15,7 @@ import numpy.typing as npt
 
 import bitcoll
 from bitcoll.communicator import Communicator
+from bitcoll.kernels import reference
 
 Array = npt.NDArray[Any]
 
@@ -209,16 +210,7 @@ def vote_input(seed: int, rank: int, n: int, dtype: str) -> Array:
 def expected_majority(xs: list[Array], tie: str, call: int) -> Array:
     n = xs[0].size
     votes = np.sum([np.where(x < 0, -1, 1) for x in xs], axis=0).reshape(n)
-    out = np.sign(votes).astype(np.int8)
-    ties = votes == 0
-    if tie == "positive":
-        out[ties] = 1
-    elif tie == "negative":
-        out[ties] = -1
-    else:
-        idx = np.arange(n)
-        out[ties] = np.where((idx[ties] + call) % 2 == 0, 1, -1)
-    result: Array = out
+    result: Array = reference.majority_of_sums(votes, tie, call)
     return result
 
 

@@ -46,6 +46,9 @@ def test_traffic_stats() -> None:
     s.add_received(33)
     assert s.snapshot() == {"bytes_sent": 72, "bytes_received": 33, "messages_sent": 3,
                             "messages_received": 1}
+    assert str(s) == "sent 72 B in 3 messages, received 33 B in 1 messages"
+    s.add_sent(1_499_928)
+    assert str(s).startswith("sent 1.5 MB in 4 messages")
     s.reset()
     assert set(s.snapshot().values()) == {0}
 

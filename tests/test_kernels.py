@@ -371,6 +371,26 @@ def test_majority_tie_rules_explicit() -> None:
     assert bits(K.TIE_ALTERNATE, 3) == [0, 1, 0, 1, 0, 1, 0, 1, 0]
 
 
+
+@pytest.mark.parametrize("p", [1, 2, 4, 5])
+@pytest.mark.parametrize("tie", ["positive", "negative", "alternate"])
+def test_majority_of_sums_agrees_with_the_packed_reference(p: int, tie: str) -> None:
+    """The reference majority from vote sums (what tests and benchmarks expect of the
+    collectives) and the reference majority of packed votes give the same votes."""
+    n = 1001
+    votes = np.random.default_rng(p).integers(0, 2, (p, n)).astype(bool)
+    sums = (2 * votes.astype(np.int32) - 1).sum(axis=0)
+    packed = np.stack([np.packbits(v, bitorder="little") for v in votes])
+    code = {"positive": R.TIE_POSITIVE, "negative": R.TIE_NEGATIVE,
+            "alternate": R.TIE_ALTERNATE}[tie]
+    for offset in (0, 3):
+        bits = np.unpackbits(R.majority(packed, n, code, offset), count=n, bitorder="little")
+        got = R.majority_of_sums(sums, tie, offset)
+        assert got.dtype == np.int8
+        np.testing.assert_array_equal(got, 2 * bits.astype(np.int8) - 1)
+    with pytest.raises(UsageError, match="tie must be"):
+        R.majority_of_sums(sums, "random")
+
 @pytest.mark.parametrize("p", [1, 2, 3, 8, 31, 32, 33, 64, 255, 256, 257])
 def test_majority_thresholds(p: int) -> None:
     # element c has exactly c of the p votes at +1, for c = 0..p

@@ -24,6 +24,7 @@ __all__ = [
     "unpack_signs",
     "count_votes",
     "majority",
+    "majority_of_sums",
     "pack_fields",
     "unpack_fields",
     "add_fields",
@@ -103,6 +104,26 @@ def majority(packed: U8, n: int, tie: int, tie_offset: int = 0) -> U8:
     elif tie == TIE_ALTERNATE:
         res |= tied & ((np.arange(n) + tie_offset) % 2 == 0)
     return np.packbits(res, bitorder="little")
+
+
+def majority_of_sums(sums: npt.NDArray[np.integer[Any]], tie: str,
+                     tie_offset: int = 0) -> npt.NDArray[np.int8]:
+    """The majority vote as int8 +1/-1 from per-element vote sums (the +1 votes minus the -1
+    votes): the sign of the sum; a zero sum follows the tie rule named ``tie`` (the names of
+    ``comm.sign_allreduce``'s ``tie``): "positive" +1, "negative" -1, "alternate" +1 where
+    ``i + tie_offset`` is even, else -1 (``i`` counts from 0 in ``sums``)."""
+    out: npt.NDArray[np.int8] = np.sign(sums).astype(np.int8)
+    ties = out == 0
+    if tie == "positive":
+        out[ties] = 1
+    elif tie == "negative":
+        out[ties] = -1
+    elif tie == "alternate":
+        even = (np.arange(sums.size, dtype=np.int64) + tie_offset) % 2 == 0
+        out[ties] = np.where(even[ties.reshape(-1)], 1, -1).astype(np.int8)
+    else:
+        raise UsageError(f"tie must be 'positive', 'negative' or 'alternate', got {tie!r}")
+    return out
 
 
 def pack_fields(values: npt.NDArray[np.integer[Any]], width: int, bias: int) -> U8:

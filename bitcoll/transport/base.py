@@ -49,7 +49,18 @@ __all__ = [
     "NativeCollectives",
     "wait_all",
     "byte_view",
+    "format_bytes",
 ]
+
+
+def format_bytes(n: float) -> str:
+    """``n`` bytes in decimal units for reports: ``"512 B"``, ``"1.5 kB"``, ``"2.0 GB"``."""
+    for unit in ("B", "kB", "MB", "GB"):
+        if abs(n) < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    raise AssertionError("unreachable")
+
 
 class TrafficStats:
     """Bytes and messages moved by one rank, headers included. Thread-safe."""
@@ -89,6 +100,12 @@ class TrafficStats:
 
     def __repr__(self) -> str:
         return f"TrafficStats({self.snapshot()})"
+
+    def __str__(self) -> str:
+        s = self.snapshot()
+        return (f"sent {format_bytes(s['bytes_sent'])} in {s['messages_sent']} messages, "
+                f"received {format_bytes(s['bytes_received'])} in "
+                f"{s['messages_received']} messages")
 
 
 class Request(ABC):

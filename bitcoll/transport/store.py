@@ -125,6 +125,7 @@ import struct
 import threading
 import time
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Final
 
@@ -332,19 +333,16 @@ class _Conn:
         return self.waiter is not None or self.wbytes > 0
 
 
+@dataclass(slots=True, eq=False)
 class _Waiter:
     """A parked GET or WAIT (owned by the loop thread)."""
 
-    __slots__ = ("conn", "deadline", "done", "is_get", "keys", "missing")
-
-    def __init__(self, conn: _Conn, keys: list[str], missing: set[str], is_get: bool,
-                 deadline: float) -> None:
-        self.conn = conn
-        self.keys = keys
-        self.missing = missing
-        self.is_get = is_get
-        self.deadline = deadline
-        self.done = False
+    conn: _Conn
+    keys: list[str]
+    missing: set[str]
+    is_get: bool
+    deadline: float
+    done: bool = False
 
 
 _LISTEN: Final = "listen"

@@ -17,6 +17,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Final, Protocol
 
 from ..errors import (
@@ -194,6 +195,7 @@ _GENERATIONS: dict[tuple[str, int, int], int] = {}
 _GENERATIONS_LOCK = threading.Lock()
 
 
+@dataclass(eq=False)
 class _Rendezvous:
     """A transport's store, its key namespace (``prefix``) and the job's secret.
 
@@ -202,16 +204,13 @@ class _Rendezvous:
     ranks may still need to read it.
     """
 
-    def __init__(self, store: RendezvousStore, prefix: str, secret: bytes, where: str,
-                 server: StoreServer | None = None, owns: bool = False,
-                 secret_file: auth.SecretFile | None = None) -> None:
-        self.store = store
-        self.prefix = prefix
-        self.secret = secret
-        self.where = where
-        self.server = server
-        self.owns = owns
-        self.secret_file = secret_file
+    store: RendezvousStore
+    prefix: str
+    secret: bytes
+    where: str
+    server: StoreServer | None = None
+    owns: bool = False
+    secret_file: auth.SecretFile | None = None
 
     def key(self, suffix: str) -> str:
         return self.prefix + suffix
