@@ -304,8 +304,10 @@ def test_abort_fails_a_blocked_receive_and_a_blocked_send_at_once(
     copied) that rank 0 never reads; rank 0 aborts: both fail within a fraction of a
     second, naming rank 0's reason."""
     monkeypatch.setattr(shm, "SINGLE_COPY", single_copy)
+    monkeypatch.setattr(shm, "SINGLE_COPY_MIN_BYTES", 4096)
     t0, t1 = _thread_world(2, ring_bytes=8192)
     try:
+        assert t1.single_copy_peers == ([0] if single_copy else [])
         recv = t1.irecv(0, np.zeros(8, np.uint8).data, _h(0, 8))
         big = np.ones(1 << 20, np.uint8)
         send = t1.isend(0, big.data, _h(0, big.size))

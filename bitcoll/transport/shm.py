@@ -127,8 +127,12 @@ CHUNK_BYTES: Final = 256 << 10
 #: How long a waiter sleeps before it looks at the TCP side's health again.
 WATCH_SECONDS: Final = 0.05
 #: Frames of at least this many payload bytes go by single copy when the kernel lets the
-#: receiver read the sender's memory (``process_vm_readv``; probed at set-up).
-SINGLE_COPY_MIN_BYTES: Final = 512 << 10
+#: receiver read the sender's memory (``process_vm_readv``; probed at set-up). Smaller ones
+#: fit the default ring whole and go inline: the sender's request completes as soon as the
+#: record is in the ring, where a single-copy send waits for the receiver's acknowledgement
+#: (two thread wake-ups per frame), which costs more than the second copy below this size
+#: (``results/shm_small``).
+SINGLE_COPY_MIN_BYTES: Final = 2 << 20
 #: Whether single-copy frames are used at all (tests turn it off to exercise the rings).
 SINGLE_COPY = True
 #: Bytes a single-copy receive reads per call into the receive buffer (the transport checks
