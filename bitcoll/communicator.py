@@ -84,8 +84,13 @@ found 32 MiB 12-15% faster there.)"""
 DEFAULT_PACKED_SEGMENT_BYTES = 1 << 20
 """Wire segment of the packed-bit pipelines: 1 MiB of packed signs is 8M elements, so a
 64M-element sign all-reduce on 4 ranks packs, counts and decodes in 2 segments per block."""
-#: At or below this many bytes the dense all-reduce uses recursive doubling (latency-bound).
-SMALL_MESSAGE_BYTES = 64 << 10
+#: At or below this many bytes the dense all-reduce uses recursive doubling (latency-bound):
+#: ``ceil(log2 p)`` exchanges of the whole vector instead of the ring's ``2 (p - 1)`` steps of
+#: ``1/p`` of it. At 128 KiB it was faster than the ring with 2, 3, 4 and 5 ranks over shared
+#: memory and over TCP on this project's machine (``results/small_allreduce``; 2 ranks: 43
+#: against 80 µs, and 64 against 117 µs over TCP); from 256 KiB the ring wins with 2 ranks
+#: over shared memory (with more ranks on 2 cores, recursive doubling wins further up).
+SMALL_MESSAGE_BYTES = 128 << 10
 #: Over MPI, at or below this many bytes the dense all-reduce's default is MPI's own
 #: all-reduce (after the one fixed-size argument check every all-reduce over MPI starts with):
 #: see :meth:`Communicator.allreduce` and the README for the measured crossover (2 ranks: MPICH's

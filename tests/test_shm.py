@@ -203,9 +203,9 @@ def _finishers(monkeypatch: pytest.MonkeyPatch) -> dict[tuple[bool, int], str]:
 @pytest.mark.parametrize("path", ["shm", "tcp"])
 def test_small_frames_progress_on_the_calling_thread_large_ones_on_the_receiver(
         path: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A small receive (posted before its frame is written) completes on the thread that
-    waits for it, with no helper thread; a large receive and a consumed one on the peer's
-    receiver thread. The payloads arrive whole either way. Both paths of the TCP backend."""
+    """A small receive, plain or consumed (posted before its frame is written), completes on
+    the thread that waits for it, with no helper thread; a large one on the peer's receiver
+    thread. The payloads arrive whole either way. Both paths of the TCP backend."""
     t0, t1 = _thread_world(2, hosts=[0, 0] if path == "shm" else [0, 1])
     assert isinstance(t1, HybridTransport if path == "shm" else TCPTransport)
     seen = _finishers(monkeypatch)
@@ -224,21 +224,32 @@ def test_small_frames_progress_on_the_calling_thread_large_ones_on_the_receiver(
         assert seen[False, small] == me, seen
         assert seen[True, small] == me  # written by isend itself
 
-        consumed = np.zeros(100, np.uint8)
+        # A small consumed frame: on the calling thread too; a large one (plain or consumed):
+        # on the receiver thread.
+        consumed_small = np.zeros(100, np.uint8)
+        consumed_large = np.zeros(large, np.uint8)
 
-        def consume(offset: int, chunk: memoryview) -> None:
-            consumed[offset:offset + len(chunk)] = np.frombuffer(chunk, np.uint8)
+        def into(target: Any) -> Any:
+            def consume(offset: int, chunk: memoryview) -> None:
+                target[offset:offset + len(chunk)] = np.frombuffer(chunk, np.uint8)
+            return consume
 
-        r_large = t1.irecv(0, got_large.data, _h(1, large))
-        r_cons = t1.irecv_consume(0, 100, _h(2, 100), consume)
-        sends = [t0.isend(1, payload.data, _h(1, large)),
-                 t0.isend(1, payload[:100].data, _h(2, 100))]
-        for r in (r_large, r_cons, *sends):
+        r_cons = t1.irecv_consume(0, 100, _h(1, 100), into(consumed_small))
+        t0.isend(1, payload[:100].data, _h(1, 100)).wait(deadline)
+        r_cons.wait(deadline)
+        np.testing.assert_array_equal(consumed_small, payload[:100])
+        assert seen[False, 100] == me, seen
+
+        r_large = t1.irecv(0, got_large.data, _h(2, large))
+        r_cons_large = t1.irecv_consume(0, large, _h(3, large), into(consumed_large))
+        sends = [t0.isend(1, payload.data, _h(2, large)),
+                 t0.isend(1, payload.data, _h(3, large))]
+        for r in (r_large, r_cons_large, *sends):
             r.wait(deadline)
         np.testing.assert_array_equal(got_large, payload)
-        np.testing.assert_array_equal(consumed, payload[:100])
+        np.testing.assert_array_equal(consumed_large, payload)
         helper = f"bitcoll-{path}-recv-1-from-0"
-        assert seen[False, large] == seen[False, 100] == helper, seen
+        assert seen[False, large] == helper, seen
         assert t1.peer_state(0) is PeerState.OPEN
     finally:
         _close([t0, t1])
@@ -307,6 +318,7 @@ def test_abort_fails_a_blocked_receive_and_a_blocked_send_at_once(
     monkeypatch.setattr(shm, "SINGLE_COPY_MIN_BYTES", 4096)
     t0, t1 = _thread_world(2, ring_bytes=8192)
     try:
+        assert isinstance(t1, HybridTransport)
         assert t1.single_copy_peers == ([0] if single_copy else [])
         recv = t1.irecv(0, np.zeros(8, np.uint8).data, _h(0, 8))
         big = np.ones(1 << 20, np.uint8)

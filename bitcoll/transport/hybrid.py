@@ -50,9 +50,10 @@ and the same split between the calling thread and the helper threads:
   fits the ring is read by the thread that waits for it (``irecv`` already takes it when the
   record is there): it looks at the ring's counters without sleeping for
   :data:`~bitcoll.transport.peer.SPIN_SECONDS`, then blocks on the "data" doorbell, so an
-  exchange of small frames wakes no other thread. Larger receives and every
-  ``irecv_consume`` are served by the peer's *receiver* thread (overlap with the caller's
-  work): it checks the header, then copies (or consumes) the payload as it is published,
+  exchange of small frames wakes no other thread (an ``irecv_consume`` of that size is
+  consumed there too, from the ring). Larger receives, plain or consumed, are served by the
+  peer's *receiver* thread (overlap with the caller's work): it checks the header, then
+  copies (or consumes) the payload as it is published,
   advancing the ring's ``read`` counter after every chunk so that the sender can stream a
   frame larger than the ring, or copies a single-copy payload out of the sender with
   ``process_vm_readv``. Large copies (numpy, ctypes) release the GIL.
@@ -594,9 +595,9 @@ class HybridTransport(LinkTransport):
                              f"{nbytes} bytes")
         req = _ShmRequest(self, p.rank, header, view, False)
         req.consume = consume
-        # Large frames, consumers and records that cannot sit whole in the ring are the
-        # receiver thread's (overlap); the others are read by the thread that waits.
-        req.helper = consume is not None or nbytes >= HELPER_RECEIVE_BYTES or \
+        # Large frames and records that cannot sit whole in the ring are the receiver
+        # thread's (overlap); the others are read (or consumed) by the thread that waits.
+        req.helper = nbytes >= HELPER_RECEIVE_BYTES or \
             _align8(_PREFIX + nbytes) > p.ch.ring_bytes
         with p.lock:
             p.posted.append(req)

@@ -70,8 +70,10 @@ other thread.
 *Helper threads only where they overlap work.* Per peer, a *sender* thread finishes sends that
 did not fit the socket at once (large frames; order is kept: a send queues behind any send
 ahead of it), and a *receiver* thread serves receives of at least
-:data:`HELPER_RECEIVE_BYTES` and every :meth:`TCPTransport.irecv_consume` (so a reduction runs
-while the caller computes), reading straight into the caller's buffer (``MSG_WAITALL``). A
+:data:`HELPER_RECEIVE_BYTES`, plain or consumed piece by piece
+(:meth:`TCPTransport.irecv_consume`: a reduction runs while the caller computes), reading
+straight into the caller's buffer (``MSG_WAITALL``); a smaller consumed frame is read whole
+into a per-peer buffer and consumed by whichever thread completes it. A
 caller that must block on something it cannot drive itself (a send still being written, a
 receive a helper serves) first hands every posted receive to the helpers, so no two ranks can
 wait on each other's unread data. Nothing is pickled; payloads are never copied in user space.
@@ -503,10 +505,11 @@ class TCPTransport(LinkTransport):
 
     def irecv_consume(self, peer: int, nbytes: int, header: FrameHeader,
                       consume: Consumer) -> Request:
-        """Post a receive of the next frame from ``peer`` whose ``nbytes`` of payload the
-        receiver thread reads into a small per-peer buffer, :data:`CONSUME_CHUNK_BYTES` at a
-        time, and hands to ``consume(offset, chunk)`` (see :meth:`Transport.irecv_consume`).
-        Raises like :meth:`irecv`."""
+        """Post a receive of the next frame from ``peer`` whose ``nbytes`` of payload are read
+        into a small per-peer buffer, :data:`CONSUME_CHUNK_BYTES` at a time, and handed to
+        ``consume(offset, chunk)`` (see :meth:`Transport.irecv_consume`): by the receiver
+        thread from :data:`HELPER_RECEIVE_BYTES` up, otherwise in one piece by the thread that
+        completes the frame (usually the one waiting for it). Raises like :meth:`irecv`."""
         return self._post_receive(self._check_usable(peer), header, nbytes, memoryview(b""),
                                   consume)
 
@@ -518,7 +521,7 @@ class TCPTransport(LinkTransport):
                              f"{nbytes} bytes")
         req = _TCPRequest(self, p.rank, header, view, False)
         req.consume = consume
-        req.helper = consume is not None or nbytes >= HELPER_RECEIVE_BYTES
+        req.helper = nbytes >= HELPER_RECEIVE_BYTES
         with p.lock:
             gone = p.state is PeerState.PEER_CLOSED
             if not gone:
@@ -693,7 +696,19 @@ class TCPTransport(LinkTransport):
                     self._match(p, req, p.rx_header, 0)
                 elif phase is RxPhase.BODY:
                     assert req is not None and p.rx_header is not None
-                    if req.consume is not None:
+                    n = p.rx_header.length
+                    if req.consume is not None and n <= len(p.bounce):
+                        # One piece: read it whole into the bounce buffer, then consume it.
+                        got = p.rx_got
+                        if got < n:
+                            k = sock.recv_into(p.bounce[got:n], n - got, flags)
+                            if k == 0:
+                                self._eof(p, between_frames=False)
+                                return Want.IDLE
+                            p.rx_got = got = got + k
+                            if got == n:
+                                self._deliver(p, req, 0, p.bounce[:n])
+                    elif req.consume is not None:
                         if not blocking:
                             return Want.HELPER
                         if not self._consume(p, req, p.rx_header):
@@ -773,24 +788,30 @@ class TCPTransport(LinkTransport):
         chunk = p.bounce
         n = header.length
         pos = p.rx_got
-        mac = p.rx_mac
         while pos < n:
             k = min(len(chunk), n - pos)
             if recv_exact(p.sock, chunk[:k]) < k:
                 self._eof(p, between_frames=False)
                 return False
-            if mac is not None:
-                mac.update(chunk[:k])
-            try:
-                req.consume(pos, chunk[:k])
-            except Exception as exc:  # a local failure: report it everywhere
-                self._fail(CommError(f"rank {self.rank}: consuming a frame from rank "
-                                     f"{p.rank} failed: {type(exc).__name__}: {exc}",
-                                     rank=self.rank, peer=p.rank))
-                raise _ConsumerFailed from exc
+            self._deliver(p, req, pos, chunk[:k])
             pos += k
             p.rx_got = pos
         return True
+
+    def _deliver(self, p: _Peer, req: _TCPRequest, pos: int, chunk: memoryview) -> None:
+        """Hand ``chunk`` (payload bytes from ``pos``) to ``req.consume`` (and to the frame's
+        tag hasher). An exception from the consumer fails the transport (and so the
+        request): _ConsumerFailed."""
+        assert req.consume is not None
+        if p.rx_mac is not None:
+            p.rx_mac.update(chunk)
+        try:
+            req.consume(pos, chunk)
+        except Exception as exc:  # a local failure: report it everywhere
+            self._fail(CommError(f"rank {self.rank}: consuming a frame from rank "
+                                 f"{p.rank} failed: {type(exc).__name__}: {exc}",
+                                 rank=self.rank, peer=p.rank))
+            raise _ConsumerFailed from exc
 
     def _check_tag(self, p: _Peer, req: _TCPRequest) -> None:
         """The integrity tag of ``req``'s frame is in ``p.tag``: verify it (TAG -> HEADER),
