@@ -847,8 +847,9 @@ class HybridTransport(LinkTransport):
             req._finish(error)
 
     def _helper_loop(self, p: _Peer) -> None:
-        """The receiver thread: serve the receives handed to it (large ones, consumers, and
-        everything posted while the caller blocks elsewhere), blocking on the ring."""
+        """The receiver thread: serve the receives handed to it (large ones, plain or
+        consumed, and everything posted while the caller blocks elsewhere), blocking on the
+        ring."""
 
         def busy() -> bool:
             return self._failure is None and not self._closing

@@ -23,9 +23,10 @@ Lifecycle (:class:`PeerState`), changed only by :meth:`PeerLink.transition` with
 Progress
 --------
 Receives progress on the thread that waits for them: whoever holds a link's *reader token*
-(``rx``) reads from the peer and completes posted receives in posting order. A receive that
-is worth overlapping (large, or consumed piece by piece) is marked ``helper`` and served by the
-link's receiver thread instead, woken through ``helper_q``. A caller about to block on
+(``rx``) reads from the peer and completes posted receives in posting order. A receive large
+enough to be worth overlapping with the caller's work (:data:`HELPER_RECEIVE_BYTES`, plain or
+consumed piece by piece) is marked ``helper`` and served by the link's receiver thread
+instead, woken through ``helper_q``. A caller about to block on
 something it does not drive itself (a send still being written, a receive a helper serves)
 first hands every posted receive to the helpers (``helper_q``), so that no two ranks can wait
 on each other's unread data. Sends that do not fit at once go to the link's sender thread

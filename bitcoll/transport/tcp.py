@@ -622,9 +622,10 @@ class TCPTransport(LinkTransport):
             ready = [polled[fd] for fd, _ in events if fd in polled]
 
     def _helper_loop(self, p: _Peer) -> None:
-        """The receiver thread: serve the receives handed to it (large ones, consumers, and
-        everything posted while the caller blocks elsewhere); after a failure read and drop
-        what the peer still sends until it closes."""
+        """The receiver thread: serve the receives handed to it (large ones, plain or
+        consumed, and everything posted while the caller blocks elsewhere); after a failure
+        read and drop what the peer still sends until it closes."""
+
         def busy() -> bool:
             return p.state is PeerState.OPEN and self._failure is None and not self._closing
 
