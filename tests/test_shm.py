@@ -593,7 +593,7 @@ def test_bitcoll_shm_0_gives_the_plain_tcp_transport_and_ranks_must_agree() -> N
     assert "rank 0 failed" in str(info.value) and "rank 1 failed" in str(info.value)
 
 
-def _victim(rank: int, size: int, port: int, q: Any) -> None:
+def _victim(rank: int, size: int, port: int, q: Any, second: int) -> None:
     os.environ.update(tcp_env(rank, size, port))
     os.environ["NUMBA_NUM_THREADS"] = "1"
     comm = bitcoll.init("tcp", timeout=60, shm=True)
@@ -606,7 +606,7 @@ def _victim(rank: int, size: int, port: int, q: Any) -> None:
         os.kill(os.getpid(), signal.SIGKILL)  # between two collectives, segments mapped
     start = time.monotonic()
     try:
-        comm.allreduce(x)
+        comm.allreduce(x[:second])
         q.put((rank, "no error", "", 0.0))
     except Exception as exc:
         q.put((rank, type(exc).__name__, str(exc), time.monotonic() - start))
@@ -614,10 +614,14 @@ def _victim(rank: int, size: int, port: int, q: Any) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_a_killed_rank_fails_the_others_fast_and_leaves_nothing_in_dev_shm() -> None:
+@pytest.mark.parametrize("second", [2 << 20, 8])
+def test_a_killed_rank_fails_the_others_fast_and_leaves_nothing_in_dev_shm(second: int) -> None:
+    """Rank 1 is killed between two all-reduces; the others' second all-reduce (8 MiB:
+    frames the receiver threads read by single copy; 8 elements: frames the waiting
+    threads read from the ring themselves) fails fast, naming it."""
     q = context(__name__).Queue()
     port = free_port()
-    procs = [start(_victim, r, 3, port, q) for r in range(3)]
+    procs = [start(_victim, r, 3, port, q, second) for r in range(3)]
     jobs: set[int] = set()
     outcome: dict[int, tuple[str, str, float]] = {}
     try:
