@@ -653,7 +653,7 @@ class Communicator:
         ``x``: any supported dtype and shape (read flattened). ``op``: "sum", "avg" (floating
         dtypes only), "max", "min". Returns ``out`` (same dtype and shape as ``x``; ``out=x``
         reduces in place), or a Work with ``async_op=True``. ``algorithm``: "auto" (recursive
-        doubling up to 64 KiB, above it "hierarchical" when the ranks run on several hosts and
+        doubling up to 128 KiB, above it "hierarchical" when the ranks run on several hosts and
         some host runs several, else ring), "ring", "recursive_doubling", "hierarchical"
         (reduce-scatter inside each host, a ring per local rank between hosts, all-gather
         inside each host: :mod:`bitcoll.algorithms.hierarchical`; every rank gets the same
