@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import glob
 import os
+import select
 import signal
 import stat
 import threading
@@ -223,6 +224,16 @@ def test_small_frames_progress_on_the_calling_thread_large_ones_on_the_receiver(
         np.testing.assert_array_equal(got_small, payload[:small])
         assert seen[False, small] == me, seen
         assert seen[True, small] == me  # written by isend itself
+        # progress() completes a receive whose frame is there, without anybody waiting.
+        r_again = t1.irecv(0, got_small.data, _h(9, small))
+        assert not r_again.done()
+        t0.isend(1, payload[small:2 * small].data, _h(9, small)).wait(deadline)
+        if path == "tcp":  # the bytes must have reached the socket (no sleep: a readiness wait)
+            assert isinstance(t1, TCPTransport)
+            assert select.select([t1._peers[0].sock], [], [], 20)[0]
+        t1.progress()
+        assert r_again.done()
+        np.testing.assert_array_equal(got_small, payload[small:2 * small])
 
         # A small consumed frame: on the calling thread too; a large one (plain or consumed):
         # on the receiver thread.
