@@ -25,7 +25,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["Topology", "host_key", "digest"]
+__all__ = ["Topology", "host_key", "digest", "usable_cores"]
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity), at least 1."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return max(1, os.cpu_count() or 1)
 
 
 def host_key(environ: Mapping[str, str] | None = None) -> str:

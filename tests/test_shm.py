@@ -25,6 +25,7 @@ from sweeps import dense_sweep, inplace_and_async, packed_bandwidth, packed_swee
 import bitcoll
 from bitcoll.communicator import Communicator
 from bitcoll.errors import CommError, CommTimeoutError, PeerLostError, ProtocolError, UsageError
+from bitcoll.transport import hybrid as hybrid_mod
 from bitcoll.transport import peer as peer_mod
 from bitcoll.transport import shm
 from bitcoll.transport.base import HEADER_SIZE, FrameHeader, Transport
@@ -265,6 +266,30 @@ def test_small_frames_progress_on_the_calling_thread_large_ones_on_the_receiver(
     finally:
         _close([t0, t1])
     assert t1.peer_state(0) is PeerState.CLOSED
+
+
+@pytest.mark.parametrize("cores", [1, 64])
+def test_an_oversubscribed_host_spins_less(cores: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With more ranks on the host than cores, a waiter looks at the ring for
+    OVERSUBSCRIBED_SPIN_SECONDS (yielding the core) instead of SPIN_SECONDS; small frames
+    still complete on the waiting thread."""
+    monkeypatch.setattr(hybrid_mod, "usable_cores", lambda: cores)
+    t0, t1 = _thread_world(2)
+    seen = _finishers(monkeypatch)
+    try:
+        assert isinstance(t1, HybridTransport)
+        assert t1.oversubscribed is (cores == 1)
+        assert t1._spin == (peer_mod.OVERSUBSCRIBED_SPIN_SECONDS if cores == 1
+                            else peer_mod.SPIN_SECONDS)
+        deadline = time.monotonic() + 20
+        got = np.zeros(16, np.uint8)
+        r = t1.irecv(0, got.data, _h(0, 16))
+        t0.isend(1, np.arange(16, dtype=np.uint8).data, _h(0, 16)).wait(deadline)
+        r.wait(deadline)
+        assert got.tolist() == list(range(16))
+        assert seen[False, 16] == threading.current_thread().name
+    finally:
+        _close([t0, t1])
 
 
 def test_a_wait_on_tcp_hands_the_shared_memory_receives_to_their_thread() -> None:

@@ -50,6 +50,7 @@ from numba import get_num_threads as _nb_get_num_threads
 from numba import set_num_threads as _nb_set_num_threads
 
 from ..errors import UsageError
+from ..topology import usable_cores
 from . import bits as _k
 
 __all__ = [
@@ -152,13 +153,6 @@ def set_num_threads(n: int) -> None:
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
     _process_threads, _explicit_threads = k, True
-
-
-def usable_cores() -> int:
-    """The cores this process may run on (its CPU affinity), at least 1."""
-    if hasattr(os, "sched_getaffinity"):
-        return max(1, len(os.sched_getaffinity(0)))
-    return max(1, os.cpu_count() or 1)
 
 
 def fit_threads_to_host(local_size: int) -> int:

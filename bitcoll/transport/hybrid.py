@@ -98,6 +98,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import select
 import struct
 import threading
@@ -118,6 +119,7 @@ from ..errors import (
     ProtocolError,
     UsageError,
 )
+from ..topology import usable_cores
 from . import shm
 from .base import (
     HEADER_SIZE,
@@ -130,6 +132,7 @@ from .base import (
 )
 from .peer import (
     HELPER_RECEIVE_BYTES,
+    OVERSUBSCRIBED_SPIN_SECONDS,
     SPIN_SECONDS,
     FrameRequest,
     LinkTransport,
@@ -369,6 +372,9 @@ class HybridTransport(LinkTransport):
         self.stats_remote = tcp.stats
         self.stats = CombinedStats(self.stats_local, self.stats_remote)
         self._init_links(pipe=True)
+        #: More ranks on this host than this process has cores: waiters spin less and yield.
+        self.oversubscribed = self.hosts.count(self.hosts[self.rank]) > usable_cores()
+        self._spin = OVERSUBSCRIBED_SPIN_SECONDS if self.oversubscribed else SPIN_SECONDS
         self._peers: dict[int, _Peer] = {p: _Peer(ch) for p, ch in channels.items()}
         for peer in self._peers.values():
             peer.sender = threading.Thread(target=self._send_loop, args=(peer,), daemon=True,
@@ -944,7 +950,9 @@ class HybridTransport(LinkTransport):
     def _drive(self, req: _ShmRequest, deadline: float) -> None:
         """Make progress on the calling thread until ``req`` (a receive from a shared-memory
         peer) completes, the transport fails or ``deadline`` passes: read the ring, looking
-        without sleeping for :data:`~bitcoll.transport.peer.SPIN_SECONDS`, then block on the
+        without sleeping for :data:`~bitcoll.transport.peer.SPIN_SECONDS` (on an oversubscribed
+        host :data:`~bitcoll.transport.peer.OVERSUBSCRIBED_SPIN_SECONDS`, yielding the core
+        between looks), then block on the
         data bell (handing every other posted receive to its receiver thread first, and
         looking at the TCP side every :data:`~bitcoll.transport.shm.WATCH_SECONDS`). Returns
         without completing ``req`` when the receiver thread serves it (the caller then blocks
@@ -955,7 +963,7 @@ class HybridTransport(LinkTransport):
             return
         want = Want.IDLE
         try:
-            spin_end = time.monotonic() + SPIN_SECONDS
+            spin_end = time.monotonic() + self._spin
             handed = False
             ch = p.ch
             while True:
@@ -966,6 +974,8 @@ class HybridTransport(LinkTransport):
                 if now >= deadline:
                     break
                 if now < spin_end:
+                    if self.oversubscribed:
+                        os.sched_yield()
                     continue
                 if not handed:
                     self.hand_over(but=p)

@@ -176,6 +176,7 @@ import numpy.typing as npt
 
 from ..config import DEFAULT_TIMEOUT
 from ..errors import CommError, CommTimeoutError, PeerLostError, ProtocolError, UsageError
+from ..topology import usable_cores
 from .base import (
     HEADER_SIZE,
     FrameHeader,
@@ -187,6 +188,8 @@ from .base import (
     byte_view,
 )
 from .netio import Backoff
+from .peer import OVERSUBSCRIBED_SPIN_SECONDS as OVERSUBSCRIBED_SPIN_SECONDS
+from .peer import SPIN_SECONDS as SPIN_SECONDS
 
 if TYPE_CHECKING:
     from mpi4py import MPI
@@ -216,8 +219,7 @@ INLINE_MAX: Final = 8192
 CONTROL_SIZE: Final = 512
 """Size in bytes of an abort notice: a 32-byte header and up to 480 bytes of UTF-8 reason."""
 
-SPIN_SECONDS: Final = 50e-6
-"""Wait loops poll without pausing for this long ..."""
+# SPIN_SECONDS: wait loops poll without pausing for this long (transport.peer's) ...
 
 YIELD_SECONDS: Final = 300e-6
 """... then poll with ``sched_yield`` between tests until this much time has passed ..."""
@@ -235,9 +237,8 @@ collective of several internal steps would lose up to a whole pause per step to 
 that sleeps long (measured: 4 ranks on 2 cores, an 8-byte all-reduce took 4.8 ms with the
 pauses growing at once)."""
 
-OVERSUBSCRIBED_SPIN_SECONDS: Final = 10e-6
-"""Spin time when more ranks than CPUs share the node (then ``sched_yield`` between tests
-until SHORT_SLEEP_SECONDS)."""
+# OVERSUBSCRIBED_SPIN_SECONDS (transport.peer's): the spin time when more ranks than CPUs
+# share the node (then ``sched_yield`` between tests until SHORT_SLEEP_SECONDS).
 
 RECORD_HEADER_BYTES: Final = 16
 """Bytes of a record's header: the sequence number and the signature, two int64 (little
@@ -506,14 +507,6 @@ def mpi_available() -> bool:
         return importlib.util.find_spec("mpi4py.MPI") is not None
     except (ImportError, ValueError):
         return False
-
-
-def _usable_cpus() -> int:
-    """CPUs this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # not Linux
-        return os.cpu_count() or 1
 
 
 def _mpi() -> Any:
@@ -924,7 +917,7 @@ class MPITransport(Transport):
         finish(req, (newcomm, node, nodes), "exchanging node names")
         local_ranks = int(np.count_nonzero(nodes == node[0]))
         transport = cls(newcomm, timeout, mpi)
-        transport.oversubscribed = local_ranks > _usable_cpus()
+        transport.oversubscribed = local_ranks > usable_cores()
         return transport
 
     def split(self, color: int | None, key: int = 0) -> MPITransport | None:

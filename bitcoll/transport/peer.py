@@ -50,7 +50,8 @@ from ..errors import BitcollError, CommError, CommTimeoutError, UsageError
 from .base import Consumer, FrameHeader, Request, Transport
 
 __all__ = ["PeerState", "ALLOWED", "Want", "FrameRequest", "PeerLink", "LinkTransport",
-           "timeout_error", "HELPER_RECEIVE_BYTES", "SPIN_SECONDS"]
+           "timeout_error", "HELPER_RECEIVE_BYTES", "SPIN_SECONDS",
+           "OVERSUBSCRIBED_SPIN_SECONDS"]
 
 #: Receives of at least this many payload bytes are served by the link's receiver thread
 #: (overlap with the caller's work); smaller ones by the thread that waits for them.
@@ -59,6 +60,10 @@ HELPER_RECEIVE_BYTES: Final = 256 << 10
 #: reply to a small frame usually comes within microseconds; waking from poll costs a
 #: reschedule).
 SPIN_SECONDS: Final = 50e-6
+#: The same where more ranks share the host than this process has cores (an oversubscribed
+#: host): spinning then only keeps the awaited rank off the core, so waiters look for this
+#: long only, calling ``sched_yield`` between looks.
+OVERSUBSCRIBED_SPIN_SECONDS: Final = 10e-6
 
 
 class PeerState(enum.Enum):
