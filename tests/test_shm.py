@@ -306,13 +306,19 @@ def test_a_wait_on_tcp_hands_the_shared_memory_receives_to_their_thread() -> Non
         n = 4000
         third_sent = threading.Event()
         errors: list[BaseException] = []
+        got = [np.zeros(n, np.uint8) for _ in range(3)]
+        reqs = [h0.irecv(1, g.data, _h(i, n)) for i, g in enumerate(got)]
+        tcp_got = np.zeros(8, np.uint8)
+        tcp_req = h0.irecv(2, tcp_got.data, _h(0, 8))
+        # Rank 1 writes its three frames before anything on rank 0 waits: nobody reads rank
+        # 0's ring yet, so the third frame cannot be in it.
+        frames = [np.full(n, i, np.uint8) for i in range(3)]
+        sends = [h1.isend(0, f.data, _h(i, n)) for i, f in enumerate(frames)]
+        assert sends[0].done() and sends[1].done() and not sends[2].done()
 
         def rank1() -> None:
             try:
-                frames = [np.full(n, i, np.uint8) for i in range(3)]
-                reqs = [h1.isend(0, f.data, _h(i, n)) for i, f in enumerate(frames)]
-                assert not reqs[2].done()  # the ring holds two frames only
-                for r in reqs:
+                for r in sends:
                     r.wait(deadline)
                 third_sent.set()
             except BaseException as exc:
@@ -325,10 +331,6 @@ def test_a_wait_on_tcp_hands_the_shared_memory_receives_to_their_thread() -> Non
             except BaseException as exc:
                 errors.append(exc)
 
-        got = [np.zeros(n, np.uint8) for _ in range(3)]
-        reqs = [h0.irecv(1, g.data, _h(i, n)) for i, g in enumerate(got)]
-        tcp_got = np.zeros(8, np.uint8)
-        tcp_req = h0.irecv(2, tcp_got.data, _h(0, 8))
         threads = [threading.Thread(target=rank1), threading.Thread(target=rank2)]
         for t in threads:
             t.start()
