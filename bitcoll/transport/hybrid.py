@@ -134,6 +134,7 @@ from .peer import (
     HELPER_RECEIVE_BYTES,
     OVERSUBSCRIBED_SPIN_SECONDS,
     SPIN_SECONDS,
+    ConsumerFailed,
     FrameRequest,
     LinkTransport,
     PeerLink,
@@ -256,10 +257,6 @@ class CombinedStats(TrafficStats):
 
 class _Stop(Exception):
     """A transport thread must stop serving: the transport failed or is closing."""
-
-
-class _ConsumerFailed(Exception):
-    """A consumer of ``irecv_consume`` raised (the transport has failed)."""
 
 
 def _align8(n: int) -> int:
@@ -642,7 +639,7 @@ class HybridTransport(LinkTransport):
             raise _Stop
         reason = p.ch.peer_abort_reason()
         if reason is not None:
-            self._fail(PeerLostError(f"rank {p.rank} aborted: {reason}"))
+            self._fail(self._aborted(p, reason))
             raise _Stop
 
     def _wait(self, p: _Peer, poller: select.poll, fd: int, ready: Callable[[], bool]) -> None:
@@ -743,7 +740,7 @@ class HybridTransport(LinkTransport):
             # reason explains the mismatch better than the headers do.
             reason = self._abort_reason(p, poller)
             self._fail(ProtocolError(msg) if reason is None
-                       else PeerLostError(f"rank {p.rank} aborted: {reason}"))
+                       else self._aborted(p, reason))
             raise _Stop
         n = header.length
         if mode == _SINGLE:
@@ -765,7 +762,7 @@ class HybridTransport(LinkTransport):
             k = min(span, n - at)
             if k > 0:
                 if consume is not None:
-                    self._consume(p, consume, at, ch.ring_in_mv[off:off + k])
+                    self._consume_piece(p.rank, consume, at, ch.ring_in_mv[off:off + k])
                 elif k >= _NUMPY_COPY_BYTES:
                     req.data[at:at + k] = ch.ring_in[off:off + k]
                 else:
@@ -774,14 +771,6 @@ class HybridTransport(LinkTransport):
             ch.publish_read(cursor - ch.read)
         if cursor > ch.read:
             ch.publish_read(cursor - ch.read)
-
-    def _consume(self, p: _Peer, consume: Consumer, at: int, chunk: memoryview) -> None:
-        try:
-            consume(at, chunk)
-        except Exception as exc:
-            self._fail(CommError(f"rank {self.rank}: consuming a frame from rank {p.rank} "
-                                 f"failed: {type(exc).__name__}: {exc}"))
-            raise _ConsumerFailed from exc
 
     def _copy_from_peer(self, p: _Peer, req: _ShmRequest, poller: select.poll, start: int,
                         n: int) -> None:
@@ -812,14 +801,14 @@ class HybridTransport(LinkTransport):
             except OSError as exc:
                 reason = ch.peer_abort_reason()
                 if reason is not None:
-                    self._fail(PeerLostError(f"rank {p.rank} aborted: {reason}"))
+                    self._fail(self._aborted(p, reason))
                 else:
                     self._fail(PeerLostError(
                         f"rank {self.rank}: lost rank {p.rank} (shared memory): reading its "
                         f"buffer failed ({exc.strerror}): rank {p.rank} exited or was killed"))
                 raise _Stop from exc
             if consume is not None:
-                self._consume(p, consume, at, dst.data)
+                self._consume_piece(p.rank, consume, at, dst.data)
             at += k
         ch.publish_read(_align8(size), acked=True)
 
@@ -875,7 +864,7 @@ class HybridTransport(LinkTransport):
         :meth:`_ready` first. Precondition: the reader token ``p.rx`` is held."""
         try:
             self._take(p, req, self._bell(p))
-        except (_Stop, _ConsumerFailed):
+        except (_Stop, ConsumerFailed):
             req._finish(self._failure or UsageError("the TCP transport is closed"))
             return False
         except ProtocolError as exc:  # bad magic or version
@@ -933,8 +922,7 @@ class HybridTransport(LinkTransport):
                 if ch.in_avail() < _PREFIX:
                     reason = ch.peer_abort_reason()
                     if reason is not None:
-                        self._fail(PeerLostError(f"rank {p.rank} aborted: {reason}",
-                                                 rank=self.rank, peer=p.rank))
+                        self._fail(self._aborted(p, reason))
                         return Want.IDLE
                     if ch.eof:
                         self._fail(self._lost(p))
@@ -1000,15 +988,14 @@ class HybridTransport(LinkTransport):
     def hand_over(self, but: _Peer | None = None) -> None:
         """The calling thread is about to block on something it does not drive: give every
         posted receive (but ``but``'s) to its receiver thread, on both paths."""
+        self.hand_over_shm(but)
+        self._tcp.hand_over()
+
+    def hand_over_shm(self, but: _Peer | None = None) -> None:
+        """:meth:`hand_over` for the shared-memory peers only."""
         for p in self._peers.values():
             if p is not but:
                 p.hand_over()
-        self._tcp.hand_over()
-
-    def hand_over_shm(self) -> None:
-        """:meth:`hand_over` for the shared-memory peers only."""
-        for p in self._peers.values():
-            p.hand_over()
 
     def progress(self) -> None:
         """Complete, without blocking, the receives whose frames have arrived on every link
@@ -1028,7 +1015,12 @@ class HybridTransport(LinkTransport):
         p = self._peers.get(peer)
         return self._tcp.peer_state(peer) if p is None else p.state
 
+    def _aborted(self, p: _Peer, reason: str) -> PeerLostError:
+        """The error of this rank when ``p`` aborted for ``reason``."""
+        return PeerLostError(f"rank {p.rank} aborted: {reason}", rank=self.rank, peer=p.rank)
+
     def _lost(self, p: _Peer) -> PeerLostError:
+        """The error of this rank when ``p`` went away without aborting."""
         return PeerLostError(f"rank {self.rank}: lost rank {p.rank} (shared memory): rank "
                              f"{p.rank} exited, was killed or closed its transport",
                              rank=self.rank, peer=p.rank)
@@ -1049,11 +1041,6 @@ class HybridTransport(LinkTransport):
         self._tcp.abort(raw.decode("utf-8", errors="replace"))
         for p in self._peers.values():
             p.stop(PeerState.FAILED, error)
-
-    def abort(self, reason: str) -> None:
-        """Fail every pending and future request here and make every peer fail promptly
-        (see the module docstring). Idempotent; never raises; a no-op after close."""
-        self._fail(CommError(f"rank {self.rank} aborted: {reason}"), reason)
 
     def close(self, timeout: float | None = None) -> None:
         """Let queued sends finish (within ``timeout``, default the TCP transport's

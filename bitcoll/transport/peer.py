@@ -50,6 +50,7 @@ from ..errors import BitcollError, CommError, CommTimeoutError, UsageError
 from .base import Consumer, FrameHeader, Request, Transport
 
 __all__ = ["PeerState", "ALLOWED", "Want", "FrameRequest", "PeerLink", "LinkTransport",
+           "ConsumerFailed",
            "timeout_error", "HELPER_RECEIVE_BYTES", "SPIN_SECONDS",
            "OVERSUBSCRIBED_SPIN_SECONDS"]
 
@@ -90,6 +91,11 @@ class Want(enum.Enum):
     READ = 1  # more bytes from the peer
     IDLE = 2  # a receive to be posted (or the link is no longer open)
     HELPER = 3  # the next receive is the receiver thread's
+
+
+class ConsumerFailed(Exception):
+    """A consumer of ``irecv_consume`` raised; the transport has failed
+    (:meth:`LinkTransport._consume_piece`)."""
 
 
 class FrameRequest(Request):
@@ -287,6 +293,33 @@ class LinkTransport(Transport):
                 return None
             self._closed = True
         return time.monotonic() + (default if timeout is None else timeout)
+
+    def _consume_piece(self, peer: int, consume: Consumer, pos: int,
+                       chunk: memoryview) -> None:
+        """Hand ``chunk`` (payload bytes from ``pos`` of a frame from ``peer``) to
+        ``consume``. An exception from the consumer is a local failure: the transport fails
+        with CommError (and so every request), then ConsumerFailed is raised."""
+        try:
+            consume(pos, chunk)
+        except Exception as exc:
+            self._fail(CommError(f"rank {self.rank}: consuming a frame from rank {peer} "
+                                 f"failed: {type(exc).__name__}: {exc}",
+                                 rank=self.rank, peer=peer))
+            raise ConsumerFailed from exc
+
+    @abstractmethod
+    def _fail(self, error: CommError, reason: str | None = None) -> None:
+        """The transport's one failure path (records ``error``, tells the peers)."""
+
+    def abort(self, reason: str) -> None:
+        """Fail every pending and future request here and make every peer fail promptly.
+
+        On this rank ``failure`` becomes ``CommError("rank <r> aborted: <reason>")`` unless an
+        earlier error is recorded (that one is kept); peers fail with
+        ``PeerLostError("rank <r> aborted: <reason>")``. Idempotent; never raises; a no-op
+        after close.
+        """
+        self._fail(CommError(f"rank {self.rank} aborted: {reason}", rank=self.rank), reason)
 
     def _wake(self) -> None:
         """Wake every thread polling the wake pipe."""

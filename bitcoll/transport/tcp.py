@@ -147,7 +147,15 @@ from .external_store import check_store
 from .netio import DONTWAIT, NOSIGNAL, WAITALL, recv_exact, send_all_parts, send_some
 from .peer import HELPER_RECEIVE_BYTES as HELPER_RECEIVE_BYTES
 from .peer import SPIN_SECONDS as SPIN_SECONDS
-from .peer import FrameRequest, LinkTransport, PeerLink, PeerState, Want, timeout_error
+from .peer import (
+    ConsumerFailed,
+    FrameRequest,
+    LinkTransport,
+    PeerLink,
+    PeerState,
+    Want,
+    timeout_error,
+)
 from .tcp_bootstrap import KEY_ABORT as KEY_ABORT
 from .tcp_bootstrap import KEY_ADDR as KEY_ADDR
 from .tcp_bootstrap import KEY_INTEGRITY as KEY_INTEGRITY
@@ -193,10 +201,6 @@ class RxPhase(enum.Enum):
     HELD = "held"  # a data header was read; no receive is posted for it yet
     BODY = "body"  # reading the payload into the oldest posted receive
     TAG = "tag"  # reading the frame's integrity tag
-
-
-class _ConsumerFailed(Exception):
-    """A consumer of :meth:`TCPTransport.irecv_consume` raised (the transport has failed)."""
 
 
 class _TCPRequest(FrameRequest):
@@ -736,7 +740,7 @@ class TCPTransport(LinkTransport):
             return Want.IDLE
         except (BlockingIOError, InterruptedError):
             return Want.READ
-        except _ConsumerFailed:
+        except ConsumerFailed:
             return Want.IDLE
         except ProtocolError as exc:  # bad magic or version
             self._fail(ProtocolError(f"from rank {p.rank}: {exc}", rank=self.rank, peer=p.rank))
@@ -784,7 +788,7 @@ class TCPTransport(LinkTransport):
     def _consume(self, p: _Peer, req: _TCPRequest, header: FrameHeader) -> bool:
         """Read the payload and feed it to ``req.consume`` in :data:`CONSUME_CHUNK_BYTES`
         pieces (blocking; the receiver thread); False at end of file. An exception from the
-        consumer fails the transport (and so the request): _ConsumerFailed."""
+        consumer fails the transport (and so the request): ConsumerFailed."""
         assert req.consume is not None
         chunk = p.bounce
         n = header.length
@@ -800,19 +804,13 @@ class TCPTransport(LinkTransport):
         return True
 
     def _deliver(self, p: _Peer, req: _TCPRequest, pos: int, chunk: memoryview) -> None:
-        """Hand ``chunk`` (payload bytes from ``pos``) to ``req.consume`` (and to the frame's
-        tag hasher). An exception from the consumer fails the transport (and so the
-        request): _ConsumerFailed."""
+        """Hand ``chunk`` (payload bytes from ``pos``) to the frame's tag hasher and to
+        ``req.consume`` (:meth:`LinkTransport._consume_piece`: ConsumerFailed when it
+        raises)."""
         assert req.consume is not None
         if p.rx_mac is not None:
             p.rx_mac.update(chunk)
-        try:
-            req.consume(pos, chunk)
-        except Exception as exc:  # a local failure: report it everywhere
-            self._fail(CommError(f"rank {self.rank}: consuming a frame from rank "
-                                 f"{p.rank} failed: {type(exc).__name__}: {exc}",
-                                 rank=self.rank, peer=p.rank))
-            raise _ConsumerFailed from exc
+        self._consume_piece(p.rank, req.consume, pos, chunk)
 
     def _check_tag(self, p: _Peer, req: _TCPRequest) -> None:
         """The integrity tag of ``req``'s frame is in ``p.tag``: verify it (TAG -> HEADER),
@@ -965,16 +963,6 @@ class TCPTransport(LinkTransport):
         for p in self._order:
             p.stop(PeerState.FAILED, error, drain=True)
         self._wake()
-
-    def abort(self, reason: str) -> None:
-        """Fail every pending and future request here and make every peer fail promptly.
-
-        On this rank ``failure`` becomes ``CommError("rank <r> aborted: <reason>")`` unless an
-        earlier error is recorded (that one is kept); peers fail with
-        ``PeerLostError("rank <r> aborted: <reason>")``. Idempotent; never raises; a no-op
-        after close.
-        """
-        self._fail(CommError(f"rank {self.rank} aborted: {reason}", rank=self.rank), reason)
 
     def close(self, timeout: float | None = None) -> None:
         """Flush queued sends, close the connections, join the threads. Idempotent.
