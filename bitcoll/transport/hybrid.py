@@ -940,11 +940,10 @@ class HybridTransport(LinkTransport):
         peer) completes, the transport fails or ``deadline`` passes: read the ring, looking
         without sleeping for :data:`~bitcoll.transport.peer.SPIN_SECONDS` (on an oversubscribed
         host :data:`~bitcoll.transport.peer.OVERSUBSCRIBED_SPIN_SECONDS`, yielding the core
-        between looks), then block on the
-        data bell (handing every other posted receive to its receiver thread first, and
-        looking at the TCP side every :data:`~bitcoll.transport.shm.WATCH_SECONDS`). Returns
-        without completing ``req`` when the receiver thread serves it (the caller then blocks
-        on the request)."""
+        between looks), then block on the data bell (handing every other posted receive to
+        its receiver thread first, and looking at the TCP side every
+        :data:`~bitcoll.transport.shm.WATCH_SECONDS`). Returns without completing ``req``
+        when the receiver thread serves it (the caller then blocks on the request)."""
         p = self._peers[req.peer]
         if not p.rx.acquire(blocking=False):
             self.hand_over()  # the receiver thread reads from p: it serves req too
