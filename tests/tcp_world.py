@@ -81,10 +81,19 @@ class RankResult:
         return self.value
 
 
+#: Ports :func:`free_port` has handed out in this process.
+_HANDED_OUT: set[int] = set()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that is free on ``host`` right now (the launcher's
-    :func:`launch.__main__.free_ports`, as for the benchmarks)."""
-    return free_ports(host)[0]
+    :func:`launch.__main__.free_ports`, as for the benchmarks) and not handed out before in
+    this process: a process counts the worlds it builds on each address (the store's
+    generation), so a test that reused an earlier test's port would find its rank in this
+    process expecting a newer store than a rank that starts counting afresh."""
+    port = free_ports(host, exclude=sorted(_HANDED_OUT))[0]
+    _HANDED_OUT.add(port)
+    return port
 
 
 def make_event(start_method: str = "forkserver") -> Any:
