@@ -303,6 +303,45 @@ def test_allreduce_two_tcp_ranks_and_gloo() -> None:
     check_rows(table, [1024, 8192])
 
 
+def check_paired(table: osu.Table, sizes: list[int], rounds: int) -> None:
+    """The paired tool's columns agree with each other: best = bitcoll / ref of the best
+    rounds (up to the printed roundings), min <= median <= max, and ``faster`` a share of the
+    rounds."""
+    assert [r["Size"] for r in table.rows] == sizes
+    for r in table.rows:
+        ours, theirs = r["bitcoll(us)"], r["ref(us)"]
+        assert ours > 0 and theirs > 0
+        assert r["best"] == pytest.approx(ours / theirs, rel=0.01, abs=2e-3)
+        assert 0 < r["min"] <= r["median"] <= r["max"]
+        assert r["faster"] * rounds == pytest.approx(round(r["faster"] * rounds), abs=0.02)
+        assert 0 <= r["faster"] <= 1 and r["CPU(us)"] >= 0 and r["refCPU(us)"] >= 0
+
+
+@pytest.mark.timeout(120)
+def test_paired_against_gloo_and_mpi4py(tmp_path: Path) -> None:
+    out = run(launch(2, "osu_paired.py", "--versus", "gloo", "-m", "8,4K", "--rounds", "3",
+                     "--check", "--json", str(tmp_path / "p.json"), *SMALL), timeout=90)
+    table = one_table(out)
+    assert table.title == "bitcoll OSU-style paired Allreduce Test, backend tcp against " \
+                          "gloo, 2 ranks"
+    check_paired(table, [8, 4096], 3)
+    (doc,) = osu.load_tables(tmp_path / "p.json")
+    for got, shown in zip(doc.rows, table.rows, strict=True):  # JSON keeps every digit
+        assert got.keys() == shown.keys()
+        assert got["best"] == pytest.approx(shown["best"], abs=6e-4)
+    assert doc.meta["inplace"] is True  # gloo reduces in place, so bitcoll does too
+    assert (doc.meta["versus"], doc.meta["rounds"]) == ("gloo", 3)
+    out = run([str(Path(PY).parent / "mpiexec"), "-n", "2", PY, "bench/osu_paired.py",
+               "--versus", "mpi4py", "-m", "64,1K", "--rounds", "2", "--check", "--json",
+               str(tmp_path / "m.json"), *SMALL], timeout=90)
+    table = one_table(out)
+    assert table.title == "bitcoll OSU-style paired Allreduce Test, backend mpi against " \
+                          "mpi4py, 2 ranks"
+    check_paired(table, [64, 1024], 2)
+    (doc,) = osu.load_tables(tmp_path / "m.json")
+    assert doc.meta["inplace"] is False and doc.meta["backend"] == "mpi"
+
+
 @pytest.mark.timeout(90)
 def test_collectives_two_tcp_ranks() -> None:
     out = run(launch(2, "osu_collectives.py", "--collective", "all", "-m", "1K,16K",
@@ -382,6 +421,9 @@ def test_bad_arguments_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     for name, argv in (("osu_allreduce", ["-m", "8K:1K"]),
                        ("osu_allreduce", ["--impl", "mpi4py", "--algorithm", "ring"]),
                        ("osu_collectives", ["--collective", "gather"]),
+                       ("osu_paired", ["-m", "8"]),  # --versus is required
+                       ("osu_paired", ["--versus", "mpi4py", "--rounds", "0"]),
+                       ("osu_paired", ["--versus", "gloo", "-m", "6"]),
                        ("osu_sign_allreduce", ["--op", "mean"])):
         status, err = exit_status(name, argv, capsys)
         assert status == 2, (name, argv, err)
