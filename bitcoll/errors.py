@@ -19,14 +19,8 @@ stays usable after a ``UsageError``.
 
 from __future__ import annotations
 
-__all__ = [
-    "BitcollError",
-    "UsageError",
-    "CommError",
-    "CommTimeoutError",
-    "PeerLostError",
-    "ProtocolError",
-]
+__all__ = ["BitcollError", "UsageError", "CommError", "CommTimeoutError", "PeerLostError",
+           "ProtocolError"]
 
 
 class BitcollError(Exception):

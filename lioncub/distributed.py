@@ -398,15 +398,16 @@ class DistributedLion:
         if g is None:
             return None
         if not isinstance(g, np.ndarray):
-            raise UsageError(f"gradient {i} ({self.names[i]}) must be a numpy array or "
-                             f"None, got {type(g).__name__}")
+            raise self._bad_grad(i, f"must be a numpy array or None, got {type(g).__name__}")
         if g.dtype != np.float32:
-            raise UsageError(f"gradient {i} ({self.names[i]}) must be float32, got "
-                             f"{g.dtype}")
+            raise self._bad_grad(i, f"must be float32, got {g.dtype}")
         if g.shape != p.shape:
-            raise UsageError(f"gradient {i} ({self.names[i]}) has shape {g.shape}, the "
-                             f"parameter has {p.shape}")
+            raise self._bad_grad(i, f"has shape {g.shape}, the parameter has {p.shape}")
         return np.ascontiguousarray(g).reshape(-1)
+
+    def _bad_grad(self, i: int, problem: str) -> UsageError:
+        """The UsageError for parameter ``i``'s gradient: ``gradient i (name) <problem>``."""
+        return UsageError(f"gradient {i} ({self.names[i]}) {problem}")
 
     def _hypers(self) -> list[Hyper]:
         per_group = []

@@ -55,16 +55,8 @@ from typing import Any
 
 from bitcoll.errors import UsageError
 
-__all__ = [
-    "MomentumSync",
-    "NoSync",
-    "EveryK",
-    "Exponential",
-    "EarlyPhase",
-    "Adaptive",
-    "Selective",
-    "parse_sync",
-]
+__all__ = ["MomentumSync", "NoSync", "EveryK", "Exponential", "EarlyPhase", "Adaptive",
+           "Selective", "parse_sync"]
 
 NameFilter = str | Sequence[str] | re.Pattern[str] | Callable[[str], bool]
 

@@ -297,14 +297,13 @@ class TorchEngine(DistributedLion):
         p = self._tparams[i]
         if not isinstance(g, torch.Tensor) or g.layout != torch.strided \
                 or not g.is_floating_point():
-            raise UsageError(f"gradient {i} ({self.names[i]}) must be a dense floating "
-                             f"tensor or None, got {getattr(g, 'dtype', type(g))}")
+            raise self._bad_grad(i, "must be a dense floating tensor or None, got "
+                                    f"{getattr(g, 'dtype', type(g))}")
         if g.device != p.device:
-            raise UsageError(f"gradient {i} ({self.names[i]}) is on {g.device}, the "
-                             f"parameter on {p.device}")
+            raise self._bad_grad(i, f"is on {g.device}, the parameter on {p.device}")
         if g.shape != p.shape:
-            raise UsageError(f"gradient {i} ({self.names[i]}) has shape "
-                             f"{tuple(g.shape)}, the parameter has {tuple(p.shape)}")
+            raise self._bad_grad(i, f"has shape {tuple(g.shape)}, the parameter has "
+                                    f"{tuple(p.shape)}")
         return g.detach().reshape(-1)
 
     def _check_grads(self, grads: object) -> list[Any]:

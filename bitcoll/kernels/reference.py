@@ -15,25 +15,10 @@ import numpy.typing as npt
 
 from ..errors import UsageError
 
-__all__ = [
-    "TIE_POSITIVE",
-    "TIE_NEGATIVE",
-    "TIE_ALTERNATE",
-    "packed_nbytes",
-    "pack_signs",
-    "unpack_signs",
-    "count_votes",
-    "majority",
-    "majority_of_sums",
-    "pack_fields",
-    "unpack_fields",
-    "add_fields",
-    "pack_ternary",
-    "extract_bits",
-    "insert_bits",
-    "bf16_to_float32",
-    "float32_to_bf16",
-]
+__all__ = ["TIE_POSITIVE", "TIE_NEGATIVE", "TIE_ALTERNATE", "packed_nbytes", "pack_signs",
+           "unpack_signs", "count_votes", "majority", "majority_of_sums", "pack_fields",
+           "unpack_fields", "add_fields", "pack_ternary", "extract_bits", "insert_bits",
+           "bf16_to_float32", "float32_to_bf16"]
 
 TIE_POSITIVE = 0
 TIE_NEGATIVE = 1
