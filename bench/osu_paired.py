@@ -88,8 +88,10 @@ def run(args: argparse.Namespace, rt: osu.BitcollRuntime) -> None:
                            port_offset=args.gloo_port_offset)
     try:
         if (ref.rank, ref.size) != (rt.rank, rt.size):
-            raise RuntimeError(f"bitcoll is rank {rt.rank} of {rt.size}, {args.versus} rank "
-                               f"{ref.rank} of {ref.size}: start both from one launcher")
+            how = "mpiexec" if args.versus == "mpi4py" else "python -m launch or torchrun"
+            raise RuntimeError(f"bitcoll is rank {rt.rank} of {rt.size} but {args.versus} rank "
+                               f"{ref.rank} of {ref.size}: run --versus {args.versus} under "
+                               f"{how}")
         measure(args, rt, ref)
     finally:
         ref.close()

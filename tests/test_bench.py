@@ -340,6 +340,10 @@ def test_paired_against_gloo_and_mpi4py(tmp_path: Path) -> None:
     check_paired(table, [64, 1024], 2)
     (doc,) = osu.load_tables(tmp_path / "m.json")
     assert doc.meta["inplace"] is False and doc.meta["backend"] == "mpi"
+    # mpi4py under the launcher is a one-rank world: refused with what to do instead
+    proc = run_proc(launch(2, "osu_paired.py", "--versus", "mpi4py", "-m", "8", *SMALL),
+                    timeout=90, expect=1)
+    assert "run --versus mpi4py under mpiexec" in proc.stdout + proc.stderr
 
 
 @pytest.mark.timeout(90)
