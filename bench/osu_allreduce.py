@@ -86,7 +86,6 @@ def parser() -> argparse.ArgumentParser:
 def run(args: argparse.Namespace, rt: osu.Runtime) -> None:
     """Measure every size of ``args.sizes`` on ``rt`` and print the table on rank 0."""
     schedule = osu.schedule_from_args(args)
-    p = rt.size
     report = osu.Report(rt.rank, args.json)
     inplace = args.inplace or args.impl == "gloo"
     osu.start_dense_table(
@@ -101,7 +100,7 @@ def run(args: argparse.Namespace, rt: osu.Runtime) -> None:
         y: F32 = np.empty(n, dtype=np.float32)
         y.fill(0.0)  # touch every page before timing
         op, result = make_op(rt, x, y, args.inplace, args.algorithm)
-        check = (check_input(n, rt.rank), check_expected(n, p)) if args.check else None
+        check = (check_input(n, rt.rank), check_expected(n, rt.size)) if args.check else None
         osu.measure_dense(rt, report, schedule, args.full, "allreduce", x, op, result, check)
         del op, result, x, y, check
     report.finish()
