@@ -83,6 +83,7 @@ __all__ = [
     "add_dense_args",
     "agree",
     "check_dense_args",
+    "check_once",
     "check_whole_elements",
     "dense_columns",
     "fmt_bytes",
@@ -631,6 +632,19 @@ def start_dense_table(report: Report, rt: Runtime, args: argparse.Namespace, tes
                  algorithm=algo, **meta)
 
 
+def check_once(rt: Runtime, op: Callable[[], object], x: F32, result: F32,
+               check: tuple[F32, F32] | None, what: str) -> None:
+    """With ``check = (input, expected)``: copy ``input`` into ``x``, run ``op`` once and
+    require ``expected`` in ``result`` on every rank (:func:`agree`, CheckError naming
+    ``what``). Then, checked or not, zero ``x`` for the timed calls."""
+    if check is not None:
+        given, want = check
+        np.copyto(x, given)
+        op()
+        agree(rt, bool(np.array_equal(result, want)), what)
+    x.fill(0.0)
+
+
 def measure_dense(rt: Runtime, report: Report, schedule: Schedule, full: bool,
                   collective: str, x: F32, op: Callable[[], object], result: F32,
                   check: tuple[F32, F32] | None = None) -> None:
@@ -642,12 +656,7 @@ def measure_dense(rt: Runtime, report: Report, schedule: Schedule, full: bool,
     (:func:`time_loop`, iterations from ``schedule`` for nccl-tests' data size); the row is
     the input size, the latency, AlgBW, BusBW and the CPU time per call."""
     nbytes = x.nbytes
-    if check is not None:
-        given, want = check
-        np.copyto(x, given)
-        op()
-        agree(rt, bool(np.array_equal(result, want)), f"{collective} of {nbytes} bytes")
-    x.fill(0.0)
+    check_once(rt, op, x, result, check, f"{collective} of {nbytes} bytes")
     data = data_bytes(collective, nbytes, rt.size)
     iters, warm = schedule.for_bytes(data)
     t = time_loop(rt, op, iters, warm)

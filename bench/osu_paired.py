@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+from collections.abc import Callable
 
 import numpy as np
 import osu
@@ -98,6 +99,8 @@ def run(args: argparse.Namespace, rt: osu.BitcollRuntime) -> None:
 
 
 def measure(args: argparse.Namespace, rt: osu.BitcollRuntime, ref: osu.Runtime) -> None:
+    """The table: per size, ``args.rounds`` rounds of one timed loop on ``rt`` and one on
+    ``ref`` (the order alternating), then one row of the round statistics (rank 0 prints)."""
     schedule = osu.schedule_from_args(args)
     inplace = args.inplace or args.versus == "gloo"
     report = osu.Report(rt.rank, args.json)
@@ -114,29 +117,25 @@ def measure(args: argparse.Namespace, rt: osu.BitcollRuntime, ref: osu.Runtime) 
         algorithm=args.algorithm, inplace=inplace, rounds=args.rounds)
     for nbytes in args.sizes:
         n = nbytes // 4
-        sides = []
+        sides: list[tuple[osu.Runtime, Callable[[], object]]] = []
         for side in (rt, ref):
             x = np.zeros(n, dtype=np.float32)
             y = np.zeros(n, dtype=np.float32)  # touch every page before timing
             op, result = osu_allreduce.make_op(side, x, y, inplace, args.algorithm)
-            if args.check:
-                np.copyto(x, osu_allreduce.check_input(n, side.rank))
-                op()
-                osu.agree(side, bool(np.array_equal(
-                    result, osu_allreduce.check_expected(n, side.size))),
-                    f"{side.impl} all-reduce of {nbytes} bytes")
-                x.fill(0.0)
+            check = (osu_allreduce.check_input(n, side.rank),
+                     osu_allreduce.check_expected(n, side.size)) if args.check else None
+            osu.check_once(side, op, x, result, check, f"{side.impl} all-reduce of {nbytes} bytes")
             sides.append((side, op))
         iters, warm = schedule.for_bytes(nbytes)
-        ours: list[float] = []
-        theirs: list[float] = []
+        lat: tuple[list[float], list[float]] = ([], [])  # bitcoll's, the reference's
         cpu: tuple[list[float], list[float]] = ([], [])
         for r in range(args.rounds):
-            order = sides if r % 2 == 0 else sides[::-1]
-            for side, op in order:
+            for k in ((0, 1) if r % 2 == 0 else (1, 0)):
+                side, op = sides[k]
                 t = osu.time_loop(side, op, iters, warm)
-                (ours if side is rt else theirs).append(t.avg_us)
-                cpu[side is not rt].append(t.cpu_us)
+                lat[k].append(t.avg_us)
+                cpu[k].append(t.cpu_us)
+        ours, theirs = lat
         ratios = [a / b for a, b in zip(ours, theirs, strict=True)]
         faster = sum(a <= b for a, b in zip(ours, theirs, strict=True)) / args.rounds
         report.row(nbytes, min(ours), min(theirs), min(ours) / min(theirs),
