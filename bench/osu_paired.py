@@ -119,8 +119,9 @@ def measure(args: argparse.Namespace, rt: osu.BitcollRuntime, ref: osu.Runtime) 
         n = nbytes // 4
         sides: list[tuple[osu.Runtime, Callable[[], object]]] = []
         for side in (rt, ref):
-            x = np.zeros(n, dtype=np.float32)
-            y = np.zeros(n, dtype=np.float32)  # touch every page before timing
+            x = np.empty(n, dtype=np.float32)  # check_once zeroes it
+            y = np.empty(n, dtype=np.float32)
+            y.fill(0.0)  # touch every page before timing (np.zeros would map them lazily)
             op, result = osu_allreduce.make_op(side, x, y, inplace, args.algorithm)
             check = (osu_allreduce.check_input(n, side.rank),
                      osu_allreduce.check_expected(n, side.size)) if args.check else None
