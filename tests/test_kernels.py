@@ -661,9 +661,8 @@ def test_unaligned_buffers() -> None:
 
 def test_kernels_are_nogil_and_cached() -> None:
     fk = B.field_kernels(5)
-    kernels = [B.pack_signs_serial, B.pack_signs_parallel, B.pack_ternary_serial,
-               B.pack_ternary_parallel, B.unpack_signs_serial, B.unpack_signs_parallel,
-               B.unpack_signs8_serial, B.unpack_signs8_parallel,
+    kernels = [B.pack_votes_serial, B.pack_votes_parallel,
+               B.unpack_signs_serial, B.unpack_signs_parallel,
                B.count_votes_serial, B.count_votes_parallel, B.majority_serial,
                B.majority_parallel, *fk]
     for kern in kernels:
@@ -674,7 +673,7 @@ def test_kernels_are_nogil_and_cached() -> None:
 
 def test_busy_pool_falls_back_to_serial(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[str] = []
-    serial, parallel = B.pack_signs_serial, B.pack_signs_parallel
+    serial, parallel = B.pack_votes_serial, B.pack_votes_parallel
 
     def spy_serial(*a: Any) -> int:
         calls.append("serial")
@@ -684,8 +683,8 @@ def test_busy_pool_falls_back_to_serial(monkeypatch: pytest.MonkeyPatch) -> None
         calls.append("parallel")
         return int(parallel(*a))
 
-    monkeypatch.setattr(B, "pack_signs_serial", spy_serial)
-    monkeypatch.setattr(B, "pack_signs_parallel", spy_parallel)
+    monkeypatch.setattr(B, "pack_votes_serial", spy_serial)
+    monkeypatch.setattr(B, "pack_votes_parallel", spy_parallel)
     x = np.random.default_rng(3).standard_normal(1000).astype(np.float32)
     want = R.pack_signs(x)
     with dispatch_mode("parallel"):

@@ -318,7 +318,7 @@ def pack_signs(x: npt.NDArray[np.floating[Any]],
     u, masks = _float_input(x)
     n = u.size
     res = _out(out, np.dtype(np.uint8), packed_nbytes(n))
-    err = _dispatch(n, _k.pack_signs_serial, _k.pack_signs_parallel, (u, res, *masks),
+    err = _dispatch(n, _k.pack_votes_serial, _k.pack_votes_parallel, (u, res, *masks, False),
                     _CHUNK_ELEMENTS // _k.BLOCK)
     if err >= 0:
         raise UsageError(f"NaN in vote input at index {err}")
@@ -337,7 +337,7 @@ def pack_ternary(x: npt.NDArray[np.floating[Any]],
     u, masks = _float_input(x)
     n = u.size
     res = _out(out, np.dtype(np.uint8), packed_nbytes(n, 2))
-    err = _dispatch(n, _k.pack_ternary_serial, _k.pack_ternary_parallel, (u, res, *masks),
+    err = _dispatch(n, _k.pack_votes_serial, _k.pack_votes_parallel, (u, res, *masks, True),
                     _CHUNK_ELEMENTS // _k.BLOCK)
     if err >= 0:
         raise UsageError(f"NaN in vote input at index {err}")
@@ -360,10 +360,8 @@ def unpack_signs(bits: npt.NDArray[np.uint8], n: int, out: npt.NDArray[Any] | No
     pos, neg = _sign_values(dt, scale)
     res = _out(out, dt, n)
     ut = _UNSIGNED_OF_SIZE[dt.itemsize]
-    serial, parallel = ((_k.unpack_signs8_serial, _k.unpack_signs8_parallel)
-                        if dt.itemsize == 1 else
-                        (_k.unpack_signs_serial, _k.unpack_signs_parallel))
-    _dispatch(n, serial, parallel, (b, res.view(ut), ut(pos), ut(neg)), _CHUNK_ELEMENTS // 8)
+    _dispatch(n, _k.unpack_signs_serial, _k.unpack_signs_parallel,
+              (b, res.view(ut), ut(pos), ut(neg)), _CHUNK_ELEMENTS // 8)
     return res
 
 

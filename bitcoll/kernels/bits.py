@@ -32,17 +32,13 @@ from typing import Any, NamedTuple, TypeVar, cast
 import numpy as np
 from llvmlite import ir  # type: ignore[import-untyped]  # llvmlite ships no types
 from numba import njit, prange, types
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
 __all__ = [
-    "pack_signs_serial",
-    "pack_signs_parallel",
-    "pack_ternary_serial",
-    "pack_ternary_parallel",
+    "pack_votes_serial",
+    "pack_votes_parallel",
     "unpack_signs_serial",
     "unpack_signs_parallel",
-    "unpack_signs8_serial",
-    "unpack_signs8_parallel",
     "count_votes_serial",
     "count_votes_parallel",
     "majority_serial",
@@ -253,7 +249,9 @@ def _first_error(errs: Any) -> int:
 
 
 # --------------------------------------------------------------------------------------------
-# pack_signs: float bits (uintN view) -> 1 bit per element, NaN check in the same pass
+# pack_signs and pack_ternary: float bits (uintN view) -> 1 bit per element (the +1 votes) or,
+# with ``ternary``, 2-bit fields sign(x) + 1 (0: x < 0, 1: x == 0, 2: x > 0); NaN check in the
+# same pass. One pair of drivers serves both: ``ternary`` picks the block helper once per chunk.
 # --------------------------------------------------------------------------------------------
 
 
@@ -268,54 +266,6 @@ def _pack_signs_blocks(u: Any, out: Any, b0: int, b1: int, sign: Any, absm: Any,
             return i + _ctz64(~ok)
         _store_u64(out, b * 8, votes)
     return -1
-
-
-@_helper()
-def _pack_signs_tail(u: Any, out: Any, sign: Any, absm: Any, inf: Any) -> int:
-    n: int = u.size
-    i0 = (n // 64) * 64
-    j = i0 // 8
-    while j * 8 < n:
-        byte = 0
-        for k in range(min(8, n - j * 8)):
-            v = u[j * 8 + k]
-            if (v & absm) > inf:
-                return j * 8 + k
-            if v <= sign:
-                byte |= 1 << k
-        out[j] = np.uint8(byte)
-        j += 1
-    return -1
-
-
-@_kernel()
-def pack_signs_serial(u: Any, out: Any, sign: Any, absm: Any, inf: Any) -> int:
-    """Pack the +1 votes of the raw float bits ``u`` into ``out`` (``ceil(n/8)`` bytes).
-
-    Returns the index of the first NaN, or -1 (``out`` is then partly written).
-    """
-    e = _pack_signs_blocks(u, out, 0, u.size // 64, sign, absm, inf)
-    if e >= 0:
-        return e
-    return _pack_signs_tail(u, out, sign, absm, inf)
-
-
-@_kernel(parallel=True)
-def pack_signs_parallel(u: Any, out: Any, sign: Any, absm: Any, inf: Any, chunk: int) -> int:
-    """:func:`pack_signs_serial` split into chunks of ``chunk`` 64-element blocks."""
-    nblocks = u.size // 64
-    nchunks = (nblocks + chunk - 1) // chunk
-    errs = np.empty(nchunks + 1, np.int64)
-    for c in prange(nchunks):
-        errs[c] = _pack_signs_blocks(u, out, c * chunk, min(nblocks, (c + 1) * chunk),
-                                     sign, absm, inf)
-    errs[nchunks] = _pack_signs_tail(u, out, sign, absm, inf)
-    return _first_error(errs)
-
-
-# --------------------------------------------------------------------------------------------
-# pack_ternary: float bits -> 2-bit fields sign(x) + 1 (0: x < 0, 1: x == 0, 2: x > 0)
-# --------------------------------------------------------------------------------------------
 
 
 @_helper()
@@ -338,53 +288,72 @@ def _pack_ternary_blocks(u: Any, out: Any, b0: int, b1: int, sign: Any, absm: An
 
 
 @_helper()
-def _pack_ternary_tail(u: Any, out: Any, sign: Any, absm: Any, inf: Any) -> int:
+def _pack_blocks(u: Any, out: Any, b0: int, b1: int, sign: Any, absm: Any, inf: Any,
+                 ternary: bool) -> int:
+    """Pack the 64-element blocks ``b0 .. b1`` (8 bytes each, 16 when ``ternary``); the
+    index of the first NaN, or -1."""
+    if ternary:
+        return _pack_ternary_blocks(u, out, b0, b1, sign, absm, inf)
+    return _pack_signs_blocks(u, out, b0, b1, sign, absm, inf)
+
+
+@_helper()
+def _pack_votes_tail(u: Any, out: Any, sign: Any, absm: Any, inf: Any, ternary: bool) -> int:
+    """Pack the elements after the last whole block, a byte at a time: 8 sign bits, or 4
+    2-bit fields when ``ternary``; the index of the first NaN, or -1."""
     n: int = u.size
-    j = (n // 64) * 16
-    while j * 4 < n:
+    per = 4 if ternary else 8  # elements per byte
+    j = (n // 64) * (64 // per)
+    while j * per < n:
         byte = 0
-        for k in range(min(4, n - j * 4)):
-            v = u[j * 4 + k]
+        for k in range(min(per, n - j * per)):
+            v = u[j * per + k]
             m = v & absm
             if m > inf:
-                return j * 4 + k
-            if m == 0:
-                byte |= 1 << (2 * k)
+                return j * per + k
+            if ternary:
+                if m == 0:
+                    byte |= 1 << (2 * k)
+                elif v <= sign:
+                    byte |= 2 << (2 * k)
             elif v <= sign:
-                byte |= 2 << (2 * k)
+                byte |= 1 << k
         out[j] = np.uint8(byte)
         j += 1
     return -1
 
 
 @_kernel()
-def pack_ternary_serial(u: Any, out: Any, sign: Any, absm: Any, inf: Any) -> int:
-    """Pack sign(x) + 1 of the raw float bits ``u`` as 2-bit fields (``ceil(n/4)`` bytes).
+def pack_votes_serial(u: Any, out: Any, sign: Any, absm: Any, inf: Any, ternary: bool) -> int:
+    """Pack the +1 votes of the raw float bits ``u`` into ``out`` (``ceil(n/8)`` bytes) or,
+    when ``ternary``, sign(x) + 1 as 2-bit fields (``ceil(n/4)`` bytes).
 
-    Returns the index of the first NaN, or -1.
+    Returns the index of the first NaN, or -1 (``out`` is then partly written).
     """
-    e = _pack_ternary_blocks(u, out, 0, u.size // 64, sign, absm, inf)
+    e = _pack_blocks(u, out, 0, u.size // 64, sign, absm, inf, ternary)
     if e >= 0:
         return e
-    return _pack_ternary_tail(u, out, sign, absm, inf)
+    return _pack_votes_tail(u, out, sign, absm, inf, ternary)
 
 
 @_kernel(parallel=True)
-def pack_ternary_parallel(u: Any, out: Any, sign: Any, absm: Any, inf: Any,
-                          chunk: int) -> int:
-    """:func:`pack_ternary_serial` split into chunks of ``chunk`` 64-element blocks."""
+def pack_votes_parallel(u: Any, out: Any, sign: Any, absm: Any, inf: Any, ternary: bool,
+                        chunk: int) -> int:
+    """:func:`pack_votes_serial` split into chunks of ``chunk`` 64-element blocks."""
     nblocks = u.size // 64
     nchunks = (nblocks + chunk - 1) // chunk
     errs = np.empty(nchunks + 1, np.int64)
     for c in prange(nchunks):
-        errs[c] = _pack_ternary_blocks(u, out, c * chunk, min(nblocks, (c + 1) * chunk),
-                                       sign, absm, inf)
-    errs[nchunks] = _pack_ternary_tail(u, out, sign, absm, inf)
+        errs[c] = _pack_blocks(u, out, c * chunk, min(nblocks, (c + 1) * chunk),
+                               sign, absm, inf, ternary)
+    errs[nchunks] = _pack_votes_tail(u, out, sign, absm, inf, ternary)
     return _first_error(errs)
 
 
 # --------------------------------------------------------------------------------------------
-# unpack_signs: bits -> out[i] = pos if bit i else neg (out is an unsigned view of the result)
+# unpack_signs: bits -> out[i] = pos if bit i else neg (out is an unsigned view of the result).
+# A uint8 ``out`` takes 8 elements per store (_unpack_signs8_bytes), wider ones one element per
+# store; the choice is made from out's type when a kernel is compiled (_unpack_bytes).
 # --------------------------------------------------------------------------------------------
 
 
@@ -402,23 +371,6 @@ def _unpack_signs_bytes(bits: Any, out: Any, j0: int, j1: int, pos: Any, neg: An
             out[8 * j + k] = pos if (b >> k) & 1 else neg
 
 
-@_kernel()
-def unpack_signs_serial(bits: Any, out: Any, pos: Any, neg: Any) -> int:
-    """``out[i] = pos if bit i of bits else neg`` for ``i < out.size``; returns 0."""
-    _unpack_signs_bytes(bits, out, 0, (out.size + 7) // 8, pos, neg)
-    return 0
-
-
-@_kernel(parallel=True)
-def unpack_signs_parallel(bits: Any, out: Any, pos: Any, neg: Any, chunk: int) -> int:
-    """:func:`unpack_signs_serial` split into chunks of ``chunk`` bytes."""
-    nbytes = (out.size + 7) // 8
-    nchunks = (nbytes + chunk - 1) // chunk
-    for c in prange(nchunks):
-        _unpack_signs_bytes(bits, out, c * chunk, min(nbytes, (c + 1) * chunk), pos, neg)
-    return 0
-
-
 @_helper()
 def _unpack_signs8_bytes(bits: Any, out: Any, j0: int, j1: int, pos: Any, neg: Any) -> None:
     """:func:`_unpack_signs_bytes` for 1-byte outputs: each packed byte becomes one 8-byte
@@ -434,20 +386,49 @@ def _unpack_signs8_bytes(bits: Any, out: Any, j0: int, j1: int, pos: Any, neg: A
     _unpack_signs_bytes(bits, out, max(j0, full), j1, pos, neg)
 
 
+def _unpack_bytes(bits: Any, out: Any, j0: int, j1: int, pos: Any, neg: Any) -> None:
+    """Unpack the bytes ``j0 .. j1`` of ``bits`` into ``out``: :func:`_unpack_signs8_bytes`
+    for a 1-byte ``out``, else :func:`_unpack_signs_bytes` (in kernels only)."""
+    raise NotImplementedError("_unpack_bytes can only be called from a numba kernel")
+
+
+def _unpack_bytes_typer(bits: Any, out: Any, j0: Any, j1: Any, pos: Any, neg: Any) -> Any:
+    # Chosen from out's numba type, not by a run-time flag: _store_u64 in the word version
+    # types for a uint8 out only. numba wants the implementations' parameters, annotations
+    # included, to be exactly the typer's; they are not cached on their own, and need not be:
+    # the kernels that call them are, with them compiled in.
+    if out.dtype.bitwidth == 8:
+        def words(bits: Any, out: Any, j0: Any, j1: Any, pos: Any, neg: Any) -> Any:
+            _unpack_signs8_bytes(bits, out, j0, j1, pos, neg)
+
+        return words
+
+    def elements(bits: Any, out: Any, j0: Any, j1: Any, pos: Any, neg: Any) -> Any:
+        _unpack_signs_bytes(bits, out, j0, j1, pos, neg)
+
+    return elements
+
+
+# prefer_literal: the serial kernel's start byte 0 reaches the helper as the constant it is
+# in a direct call (numba types it Literal[int](0)); typed int64 instead, the serial unpack to
+# 4-byte elements took about 1.7 times as long (64M elements).
+overload(_unpack_bytes, jit_options={"nogil": True}, prefer_literal=True)(_unpack_bytes_typer)
+
+
 @_kernel()
-def unpack_signs8_serial(bits: Any, out: Any, pos: Any, neg: Any) -> int:
-    """:func:`unpack_signs_serial` for a uint8 ``out`` (8 elements per store)."""
-    _unpack_signs8_bytes(bits, out, 0, (out.size + 7) // 8, pos, neg)
+def unpack_signs_serial(bits: Any, out: Any, pos: Any, neg: Any) -> int:
+    """``out[i] = pos if bit i of bits else neg`` for ``i < out.size``; returns 0."""
+    _unpack_bytes(bits, out, 0, (out.size + 7) // 8, pos, neg)
     return 0
 
 
 @_kernel(parallel=True)
-def unpack_signs8_parallel(bits: Any, out: Any, pos: Any, neg: Any, chunk: int) -> int:
-    """:func:`unpack_signs8_serial` split into chunks of ``chunk`` bytes."""
+def unpack_signs_parallel(bits: Any, out: Any, pos: Any, neg: Any, chunk: int) -> int:
+    """:func:`unpack_signs_serial` split into chunks of ``chunk`` bytes."""
     nbytes = (out.size + 7) // 8
     nchunks = (nbytes + chunk - 1) // chunk
     for c in prange(nchunks):
-        _unpack_signs8_bytes(bits, out, c * chunk, min(nbytes, (c + 1) * chunk), pos, neg)
+        _unpack_bytes(bits, out, c * chunk, min(nbytes, (c + 1) * chunk), pos, neg)
     return 0
 
 
