@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
          np_add_fields),
     ]
 
-    print(f"command: {' '.join(shlex.quote(a) for a in [sys.executable, *sys.argv])}")
+    print(f"command: {' '.join(shlex.quote(a) for a in ['python', *sys.argv])}")
     print(f"n={n} p={p} width={w} repeat={repeat} threads={K.get_num_threads()} "
           f"NUMBA_NUM_THREADS={os.environ.get('NUMBA_NUM_THREADS', '(default)')} "
           f"cpu_count={os.cpu_count()} python={platform.python_version()} "
