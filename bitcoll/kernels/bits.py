@@ -389,7 +389,7 @@ def _unpack_signs8_bytes(bits: Any, out: Any, j0: int, j1: int, pos: Any, neg: A
 def _unpack_bytes(bits: Any, out: Any, j0: int, j1: int, pos: Any, neg: Any) -> None:
     """Unpack the bytes ``j0 .. j1`` of ``bits`` into ``out``: :func:`_unpack_signs8_bytes`
     for a 1-byte ``out``, else :func:`_unpack_signs_bytes` (in kernels only)."""
-    raise NotImplementedError("_unpack_bytes can only be called from a numba kernel")
+    raise RuntimeError("_unpack_bytes can only be called from a numba kernel")
 
 
 def _unpack_bytes_typer(bits: Any, out: Any, j0: Any, j1: Any, pos: Any, neg: Any) -> Any:
