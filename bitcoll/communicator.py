@@ -758,7 +758,8 @@ class Communicator:
         elif nbytes <= NATIVE_ALLREDUCE_MAX_BYTES and nt.reducible(dtype, mpi_op):
             fields = (op.value, dtype.str, size, "native")
             divisor = np.asarray(self.size, dtype=dtype) if op is ReduceOp.AVG else None
-            plan = _Plan(fields, signature("allreduce", *fields), None, mpi_op, divisor, op)
+            plan = _Plan(fields, signature("allreduce", *fields), None, mpi_op, divisor, op,
+                         nt.prepared_allreduce(dtype, mpi_op))
         if len(plans) >= _PLANS_MAX:
             plans.clear()
         plans[key] = plan
@@ -830,8 +831,10 @@ class Communicator:
                 else:
                     self._exchange(seq, plan.signature, None, deadline, "allreduce",
                                    plan.fields)
-                    nt.native_allreduce(x if x.ndim == 1 else x.reshape(-1), flat,
-                                        plan.mpi_op, deadline)
+                    assert plan.native is not None  # a "native" plan
+                    # In place, send and recv must be the same object (MPI_IN_PLACE).
+                    plan.native(flat if res is x else x if x.ndim == 1 else x.reshape(-1),
+                                flat, deadline)
                     if plan.divisor is not None:
                         np.divide(flat, plan.divisor, out=flat)
             except BaseException as exc:
@@ -1593,6 +1596,9 @@ class _Plan(NamedTuple):
     """Native avg: the world size in the dtype (the sum is divided by it); else None."""
     op: ReduceOp
     """The reduction."""
+    native: Callable[[Array, Array, float], None] | None = None
+    """"native": MPI's all-reduce with its checks done
+    (:meth:`~bitcoll.transport.base.NativeCollectives.prepared_allreduce`); else None."""
 
 
 _UNPLANNED: Any = object()  # a key not in the plan cache yet

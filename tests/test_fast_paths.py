@@ -99,6 +99,48 @@ def test_mpi_default_allreduce_is_native_up_to_the_threshold() -> None:
                 np.testing.assert_allclose(avg, y / comm.size, rtol=1e-3, atol=1e-3)
 
 
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+def test_mpi_native_fast_path_in_place_and_shaped() -> None:
+    """MPI's own all-reduce behind the fast path (vectors past the argument check's records):
+    out of place, into a given ``out``, in place as a 1-D and as a 3-D array (one buffer, so
+    MPI gets MPI_IN_PLACE) and with every op; integers exactly the sum / extreme over the
+    ranks' seeded inputs, floats the same bits on every rank."""
+    with bitcoll.init("mpi", timeout=60) as comm:
+        room = comm._transport.record_bytes - 16  # type: ignore[attr-defined]
+        for dtype in ("int32", "int64", "float32", "float64"):
+            n = room // np.dtype(dtype).itemsize + 7
+            rows = [_mpi_ranks_data(r, n, dtype) for r in range(comm.size)]
+            for op in ("sum", "max", "min", "avg"):
+                if op == "avg" and np.dtype(dtype).kind != "f":
+                    continue
+                ufunc = {"sum": np.add, "avg": np.add, "max": np.maximum,
+                         "min": np.minimum}[op]
+                x = rows[comm.rank].copy()
+                comm.stats.reset()
+                y = comm.allreduce(x, op=op)
+                out = np.empty((1, n), dtype)
+                assert comm.allreduce(x.reshape(n, 1), op=op, out=out) is out
+                flat = x.copy()
+                assert comm.allreduce(flat, op=op, out=flat) is flat
+                cube = x.copy().reshape(1, n, 1)
+                assert comm.allreduce(cube, op=op, out=cube) is cube
+                assert comm.stats.snapshot()["messages_sent"] == 0, (dtype, op)  # all MPI's
+                np.testing.assert_array_equal(x, rows[comm.rank])  # input untouched
+                for got in (out.reshape(-1), flat, cube.reshape(-1)):
+                    np.testing.assert_array_equal(got, y)
+                if np.dtype(dtype).kind == "i":
+                    np.testing.assert_array_equal(y, ufunc.reduce(np.stack(rows)))
+                else:
+                    want = ufunc.reduce(np.stack(rows).astype(np.float64))
+                    if op == "avg":
+                        want = want / comm.size
+                    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
+                every = comm.allgather(y.reshape(1, -1))
+                for row in np.asarray(every).reshape(comm.size, -1):
+                    np.testing.assert_array_equal(row, y)  # same bits everywhere
+
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("differ", ["straddle", "dtype", "op", "algorithm"])

@@ -213,6 +213,14 @@ class NativeCollectives(Protocol):
                          deadline: float) -> None:
         """``recv = op(send of every rank)`` (``recv`` may be ``send``: in place)."""
 
+    def prepared_allreduce(self, dtype: np.dtype[Any], op: str
+                           ) -> Callable[[npt.NDArray[Any], npt.NDArray[Any], float], None]:
+        """:meth:`native_allreduce` of ``dtype`` with ``op``, its checks done once:
+        ``run(send, recv, deadline)`` for callers that guarantee on every call that ``send``
+        and ``recv`` are C-contiguous numpy arrays of ``dtype`` and one size, ``recv``
+        writable, and either the same array or not overlapping. UsageError now when
+        :meth:`reducible` is False."""
+
     def native_reduce_scatter(self, send: npt.NDArray[Any], recv: npt.NDArray[Any],
                               counts: list[int], op: str, deadline: float) -> None:
         """Rank r receives block r (``counts[r]`` elements) of ``op(send of every rank)``."""

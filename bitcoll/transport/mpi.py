@@ -1389,6 +1389,29 @@ class MPITransport(Transport):
             lambda: f"allreduce({op}, {recv.dtype}[{recv.size}])",
             lambda: self._comm.Iallreduce(sbuf, [recv, mpitype], mpiop), (send, recv), deadline)
 
+    def prepared_allreduce(self, dtype: np.dtype[Any], op: str
+                           ) -> Callable[[npt.NDArray[Any], npt.NDArray[Any], float], None]:
+        """:meth:`native_allreduce` of ``dtype`` with ``op``, its checks done once (the
+        all-reduce fast path calls it with arrays it has checked itself): ``run(send, recv,
+        deadline)`` requires C-contiguous numpy arrays of ``dtype`` and one size, ``recv``
+        writable, and either the same array (in place) or not overlapping; errors as
+        :meth:`native_allreduce`. UsageError now when MPI cannot reduce ``dtype`` with
+        ``op``. Per call it skips the array checks and polls the abort channel only from the
+        wait loop (about 1.5 us less than :meth:`native_allreduce`, 2 ranks)."""
+        mpitype, mpiop = self._reduce_type(np.empty(0, dtype=dtype), op)
+        in_place = self._mpi.IN_PLACE
+        lock = self._lock
+
+        def run(send: npt.NDArray[Any], recv: npt.NDArray[Any], deadline: float) -> None:
+            with lock:
+                if self._failure is not None or self._closed:
+                    self._check_usable()
+                req = self._comm.Iallreduce(in_place if send is recv else [send, mpitype],
+                                            [recv, mpitype], mpiop)
+            self._await(req, (send, recv), lambda: f"allreduce({op}, {dtype}[{recv.size}])",
+                        deadline)
+        return run
+
     def reducible(self, dtype: np.dtype[Any], op: str) -> bool:
         """Whether :meth:`native_allreduce` can reduce ``dtype`` with ``op`` (no error)."""
         key = (dtype, op)
