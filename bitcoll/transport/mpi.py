@@ -1381,13 +1381,10 @@ class MPITransport(Transport):
         if send.dtype != recv.dtype or send.size != recv.size:
             raise UsageError(f"send ({send.dtype}[{send.size}]) and recv "
                              f"({recv.dtype}[{recv.size}]) differ in dtype or size")
-        mpitype, mpiop = self._reduce_type(recv, op)
-        mpi = self._mpi
-        in_place = self._same_buffer(send, recv)
-        sbuf: Any = mpi.IN_PLACE if in_place else [send, mpitype]
-        self._run_collective(
-            lambda: f"allreduce({op}, {recv.dtype}[{recv.size}])",
-            lambda: self._comm.Iallreduce(sbuf, [recv, mpitype], mpiop), (send, recv), deadline)
+        run = self.prepared_allreduce(recv.dtype, op)  # UsageError for an unreducible dtype
+        with self._lock:
+            self._check_usable()  # the abort channel too: this path is not the hot one
+        run(recv if self._same_buffer(send, recv) else send, recv, deadline)
 
     def prepared_allreduce(self, dtype: np.dtype[Any], op: str
                            ) -> Callable[[npt.NDArray[Any], npt.NDArray[Any], float], None]:
