@@ -37,6 +37,42 @@ def test_dense_collectives_tcp(size: int) -> None:
     assert len(set(results)) == 1 and results[0] > 100
 
 
+def _mixed(comm: Communicator) -> tuple[int, int]:
+    """Rank 1 makes its ring frames one at a time, the others stream theirs (the wire carries
+    the same frames either way); returns the checks made and the streams this rank ran."""
+    t = comm.transport
+    streamed = [0]
+    if comm.rank == 1:
+        setattr(t, "streams", False)  # noqa: B010  (this rank only)
+    else:
+        run = t.stream
+
+        def counting(*args: Any) -> bool:
+            done = run(*args)
+            streamed[0] += done
+            return done
+
+        setattr(t, "stream", counting)  # noqa: B010
+    n = dense_sweep(comm, lengths=(0, 1, 9, 100_003), dtypes=("float16", "float32", "int16"),
+                    algorithms=("ring",), large_dtypes=("float32", "int16"))
+    n += float_sweep(comm, lengths=(9, 100_003))
+    comm.segment_bytes = 40
+    n += dense_sweep(comm, lengths=(9, 305), dtypes=("float32", "int16"), algorithms=("ring",))
+    return n, streamed[0]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("size", [2, 3, 5])
+def test_streaming_and_frame_by_frame_ranks_interoperate(size: int) -> None:
+    """Every ring collective over plain TCP connections (no shared memory) with one rank on
+    the frame-by-frame path and the others streaming (with 5 ranks, also streaming ranks next
+    to each other): results as expected everywhere, and the streaming ranks did stream."""
+    results = run_world(size, _mixed, timeout=250, shm=False)
+    assert len({n for n, _ in results}) == 1
+    assert results[1][1] == 0
+    assert all(streamed > 10 for r, (_, streamed) in enumerate(results) if r != 1)
+
+
 def _packed(comm: Communicator) -> dict[str, Any]:
     packed_sweep(comm)
     comm.packed_segment_bytes = 8  # 64-element segments: multi-segment pipeline on every block

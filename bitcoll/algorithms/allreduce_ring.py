@@ -11,6 +11,10 @@
 Bandwidth-optimal: each rank sends ``2 (p - 1) / p`` of the vector plus one header per segment.
 Every rank's result is bitwise identical (each block is reduced once, at its owner).
 
+Where the context streams (:func:`~bitcoll.algorithms.ring.stream_passes`: the TCP transport,
+an op and dtype its native fold computes exactly), each pass, or both back to back, goes to
+the transport as one schedule of the same frames.
+
 :func:`allreduce_ring_narrowed` reduces in a wider type and rounds once: the reduce-scatter
 pass runs on the widened vector, each owner narrows its finished block, and the all-gather pass
 moves the narrow type (bfloat16 reduced in float32: 1.5x the bfloat16 bytes instead of 2x).
@@ -27,7 +31,7 @@ import numpy.typing as npt
 from ..ops import ReduceOp, reduce_into
 from ..partition import block_bounds
 from .context import OpContext
-from .ring import ring_pass
+from .ring import ring_pass, stream_passes, stream_reduce_scatter
 
 __all__ = ["allreduce_ring", "allreduce_ring_narrowed", "reduce_scatter_ring"]
 
@@ -51,6 +55,8 @@ def reduce_scatter_ring(ctx: OpContext, work: npt.NDArray[Any], op: ReduceOp,
         if src is not None and src is not work:
             np.copyto(work, src)
         return
+    if stream_reduce_scatter(ctx, work, bounds, op, src):
+        return  # avg divided at the owner by the stream
     ring_pass(ctx, work, bounds, b0=r - 1, steps=p - 1, reduce=_reducer(op), src=src)
     if op is ReduceOp.AVG:
         own = work[bounds[r]:bounds[r + 1]]
@@ -62,8 +68,12 @@ def allreduce_ring(ctx: OpContext, work: npt.NDArray[Any], op: ReduceOp,
     """The reduction over ranks of every rank's ``src`` (default ``work``: in place) lands in
     ``work`` (1-D, C-contiguous, same size and dtype; must not overlap a separate ``src``)."""
     p, r = ctx.size, ctx.rank
+    bounds = block_bounds(work.size, p)
+    if stream_passes(ctx, work, bounds, op, src):
+        return
     reduce_scatter_ring(ctx, work, op, src)
-    ring_pass(ctx, work, block_bounds(work.size, p), b0=r, steps=p - 1, reduce=None)
+    if not stream_passes(ctx, work, bounds, None):
+        ring_pass(ctx, work, bounds, b0=r, steps=p - 1, reduce=None)
 
 
 def allreduce_ring_narrowed(ctx: OpContext, wide: npt.NDArray[Any], op: ReduceOp,
@@ -80,4 +90,5 @@ def allreduce_ring_narrowed(ctx: OpContext, wide: npt.NDArray[Any], op: ReduceOp
     bounds = block_bounds(wide.size, p)
     lo, hi = int(bounds[r]), int(bounds[r + 1])
     narrow(wide[lo:hi], out[lo:hi])
-    ring_pass(ctx, out, bounds, b0=r, steps=p - 1, reduce=None)
+    if not stream_passes(ctx, out, bounds, None):
+        ring_pass(ctx, out, bounds, b0=r, steps=p - 1, reduce=None)

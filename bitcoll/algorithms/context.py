@@ -3,7 +3,8 @@
 An :class:`OpContext` wraps the transport for one collective: it stamps every frame with the
 call's sequence number and signature, numbers the frames between each ordered pair of ranks
 (the header's ``step``), and applies the call's deadline to every wait. Algorithms only ever
-call ``isend``, ``irecv`` and ``wait`` here: they never see sockets or MPI.
+call ``isend``, ``irecv``, ``wait`` (and ``stream``, a ring pass's frames in one call) here:
+they never see sockets or MPI.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ..transport.base import Consumer, FrameHeader, Request, Transport
+from ..kernels.stream import STREAM_DTYPES
+from ..ops import ReduceOp
+from ..transport.base import Consumer, FrameHeader, Request, StreamPlan, Transport
 
 __all__ = ["GroupContext", "OpContext", "Slot", "as_bytes"]
 
@@ -117,6 +120,37 @@ class OpContext:
         for req in requests:
             req.wait(self.deadline)
 
+    def streams(self, dtype: np.dtype[Any], op: ReduceOp) -> bool:
+        """Whether :meth:`stream` may run frames of ``dtype`` folded with ``op`` here: the
+        transport streams, and the fold is exact in native code (sum and avg of every dtype
+        but float16; max and min of integers)."""
+        return (self.transport.streams and dtype in STREAM_DTYPES
+                and (op in (ReduceOp.SUM, ReduceOp.AVG) or dtype.kind in "iu"))
+
+    def stream(self, out_peer: int, in_peer: int, work: npt.NDArray[Any],
+               src: npt.NDArray[Any], op: ReduceOp,
+               sends: list[tuple[int, int, bool, int]],
+               recvs: list[tuple[int, int, int]]) -> bool:
+        """Send frames of ``src``/``work`` to ``out_peer`` and receive frames from
+        ``in_peer`` into ``work`` in one transport call (:class:`StreamPlan`, with this call's
+        headers and steps; ``sends`` without, ``recvs`` without their headers; avg divides by
+        the world size). False when the transport declines: nothing was sent or received and
+        the steps are unchanged, so the caller makes the same frames with ``isend``/``irecv``.
+        Only where :meth:`streams` is True."""
+        size = work.itemsize
+        s0, r0 = self._send_step[out_peer], self._recv_step[in_peer]
+        plan = StreamPlan(
+            work, src, "sum" if op is ReduceOp.AVG else op.value, self.size,
+            [(self._header(s0 + i, (z - a) * size), a, z, f, after)
+             for i, (a, z, f, after) in enumerate(sends)],
+            [(self._header(r0 + j, (z - a) * size), a, z, mode)
+             for j, (a, z, mode) in enumerate(recvs)])
+        if not self.transport.stream(out_peer, in_peer, plan, self.deadline):
+            return False
+        self._send_step[out_peer] = s0 + len(sends)
+        self._recv_step[in_peer] = r0 + len(recvs)
+        return True
+
     def scratch(self, slot: Slot, count: int, dtype: np.dtype[Any]) -> npt.NDArray[Any]:
         """A reusable work buffer of ``count`` elements of ``dtype`` in ``slot``.
 
@@ -174,3 +208,7 @@ class GroupContext(OpContext):
 
     def irecv_consume(self, peer: int, nbytes: int, consume: Consumer) -> Request:
         return self.parent.irecv_consume(self.members[peer], nbytes, consume)
+
+    def streams(self, dtype: np.dtype[Any], op: ReduceOp) -> bool:
+        """Groups make their frames one at a time (their steps are the parent's)."""
+        return False

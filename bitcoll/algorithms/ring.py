@@ -21,6 +21,13 @@ on rank ``r`` (a reduce-scatter in ``bitcoll.partition`` order); with ``b0 = r``
 pass completes an all-gather of blocks owned by their ranks. Bytes sent per rank:
 ``(p - 1) / p`` of the vector per pass, plus one header per segment.
 
+Streamed (:func:`stream_passes`): where the context can run a whole schedule of frames in one
+call (:meth:`OpContext.streams`, the TCP transport), a reduce-scatter pass, an all-gather pass
+or the two back to back go to the transport as one schedule with exactly the frames of the
+passes above, which it runs in native code on the calling thread. With both passes, the last
+reduce-scatter step's segments, final at their owner, go out as the all-gather's first step as
+soon as each is folded (there is no barrier between the passes).
+
 Out of place without a copy: a reducing pass may read this rank's contribution from a separate
 ``src`` array. Step 0 sends block ``b0`` straight from ``src`` and every received segment is
 combined as ``work = src op incoming``; with ``p - 1`` steps every block but ``b0`` is received
@@ -36,10 +43,12 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from ..kernels.stream import MODE_FOLD, MODE_FOLD_DIVIDE, MODE_LAND
+from ..ops import ReduceOp
 from ..transport.base import Consumer, Request
 from .context import OpContext, Slot
 
-__all__ = ["ring_pass"]
+__all__ = ["ring_pass", "stream_passes"]
 
 Reducer = Callable[[npt.NDArray[Any], npt.NDArray[Any], npt.NDArray[Any]], None]
 
@@ -113,3 +122,66 @@ def ring_pass(ctx: OpContext, work: npt.NDArray[Any],
                 sends.append(ctx.isend(right, work[a:z]))
         posted = nxt
     ctx.wait(*sends)
+
+
+def stream_passes(ctx: OpContext, work: npt.NDArray[Any],
+                  bounds: Sequence[int] | npt.NDArray[np.int64], op: ReduceOp | None,
+                  src: npt.NDArray[Any] | None = None) -> bool:
+    """Run ring passes over ``work`` (1-D, C-contiguous, cut at ``bounds``) as one stream
+    when the context can; False (nothing done) otherwise, and the caller runs
+    :func:`ring_pass` instead.
+
+    ``op`` given: the reduce-scatter pass (``b0 = r - 1``, folding with ``op``, avg divided
+    at the owner) then the all-gather pass (``b0 = r``), a whole ring all-reduce; None: the
+    all-gather pass alone (moved as bytes, so any dtype). ``src`` as in :func:`ring_pass`.
+    """
+    return _stream(ctx, work, bounds, op, src, gather=True)
+
+
+def stream_reduce_scatter(ctx: OpContext, work: npt.NDArray[Any],
+                          bounds: Sequence[int] | npt.NDArray[np.int64], op: ReduceOp,
+                          src: npt.NDArray[Any] | None = None) -> bool:
+    """The reduce-scatter pass alone (avg divided at the owner), as one stream; False when the
+    context cannot stream it (nothing done)."""
+    return _stream(ctx, work, bounds, op, src, gather=False)
+
+
+def _stream(ctx: OpContext, work: npt.NDArray[Any],
+            bounds: Sequence[int] | npt.NDArray[np.int64], op: ReduceOp | None,
+            src: npt.NDArray[Any] | None, gather: bool) -> bool:
+    p, r = ctx.size, ctx.rank
+    if p == 1:
+        return False
+    itemsize = work.itemsize
+    scale = 1
+    if op is None:  # all-gather only: move bytes (same frames: segments cut in elements)
+        work = work.reshape(-1).view(np.uint8)
+        scale = itemsize
+    if not ctx.streams(work.dtype, ReduceOp.SUM if op is None else op):
+        return False
+
+    def segs(b: int) -> list[tuple[int, int]]:
+        return [(a * scale, z * scale)
+                for a, z in ctx.segments(int(bounds[b]), int(bounds[b + 1]), itemsize)]
+
+    sends: list[tuple[int, int, bool, int]] = []
+    recvs: list[tuple[int, int, int]] = []
+    if op is not None:
+        sends += [(a, z, True, -1) for a, z in segs((r - 1) % p)]
+        last = MODE_FOLD_DIVIDE if op is ReduceOp.AVG else MODE_FOLD
+        for s in range(p - 1):  # reduce-scatter step s: block r - 2 - s arrives
+            for a, z in segs((r - 2 - s) % p):
+                if s < p - 2 or gather:  # forwarded: the next step's, or the all-gather's
+                    sends.append((a, z, False, len(recvs)))
+                recvs.append((a, z, MODE_FOLD if s < p - 2 else last))
+    else:
+        sends += [(a, z, False, -1) for a, z in segs(r)]
+    if gather:
+        for t in range(p - 1):  # all-gather step t: block r - 1 - t arrives
+            for a, z in segs((r - 1 - t) % p):
+                if t < p - 2:
+                    sends.append((a, z, False, len(recvs)))
+                recvs.append((a, z, MODE_LAND))
+    source = work if src is None or op is None else src
+    return ctx.stream((r + 1) % p, (r - 1) % p, work, source,
+                      ReduceOp.SUM if op is None else op, sends, recvs)

@@ -21,6 +21,9 @@ Contract every transport implements
   fail promptly too (it is called by the communicator on any communication error).
 * ``stats`` counts what was handed to / taken from the wire by this rank, headers included.
 * Zero-length payloads are legal and still move a header.
+* Optionally (``streams``), ``stream(out_peer, in_peer, plan, deadline)`` runs a whole
+  :class:`StreamPlan` (the frames of a ring pass, to one peer and from another) at once; the
+  frames on the wire are exactly those of the ``isend``/``irecv`` calls it stands for.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ __all__ = [
     "FrameHeader",
     "Request",
     "Consumer",
+    "StreamPlan",
     "TrafficStats",
     "Transport",
     "NativeCollectives",
@@ -125,6 +129,30 @@ Consumer = Callable[[int, memoryview], None]
 """``consume(offset, chunk)``: a piece of a frame's payload starting at byte ``offset``."""
 
 
+class StreamPlan:
+    """The frames one rank exchanges in a ring pass, for :meth:`Transport.stream`.
+
+    ``work`` and ``src`` are 1-D C-contiguous arrays of one dtype (the same object when in
+    place). ``sends``: ``(header, start, stop, from_src, after)`` per frame, in order: elements
+    ``[start, stop)`` of ``src`` (``from_src``) or ``work``, sent once receive number ``after``
+    has completed (-1: at once). ``recvs``: ``(header, start, stop, mode)`` per frame, in
+    order, with the expected header: the payload lands in ``work[start:stop]`` (``mode`` 0),
+    or is folded as ``work = src op payload`` (1), then divided by ``divisor`` (2: an
+    average, at the block's owner). ``op`` is "sum", "max" or "min"."""
+
+    __slots__ = ("divisor", "op", "recvs", "sends", "src", "work")
+
+    def __init__(self, work: npt.NDArray[Any], src: npt.NDArray[Any], op: str, divisor: int,
+                 sends: list[tuple[FrameHeader, int, int, bool, int]],
+                 recvs: list[tuple[FrameHeader, int, int, int]]) -> None:
+        self.work = work
+        self.src = src
+        self.op = op
+        self.divisor = divisor
+        self.sends = sends
+        self.recvs = recvs
+
+
 class Transport(ABC):
     """Ordered, header-checked frames between the ``size`` ranks of one job."""
 
@@ -155,6 +183,19 @@ class Transport(ABC):
         transport. Only when :attr:`consumes_on_receive`; UsageError elsewhere."""
         raise UsageError(f"the {self.name} transport cannot hand a payload over as it arrives "
                          "(consumes_on_receive is False)")
+
+    #: True when :meth:`stream` can run a :class:`StreamPlan` (it may still decline one).
+    streams: bool = False
+
+    def stream(self, out_peer: int, in_peer: int, plan: StreamPlan, deadline: float) -> bool:
+        """Run ``plan``: its sends to ``out_peer`` and receives from ``in_peer`` (the same rank
+        when there are two), frame for frame what the equivalent ``isend``/``irecv`` calls
+        would put on the wire, on the calling thread, until every frame is done or
+        ``deadline`` (a ``time.monotonic()`` value) passes. Returns False, having sent and
+        received nothing, when it cannot run it now (the caller then makes the calls
+        itself); raises like ``Request.wait``, and a failure aborts the transport as there.
+        Only where :attr:`streams` is True."""
+        return False
 
     def subgroup(self, members: list[int], tag: str, timeout: float) -> Transport:
         """A new transport over the ranks ``members`` of this one (sorted in the new rank

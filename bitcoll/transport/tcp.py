@@ -78,6 +78,18 @@ caller that must block on something it cannot drive itself (a send still being w
 receive a helper serves) first hands every posted receive to the helpers, so no two ranks can
 wait on each other's unread data. Nothing is pickled; payloads are never copied in user space.
 
+*Streams: a large ring pass in native code.* :meth:`TCPTransport.stream` runs a whole
+:class:`~bitcoll.transport.base.StreamPlan` (the frames a rank sends to its right neighbour and
+receives from its left one in a ring all-reduce, with the folds and the forwarding between
+them) in :func:`bitcoll.kernels.stream.run_stream`: one ``poll`` loop on the calling thread,
+compiled, without the GIL, with no helper thread and no Python per frame. The frames on the
+wire are the same as those of the frame-by-frame path. It runs only on connections that are
+idle at that moment (nothing queued to the right neighbour, nothing posted or partly read from
+the left one, frame integrity off) and otherwise declines, and the caller makes the frames one
+by one. Every way a stream ends early fails the transport through the one failure path below,
+also a timeout (half-done frames cannot be resumed). While it runs, the other connections are
+watched: data arriving on one (an abort notice) hands control back to read it.
+
 Traffic counters
 ----------------
 :attr:`TCPTransport.stats` counts frames: one message and ``HEADER_SIZE + payload length``
@@ -117,12 +129,16 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import errno
 import hmac
+import os
 import select
 import socket
 import threading
 import time
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
+
+import numpy as np
 
 from ..config import DEFAULT_TIMEOUT
 from ..errors import (
@@ -133,6 +149,8 @@ from ..errors import (
     ProtocolError,
     UsageError,
 )
+from ..kernels import stream as stream_kernel
+from ..kernels.stream import Status as StreamStatus
 from . import auth
 from .base import (
     HEADER_SIZE,
@@ -140,6 +158,7 @@ from .base import (
     FrameHeader,
     FrameKind,
     Request,
+    StreamPlan,
     TrafficStats,
     byte_view,
 )
@@ -191,6 +210,10 @@ IDLE_LOOK_SECONDS: Final = 0.05
 STALL_GRACE_SECONDS: Final = 2.0
 STALL_POLL_SECONDS: Final = 0.02
 
+#: The kernel's fold codes of the ops a stream may carry.
+_STREAM_OPS: Final = {"sum": stream_kernel.OP_SUM, "max": stream_kernel.OP_MAX,
+                      "min": stream_kernel.OP_MIN}
+
 _POLL_IN: Final = select.POLLIN | select.POLLPRI | select.POLLERR | select.POLLHUP
 
 
@@ -201,6 +224,16 @@ class RxPhase(enum.Enum):
     HELD = "held"  # a data header was read; no receive is posted for it yet
     BODY = "body"  # reading the payload into the oldest posted receive
     TAG = "tag"  # reading the frame's integrity tag
+
+
+class _StreamEnd(NamedTuple):
+    """How a stream's loop ended (:meth:`TCPTransport._run_stream`)."""
+
+    status: int  # a kernels.stream.Status, or -1: past the deadline
+    sent: int  # frames sent completely
+    sdone: int  # bytes of the next frame sent (a frame half written)
+    received: int  # frames received completely
+    started: float  # time.monotonic() when the stream began
 
 
 class _TCPRequest(FrameRequest):
@@ -238,6 +271,10 @@ class _Peer(PeerLink[_TCPRequest]):
         self.sock = sock
         self.fd = sock.fileno()
         self.partial = False  # the connection is in the middle of a frame written by isend
+        # A stream holds the sending side (``lock`` guards both): the failure path leaves its
+        # abort notice here for the stream to write, then shut the side down.
+        self.streaming = False
+        self.notice: bytes | None = None
         self.rx_phase = RxPhase.HEADER
         self.rx_got = 0
         self.rx_header: FrameHeader | None = None
@@ -625,6 +662,175 @@ class TCPTransport(LinkTransport):
                 events = poller.poll(max(1, int(min(left, IDLE_LOOK_SECONDS) * 1000) + 1))
             ready = [polled[fd] for fd, _ in events if fd in polled]
 
+    # ---------------------------------------------------------------- streams
+
+    streams = stream_kernel.AVAILABLE
+
+    def stream(self, out_peer: int, in_peer: int, plan: StreamPlan, deadline: float) -> bool:
+        """Run ``plan`` (see :meth:`Transport.stream`) in :func:`bitcoll.kernels.run_stream`:
+        one poll loop on the calling thread, in native code without the GIL, over the two
+        connections (no helper thread, no Python per frame).
+
+        Declines (False, nothing sent or received) when frame integrity is on, a frame is
+        queued or being written to ``out_peer``, a receive is posted from ``in_peer`` or its
+        next frame is partly read, another thread is reading it, or its next header, read
+        ahead already, is not the plan's first. Raises like ``Request.wait``: the transport's
+        failure, PeerLostError (end of file, a socket error, an abort notice), ProtocolError
+        (a header that differs from the expected one), CommTimeoutError past ``deadline``.
+        Unlike a request's wait, every error fails the transport (a stream cannot be resumed
+        half way: it has no request per frame to leave pending)."""
+        if self.integrity or (not plan.sends and not plan.recvs):
+            return False
+        out_p = self._check_usable(out_peer)
+        in_p = self._check_usable(in_peer)
+        if not out_p.send_lock.acquire(blocking=False):
+            return False
+        sending = True
+        try:
+            with out_p.lock:
+                if out_p.queued:
+                    return False
+                out_p.streaming = True
+            end: _StreamEnd | None = None
+            try:
+                if not in_p.rx.acquire(blocking=False):
+                    return False
+                try:
+                    end = self._run_stream(out_p, in_p, plan, deadline)
+                    if end is None or end.status == StreamStatus.DONE:
+                        return end is not None
+                    self._stream_over(out_p, end.sdone > 0)
+                    # The failure path writes abort notices: let it have the sending side.
+                    out_p.send_lock.release()
+                    sending = False
+                    raise self._stream_error(end, out_p, in_p, plan)
+                finally:
+                    in_p.rx.release()
+            finally:
+                if sending:
+                    self._stream_over(out_p, end is not None and end.sdone > 0)
+        finally:
+            if sending:
+                out_p.send_lock.release()
+
+    def _stream_over(self, p: _Peer, mid_frame: bool) -> None:
+        """A stream gives back ``p``'s sending side (its send lock held): a half-written frame
+        gets no abort notice after it; a notice the failure path left for it is written
+        (between frames) and the side shut down, that connection's share of the failure
+        path."""
+        with p.lock:
+            p.streaming = False
+            p.partial = p.partial or mid_frame
+            notice, p.notice = p.notice, None
+        if notice is not None:
+            with contextlib.suppress(OSError):
+                if not mid_frame:
+                    p.sock.send(notice, DONTWAIT | NOSIGNAL)
+                p.sock.shutdown(socket.SHUT_WR)
+
+    def _run_stream(self, out_p: _Peer, in_p: _Peer, plan: StreamPlan,
+                    deadline: float) -> _StreamEnd | None:
+        """:meth:`stream` with ``out_p``'s send lock and ``in_p``'s reader token held: None
+        when it declines, else how it ended (DONE, a status that needs the failure path, or
+        -1 past the deadline)."""
+        if in_p.posted or in_p.rx_got or in_p.rx_phase not in (RxPhase.HEADER, RxPhase.HELD):
+            return None
+        work, src = plan.work, plan.src
+        ns, nr = len(plan.sends), len(plan.recvs)
+        s_head = np.empty((ns, HEADER_SIZE), np.uint8)
+        s_off = np.empty(ns, np.int64)
+        s_len = np.empty(ns, np.int64)
+        s_src = np.empty(ns, np.int64)
+        s_after = np.empty(ns, np.int64)
+        for i, (header, start, stop, from_src, after) in enumerate(plan.sends):
+            header.pack_into(s_head[i].data)
+            s_off[i], s_len[i], s_src[i], s_after[i] = start, stop - start, from_src, after
+        r_head = np.empty((nr, HEADER_SIZE), np.uint8)
+        r_off = np.empty(nr, np.int64)
+        r_len = np.empty(nr, np.int64)
+        r_mode = np.empty(nr, np.int64)
+        for j, (header, start, stop, mode) in enumerate(plan.recvs):
+            header.pack_into(r_head[j].data)
+            r_off[j], r_len[j], r_mode[j] = start, stop - start, mode
+        state = np.zeros(stream_kernel.STATE_SIZE, np.int64)
+        hbuf = np.frombuffer(in_p.hbuf, np.uint8)
+        if in_p.rx_phase is RxPhase.HELD:
+            # The first frame's header was read ahead (while this rank waited elsewhere).
+            if not nr or bytes(in_p.hbuf) != r_head[0].tobytes():
+                return None  # the frame path reports it
+            state[3] = HEADER_SIZE
+            in_p.rx_phase = RxPhase.HEADER
+        bounce = np.frombuffer(in_p.bounce, work.dtype)
+        op = _STREAM_OPS[plan.op]
+        divisor = work.dtype.type(plan.divisor)
+        started = time.monotonic()
+        status = -1
+        try:
+            while True:
+                if self._failure is not None:
+                    status = StreamStatus.WAKE
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    status = -1
+                    break
+                watch = np.array([p.fd for p in self._order
+                                  if p is not in_p and p.state is PeerState.OPEN
+                                  and p.rx_phase is RxPhase.HEADER and not p.rx.locked()],
+                                 np.int32)
+                status = stream_kernel.run_stream(
+                    work, src, op, divisor, out_p.fd, in_p.fd, self._wake_r, watch,
+                    s_head, s_off, s_len, s_src, s_after, r_head, r_off, r_len, r_mode,
+                    bounce, hbuf, np.zeros(2 * (3 + watch.size), np.int32), state,
+                    max(1, int(min(left, IDLE_LOOK_SECONDS) * 1000)))
+                if status == StreamStatus.WATCH:
+                    self.progress()  # an abort notice or a lost peer fails the transport
+                elif status != StreamStatus.IDLE:
+                    break
+        finally:
+            for i in range(int(state[0])):
+                self.stats.add_sent(HEADER_SIZE + int(s_len[i]) * work.itemsize)
+            for j in range(int(state[2])):
+                self.stats.add_received(HEADER_SIZE + int(r_len[j]) * work.itemsize)
+        return _StreamEnd(int(status), int(state[0]), int(state[1]), int(state[2]), started)
+
+    def _stream_error(self, end: _StreamEnd, out_p: _Peer, in_p: _Peer,
+                      plan: StreamPlan) -> BitcollError:
+        """The error a stream ended with (``end``; ``in_p``'s reader token held): the
+        transport has failed through its one failure path (unless it is closing)."""
+        status = end.status
+        if status == -1:
+            # Past the deadline: about the oldest unfinished receive (or send, once every
+            # receive is done).
+            if end.received < len(plan.recvs):
+                req = _TCPRequest(self, in_p.rank, plan.recvs[end.received][0],
+                                  memoryview(b""), False)
+            else:
+                req = _TCPRequest(self, out_p.rank, plan.sends[end.sent][0],
+                                  memoryview(b""), True)
+            req.posted = end.started
+            error = self._timeout_for(req)
+            self._fail(error)
+            return self._failure or error
+        if status == StreamStatus.MISMATCH:
+            try:
+                header = FrameHeader.unpack(in_p.hbuf)
+            except ProtocolError as exc:  # bad magic or version
+                self._fail(ProtocolError(f"from rank {in_p.rank}: {exc}", rank=self.rank,
+                                         peer=in_p.rank))
+            else:
+                if header.kind == FrameKind.ABORT:
+                    self._abort_notice(in_p, header, None, 0)
+                else:
+                    self._mismatch(in_p, header, plan.recvs[end.received][0])
+        elif status == StreamStatus.EOF:
+            self._eof(in_p, between_frames=False)
+        elif status in (StreamStatus.RECV_ERROR, StreamStatus.SEND_ERROR):
+            p = in_p if status == StreamStatus.RECV_ERROR else out_p
+            err = p.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) or errno.EPIPE
+            return self._os_error(p, OSError(err, os.strerror(err)))
+        return self._failure or UsageError("the TCP transport is closed")
+
     def _helper_loop(self, p: _Peer) -> None:
         """The receiver thread: serve the receives handed to it (large ones, plain or
         consumed, and everything posted while the caller blocks elsewhere); after a failure
@@ -752,14 +958,7 @@ class TCPTransport(LinkTransport):
     def _match(self, p: _Peer, req: _TCPRequest, header: FrameHeader, early: int) -> None:
         """A data header for ``req`` (``early`` payload bytes already in ``req.view``):
         check it, then go on to the payload (HEADER/HELD -> BODY)."""
-        msg = header.mismatch(req.header, p.rank)
-        if msg is not None:
-            # A peer that aborted in the middle of a frame left that frame's header here: its
-            # reason explains the mismatch better than the headers do.
-            aborted = self._abort_reason(p.rank)
-            self._fail(ProtocolError(msg, rank=self.rank, peer=p.rank, sequence=req.header.seq)
-                       if aborted is None else
-                       PeerLostError(aborted, rank=self.rank, peer=p.rank))
+        if self._mismatch(p, header, req.header):
             return
         p.rx_phase = RxPhase.BODY
         p.rx_got = early
@@ -767,6 +966,20 @@ class TCPTransport(LinkTransport):
             p.rx_mac = tag_hasher(p.key_in, p.count_in, bytes(p.hbuf))
         if early == header.length and req.consume is None:
             self._payload_done(p, req)
+
+    def _mismatch(self, p: _Peer, header: FrameHeader, expected: FrameHeader) -> bool:
+        """Whether the data header ``header`` from ``p`` differs from ``expected``; if it
+        does, the transport has failed (ProtocolError, or the peer's abort reason)."""
+        msg = header.mismatch(expected, p.rank)
+        if msg is None:
+            return False
+        # A peer that aborted in the middle of a frame left that frame's header here: its
+        # reason explains the mismatch better than the headers do.
+        aborted = self._abort_reason(p.rank)
+        self._fail(ProtocolError(msg, rank=self.rank, peer=p.rank, sequence=expected.seq)
+                   if aborted is None else
+                   PeerLostError(aborted, rank=self.rank, peer=p.rank))
+        return True
 
     def _payload_done(self, p: _Peer, req: _TCPRequest) -> None:
         """The payload is in: BODY -> TAG (integrity on) or complete the frame."""
@@ -940,7 +1153,10 @@ class TCPTransport(LinkTransport):
         if not self._record_failure(error):
             return
         frame = abort_frame(str(error) if reason is None else reason)
-        # 1. An ABORT frame on every connection that is between frames (the fast path).
+        # 1. An ABORT frame on every connection that is between frames (the fast path). A
+        # stream holding a connection's sending side gets the frame to send (between frames)
+        # and does that connection's step 3 itself when it ends, at the wake-up below.
+        deferred: set[_Peer] = set()
         for p in self._order:
             if p.send_lock.acquire(blocking=False):
                 try:
@@ -949,6 +1165,11 @@ class TCPTransport(LinkTransport):
                             p.sock.send(frame, DONTWAIT | NOSIGNAL)
                 finally:
                     p.send_lock.release()
+            else:
+                with p.lock:
+                    if p.streaming:
+                        p.notice = frame
+                        deferred.add(p)
         # 2. The reason in the store, for peers that will only see the stream end mid-frame.
         if self._store is not None:
             with contextlib.suppress(CommError):
@@ -958,8 +1179,9 @@ class TCPTransport(LinkTransport):
         # blocked sends fail at once); the receiver threads go on reading and dropping data
         # until the peers close, so no peer stays blocked writing to this rank.
         for p in self._order:
-            with contextlib.suppress(OSError):
-                p.sock.shutdown(socket.SHUT_WR)
+            if p not in deferred:
+                with contextlib.suppress(OSError):
+                    p.sock.shutdown(socket.SHUT_WR)
         for p in self._order:
             p.stop(PeerState.FAILED, error, drain=True)
         self._wake()

@@ -1,0 +1,274 @@
+"""The streamed frame exchange: a numba kernel that moves a schedule of frames over two
+non-blocking socket descriptors and folds received payloads into an array, without the GIL.
+
+A *stream* is what one rank does in a ring pass of a large collective: it sends an ordered list
+of frames to one peer and receives an ordered list from another (the same peer when there are
+two ranks), and a send may have to wait until a given receive has completed (a ring forwards
+what it has just reduced). :func:`run_stream` runs such a schedule to the end on the calling
+thread: one ``poll`` loop over both descriptors, writing what the socket takes and reading
+what has arrived, the way a C library's progress loop does, with no Python between the system
+calls and no thread hand-off per frame.
+
+It knows nothing of peers, failures or deadlines: it returns a status code whenever something
+needs the transport's attention (a header that is not the expected one, end of file, a socket
+error, the transport's wake pipe, another connection with data, or a poll that timed out) and
+keeps its progress in ``state``, so the caller can look at its deadline and failure record and
+call it again. The transport that calls it is :class:`bitcoll.transport.tcp.TCPTransport`.
+
+System calls are bound as external C functions (``send``, ``recv``, ``poll`` of the C library
+the interpreter runs on), so the kernel is cached on disk like every other kernel.
+Descriptors must be non-blocking or the calls must be made with ``MSG_DONTWAIT`` (they are).
+"""
+
+from __future__ import annotations
+
+import enum
+import sys
+from collections.abc import Callable
+from typing import Any, Final, TypeVar, cast
+
+import numpy as np
+from numba import njit, types
+
+__all__ = ["run_stream", "STREAM_DTYPES", "Status", "MODE_LAND", "MODE_FOLD",
+           "MODE_FOLD_DIVIDE", "OP_SUM", "OP_MAX", "OP_MIN", "STATE_SIZE"]
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+#: Element types :func:`run_stream` folds (float16 has no native arithmetic in numba).
+STREAM_DTYPES: Final = frozenset(np.dtype(t) for t in (
+    np.float32, np.float64, np.int8, np.int16, np.int32, np.int64,
+    np.uint8, np.uint16, np.uint32, np.uint64))
+
+# What a received frame's payload does (``r_mode``).
+MODE_LAND: Final = 0  # lands in ``work`` as it is
+MODE_FOLD: Final = 1  # ``work = src op payload``
+MODE_FOLD_DIVIDE: Final = 2  # as MODE_FOLD, then ``work /= divisor`` (avg, at the owner)
+
+# The fold (``op``).
+OP_SUM: Final = 0
+OP_MAX: Final = 1
+OP_MIN: Final = 2
+
+#: Length of the ``state`` array: sends done, bytes of the current send, receives done, bytes
+#: of the current receive folded or landed (header included), bytes waiting in the bounce
+#: buffer.
+STATE_SIZE: Final = 8
+
+
+class Status(enum.IntEnum):
+    """Return codes of :func:`run_stream`."""
+
+    DONE = 0  # every frame sent and received
+    IDLE = 1  # a poll timed out without an event (the caller looks at its deadline)
+    WAKE = 2  # the wake descriptor is readable (the transport failed or is closing)
+    WATCH = 3  # one of the watched descriptors is readable (an idle connection has data)
+    MISMATCH = 4  # the header in ``hbuf`` is not the expected one (it was read: consumed)
+    EOF = 5  # the receiving connection reached end of file
+    RECV_ERROR = 6  # the receiving connection reported an error
+    SEND_ERROR = 7  # the sending connection reported an error or hung up
+
+
+_DONTWAIT: Final = 0x40
+_NOSIGNAL: Final = 0x4000
+_MORE: Final = 0x8000
+_POLLIN: Final = 0x001
+_POLLOUT: Final = 0x004
+_POLLERR: Final = 0x008
+_POLLHUP: Final = 0x010
+
+_ssize = types.intp
+_ptr = types.uintp  # addresses are passed as integers (same registers as pointers)
+_c_send: Any = types.ExternalFunction("send", _ssize(types.int32, _ptr, types.uintp,
+                                                     types.int32))
+_c_recv: Any = types.ExternalFunction("recv", _ssize(types.int32, _ptr, types.uintp,
+                                                     types.int32))
+_c_poll: Any = types.ExternalFunction("poll", types.int32(_ptr, types.uint64, types.int32))
+
+#: Whether this platform can run the kernel (Linux flag values and ``struct pollfd`` layout
+#: read as two little-endian int32 per descriptor).
+AVAILABLE: Final = sys.platform.startswith("linux") and sys.byteorder == "little"
+
+
+def _kernel() -> Callable[[_F], _F]:
+    return cast(Callable[[_F], _F], njit(cache=True, nogil=True))
+
+
+@_kernel()
+def _fold(work: Any, src: Any, bounce: Any, start: int, count: int, op: int, mode: int,
+          divisor: Any) -> None:
+    """``work[start:start+count] = src[...] op bounce[:count]`` (then ``/= divisor``)."""
+    if op == OP_SUM:
+        for i in range(count):
+            work[start + i] = src[start + i] + bounce[i]
+    elif op == OP_MAX:
+        for i in range(count):
+            a = src[start + i]
+            b = bounce[i]
+            work[start + i] = a if a >= b else b
+    else:
+        for i in range(count):
+            a = src[start + i]
+            b = bounce[i]
+            work[start + i] = a if a <= b else b
+    if mode == MODE_FOLD_DIVIDE:
+        for i in range(count):
+            work[start + i] = work[start + i] / divisor
+
+
+@_kernel()
+def run_stream(work: Any, src: Any, op: int, divisor: Any, out_fd: int, in_fd: int,
+               wake_fd: int, watch: Any, s_head: Any, s_off: Any, s_len: Any, s_src: Any,
+               s_after: Any, r_head: Any, r_off: Any, r_len: Any, r_mode: Any, bounce: Any,
+               hbuf: Any, pfd: Any, state: Any, timeout_ms: int) -> int:
+    """Advance the stream; return a :class:`Status` code (progress is kept in ``state``).
+
+    Arrays: ``work`` and ``src`` (1-D, one dtype of :data:`STREAM_DTYPES`; the same array when
+    in place): sends read from ``src`` where ``s_src`` is 1, else from ``work``; receives land
+    or fold into ``work``. Send ``i`` writes header ``s_head[i]`` (uint8, 32 bytes a row) and
+    elements ``[s_off[i], s_off[i] + s_len[i])`` to ``out_fd`` once receive ``s_after[i]`` has
+    completed (-1: at once). Receive ``j`` reads a header from ``in_fd``, which must equal
+    ``r_head[j]`` (else MISMATCH, the header in ``hbuf``), and ``r_len[j]`` elements, landed or
+    folded at ``r_off[j]`` by ``r_mode[j]``; folds go through ``bounce`` (same dtype, its size
+    sets the piece). ``watch``: int32 descriptors whose readability ends the call (WATCH);
+    ``pfd``: int32 scratch of ``2 * (3 + len(watch))``. ``timeout_ms``: how long one poll may
+    block (IDLE when it passes without an event).
+    """
+    isz = work.itemsize
+    hsz = s_head.shape[1] if s_head.shape[0] > 0 else r_head.shape[1]
+    ns = s_off.shape[0]
+    nr = r_off.shape[0]
+    wbase = work.ctypes.data
+    sbase = src.ctypes.data
+    bbase = bounce.ctypes.data
+    hbase = hbuf.ctypes.data
+    shead = s_head.ctypes.data
+    piece = bounce.shape[0] * isz
+    si = state[0]
+    sdone = state[1]
+    ri = state[2]
+    rdone = state[3]
+    fill = state[4]
+    status = -1
+    while status < 0:
+        moved = True
+        while moved:
+            moved = False
+            # The send side: the current frame, header then payload.
+            if si < ns and s_after[si] < ri:
+                total = hsz + s_len[si] * isz
+                if sdone < hsz:
+                    k = _c_send(out_fd, shead + si * hsz + sdone, hsz - sdone,
+                                _DONTWAIT | _NOSIGNAL | (_MORE if s_len[si] > 0 else 0))
+                else:
+                    base = sbase if s_src[si] else wbase
+                    k = _c_send(out_fd, base + s_off[si] * isz + (sdone - hsz), total - sdone,
+                                _DONTWAIT | _NOSIGNAL)
+                if k > 0:
+                    moved = True
+                    sdone += k
+                    if sdone == total:
+                        si += 1
+                        sdone = 0
+            # The receive side: the current frame's header, then its payload.
+            if ri < nr:
+                total = hsz + r_len[ri] * isz
+                if rdone < hsz:
+                    k = _c_recv(in_fd, hbase + rdone, hsz - rdone, _DONTWAIT)
+                    if k == 0:
+                        status = Status.EOF
+                        break
+                    if k > 0:
+                        moved = True
+                        rdone += k
+                        if rdone == hsz:
+                            for b in range(hsz):
+                                if hbuf[b] != r_head[ri, b]:
+                                    status = Status.MISMATCH
+                            if status >= 0:
+                                break
+                elif rdone < total and r_mode[ri] == MODE_LAND:
+                    k = _c_recv(in_fd, wbase + r_off[ri] * isz + (rdone - hsz), total - rdone,
+                                _DONTWAIT)
+                    if k == 0:
+                        status = Status.EOF
+                        break
+                    if k > 0:
+                        moved = True
+                        rdone += k
+                elif rdone < total:
+                    want = min(piece, total - rdone)
+                    k = _c_recv(in_fd, bbase + fill, want - fill, _DONTWAIT)
+                    if k == 0:
+                        status = Status.EOF
+                        break
+                    if k > 0:
+                        moved = True
+                        fill += k
+                        if fill == want:
+                            _fold(work, src, bounce, r_off[ri] + (rdone - hsz) // isz,
+                                  want // isz, op, r_mode[ri], divisor)
+                            rdone += want
+                            fill = 0
+                if rdone == total:
+                    moved = True
+                    ri += 1
+                    rdone = 0
+        if status >= 0:
+            break
+        if si >= ns and ri >= nr:
+            status = Status.DONE
+            break
+        # Nothing moved: wait for the sockets (and the wake pipe, and the watched ones).
+        n = 0
+        pfd[0] = wake_fd
+        pfd[1] = _POLLIN
+        n += 1
+        send_slot = -1
+        recv_slot = -1
+        if si < ns and s_after[si] < ri:
+            send_slot = n
+            pfd[2 * n] = out_fd
+            pfd[2 * n + 1] = _POLLOUT
+            n += 1
+        if ri < nr:
+            recv_slot = n
+            pfd[2 * n] = in_fd
+            pfd[2 * n + 1] = _POLLIN
+            n += 1
+        first_watch = n
+        for w in range(watch.shape[0]):
+            pfd[2 * n] = watch[w]
+            pfd[2 * n + 1] = _POLLIN
+            n += 1
+        got = _c_poll(pfd.ctypes.data, n, timeout_ms)
+        if got == 0:
+            status = Status.IDLE
+            break
+        if got < 0:
+            status = Status.IDLE  # interrupted by a signal: the caller looks again
+            break
+        if (pfd[1] >> 16) & 0xFFFF:
+            status = Status.WAKE
+            break
+        for w in range(first_watch, n):
+            if (pfd[2 * w + 1] >> 16) & 0xFFFF:
+                status = Status.WATCH
+        if status >= 0:
+            break
+        recv_ev = (pfd[2 * recv_slot + 1] >> 16) & 0xFFFF if recv_slot >= 0 else 0
+        if recv_ev & _POLLERR:
+            status = Status.RECV_ERROR
+            break
+        # A broken sending side is reported once what has arrived is read (it may hold the
+        # peer's abort notice).
+        if (send_slot >= 0 and (pfd[2 * send_slot + 1] >> 16) & (_POLLERR | _POLLHUP)
+                and not recv_ev & _POLLIN):
+            status = Status.SEND_ERROR
+            break
+    state[0] = si
+    state[1] = sdone
+    state[2] = ri
+    state[3] = rdone
+    state[4] = fill
+    return status
