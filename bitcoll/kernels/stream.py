@@ -150,20 +150,29 @@ def run_stream(work: Any, src: Any, op: int, divisor: Any, out_fd: int, in_fd: i
     rdone = state[3]
     fill = state[4]
     status = -1
+    # Whether a call may move bytes now: cleared when one moves fewer than asked (the socket
+    # buffer is full, or empty), set again when poll says the socket is ready: no call is
+    # made that would only say "try again".
+    send_ready = True
+    recv_ready = True
     while status < 0:
         moved = True
         while moved:
             moved = False
             # The send side: the current frame, header then payload.
-            if si < ns and s_after[si] < ri:
+            if send_ready and si < ns and s_after[si] < ri:
                 total = hsz + s_len[si] * isz
                 if sdone < hsz:
-                    k = _c_send(out_fd, shead + si * hsz + sdone, hsz - sdone,
+                    want = hsz - sdone
+                    k = _c_send(out_fd, shead + si * hsz + sdone, want,
                                 _DONTWAIT | _NOSIGNAL | (_MORE if s_len[si] > 0 else 0))
                 else:
                     base = sbase if s_src[si] else wbase
-                    k = _c_send(out_fd, base + s_off[si] * isz + (sdone - hsz), total - sdone,
+                    want = total - sdone
+                    k = _c_send(out_fd, base + s_off[si] * isz + (sdone - hsz), want,
                                 _DONTWAIT | _NOSIGNAL)
+                if k < want:
+                    send_ready = False
                 if k > 0:
                     moved = True
                     sdone += k
@@ -171,13 +180,15 @@ def run_stream(work: Any, src: Any, op: int, divisor: Any, out_fd: int, in_fd: i
                         si += 1
                         sdone = 0
             # The receive side: the current frame's header, then its payload.
-            if ri < nr:
+            if recv_ready and ri < nr:
                 total = hsz + r_len[ri] * isz
                 if rdone < hsz:
                     k = _c_recv(in_fd, hbase + rdone, hsz - rdone, _DONTWAIT)
                     if k == 0:
                         status = Status.EOF
                         break
+                    if k < hsz - rdone:
+                        recv_ready = False
                     if k > 0:
                         moved = True
                         rdone += k
@@ -193,6 +204,8 @@ def run_stream(work: Any, src: Any, op: int, divisor: Any, out_fd: int, in_fd: i
                     if k == 0:
                         status = Status.EOF
                         break
+                    if k < total - rdone:
+                        recv_ready = False
                     if k > 0:
                         moved = True
                         rdone += k
@@ -202,6 +215,8 @@ def run_stream(work: Any, src: Any, op: int, divisor: Any, out_fd: int, in_fd: i
                     if k == 0:
                         status = Status.EOF
                         break
+                    if k < want - fill:
+                        recv_ready = False
                     if k > 0:
                         moved = True
                         fill += k
@@ -257,13 +272,17 @@ def run_stream(work: Any, src: Any, op: int, divisor: Any, out_fd: int, in_fd: i
         if status >= 0:
             break
         recv_ev = (pfd[2 * recv_slot + 1] >> 16) & 0xFFFF if recv_slot >= 0 else 0
+        send_ev = (pfd[2 * send_slot + 1] >> 16) & 0xFFFF if send_slot >= 0 else 0
+        if recv_ev:
+            recv_ready = True
+        if send_ev:
+            send_ready = True
         if recv_ev & _POLLERR:
             status = Status.RECV_ERROR
             break
         # A broken sending side is reported once what has arrived is read (it may hold the
         # peer's abort notice).
-        if (send_slot >= 0 and (pfd[2 * send_slot + 1] >> 16) & (_POLLERR | _POLLHUP)
-                and not recv_ev & _POLLIN):
+        if send_ev & (_POLLERR | _POLLHUP) and not recv_ev & _POLLIN:
             status = Status.SEND_ERROR
             break
     state[0] = si
