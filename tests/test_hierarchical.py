@@ -377,3 +377,41 @@ def test_tcp_host_with_one_rank_beside_shared_memory() -> None:
     res = run_world(3, _single_rank_host, timeout=180, rank_env=env, shm=True)
     assert [local_size for local_size, _ in res] == [2, 2, 1]
     assert res[0][1] > 0 and res[2][1] == 0
+
+
+def _streamed_between_hosts(comm: Communicator) -> tuple[str, int]:
+    """A two-level dense all-reduce (sum, avg) whose ring between hosts streams over TCP;
+    returns the transport's class name and the TCP streams it ran."""
+    inner = getattr(comm.transport, "_tcp")  # noqa: B009  (the hybrid's TCP side)
+    streamed = [0]
+    run = inner.stream
+
+    def counting(*args: Any) -> bool:
+        done = run(*args)
+        streamed[0] += done
+        return done
+
+    setattr(inner, "stream", counting)  # noqa: B010
+    p, r = comm.size, comm.rank
+    xs = [float_input(9, j, 300_001, "float32") for j in range(p)]
+    got = comm.allreduce(xs[r])
+    everyone = comm.allgather(got.view(np.uint8))
+    assert np.array_equal(everyone, np.tile(got.view(np.uint8), p))
+    assert np.allclose(got, np.sum([x.astype(np.float64) for x in xs], axis=0), rtol=1e-5,
+                       atol=1e-3)
+    ints = [np.random.default_rng([j, 9]).integers(-1000, 1000, 300_001).astype(np.int32)
+            for j in range(p)]
+    assert np.array_equal(comm.allreduce(ints[r], op="max"), np.max(ints, axis=0))
+    avg = comm.allreduce(np.full(300_001, r, np.float64), op="avg")
+    assert np.array_equal(avg, np.full(300_001, sum(range(p)) / p))
+    return type(comm.transport).__name__, streamed[0]
+
+
+@pytest.mark.timeout(200)
+def test_tcp_ring_between_hosts_streams() -> None:
+    """Hosts of two ranks each with shared memory on: the cross-host rings of the two-level
+    all-reduce run as TCP streams (from a sub-group of the call), with the same bits on every
+    rank and avg divided once by the world size."""
+    env = {r: {"GROUP_RANK": str(h)} for r, h in enumerate((0, 0, 1, 1))}
+    res = run_world(4, _streamed_between_hosts, timeout=180, rank_env=env, shm=True)
+    assert all(name == "HybridTransport" and streamed == 3 for name, streamed in res), res

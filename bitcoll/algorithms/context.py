@@ -134,13 +134,20 @@ class OpContext:
         """Send frames of ``src``/``work`` to ``out_peer`` and receive frames from
         ``in_peer`` into ``work`` in one transport call (:class:`StreamPlan`, with this call's
         headers and steps; ``sends`` without, ``recvs`` without their headers; avg divides by
-        the world size). False when the transport declines: nothing was sent or received and
-        the steps are unchanged, so the caller makes the same frames with ``isend``/``irecv``.
-        Only where :meth:`streams` is True."""
+        this context's size). False when the transport declines: nothing was sent or
+        received and the steps are unchanged, so the caller makes the same frames with
+        ``isend``/``irecv``. Only where :meth:`streams` is True."""
+        return self._stream_frames(out_peer, in_peer, work, src, op, self.size, sends, recvs)
+
+    def _stream_frames(self, out_peer: int, in_peer: int, work: npt.NDArray[Any],
+                       src: npt.NDArray[Any], op: ReduceOp, divisor: int,
+                       sends: list[tuple[int, int, bool, int]],
+                       recvs: list[tuple[int, int, int]]) -> bool:
+        """:meth:`stream` between ranks of the transport, dividing avgs by ``divisor``."""
         size = work.itemsize
         s0, r0 = self._send_step[out_peer], self._recv_step[in_peer]
         plan = StreamPlan(
-            work, src, "sum" if op is ReduceOp.AVG else op.value, self.size,
+            work, src, "sum" if op is ReduceOp.AVG else op.value, divisor,
             [(self._header(s0 + i, (z - a) * size), a, z, f, after)
              for i, (a, z, f, after) in enumerate(sends)],
             [(self._header(r0 + j, (z - a) * size), a, z, mode)
@@ -210,5 +217,11 @@ class GroupContext(OpContext):
         return self.parent.irecv_consume(self.members[peer], nbytes, consume)
 
     def streams(self, dtype: np.dtype[Any], op: ReduceOp) -> bool:
-        """Groups make their frames one at a time (their steps are the parent's)."""
-        return False
+        return self.parent.streams(dtype, op)
+
+    def _stream_frames(self, out_peer: int, in_peer: int, work: npt.NDArray[Any],
+                       src: npt.NDArray[Any], op: ReduceOp, divisor: int,
+                       sends: list[tuple[int, int, bool, int]],
+                       recvs: list[tuple[int, int, int]]) -> bool:
+        return self.parent._stream_frames(self.members[out_peer], self.members[in_peer], work,
+                                          src, op, divisor, sends, recvs)

@@ -126,6 +126,7 @@ from .base import (
     Consumer,
     FrameHeader,
     Request,
+    StreamPlan,
     TrafficStats,
     Transport,
     byte_view,
@@ -614,6 +615,30 @@ class HybridTransport(LinkTransport):
         if self._failure is not None:
             p.fail_requests(self._failure)
         return req
+
+    @property
+    def streams(self) -> bool:  # type: ignore[override]
+        """Streams run over TCP: between peers of other hosts (see :meth:`stream`)."""
+        return self._tcp.streams
+
+    def stream(self, out_peer: int, in_peer: int, plan: StreamPlan, deadline: float) -> bool:
+        """Run ``plan`` over the TCP transport (``TCPTransport.stream``) when both peers are
+        on other hosts; False (nothing done) when either is a shared-memory peer or TCP
+        declines. A TCP failure fails this transport too."""
+        if out_peer in self._peers or in_peer in self._peers:
+            return False
+        if self._closed:
+            raise UsageError("the TCP transport is closed")
+        if self._failure is not None:
+            raise self._failure.with_traceback(None)
+        try:
+            return self._tcp.stream(out_peer, in_peer, plan, deadline)
+        except CommError as exc:
+            own = self._own_failure()
+            if own is not None and own is not exc:
+                raise own.with_traceback(None) from None
+            self._fail(exc)
+            raise
 
     def _routed(self, start: Callable[[], Request]) -> Request:
         """Start a TCP request; a TCP failure fails this transport too."""
