@@ -387,7 +387,7 @@ def _streamed_between_hosts(comm: Communicator) -> tuple[str, int]:
     run = inner.stream
 
     def counting(*args: Any) -> bool:
-        done = run(*args)
+        done: bool = run(*args)
         streamed[0] += done
         return done
 
