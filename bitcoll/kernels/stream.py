@@ -1,13 +1,14 @@
 """The streamed frame exchange: a numba kernel that moves a schedule of frames over two
 non-blocking socket descriptors and folds received payloads into an array, without the GIL.
 
-A *stream* is what one rank does in a ring pass of a large collective: it sends an ordered list
-of frames to one peer and receives an ordered list from another (the same peer when there are
-two ranks), and a send may have to wait until a given receive has completed (a ring forwards
-what it has just reduced). :func:`run_stream` runs such a schedule to the end on the calling
-thread: one ``poll`` loop over both descriptors, writing what the socket takes and reading
-what has arrived, the way a C library's progress loop does, with no Python between the system
-calls and no thread hand-off per frame.
+A *stream* is what one rank does in a ring pass of a large collective: it sends an ordered list of
+frames to one peer and receives an ordered list from another (the same peer when there are two
+ranks), and a send may forward what a given receive brings (a ring forwards what it has just
+reduced): its bytes leave piece by piece as the receive makes them final, while they are still in
+the cache (cut through). :func:`run_stream` runs such a schedule to the end on the calling thread:
+one ``poll`` loop over both descriptors, writing what the socket takes and reading what has arrived,
+the way a C library's progress loop does, with no Python between the system calls and no thread
+hand-off per frame.
 
 It knows nothing of peers, failures or deadlines: it returns a status code whenever something
 needs the transport's attention (a header that is not the expected one, end of file, a socket
@@ -96,24 +97,57 @@ def _kernel() -> Callable[[_F], _F]:
 
 @_kernel()
 def _fold(work: Any, src: Any, bounce: Any, start: int, count: int, op: int, mode: int,
-          divisor: Any) -> None:
-    """``work[start:start+count] = src[...] op bounce[:count]`` (then ``/= divisor``)."""
-    if op == OP_SUM:
-        for i in range(count):
-            work[start + i] = src[start + i] + bounce[i]
-    elif op == OP_MAX:
-        for i in range(count):
-            a = src[start + i]
-            b = bounce[i]
-            work[start + i] = a if a >= b else b
+          divisor: Any, inplace: bool) -> None:
+    """``work[start:start+count] = src[...] op bounce[:count]`` (then ``/= divisor``).
+    ``inplace``: ``src`` is ``work``; then each loop reads and writes one array only, which
+    the compiler vectorizes (a loop over two overlapping views it runs element by element)."""
+    ws = work[start:start + count]
+    bb = bounce[:count]
+    if inplace:
+        if op == OP_SUM:
+            for i in range(count):
+                ws[i] += bb[i]
+        elif op == OP_MAX:
+            for i in range(count):
+                a = ws[i]
+                b = bb[i]
+                ws[i] = a if a >= b else b
+        else:
+            for i in range(count):
+                a = ws[i]
+                b = bb[i]
+                ws[i] = a if a <= b else b
     else:
-        for i in range(count):
-            a = src[start + i]
-            b = bounce[i]
-            work[start + i] = a if a <= b else b
+        ss = src[start:start + count]
+        if op == OP_SUM:
+            for i in range(count):
+                ws[i] = ss[i] + bb[i]
+        elif op == OP_MAX:
+            for i in range(count):
+                a = ss[i]
+                b = bb[i]
+                ws[i] = a if a >= b else b
+        else:
+            for i in range(count):
+                a = ss[i]
+                b = bb[i]
+                ws[i] = a if a <= b else b
     if mode == MODE_FOLD_DIVIDE:
         for i in range(count):
-            work[start + i] = work[start + i] / divisor
+            ws[i] = ws[i] / divisor
+
+
+@_kernel()
+def _sendable(after: int, ri: int, rdone: int, hsz: int, total: int) -> int:
+    """How many bytes of a send frame (``total`` with its header) may be written: all once
+    receive ``after`` is complete; while it is the one arriving (``rdone`` bytes of it,
+    header included, folded or landed), as much of the forwarded segment as is final (cut
+    through: a piece leaves while it is still in the cache); nothing before."""
+    if after < ri:
+        return total
+    if after == ri and rdone > hsz:
+        return rdone
+    return 0
 
 
 @_kernel()
@@ -123,16 +157,17 @@ def run_stream(work: Any, src: Any, op: int, divisor: Any, out_fd: int, in_fd: i
                hbuf: Any, pfd: Any, state: Any, timeout_ms: int) -> int:
     """Advance the stream; return a :class:`Status` code (progress is kept in ``state``).
 
-    Arrays: ``work`` and ``src`` (1-D, one dtype of :data:`STREAM_DTYPES`; the same array when
-    in place): sends read from ``src`` where ``s_src`` is 1, else from ``work``; receives land
-    or fold into ``work``. Send ``i`` writes header ``s_head[i]`` (uint8, 32 bytes a row) and
-    elements ``[s_off[i], s_off[i] + s_len[i])`` to ``out_fd`` once receive ``s_after[i]`` has
-    completed (-1: at once). Receive ``j`` reads a header from ``in_fd``, which must equal
+    Arrays: ``work`` and ``src`` (1-D, one dtype of :data:`STREAM_DTYPES`; the same array when in
+    place): sends read from ``src`` where ``s_src`` is 1, else from ``work``; receives land or fold
+    into ``work``. Send ``i`` writes header ``s_head[i]`` (uint8, 32 bytes a row) and elements
+    ``[s_off[i], s_off[i] + s_len[i])`` to ``out_fd``: at once where ``s_after[i]`` is -1, else it
+    forwards receive ``s_after[i]`` (the same elements) and its bytes leave as that receive makes
+    them final (cut through). Receive ``j`` reads a header from ``in_fd``, which must equal
     ``r_head[j]`` (else MISMATCH, the header in ``hbuf``), and ``r_len[j]`` elements, landed or
-    folded at ``r_off[j]`` by ``r_mode[j]``; folds go through ``bounce`` (same dtype, its size
-    sets the piece). ``watch``: int32 descriptors whose readability ends the call (WATCH);
-    ``pfd``: int32 scratch of ``2 * (3 + len(watch))``. ``timeout_ms``: how long one poll may
-    block (IDLE when it passes without an event).
+    folded at ``r_off[j]`` by ``r_mode[j]``; folds go through ``bounce`` (same dtype, its size sets
+    the piece). ``watch``: int32 descriptors whose readability ends the call (WATCH); ``pfd``: int32
+    scratch of ``2 * (3 + len(watch))``. ``timeout_ms``: how long one poll may block (IDLE when it
+    passes without an event).
     """
     isz = work.itemsize
     hsz = s_head.shape[1] if s_head.shape[0] > 0 else r_head.shape[1]
@@ -144,6 +179,7 @@ def run_stream(work: Any, src: Any, op: int, divisor: Any, out_fd: int, in_fd: i
     hbase = hbuf.ctypes.data
     shead = s_head.ctypes.data
     piece = bounce.shape[0] * isz
+    inplace = sbase == wbase
     si = state[0]
     sdone = state[1]
     ri = state[2]
@@ -160,25 +196,27 @@ def run_stream(work: Any, src: Any, op: int, divisor: Any, out_fd: int, in_fd: i
         while moved:
             moved = False
             # The send side: the current frame, header then payload.
-            if send_ready and si < ns and s_after[si] < ri:
-                total = hsz + s_len[si] * isz
-                if sdone < hsz:
-                    want = hsz - sdone
-                    k = _c_send(out_fd, shead + si * hsz + sdone, want,
-                                _DONTWAIT | _NOSIGNAL | (_MORE if s_len[si] > 0 else 0))
-                else:
-                    base = sbase if s_src[si] else wbase
-                    want = total - sdone
-                    k = _c_send(out_fd, base + s_off[si] * isz + (sdone - hsz), want,
-                                _DONTWAIT | _NOSIGNAL)
-                if k < want:
-                    send_ready = False
-                if k > 0:
-                    moved = True
-                    sdone += k
-                    if sdone == total:
-                        si += 1
-                        sdone = 0
+            if send_ready and si < ns:
+                limit = _sendable(s_after[si], ri, rdone, hsz, hsz + s_len[si] * isz)
+                if sdone < limit:
+                    total = hsz + s_len[si] * isz
+                    if sdone < hsz:
+                        want = hsz - sdone
+                        k = _c_send(out_fd, shead + si * hsz + sdone, want,
+                                    _DONTWAIT | _NOSIGNAL | (_MORE if s_len[si] > 0 else 0))
+                    else:
+                        base = sbase if s_src[si] else wbase
+                        want = limit - sdone
+                        k = _c_send(out_fd, base + s_off[si] * isz + (sdone - hsz), want,
+                                    _DONTWAIT | _NOSIGNAL)
+                    if k < want:
+                        send_ready = False
+                    if k > 0:
+                        moved = True
+                        sdone += k
+                        if sdone == total:
+                            si += 1
+                            sdone = 0
             # The receive side: the current frame's header, then its payload.
             if recv_ready and ri < nr:
                 total = hsz + r_len[ri] * isz
@@ -222,7 +260,7 @@ def run_stream(work: Any, src: Any, op: int, divisor: Any, out_fd: int, in_fd: i
                         fill += k
                         if fill == want:
                             _fold(work, src, bounce, r_off[ri] + (rdone - hsz) // isz,
-                                  want // isz, op, r_mode[ri], divisor)
+                                  want // isz, op, r_mode[ri], divisor, inplace)
                             rdone += want
                             fill = 0
                 if rdone == total:
@@ -241,7 +279,8 @@ def run_stream(work: Any, src: Any, op: int, divisor: Any, out_fd: int, in_fd: i
         n += 1
         send_slot = -1
         recv_slot = -1
-        if si < ns and s_after[si] < ri:
+        if si < ns and sdone < _sendable(s_after[si], ri, rdone, hsz,
+                                         hsz + s_len[si] * isz):
             send_slot = n
             pfd[2 * n] = out_fd
             pfd[2 * n + 1] = _POLLOUT

@@ -132,13 +132,14 @@ Consumer = Callable[[int, memoryview], None]
 class StreamPlan:
     """The frames one rank exchanges in a ring pass, for :meth:`Transport.stream`.
 
-    ``work`` and ``src`` are 1-D C-contiguous arrays of one dtype (the same object when in
-    place). ``sends``: ``(header, start, stop, from_src, after)`` per frame, in order: elements
-    ``[start, stop)`` of ``src`` (``from_src``) or ``work``, sent once receive number ``after``
-    has completed (-1: at once). ``recvs``: ``(header, start, stop, mode)`` per frame, in
-    order, with the expected header: the payload lands in ``work[start:stop]`` (``mode`` 0),
-    or is folded as ``work = src op payload`` (1), then divided by ``divisor`` (2: an
-    average, at the block's owner). ``op`` is "sum", "max" or "min"."""
+    ``work`` and ``src`` are 1-D C-contiguous arrays of one dtype (the same object when in place).
+    ``sends``: ``(header, start, stop, from_src, after)`` per frame, in order: elements ``[start,
+    stop)`` of ``src`` (``from_src``) or ``work``: sent at once where ``after`` is -1, else a
+    forward of receive number ``after`` (the same elements, of ``work``) whose bytes may leave as
+    soon as that receive has made them final. ``recvs``: ``(header, start, stop, mode)`` per frame,
+    in order, with the expected header: the payload lands in ``work[start:stop]`` (``mode`` 0), or
+    is folded as ``work = src op payload`` (1), then divided by ``divisor`` (2: an average, at the
+    block's owner). ``op`` is "sum", "max" or "min"."""
 
     __slots__ = ("divisor", "op", "recvs", "sends", "src", "work")
 

@@ -743,6 +743,9 @@ class TCPTransport(LinkTransport):
         s_src = np.empty(ns, np.int64)
         s_after = np.empty(ns, np.int64)
         for i, (header, start, stop, from_src, after) in enumerate(plan.sends):
+            if after >= 0 and (from_src or plan.recvs[after][1:3] != (start, stop)):
+                raise UsageError(f"stream send {i} forwards receive {after} but is not "
+                                 "the same elements of work")
             header.pack_into(s_head[i].data)
             s_off[i], s_len[i], s_src[i], s_after[i] = start, stop - start, from_src, after
         r_head = np.empty((nr, HEADER_SIZE), np.uint8)
