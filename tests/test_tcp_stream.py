@@ -221,17 +221,7 @@ def test_stream_send_to_a_peer_that_reset_is_peer_lost(monkeypatch: pytest.Monke
     with _raw_pair(monkeypatch) as (t, peer, _):
         work = np.zeros(64 << 20, np.uint8)  # more than the socket buffers hold
         plan = _plan(work, work, "sum", 2, [(0, work.size, False, -1)], [])
-        box: dict[str, BaseException] = {}
-
-        def run() -> None:
-            try:
-                t.stream(0, 0, plan, time.monotonic() + 20)
-            except BaseException as exc:
-                box["err"] = exc
-
-        th = threading.Thread(target=run)
-        th.start()
-        _until_in_kernel(t)
+        th, box = _stream_in_thread(t, plan, 20)
         end = time.monotonic() + 10
         while not int.from_bytes(socket_fionread(peer), "little"):  # bytes have arrived
             assert time.monotonic() < end
@@ -270,22 +260,30 @@ def test_stream_local_abort_from_another_thread(monkeypatch: pytest.MonkeyPatch)
     """abort() while a stream waits: the stream ends at once with the abort's error."""
     with _raw_pair(monkeypatch) as (t, peer, _):
         _, plan = _one_recv()
-        box: dict[str, BaseException] = {}
-
-        def run() -> None:
-            try:
-                t.stream(0, 0, plan, time.monotonic() + 60)
-            except BaseException as exc:
-                box["err"] = exc
-
-        th = threading.Thread(target=run)
-        th.start()
-        _until_in_kernel(t)
+        th, box = _stream_in_thread(t, plan, 60)
         t.abort("stop here")
         th.join(10)
         assert not th.is_alive()
         assert "rank 1 aborted: stop here" in str(box["err"])
         assert _read_abort(peer) == "stop here"
+
+
+def _stream_in_thread(t: TCPTransport, plan: StreamPlan, seconds: float
+                      ) -> tuple[threading.Thread, dict[str, BaseException]]:
+    """Start ``t.stream(0, 0, plan)`` (deadline ``seconds`` away) in a thread that leaves its
+    error in the box under ``"err"``; return once the stream holds the connection."""
+    box: dict[str, BaseException] = {}
+
+    def run() -> None:
+        try:
+            t.stream(0, 0, plan, time.monotonic() + seconds)
+        except BaseException as exc:
+            box["err"] = exc
+
+    th = threading.Thread(target=run)
+    th.start()
+    _until_in_kernel(t)
+    return th, box
 
 
 def _until_in_kernel(t: TCPTransport, seconds: float = 10.0) -> None:

@@ -95,43 +95,35 @@ def _kernel() -> Callable[[_F], _F]:
     return cast(Callable[[_F], _F], njit(cache=True, nogil=True))
 
 
+def _inline() -> Callable[[_F], _F]:
+    return cast(Callable[[_F], _F], njit(cache=True, nogil=True, inline="always"))
+
+
+@_inline()
+def _combine(a: Any, b: Any, op: int) -> Any:
+    """``a op b`` for one element (sum, max or min)."""
+    if op == OP_SUM:
+        return a + b
+    if op == OP_MAX:
+        return a if a >= b else b
+    return a if a <= b else b
+
+
 @_kernel()
 def _fold(work: Any, src: Any, bounce: Any, start: int, count: int, op: int, mode: int,
           divisor: Any, inplace: bool) -> None:
     """``work[start:start+count] = src[...] op bounce[:count]`` (then ``/= divisor``).
-    ``inplace``: ``src`` is ``work``; then each loop reads and writes one array only, which
-    the compiler vectorizes (a loop over two overlapping views it runs element by element)."""
+    ``inplace``: ``src`` is ``work``; then the loop reads and writes one array only, which the
+    compiler vectorizes (a loop over two overlapping views it runs element by element)."""
     ws = work[start:start + count]
     bb = bounce[:count]
     if inplace:
-        if op == OP_SUM:
-            for i in range(count):
-                ws[i] += bb[i]
-        elif op == OP_MAX:
-            for i in range(count):
-                a = ws[i]
-                b = bb[i]
-                ws[i] = a if a >= b else b
-        else:
-            for i in range(count):
-                a = ws[i]
-                b = bb[i]
-                ws[i] = a if a <= b else b
+        for i in range(count):
+            ws[i] = _combine(ws[i], bb[i], op)
     else:
         ss = src[start:start + count]
-        if op == OP_SUM:
-            for i in range(count):
-                ws[i] = ss[i] + bb[i]
-        elif op == OP_MAX:
-            for i in range(count):
-                a = ss[i]
-                b = bb[i]
-                ws[i] = a if a >= b else b
-        else:
-            for i in range(count):
-                a = ss[i]
-                b = bb[i]
-                ws[i] = a if a <= b else b
+        for i in range(count):
+            ws[i] = _combine(ss[i], bb[i], op)
     if mode == MODE_FOLD_DIVIDE:
         for i in range(count):
             ws[i] = ws[i] / divisor
@@ -220,49 +212,39 @@ def run_stream(work: Any, src: Any, op: int, divisor: Any, out_fd: int, in_fd: i
             # The receive side: the current frame's header, then its payload.
             if recv_ready and ri < nr:
                 total = hsz + r_len[ri] * isz
-                if rdone < hsz:
-                    k = _c_recv(in_fd, hbase + rdone, hsz - rdone, _DONTWAIT)
+                want = min(piece, total - rdone)  # a fold's piece
+                if rdone < hsz:  # where the next bytes go, and how many are wanted
+                    addr, n = hbase + rdone, hsz - rdone
+                elif r_mode[ri] == MODE_LAND:
+                    addr, n = wbase + r_off[ri] * isz + (rdone - hsz), total - rdone
+                else:
+                    addr, n = bbase + fill, want - fill
+                if rdone < total:
+                    k = _c_recv(in_fd, addr, n, _DONTWAIT)
                     if k == 0:
                         status = Status.EOF
                         break
-                    if k < hsz - rdone:
+                    if k < n:
                         recv_ready = False
                     if k > 0:
                         moved = True
-                        rdone += k
-                        if rdone == hsz:
-                            for b in range(hsz):
-                                if hbuf[b] != r_head[ri, b]:
-                                    status = Status.MISMATCH
-                            if status >= 0:
-                                break
-                elif rdone < total and r_mode[ri] == MODE_LAND:
-                    k = _c_recv(in_fd, wbase + r_off[ri] * isz + (rdone - hsz), total - rdone,
-                                _DONTWAIT)
-                    if k == 0:
-                        status = Status.EOF
-                        break
-                    if k < total - rdone:
-                        recv_ready = False
-                    if k > 0:
-                        moved = True
-                        rdone += k
-                elif rdone < total:
-                    want = min(piece, total - rdone)
-                    k = _c_recv(in_fd, bbase + fill, want - fill, _DONTWAIT)
-                    if k == 0:
-                        status = Status.EOF
-                        break
-                    if k < want - fill:
-                        recv_ready = False
-                    if k > 0:
-                        moved = True
-                        fill += k
-                        if fill == want:
-                            _fold(work, src, bounce, r_off[ri] + (rdone - hsz) // isz,
-                                  want // isz, op, r_mode[ri], divisor, inplace)
-                            rdone += want
-                            fill = 0
+                        if rdone < hsz:
+                            rdone += k
+                            if rdone == hsz:
+                                for b in range(hsz):
+                                    if hbuf[b] != r_head[ri, b]:
+                                        status = Status.MISMATCH
+                                if status >= 0:
+                                    break
+                        elif r_mode[ri] == MODE_LAND:
+                            rdone += k
+                        else:
+                            fill += k
+                            if fill == want:
+                                _fold(work, src, bounce, r_off[ri] + (rdone - hsz) // isz,
+                                      want // isz, op, r_mode[ri], divisor, inplace)
+                                rdone += want
+                                fill = 0
                 if rdone == total:
                     moved = True
                     ri += 1

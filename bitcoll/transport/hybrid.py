@@ -105,7 +105,7 @@ import threading
 import time
 import zlib
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -158,6 +158,7 @@ DEFAULT_SHM: Final = True
 #: Sequence number of the set-up frames on the TCP connections (no collective has it).
 SETUP_SEQ: Final = 2**64 - 2
 _SETUP_SIG: Final = zlib.crc32(b"bitcoll shared-memory set-up")
+_T = TypeVar("_T")
 #: How long a receiver that found a mismatched header waits for the peer's abort reason.
 MISMATCH_GRACE_SECONDS: Final = 0.2
 
@@ -627,27 +628,21 @@ class HybridTransport(LinkTransport):
         declines. A TCP failure fails this transport too."""
         if out_peer in self._peers or in_peer in self._peers:
             return False
-        if self._closed:
-            raise UsageError("the TCP transport is closed")
-        if self._failure is not None:
-            raise self._failure.with_traceback(None)
-        try:
-            return self._tcp.stream(out_peer, in_peer, plan, deadline)
-        except CommError as exc:
-            own = self._own_failure()
-            if own is not None and own is not exc:
-                raise own.with_traceback(None) from None
-            self._fail(exc)
-            raise
+        return self._via_tcp(lambda: self._tcp.stream(out_peer, in_peer, plan, deadline))
 
     def _routed(self, start: Callable[[], Request]) -> Request:
         """Start a TCP request; a TCP failure fails this transport too."""
+        return _Routed(self, self._via_tcp(start))
+
+    def _via_tcp(self, call: Callable[[], _T]) -> _T:
+        """``call()`` on the TCP side, unless this transport is closed or failed; a TCP
+        failure it raises fails this transport too."""
         if self._closed:
             raise UsageError("the TCP transport is closed")
         if self._failure is not None:
             raise self._failure.with_traceback(None)
         try:
-            return _Routed(self, start())
+            return call()
         except CommError as exc:
             own = self._own_failure()
             if own is not None and own is not exc:
