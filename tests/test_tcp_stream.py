@@ -6,6 +6,7 @@ its frames before the stream starts, or from a thread the test releases with an 
 from __future__ import annotations
 
 import os
+import select
 import socket
 import threading
 import time
@@ -13,7 +14,17 @@ from typing import Any
 
 import numpy as np
 import pytest
-from test_tcp_transport import SIG, _hdr, _k, _progress_until, _raw_pair, _read_abort, _reset, _rx
+from test_tcp_transport import (
+    SIG,
+    _hdr,
+    _k,
+    _progress_until,
+    _raw_pair,
+    _read_abort,
+    _reset,
+    _rx,
+    _until_inside,
+)
 
 from bitcoll.errors import CommTimeoutError, PeerLostError, ProtocolError
 from bitcoll.kernels import stream as stream_kernel
@@ -222,21 +233,11 @@ def test_stream_send_to_a_peer_that_reset_is_peer_lost(monkeypatch: pytest.Monke
         work = np.zeros(64 << 20, np.uint8)  # more than the socket buffers hold
         plan = _plan(work, work, "sum", 2, [(0, work.size, False, -1)], [])
         th, box = _stream_in_thread(t, plan, 20)
-        end = time.monotonic() + 10
-        while not int.from_bytes(socket_fionread(peer), "little"):  # bytes have arrived
-            assert time.monotonic() < end
-            time.sleep(0.001)
+        assert select.select([peer], [], [], 10)[0]  # its bytes have arrived
         _reset(peer)  # the send is under way and cannot have finished (nothing is read)
         th.join(20)
         assert isinstance(box.get("err"), PeerLostError) and "rank 0" in str(box["err"])
         assert t.peer_state(0) is PeerState.FAILED
-
-
-def socket_fionread(s: socket.socket) -> bytes:
-    """The bytes queued for reading on ``s`` (FIONREAD), as 4 little-endian bytes."""
-    import fcntl
-    import termios
-    return fcntl.ioctl(s.fileno(), termios.FIONREAD, b"\0\0\0\0")
 
 
 @pytest.mark.timeout(30)
@@ -282,17 +283,8 @@ def _stream_in_thread(t: TCPTransport, plan: StreamPlan, seconds: float
 
     th = threading.Thread(target=run)
     th.start()
-    _until_in_kernel(t)
+    _until_inside(th, "_run_stream")  # holding the connection
     return th, box
-
-
-def _until_in_kernel(t: TCPTransport, seconds: float = 10.0) -> None:
-    """Until a thread holds rank 0's reader token (the stream is running). Polls a
-    condition; sets up no interleaving."""
-    end = time.monotonic() + seconds
-    while not t._peers[0].rx.locked():
-        assert time.monotonic() < end
-        time.sleep(0.001)
 
 
 def test_stream_kernel_reports_wake_watch_and_idle() -> None:
