@@ -48,7 +48,7 @@ from ..ops import ReduceOp
 from ..transport.base import Consumer, Request
 from .context import OpContext, Slot
 
-__all__ = ["ring_pass", "stream_passes"]
+__all__ = ["ring_pass", "stream_passes", "stream_reduce_scatter"]
 
 Reducer = Callable[[npt.NDArray[Any], npt.NDArray[Any], npt.NDArray[Any]], None]
 
