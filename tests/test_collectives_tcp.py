@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import threading
@@ -11,7 +12,14 @@ from typing import Any
 import numpy as np
 import pytest
 from multiproc import context, free_port, run_world, start, tcp_env
-from sweeps import dense_sweep, float_sweep, inplace_and_async, packed_bandwidth, packed_sweep
+from sweeps import (
+    dense_sweep,
+    float_input,
+    float_sweep,
+    inplace_and_async,
+    packed_bandwidth,
+    packed_sweep,
+)
 
 import bitcoll
 from bitcoll.communicator import Communicator
@@ -56,6 +64,19 @@ def _mixed(comm: Communicator) -> tuple[int, int]:
     n = dense_sweep(comm, lengths=(0, 1, 9, 100_003), dtypes=("float16", "float32", "int16"),
                     algorithms=("ring",), large_dtypes=("float32", "int16"))
     n += float_sweep(comm, lengths=(9, 100_003))
+    if importlib.util.find_spec("torch") is not None:
+        # bfloat16: reduce-scatter in float32, rounded once at the owner, all-gather of bf16.
+        import torch
+
+        p = comm.size
+        xs = [torch.from_numpy(float_input(4, j, 100_003, "float32")).to(torch.bfloat16)
+              for j in range(p)]
+        got = comm.allreduce(xs[comm.rank], algorithm="ring")
+        bits = got.view(torch.int16).numpy()
+        assert np.array_equal(comm.allgather(bits), np.tile(bits, p))  # same bits everywhere
+        ref = np.sum([x.double().numpy() for x in xs], axis=0)  # exact sum of the bf16 inputs
+        assert np.allclose(got.double().numpy(), ref, rtol=2 ** -8, atol=1e-30)
+        n += 1
     comm.segment_bytes = 40
     n += dense_sweep(comm, lengths=(9, 305), dtypes=("float32", "int16"), algorithms=("ring",))
     return n, streamed[0]
