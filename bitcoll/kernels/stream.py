@@ -25,16 +25,15 @@ from __future__ import annotations
 
 import enum
 import sys
-from collections.abc import Callable
-from typing import Any, Final, TypeVar, cast
+from typing import Any, Final
 
 import numpy as np
-from numba import njit, types
+from numba import types
+
+from .bits import _inline_ir, _kernel
 
 __all__ = ["run_stream", "STREAM_DTYPES", "Status", "MODE_LAND", "MODE_FOLD",
            "MODE_FOLD_DIVIDE", "OP_SUM", "OP_MAX", "OP_MIN", "STATE_SIZE"]
-
-_F = TypeVar("_F", bound=Callable[..., Any])
 
 #: Element types :func:`run_stream` folds (float16 has no native arithmetic in numba).
 STREAM_DTYPES: Final = frozenset(np.dtype(t) for t in (
@@ -54,7 +53,7 @@ OP_MIN: Final = 2
 #: Length of the ``state`` array: sends done, bytes of the current send, receives done, bytes
 #: of the current receive folded or landed (header included), bytes waiting in the bounce
 #: buffer.
-STATE_SIZE: Final = 8
+STATE_SIZE: Final = 5
 
 
 class Status(enum.IntEnum):
@@ -91,15 +90,7 @@ _c_poll: Any = types.ExternalFunction("poll", types.int32(_ptr, types.uint64, ty
 AVAILABLE: Final = sys.platform.startswith("linux") and sys.byteorder == "little"
 
 
-def _kernel() -> Callable[[_F], _F]:
-    return cast(Callable[[_F], _F], njit(cache=True, nogil=True))
-
-
-def _inline() -> Callable[[_F], _F]:
-    return cast(Callable[[_F], _F], njit(cache=True, nogil=True, inline="always"))
-
-
-@_inline()
+@_inline_ir()
 def _combine(a: Any, b: Any, op: int) -> Any:
     """``a op b`` for one element (sum, max or min)."""
     if op == OP_SUM:
