@@ -790,11 +790,12 @@ class TCPTransport(LinkTransport):
                     self.progress()  # an abort notice or a lost peer fails the transport
                 elif status != StreamStatus.IDLE:
                     break
-        finally:
-            for i in range(int(state[0])):
-                self.stats.add_sent(HEADER_SIZE + int(s_len[i]) * work.itemsize)
-            for j in range(int(state[2])):
-                self.stats.add_received(HEADER_SIZE + int(r_len[j]) * work.itemsize)
+        finally:  # the frames done: one message and header + payload bytes each
+            sent, received = int(state[0]), int(state[2])
+            self.stats.add_sent(sent * HEADER_SIZE + int(s_len[:sent].sum()) * work.itemsize,
+                                sent)
+            self.stats.add_received(received * HEADER_SIZE
+                                    + int(r_len[:received].sum()) * work.itemsize, received)
         return _StreamEnd(int(status), int(state[0]), int(state[1]), int(state[2]), started)
 
     def _stream_error(self, end: _StreamEnd, out_p: _Peer, in_p: _Peer,
