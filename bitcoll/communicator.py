@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import functools
+import itertools
 import math
 import threading
 import time
@@ -95,7 +96,7 @@ SMALL_MESSAGE_BYTES = 128 << 10
 #: all-reduce (after the one fixed-size argument check every all-reduce over MPI starts with):
 #: see :meth:`Communicator.allreduce` and the README for the measured crossover (2 ranks: MPICH's
 #: all-reduce faster up to 1 MiB, bitcoll's ring from 2-4 MiB).
-NATIVE_ALLREDUCE_MAX_BYTES = 1 << 20
+NATIVE_ALLREDUCE_MAX_BYTES = 512 << 10
 #: The packed collectives' default is the all-gather baseline while it sends at most this many
 #: bytes more per rank than the bandwidth-optimal direct exchange (one round of messages
 #: instead of two), the direct exchange above: see :func:`packed_auto_algorithm`.
@@ -300,10 +301,12 @@ class Communicator:
         self._nt: NativeCollectives | None = \
             transport if isinstance(transport, NativeCollectives) else None
         # The synchronous all-reduce's plans (several ranks): over MPI, MPI's own collectives
-        # or the argument check's records (_mpi_plan); elsewhere recursive doubling for small
-        # vectors. See _fast_allreduce.
+        # or the argument check's records (_mpi_plan); else bitcoll's recursive doubling or
+        # ring. See _fast_allreduce. Two caches: the fast path's by (dtype, count, op as
+        # passed), MPI's by (dtype, count, ReduceOp); one key may have a plan in each.
         self._plans_on = transport.size > 1
         self._plans: dict[tuple[object, ...], _Plan | None] = {}
+        self._mpi_plans: dict[tuple[object, ...], _Plan | None] = {}
 
     # ------------------------------------------------------------------ properties
     @property
@@ -743,7 +746,7 @@ class Communicator:
         if self._nt is None or not self._plans_on:
             return None
         key = (dtype, size, op)
-        plans = self._plans
+        plans = self._mpi_plans
         if key in plans:
             return plans[key]
         nt = self._native_t()
@@ -767,14 +770,13 @@ class Communicator:
 
     def _fast_allreduce(self, x: Array, op: object, out: object, timeout: float | None) -> Any:
         """:meth:`allreduce`'s fast path: a synchronous call on a C-contiguous numpy ``x``
-        whose default algorithm is one of MPI's own (:meth:`_mpi_plan`) or, on other
-        transports, recursive doubling (at most :data:`SMALL_MESSAGE_BYTES`), with a numpy
-        ``out`` of the right kind or none. Same semantics, frames and signature as the general
-        path without its validation closures: over MPI the argument check (carrying ``x`` when
-        inline), then the local reduction or MPI's all-reduce; elsewhere the recursive
-        doubling. Returns the result, or None without side effects when the call does not
-        qualify (anything unusual: the general path then validates it and reports any
-        error)."""
+        whose default algorithm is one of MPI's own (:meth:`_mpi_plan`), recursive doubling
+        or the ring (not the two-level algorithm), with a numpy ``out`` of the right kind or
+        none. Same semantics, frames and signature as the general path without its validation
+        closures: over MPI the argument check (carrying ``x`` when inline), then the local
+        reduction, MPI's all-reduce or bitcoll's algorithm; elsewhere bitcoll's algorithm.
+        Returns the result, or None without side effects when the call does not qualify
+        (anything unusual: the general path then validates it and reports any error)."""
         key = (x.dtype, x.size, op)
         try:
             plan = self._plans.get(key, _UNPLANNED)
@@ -815,13 +817,21 @@ class Communicator:
             try:
                 deadline = time.monotonic() + limit
                 flat = res if res.ndim == 1 else res.reshape(-1)
-                if nt is None:  # recursive doubling over bitcoll frames
-                    if res is not x:
-                        np.copyto(flat, x if x.ndim == 1 else x.reshape(-1))
-                    allreduce_recursive_doubling(
-                        OpContext(self._transport, seq, plan.signature, deadline,
-                                  self._segment_bytes, self._scratch), flat, plan.op)
+                if plan.reduce is None and plan.native is None:  # bitcoll frames
+                    if nt is not None:
+                        self._exchange(seq, plan.signature, None, deadline, "allreduce",
+                                       plan.fields)
+                    ctx = OpContext(self._transport, seq, plan.signature, deadline,
+                                    self._segment_bytes, self._scratch)
+                    xf = x if x.ndim == 1 else x.reshape(-1)
+                    if plan.fields[3] == "ring":  # out of place: no copy (see the ring)
+                        allreduce_ring(ctx, flat, plan.op, src=None if res is x else xf)
+                    else:
+                        if res is not x:
+                            np.copyto(flat, xf)
+                        allreduce_recursive_doubling(ctx, flat, plan.op)
                 elif plan.reduce is not None:
+                    assert nt is not None  # "inline" plans are MPI's
                     data = x.data if x.ndim == 1 else x.reshape(-1).data
                     agree, _ = nt.exchange_records(seq, plan.signature, data.cast("B"),
                                                    deadline)
@@ -845,18 +855,19 @@ class Communicator:
 
     def _fast_plan(self, key: tuple[np.dtype[Any], int, object]) -> _Plan | None:
         """The fast path's plan for its key ``(dtype, count, op as passed)``, cached under that
-        key: :meth:`_mpi_plan` over MPI, elsewhere recursive doubling up to
-        :data:`SMALL_MESSAGE_BYTES`. None unless the op is a ReduceOp or its name and the
-        dtype is supported and valid with it (the general path reports those errors)."""
+        key: :meth:`_mpi_plan` over MPI, else the default algorithm when it is recursive
+        doubling or the ring (:meth:`_auto_allreduce`). None unless the op is a ReduceOp or
+        its name and the dtype is supported and valid with it (the general path reports those
+        errors)."""
         dtype, size, op = key
         rop = _FAST_OPS.get(op)
         plan = None
         if rop is not None and dtype in SUPPORTED_DTYPES and \
                 (rop is not ReduceOp.AVG or dtype in FLOAT_DTYPES):
-            if self._nt is not None:
-                plan = self._mpi_plan(dtype, size, rop)
-            elif self._auto_allreduce(dtype, size, False, rop) == "recursive_doubling":
-                fields = (rop.value, dtype.str, size, "recursive_doubling")
+            plan = self._mpi_plan(dtype, size, rop)
+            algo = self._auto_allreduce(dtype, size, False, rop) if plan is None else ""
+            if algo in ("recursive_doubling", "ring"):
+                fields = (rop.value, dtype.str, size, algo)
                 plan = _Plan(fields, signature("allreduce", *fields), None, "", None, rop)
         if len(self._plans) >= _PLANS_MAX:
             self._plans.clear()
@@ -929,7 +940,7 @@ class Communicator:
             src = _widened(ctx, vec) if v.bf16 else vec
             if algo == "native":
                 bounds = block_bounds(vec.size, self.size)
-                counts = [int(c) for c in np.diff(bounds)]
+                counts = [b - a for a, b in itertools.pairwise(bounds)]
                 native = self._native_t().native_reduce_scatter
                 dst = np.empty(stop - start, src.dtype) if v.bf16 else flat
                 native(src, dst, counts, "sum" if rop is ReduceOp.AVG else rop.value,
@@ -1580,12 +1591,12 @@ class Communicator:
 
 class _Plan(NamedTuple):
     """A synchronous all-reduce's plan: over MPI's own collectives
-    (:meth:`Communicator._mpi_plan`), or recursive doubling on other transports
+    (:meth:`Communicator._mpi_plan`), or bitcoll's recursive doubling or ring
     (:meth:`Communicator._fast_plan`)."""
 
     fields: tuple[object, ...]
-    """The call's signature fields: op, element type, count, algorithm ("inline", "native"
-    or "recursive_doubling")."""
+    """The call's signature fields: op, element type, count, algorithm ("inline", "native",
+    "recursive_doubling" or "ring")."""
     signature: int
     """``signature("allreduce", *fields)``."""
     reduce: GatheredReduce | None

@@ -7,6 +7,7 @@ AssertionError naming the first case that differs. The same functions run on eve
 
 from __future__ import annotations
 
+import importlib.util
 import threading
 from typing import Any
 
@@ -155,6 +156,45 @@ def float_sweep(comm: Communicator, seed: int = 0, lengths: tuple[int, ...] = FL
                 checks += 1
     comm.barrier()
     return checks
+
+
+def mixed_paths_sweep(comm: Communicator) -> tuple[int, int]:
+    """Ring collectives with rank 1 making its frames one at a time and the others streaming
+    theirs (the wire carries the same frames either way), on a transport that streams;
+    returns the checks made and the streams this rank ran. Changes the communicator (its
+    transport's stream settings, ``segment_bytes``): give it a communicator of its own."""
+    t = comm.transport
+    streamed = [0]
+    if comm.rank == 1:
+        setattr(t, "streams", False)  # noqa: B010  (this rank only)
+    else:
+        run = t.stream
+
+        def counting(*args: Any) -> bool:
+            done = run(*args)
+            streamed[0] += done
+            return done
+
+        setattr(t, "stream", counting)  # noqa: B010
+    n = dense_sweep(comm, lengths=(0, 1, 9, 100_003), dtypes=("float16", "float32", "int16"),
+                    algorithms=("ring",), large_dtypes=("float32", "int16"))
+    n += float_sweep(comm, lengths=(9, 100_003))
+    if importlib.util.find_spec("torch") is not None:
+        # bfloat16: reduce-scatter in float32, rounded once at the owner, all-gather of bf16.
+        import torch
+
+        p = comm.size
+        xs = [torch.from_numpy(float_input(4, j, 100_003, "float32")).to(torch.bfloat16)
+              for j in range(p)]
+        got = comm.allreduce(xs[comm.rank], algorithm="ring")
+        bits = got.view(torch.int16).numpy()
+        assert np.array_equal(comm.allgather(bits), np.tile(bits, p))  # same bits everywhere
+        ref = np.sum([x.double().numpy() for x in xs], axis=0)  # exact sum of the bf16 inputs
+        assert np.allclose(got.double().numpy(), ref, rtol=2 ** -8, atol=1e-30)
+        n += 1
+    comm.segment_bytes = 40
+    n += dense_sweep(comm, lengths=(9, 305), dtypes=("float32", "int16"), algorithms=("ring",))
+    return n, streamed[0]
 
 
 def _close(got: Array, ref: Array, tol: Array, op: str, dt: str, what: str) -> None:

@@ -7,7 +7,14 @@ import time
 
 import numpy as np
 import pytest
-from sweeps import dense_sweep, float_sweep, inplace_and_async, packed_bandwidth, packed_sweep
+from sweeps import (
+    dense_sweep,
+    float_sweep,
+    inplace_and_async,
+    mixed_paths_sweep,
+    packed_bandwidth,
+    packed_sweep,
+)
 
 import bitcoll
 from bitcoll.communicator import Communicator
@@ -32,6 +39,21 @@ def test_dense_collectives_mpi(comm: Communicator) -> None:
     float_sweep(comm, seed=1, lengths=(9, 305))
     comm.segment_bytes = bitcoll.DEFAULT_SEGMENT_BYTES
     inplace_and_async(comm)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(300)
+def test_streaming_and_frame_by_frame_ranks_interoperate() -> None:
+    """Every ring collective with rank 1 making its frames one by one and the others
+    streaming theirs (``MPITransport.stream``): results as expected everywhere, and the
+    streaming ranks did stream."""
+    with bitcoll.init("mpi", timeout=120) as fresh:
+        checks, streamed = mixed_paths_sweep(fresh)
+        assert checks > 10
+        if fresh.rank == 1:
+            assert streamed == 0
+        else:
+            assert streamed > 10
 
 
 @pytest.mark.mpi(min_size=2)

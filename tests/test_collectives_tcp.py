@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import signal
 import threading
@@ -14,9 +13,9 @@ import pytest
 from multiproc import context, free_port, run_world, start, tcp_env
 from sweeps import (
     dense_sweep,
-    float_input,
     float_sweep,
     inplace_and_async,
+    mixed_paths_sweep,
     packed_bandwidth,
     packed_sweep,
 )
@@ -45,50 +44,13 @@ def test_dense_collectives_tcp(size: int) -> None:
     assert len(set(results)) == 1 and results[0] > 100
 
 
-def _mixed(comm: Communicator) -> tuple[int, int]:
-    """Rank 1 makes its ring frames one at a time, the others stream theirs (the wire carries
-    the same frames either way); returns the checks made and the streams this rank ran."""
-    t = comm.transport
-    streamed = [0]
-    if comm.rank == 1:
-        setattr(t, "streams", False)  # noqa: B010  (this rank only)
-    else:
-        run = t.stream
-
-        def counting(*args: Any) -> bool:
-            done = run(*args)
-            streamed[0] += done
-            return done
-
-        setattr(t, "stream", counting)  # noqa: B010
-    n = dense_sweep(comm, lengths=(0, 1, 9, 100_003), dtypes=("float16", "float32", "int16"),
-                    algorithms=("ring",), large_dtypes=("float32", "int16"))
-    n += float_sweep(comm, lengths=(9, 100_003))
-    if importlib.util.find_spec("torch") is not None:
-        # bfloat16: reduce-scatter in float32, rounded once at the owner, all-gather of bf16.
-        import torch
-
-        p = comm.size
-        xs = [torch.from_numpy(float_input(4, j, 100_003, "float32")).to(torch.bfloat16)
-              for j in range(p)]
-        got = comm.allreduce(xs[comm.rank], algorithm="ring")
-        bits = got.view(torch.int16).numpy()
-        assert np.array_equal(comm.allgather(bits), np.tile(bits, p))  # same bits everywhere
-        ref = np.sum([x.double().numpy() for x in xs], axis=0)  # exact sum of the bf16 inputs
-        assert np.allclose(got.double().numpy(), ref, rtol=2 ** -8, atol=1e-30)
-        n += 1
-    comm.segment_bytes = 40
-    n += dense_sweep(comm, lengths=(9, 305), dtypes=("float32", "int16"), algorithms=("ring",))
-    return n, streamed[0]
-
-
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("size", [2, 3, 5])
 def test_streaming_and_frame_by_frame_ranks_interoperate(size: int) -> None:
     """Every ring collective over plain TCP connections (no shared memory) with one rank on
     the frame-by-frame path and the others streaming (with 5 ranks, also streaming ranks next
     to each other): results as expected everywhere, and the streaming ranks did stream."""
-    results = run_world(size, _mixed, timeout=250, shm=False)
+    results = run_world(size, mixed_paths_sweep, timeout=250, shm=False)
     assert len({n for n, _ in results}) == 1
     assert results[1][1] == 0
     assert all(streamed > 10 for r, (_, streamed) in enumerate(results) if r != 1)

@@ -12,6 +12,7 @@ import bitcoll
 from bitcoll.communicator import (
     NATIVE_ALLREDUCE_MAX_BYTES,
     PACKED_ALLGATHER_MAX_EXCESS,
+    SMALL_MESSAGE_BYTES,
     Communicator,
     packed_auto_algorithm,
 )
@@ -140,6 +141,46 @@ def test_mpi_native_fast_path_in_place_and_shaped() -> None:
                 every = comm.allgather(y.reshape(1, -1))
                 for row in np.asarray(every).reshape(comm.size, -1):
                     np.testing.assert_array_equal(row, y)  # same bits everywhere
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+def test_mpi_default_ring_fast_and_general_paths_agree() -> None:
+    """Over MPI above NATIVE_ALLREDUCE_MAX_BYTES the default is bitcoll's ring (streamed):
+    the fast path (a contiguous vector, even ranks) and the general path (a strided view, odd
+    ranks) pair up, as do a forced "ring", a given ``out`` and an in-place call; integers are
+    exactly the seeded reduction, floats the same bits on every rank and path."""
+    with bitcoll.init("mpi", timeout=60) as comm:
+        n = NATIVE_ALLREDUCE_MAX_BYTES // 4 + 9
+        for dtype in ("int32", "float32"):
+            rows = [_mpi_ranks_data(r, n, dtype) for r in range(comm.size)]
+            for op in ("sum", "max", "avg"):
+                if op == "avg" and dtype == "int32":
+                    continue
+                mine = rows[comm.rank]
+                x = np.repeat(mine, 2)[::2] if comm.rank % 2 else mine.copy()
+                comm.stats.reset()
+                y = comm.allreduce(x, op=op)
+                assert comm.stats.snapshot()["messages_sent"] > 0  # bitcoll's frames
+                forced = comm.allreduce(mine.copy(), op=op, algorithm="ring")
+                out = np.empty((1, n), dtype)
+                assert comm.allreduce(mine.reshape(n, 1), op=op, out=out) is out
+                inplace = mine.copy()
+                assert comm.allreduce(inplace, op=op, out=inplace) is inplace
+                np.testing.assert_array_equal(mine, rows[comm.rank])  # input untouched
+                for got in (forced, out.reshape(-1), inplace):
+                    np.testing.assert_array_equal(got, y)
+                ufunc = np.maximum if op == "max" else np.add
+                if dtype == "int32":
+                    np.testing.assert_array_equal(y, ufunc.reduce(np.stack(rows)))
+                else:
+                    want = ufunc.reduce(np.stack(rows).astype(np.float64))
+                    if op == "avg":
+                        want = want / comm.size
+                    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
+                every = comm.allgather(y.reshape(1, -1))
+                for row in np.asarray(every).reshape(comm.size, -1):
+                    np.testing.assert_array_equal(row, y)  # same bits everywhere
+
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(60)
@@ -316,18 +357,23 @@ def test_mpi_broadcast_roots_that_differ_fail_every_rank(n: int) -> None:
             comm.broadcast(np.zeros(n, np.float64), root=root)
 
 
+#: Recursive doubling up to 1001 elements, the ring above SMALL_MESSAGE_BYTES.
+_MIXED_LENGTHS = (0, 1, 7, 8, 9, 1001, SMALL_MESSAGE_BYTES // 4 + 9)
+
+
 def _mixed_paths(comm: Communicator) -> list[object]:
-    """Small all-reduces where the ranks take different paths: the synchronous fast path
-    (a contiguous numpy vector, no algorithm), the general path (a strided view, a forced
+    """All-reduces where the ranks take different paths: the synchronous fast path (a
+    contiguous numpy vector, no algorithm), the general path (a strided view, a forced
     algorithm, an async call): same frames, same signature, same bits."""
     got: list[object] = []
-    for n in (0, 1, 7, 8, 9, 1001):
+    for n in _MIXED_LENGTHS:
         base = np.random.default_rng([comm.rank, n]).standard_normal(2 * n).astype(np.float32)
         x = base[::2] if comm.rank % 2 else np.ascontiguousarray(base[::2])
         comm.stats.reset()
         y = comm.allreduce(x)
         frames = comm.stats.snapshot()["messages_sent"]
-        forced = comm.allreduce(np.ascontiguousarray(x), algorithm="recursive_doubling")
+        algo = "ring" if 4 * n > SMALL_MESSAGE_BYTES else "recursive_doubling"
+        forced = comm.allreduce(np.ascontiguousarray(x), algorithm=algo)
         late = comm.allreduce(np.ascontiguousarray(x), async_op=True).wait()
         inplace = np.ascontiguousarray(x)
         assert comm.allreduce(inplace, out=inplace, op="max") is inplace
@@ -344,12 +390,12 @@ def _mixed_paths(comm: Communicator) -> list[object]:
 
 
 def test_fast_allreduce_over_frames_matches_the_general_path() -> None:
-    """Off MPI, the synchronous all-reduce of a small contiguous numpy vector takes a lean
-    path (recursive doubling without the general path's closures): a rank on it and a rank on
-    the general path pair up, and every form gives the seeded sums and maxima."""
+    """Off MPI, the synchronous all-reduce of a contiguous numpy vector takes a lean path
+    (recursive doubling or the ring without the general path's closures): a rank on it and a
+    rank on the general path pair up, and every form gives the seeded sums and maxima."""
     p = 3
     results = run_threads(p, _mixed_paths)
-    for i, n in enumerate((0, 1, 7, 8, 9, 1001)):
+    for i, n in enumerate(_MIXED_LENGTHS):
         rows = [np.random.default_rng([r, n]).standard_normal(2 * n).astype(np.float32)[::2]
                 for r in range(p)]
         want_sum = rows[0] + rows[1] + rows[2]

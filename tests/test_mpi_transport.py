@@ -35,8 +35,9 @@ from bitcoll.errors import (
     ProtocolError,
     UsageError,
 )
+from bitcoll.kernels.stream import MODE_FOLD, MODE_FOLD_DIVIDE, MODE_LAND
 from bitcoll.partition import partition
-from bitcoll.transport.base import HEADER_SIZE, FrameHeader, Request, wait_all
+from bitcoll.transport.base import HEADER_SIZE, FrameHeader, Request, StreamPlan, wait_all
 from bitcoll.transport.mpi import (
     DATA_TAG,
     INLINE_MAX,
@@ -654,6 +655,232 @@ def test_abort_during_native_collective(transport: MPITransport) -> None:
         with pytest.raises(PeerLostError, match="not joining"):
             t.native_allreduce(x, y, "sum", _deadline())
         assert time.monotonic() - start < PROMPT
+
+
+# --------------------------------------------------------------------------------------------
+# Streams
+# --------------------------------------------------------------------------------------------
+
+_BIG = INLINE_MAX // 4 + 500  # float32 elements of a two-message frame
+_SMALL = 7  # ... and of an inline one
+
+
+def _stream_src(rank: int, dtype: str, salt: int) -> npt.NDArray[Any]:
+    """Rank ``rank``'s contribution to the stream tests: a big block, a small one, room for
+    the forwarded big block of its left neighbour."""
+    return _rank_data(rank, 2 * _BIG + _SMALL, dtype, salt)
+
+
+def _stream_schedule(fold_small: int) -> tuple[list[tuple[int, int, bool, int]],
+                                              list[tuple[int, int, int]]]:
+    """The frames of every rank, ring-shaped (to the right, from the left): its big block and
+    its small one, then (forwarded once folded) the big block folded with the left
+    neighbour's, then an empty frame; it folds the left neighbour's big block, treats the
+    small one with ``fold_small``, lands the forwarded big block and the empty frame."""
+    big, small, fwd = (0, _BIG), (_BIG, _BIG + _SMALL), (_BIG + _SMALL, 2 * _BIG + _SMALL)
+    sends = [(*big, True, -1), (*small, True, -1), (*big, False, 0), (0, 0, True, -1)]
+    recvs = [(*big, MODE_FOLD), (*small, fold_small), (*fwd, MODE_LAND), (0, 0, MODE_LAND)]
+    return sends, recvs
+
+
+def _stream_plan(t: MPITransport, work: npt.NDArray[Any], src: npt.NDArray[Any], op: str,
+                 fold_small: int, seq: int = 1) -> StreamPlan:
+    sends, recvs = _stream_schedule(fold_small)
+    size = work.itemsize
+    return StreamPlan(work, src, op, t.size,
+                      [(_header((z - a) * size, step=i, seq=seq), a, z, f, after)
+                       for i, (a, z, f, after) in enumerate(sends)],
+                      [(_header((z - a) * size, step=j, seq=seq), a, z, mode)
+                       for j, (a, z, mode) in enumerate(recvs)])
+
+
+def _frame_by_frame(t: MPITransport, plan: StreamPlan, right: int, left: int) -> None:
+    """What a rank that does not stream sends and receives for ``plan``: the same frames, one
+    isend / irecv each, folded with numpy."""
+    work, src = plan.work, plan.src
+    ufunc = {"sum": np.add, "max": np.maximum, "min": np.minimum}[plan.op]
+    lands = [np.empty(z - a, work.dtype) if mode != MODE_LAND else work[a:z]
+             for _, a, z, mode in plan.recvs]
+    recvs = [t.irecv(left, land.data, h) for land, (h, *_) in zip(lands, plan.recvs, strict=True)]
+    sends: list[Request] = []
+    done = 0
+    for h, a, z, from_src, after in plan.sends:
+        while after >= done:
+            _, ra, rz, mode = plan.recvs[done]
+            recvs[done].wait(_deadline())
+            if mode != MODE_LAND:
+                ufunc(src[ra:rz], lands[done], out=work[ra:rz])
+                if mode == MODE_FOLD_DIVIDE:
+                    np.divide(work[ra:rz], np.asarray(plan.divisor, work.dtype), out=work[ra:rz])
+            done += 1
+        sends.append(t.isend(right, (src if from_src else work)[a:z].data, h))
+    for j in range(done, len(recvs)):
+        _, ra, rz, mode = plan.recvs[j]
+        recvs[j].wait(_deadline())
+        if mode != MODE_LAND:
+            ufunc(src[ra:rz], lands[j], out=work[ra:rz])
+            if mode == MODE_FOLD_DIVIDE:
+                np.divide(work[ra:rz], np.asarray(plan.divisor, work.dtype), out=work[ra:rz])
+    wait_all(sends, _deadline())
+
+
+@mpi
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("dtype", "op", "fold_small"), [
+    ("float32", "sum", MODE_FOLD_DIVIDE), ("float64", "sum", MODE_FOLD),
+    ("int32", "max", MODE_FOLD), ("uint8", "min", MODE_LAND)])
+@pytest.mark.parametrize("frames_rank", [None, 0])
+def test_stream_runs_the_frames_of_a_ring(transport: MPITransport, dtype: str, op: str,
+                                          fold_small: int, frames_rank: int | None) -> None:
+    """Every rank streams a ring-shaped plan (two-message and inline frames, a forward of a
+    folded block, an empty frame), or rank ``frames_rank`` makes the same frames one by one:
+    folds, averages, landings and forwards as computed locally from the seeds, the traffic
+    counted frame by frame, the transport healthy afterwards."""
+    t = transport
+    right, left = (t.rank + 1) % t.size, (t.rank - 1) % t.size
+    salt = 3 if frames_rank is None else 4
+    src = _stream_src(t.rank, dtype, salt)
+    work = np.zeros_like(src)
+    plan = _stream_plan(t, work, src, op, fold_small)
+    if t.rank == frames_rank:
+        _frame_by_frame(t, plan, right, left)
+    else:
+        assert t.streams and t.stream(right, left, plan, _deadline())
+    ufunc = {"sum": np.add, "max": np.maximum, "min": np.minimum}[op]
+    mine, theirs = src, _stream_src(left, dtype, salt)
+    further = _stream_src((left - 1) % t.size, dtype, salt)
+    big, small = slice(0, _BIG), slice(_BIG, _BIG + _SMALL)
+    np.testing.assert_array_equal(work[big], ufunc(mine[big], theirs[big]))
+    if fold_small == MODE_LAND:
+        want_small = theirs[small]
+    else:
+        want_small = ufunc(mine[small], theirs[small])
+        if fold_small == MODE_FOLD_DIVIDE:
+            want_small = want_small / np.asarray(t.size, src.dtype)
+    np.testing.assert_array_equal(work[small], want_small)
+    np.testing.assert_array_equal(work[_BIG + _SMALL:], ufunc(theirs[big], further[big]))
+    stats = t.stats.snapshot()
+    nbytes = (2 * _BIG + _SMALL) * src.itemsize + 4 * HEADER_SIZE
+    assert stats["messages_sent"] == stats["messages_received"] == 4
+    assert stats["bytes_sent"] == stats["bytes_received"] == nbytes
+    assert t.failure is None
+    _ring_rounds(t, 2, salt=5)  # frames go on as usual
+
+
+@mpi
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("sent", "expected", "wrong_signature"), [
+    (7, 7, True), (MIB, MIB, True), (MIB + 1, MIB, False), (8, 7, False)])
+def test_stream_header_mismatch_fails_every_rank(transport: MPITransport, sent: int,
+                                                 expected: int, wrong_signature: bool) -> None:
+    """Rank 1 sends rank 0 a frame with a wrong signature or length while rank 0 streams:
+    ProtocolError on rank 0 naming the peer and the collective, its transport failed; every
+    other rank learns of it promptly."""
+    t = transport
+    victim, culprit = 0, 1
+    if t.rank == victim:
+        work = np.zeros(expected, np.uint8)
+        plan = StreamPlan(work, work, "sum", t.size, [],
+                          [(_header(expected, seq=7), 0, expected, MODE_LAND)])
+        start = time.monotonic()
+        with pytest.raises(ProtocolError) as info:
+            t.stream(culprit, culprit, plan, _deadline())
+        assert time.monotonic() - start < PROMPT
+        text = str(info.value)
+        if wrong_signature:
+            assert "different collective" in text
+        else:
+            assert f"sent {sent} payload bytes" in text
+        assert info.value.peer == culprit and info.value.sequence == 7
+        assert t.failure is info.value
+        with pytest.raises(ProtocolError):
+            t.stream(culprit, culprit, plan, _deadline())
+    elif t.rank == culprit:
+        data = _payload(culprit, victim, sent)
+        sig = SIG + 1 if wrong_signature else SIG
+        send = t.isend(victim, data.data, _header(sent, seq=7, sig=sig))
+        _expect_peer_abort(t, victim, f"rank {victim} aborted")
+        assert send.done()
+    else:
+        _expect_peer_abort(t, victim, f"rank {victim} aborted")
+
+
+@mpi
+@pytest.mark.timeout(60)
+def test_stream_truncation_becomes_protocol_error(transport: MPITransport) -> None:
+    """A peer sends twice the payload announced (bypassing the transport): MPI's truncation
+    error surfaces from the stream as ProtocolError."""
+    from mpi4py import MPI
+
+    t = transport
+    victim, culprit = 0, 1
+    n = 4 * INLINE_MAX
+    if t.rank == victim:
+        work = np.zeros(n, np.uint8)
+        plan = StreamPlan(work, work, "sum", t.size, [], [(_header(n), 0, n, MODE_LAND)])
+        with pytest.raises(ProtocolError, match="longer than"):
+            t.stream(culprit, culprit, plan, _deadline())
+        assert isinstance(t.failure, ProtocolError)
+    elif t.rank == culprit:
+        messages = [_header(n).pack(), np.zeros(2 * n, np.uint8)]
+        sends = [t.comm.Isend([m, MPI.BYTE], victim, DATA_TAG) for m in messages]
+        _expect_peer_abort(t, victim, f"rank {victim} aborted")
+        MPI.Request.Testall(sends)
+    else:
+        _expect_peer_abort(t, victim, f"rank {victim} aborted")
+
+
+@mpi
+@pytest.mark.timeout(60)
+def test_stream_times_out_and_fails_the_transport(transport: MPITransport) -> None:
+    """Rank 0 streams frames rank 1 never sends: CommTimeoutError at the deadline naming the
+    silent peer, and (unlike a frame's wait) the transport fails, so every peer hears of it;
+    the stream's posted receives are cancelled, so the transport still closes cleanly."""
+    t = transport
+    if t.rank == 0:
+        work = np.zeros(MIB, np.uint8)
+        plan = StreamPlan(work, work, "sum", t.size, [],
+                          [(_header(MIB), 0, MIB, MODE_LAND), (_header(8, step=1), 0, 8,
+                                                              MODE_LAND)])
+        wait_for = 0.5
+        start = time.monotonic()
+        with pytest.raises(CommTimeoutError, match="did not complete") as info:
+            t.stream(1, 1, plan, start + wait_for)
+        assert wait_for <= time.monotonic() - start < wait_for + 1.0
+        assert info.value.peer == 1 and info.value.silent == 1
+        assert t.failure is info.value
+        assert t.finalize_risk is not None
+        t.close()
+        with pytest.raises(UsageError, match="closed"):
+            t.stream(1, 1, plan, _deadline())
+    else:
+        _expect_peer_abort(t, 0, "rank 0 aborted")
+
+
+@mpi
+@pytest.mark.timeout(60)
+def test_stream_fails_promptly_when_a_peer_aborts(transport: MPITransport) -> None:
+    """Rank 1 aborts while rank 0 streams frames it will never get: PeerLostError with the
+    reason, long before the deadline."""
+    t = transport
+    marks = _shared_dir()
+    if t.rank == 0:
+        work = np.zeros(MIB, np.uint8)
+        src = _payload(0, 1, MIB)
+        plan = StreamPlan(work, src, "sum", t.size, [(_header(MIB), 0, MIB, True, -1)],
+                          [(_header(MIB), 0, MIB, MODE_LAND)])
+        _mark_when_waiting(os.path.join(marks, "0"))
+        start = time.monotonic()
+        with pytest.raises(PeerLostError, match="rank 1 aborted: gone fishing"):
+            t.stream(1, 1, plan, _deadline())
+        assert time.monotonic() - start < PROMPT
+        assert t.finalize_risk is None
+    elif t.rank == 1:
+        _await_marks(marks, [0])  # rank 0 is inside its stream, backing off
+        shutil.rmtree(marks, ignore_errors=True)
+        t.abort("gone fishing")
+    else:
+        _expect_peer_abort(t, 1, "rank 1 aborted: gone fishing")
 
 
 # --------------------------------------------------------------------------------------------

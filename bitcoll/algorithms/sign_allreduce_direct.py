@@ -68,7 +68,7 @@ def packed_direct(ctx: OpContext, codec: VoteCodec, x: Array, out: Array,
     """
     p, r = ctx.size, ctx.rank
     n = x.size if n is None else n
-    bounds = [int(b) for b in block_bounds(n, p)]
+    bounds = block_bounds(n, p)
     lens = [bounds[j + 1] - bounds[j] for j in range(p)]
     w_in, w_out = codec.w_in, codec.w_out
     seg = segment_elements(ctx.segment_bytes, max(w_in, w_out))

@@ -45,7 +45,7 @@ def packed_ring(ctx: OpContext, codec: VoteCodec, x: Array, out: Array, gather: 
     """Same contract as :func:`~bitcoll.algorithms.sign_allreduce_direct.packed_direct`."""
     p, r = ctx.size, ctx.rank
     n = x.size if n is None else n
-    bounds = [int(b) for b in block_bounds(n, p)]
+    bounds = block_bounds(n, p)
     right, left = (r + 1) % p, (r - 1) % p
     majority = codec.kind == "majority"
 

@@ -176,6 +176,7 @@ import numpy.typing as npt
 
 from ..config import DEFAULT_TIMEOUT
 from ..errors import CommError, CommTimeoutError, PeerLostError, ProtocolError, UsageError
+from ..kernels.stream import MODE_FOLD_DIVIDE, MODE_LAND
 from ..topology import usable_cores
 from .base import (
     HEADER_SIZE,
@@ -183,6 +184,7 @@ from .base import (
     FrameKind,
     NativeCollectives,
     Request,
+    StreamPlan,
     TrafficStats,
     Transport,
     byte_view,
@@ -533,6 +535,53 @@ def _mpi_error_class(exc: BaseException) -> int | None:
         return None
 
 
+def _frame_problem(first: memoryview, count: int, expected: FrameHeader,
+                   expected_bytes: bytes, peer: int) -> str | None:
+    """What is wrong with the first MPI message of a frame from ``peer``: ``count`` bytes
+    arrived, ``first`` is the staging buffer they landed in. Checked against the
+    ``expected`` header (``expected_bytes``: packed): a header (and the payload of an inline
+    frame, at most :data:`INLINE_MAX` bytes) of exactly the expected size. None when it is
+    the expected frame."""
+    if count < HEADER_SIZE:
+        return f"rank {peer} sent a {count}-byte message where a frame header was expected"
+    received = first[:HEADER_SIZE]
+    if received != expected_bytes:  # fast path: byte-wise equal headers
+        try:
+            got = FrameHeader.unpack(received)
+        except ProtocolError as exc:  # bad magic or version
+            return f"from rank {peer}: {exc}"
+        problem = got.mismatch(expected, peer)
+        if problem is not None:
+            return problem
+    n = expected.length
+    if n <= INLINE_MAX:
+        if count != HEADER_SIZE + n:
+            return (f"rank {peer} sent a frame of {count - HEADER_SIZE} payload bytes whose "
+                    f"header announces {n}")
+    elif count != HEADER_SIZE:
+        return (f"rank {peer} sent {count - HEADER_SIZE} payload bytes inline for a frame of "
+                f"{n} bytes (peers disagree on the inline limit)")
+    return None
+
+
+def _receive_failed(t: MPITransport, exc: BaseException, peer: int, posted: int,
+                    expected: FrameHeader) -> ProtocolError:
+    """The ProtocolError of a receive from ``peer`` that MPI failed with ``exc`` (``posted``
+    bytes were posted for the message): a truncation names the mismatched lengths, anything
+    else is also recorded as a finalize risk. The caller fails the transport with it."""
+    if _mpi_error_class(exc) == t._mpi.ERR_TRUNCATE:
+        err = ProtocolError(
+            f"rank {peer} sent a message longer than the {posted} bytes posted for it "
+            f"(collective #{expected.seq}, step {expected.step}): mismatched lengths across "
+            "ranks", peer=peer, sequence=expected.seq)
+    else:
+        t._note_risk(f"MPI failed to receive from rank {peer}: {exc}")
+        err = ProtocolError(f"MPI failed to receive from rank {peer}: {exc}", peer=peer,
+                            sequence=expected.seq)
+    err.__cause__ = exc
+    return err
+
+
 class _Poller:
     """Back-off state of one wait loop: spin, then yield, then sleep with growing pauses."""
 
@@ -707,61 +756,35 @@ class _RecvRequest(_MPIRequest):
         self._staging = staging
         self._payload = payload
         self._header_done = False
+        self._status = transport._mpi.Status()
 
-    def _protocol_error(self, message: str, cause: BaseException | None = None) -> ProtocolError:
-        err = ProtocolError(message)
-        if cause is not None:
-            err.__cause__ = cause
+    def _protocol_error(self, message: str) -> ProtocolError:
+        err = ProtocolError(message, peer=self._peer, sequence=self._expected.seq)
         self._t._fail(err, notify=True)
         return err
 
     def _test(self, index: int, status: MPI.Status, posted: int) -> bool:
         """Test one MPI request; MPI errors (truncation) become ProtocolError."""
-        mpi = self._t._mpi
         try:
             return bool(self._reqs[index].Test(status))
-        except mpi.Exception as exc:
-            if _mpi_error_class(exc) == mpi.ERR_TRUNCATE:
-                raise self._protocol_error(
-                    f"rank {self._peer} sent a message longer than the {posted} bytes posted "
-                    f"for it (collective #{self._expected.seq}, step {self._expected.step}): "
-                    "mismatched lengths across ranks", exc) from exc
-            self._t._note_risk(f"MPI failed to receive from rank {self._peer}: {exc}")
-            raise self._protocol_error(
-                f"MPI failed to receive from rank {self._peer}: {exc}", exc) from exc
+        except self._t._mpi.Exception as exc:
+            err = _receive_failed(self._t, exc, self._peer, posted, self._expected)
+            self._t._fail(err, notify=True)
+            raise err from exc
 
     def _progress(self) -> bool:
         mpi = self._t._mpi
-        status = mpi.Status()
+        status = self._status
         n = self._expected.length
         if not self._header_done:
             if not self._test(0, status, self._staging.nbytes):
                 return False
-            count = status.Get_count(mpi.BYTE)
-            if count < HEADER_SIZE:
-                raise self._protocol_error(
-                    f"rank {self._peer} sent a {count}-byte message where a frame header was "
-                    "expected")
-            received = self._staging.data[:HEADER_SIZE]
-            if received != self._expected_bytes:  # fast path: byte-wise equal headers
-                try:
-                    got = FrameHeader.unpack(received)
-                except ProtocolError as exc:  # bad magic or version
-                    raise self._protocol_error(f"from rank {self._peer}: {exc}") from exc
-                problem = got.mismatch(self._expected, self._peer)
-                if problem is not None:
-                    raise self._protocol_error(problem)
-            if n <= INLINE_MAX:
-                if count != HEADER_SIZE + n:
-                    raise self._protocol_error(
-                        f"rank {self._peer} sent a frame of {count - HEADER_SIZE} payload "
-                        f"bytes whose header announces {n}")
-                if n:
-                    self._payload[:] = self._staging.data[HEADER_SIZE:HEADER_SIZE + n]
-            elif count != HEADER_SIZE:
-                raise self._protocol_error(
-                    f"rank {self._peer} sent {count - HEADER_SIZE} payload bytes inline for a "
-                    f"frame of {n} bytes (peers disagree on the inline limit)")
+            problem = _frame_problem(self._staging.data, status.Get_count(mpi.BYTE),
+                                     self._expected, self._expected_bytes, self._peer)
+            if problem is not None:
+                raise self._protocol_error(problem)
+            if 0 < n <= INLINE_MAX:
+                self._payload[:] = self._staging.data[HEADER_SIZE:HEADER_SIZE + n]
             self._header_done = True
         if n > INLINE_MAX:
             if not self._test(1, status, n):
@@ -808,6 +831,255 @@ class _CollectiveRequest(_MPIRequest):
 
     def _describe(self) -> str:
         return f"native {self._what}"
+
+
+_STREAM_UFUNCS: Final = {"sum": np.add, "max": np.maximum, "min": np.minimum}
+
+STREAM_WINDOW: Final = 2
+"""Receives a stream keeps posted ahead (each folded one lands in its own reused buffer)."""
+
+STREAM_IDLE_TESTS: Final = 16
+"""Unsuccessful tests a stream makes between looks at the clock, the abort channel and the
+back-off (:class:`_Poller`); one on an oversubscribed node, where spinning only keeps the
+rank being waited for off the core."""
+
+
+class _StreamRun:
+    """One :meth:`MPITransport.stream`: the plan's frames as the same MPI messages ``isend``
+    and ``irecv`` would post, driven by one loop on the calling thread.
+
+    Sends are posted in plan order as soon as they may leave (a forward once its receive is
+    folded or landed); receives are posted in plan order, at most :data:`STREAM_WINDOW`
+    ahead of the oldest unfinished one, a folded one into a reused landing buffer of the
+    transport's, a landed one straight into ``work``. The loop tests the oldest receive
+    (header message, then payload message), checks the header as ``irecv`` does, and folds
+    (``work = src op payload``, numpy) outside the transport lock. Every
+    :data:`STREAM_IDLE_TESTS` unsuccessful tests it polls the abort channel, checks the
+    deadline and backs off like a wait loop."""
+
+    __slots__ = ("_done", "_head", "_keep", "_land", "_plan", "_posted", "_sends", "_sent",
+                 "_src", "_staging", "_t", "_work", "in_peer", "out_peer")
+
+    def __init__(self, t: MPITransport, out_peer: int, in_peer: int, plan: StreamPlan) -> None:
+        self._t = t
+        self.out_peer = out_peer
+        self.in_peer = in_peer
+        self._plan = plan
+        self._work = plan.work.view(np.uint8)
+        self._src = plan.src.view(np.uint8)
+        self._sent = 0  # sends posted
+        self._done = 0  # receives finished (folded or landed), in order
+        # Posted receives, oldest first: [index, header request, payload request or None,
+        # staging row, payload destination (bytes), header checked].
+        self._posted: list[list[Any]] = []
+        self._head = 0  # next receive to post
+        self._sends: list[MPI.Request] = []  # unfinished sends
+        self._keep: list[object] = []  # their header and inline frame buffers
+        self._staging = np.empty((STREAM_WINDOW, HEADER_SIZE + INLINE_MAX), np.uint8)
+        self._land: list[npt.NDArray[np.uint8]] = []
+
+    def run(self, deadline: float) -> None:
+        t = self._t
+        lock = t._lock
+        recvs = self._plan.recvs
+        with lock:
+            t._check_usable()
+            self._land = t._take_stream_buffers()
+        try:
+            with lock:
+                self._post()
+            idle = 0
+            # Between looks: a few tests, or one where ranks share cores (back off at once).
+            every = 1 if t.oversubscribed else STREAM_IDLE_TESTS
+            poller: _Poller | None = None
+            while self._done < len(recvs) or self._sends or self._sent < len(self._plan.sends):
+                with lock:
+                    if t._failure is not None:
+                        raise t._failure.with_traceback(None)
+                    finished = self._test_receive() if self._posted else self._test_sends()
+                if finished is not None:
+                    if finished >= 0:
+                        self._finish(finished)
+                        with lock:
+                            self._post()
+                    idle = 0
+                    poller = None
+                    continue
+                idle += 1
+                if idle % every:
+                    continue
+                now = time.monotonic()
+                with lock:
+                    failure = t._check_failure()
+                if failure is not None:
+                    raise failure.with_traceback(None)
+                if now > deadline:
+                    raise self._timeout()
+                if poller is None:
+                    poller = _Poller(t.oversubscribed)
+                poller.pause(now)
+        except BaseException as exc:
+            self._abandon(exc)
+            raise
+        with lock:
+            t._give_stream_buffers(self._land)
+        plan = self._plan
+        t.stats.add_sent(sum(h.length for h, *_ in plan.sends) + HEADER_SIZE * len(plan.sends),
+                         len(plan.sends))
+        t.stats.add_received(sum(h.length for h, *_ in recvs) + HEADER_SIZE * len(recvs),
+                             len(recvs))
+
+    def _post(self) -> None:
+        """Post every send that may leave now and the receives the window allows (lock
+        held)."""
+        t, mpi = self._t, self._t._mpi
+        comm, byte = t._comm, mpi.BYTE
+        sends, itemsize = self._plan.sends, self._plan.work.itemsize
+        while self._sent < len(sends):
+            header, start, stop, from_src, after = sends[self._sent]
+            if after >= self._done:
+                break
+            payload = (self._src if from_src else self._work)[start * itemsize:stop * itemsize]
+            n = payload.nbytes
+            if n <= INLINE_MAX:
+                frame = np.empty(HEADER_SIZE + n, np.uint8)
+                header.pack_into(frame.data)
+                frame[HEADER_SIZE:] = payload
+                self._sends.append(comm.Isend([frame, byte], self.out_peer, DATA_TAG))
+                self._keep.append(frame)
+            else:
+                head = header.pack()
+                self._sends.append(comm.Isend([head, byte], self.out_peer, DATA_TAG))
+                self._sends.append(comm.Isend([payload, byte], self.out_peer, DATA_TAG))
+                self._keep.append(head)
+            self._sent += 1
+        recvs = self._plan.recvs
+        while self._head < len(recvs) and self._head < self._done + STREAM_WINDOW:
+            j = self._head
+            header, start, stop, mode = recvs[j]
+            n = header.length
+            staging = self._staging[j % STREAM_WINDOW]
+            first = comm.Irecv([staging, byte], self.in_peer, DATA_TAG)
+            dst: npt.NDArray[np.uint8] | None = None
+            rest = None
+            if n > INLINE_MAX:
+                if mode == MODE_LAND:
+                    dst = self._work[start * itemsize:stop * itemsize]
+                else:
+                    dst = self._landing(j % STREAM_WINDOW, n)
+                rest = comm.Irecv([dst, byte], self.in_peer, DATA_TAG)
+            self._posted.append([j, first, rest, staging, dst, False])
+            self._head = j + 1
+
+    def _landing(self, k: int, n: int) -> npt.NDArray[np.uint8]:
+        """Landing buffer ``k`` (of :data:`STREAM_WINDOW`), at least ``n`` bytes."""
+        land = self._land
+        while len(land) <= k:
+            land.append(np.empty(0, np.uint8))
+        if land[k].nbytes < n:
+            land[k] = np.empty(n, np.uint8)
+        return land[k][:n]
+
+    def _test_receive(self) -> int | None:
+        """Test the oldest posted receive (lock held): its index once both of its messages
+        arrived and were checked, else None. ProtocolError for a frame that is not the
+        expected one."""
+        entry = self._posted[0]
+        j: int = entry[0]
+        first, rest, staging, _, checked = entry[1:]
+        header = self._plan.recvs[j][0]
+        t, mpi = self._t, self._t._mpi
+        status = t._stream_status
+        if not checked:
+            try:
+                if not first.Test(status):
+                    return None
+            except mpi.Exception as exc:
+                raise _receive_failed(t, exc, self.in_peer, staging.nbytes, header) from exc
+            problem = _frame_problem(staging.data, status.Get_count(mpi.BYTE), header,
+                                     header.pack(), self.in_peer)
+            if problem is not None:
+                raise ProtocolError(problem, peer=self.in_peer, sequence=header.seq)
+            entry[5] = True
+        if rest is not None:
+            try:
+                if not rest.Test(status):
+                    return None
+            except mpi.Exception as exc:
+                raise _receive_failed(t, exc, self.in_peer, header.length, header) from exc
+            count = status.Get_count(mpi.BYTE)
+            if count != header.length:
+                raise ProtocolError(
+                    f"rank {self.in_peer} sent {count} payload bytes for a frame whose header "
+                    f"announces {header.length}", peer=self.in_peer, sequence=header.seq)
+        return j
+
+    def _test_sends(self) -> int | None:
+        """Test the unfinished sends (lock held): -1 when all have finished, else None."""
+        try:
+            if not self._t._mpi.Request.Testall(self._sends):
+                return None
+        except self._t._mpi.Exception as exc:
+            self._t._note_risk(f"MPI failed to send to rank {self.out_peer}: {exc}")
+            raise CommError(f"MPI failed to send to rank {self.out_peer}: {exc}",
+                            peer=self.out_peer) from exc
+        self._sends = []
+        return -1
+
+    def _finish(self, j: int) -> None:
+        """Fold or land receive ``j``, whose messages have arrived (outside the lock)."""
+        entry = self._posted.pop(0)
+        plan = self._plan
+        header, start, stop, mode = plan.recvs[j]
+        n = header.length
+        inline = n <= INLINE_MAX
+        payload = entry[3][HEADER_SIZE:HEADER_SIZE + n] if inline else entry[4]
+        if mode == MODE_LAND:
+            if inline:  # else it landed in work
+                itemsize = plan.work.itemsize
+                self._work[start * itemsize:stop * itemsize] = payload
+        else:
+            out = plan.work[start:stop]
+            _STREAM_UFUNCS[plan.op](plan.src[start:stop], payload.view(plan.work.dtype),
+                                    out=out)
+            if mode == MODE_FOLD_DIVIDE:
+                np.divide(out, np.asarray(plan.divisor, dtype=out.dtype), out=out)
+        self._done = j + 1
+
+    def _timeout(self) -> CommTimeoutError:
+        if self._posted:
+            header = self._plan.recvs[self._posted[0][0]][0]
+            what = (f"receive of {header.length} bytes from rank {self.in_peer} (collective "
+                    f"#{header.seq}, step {header.step})")
+            peer = self.in_peer
+        else:
+            what, peer = f"send to rank {self.out_peer}", self.out_peer
+        err = CommTimeoutError(f"stream: {what} did not complete before the deadline",
+                               peer=peer, silent=peer)
+        self._t._note_risk(f"a peer did not answer in time: {err}")
+        return err
+
+    def _abandon(self, exc: BaseException) -> None:
+        """After ``exc`` ended the stream: cancel its receives, keep whatever MPI may still
+        touch alive until the communicator is released, and fail the transport (a stream
+        half done cannot be resumed; peers are told)."""
+        t = self._t
+        with t._lock:
+            keep: list[object] = [self._staging, self._land, self._plan.work, self._plan.src,
+                                  self._keep]
+            for entry in self._posted:
+                for req in entry[1:3]:
+                    if req is not None:
+                        with contextlib.suppress(t._mpi.Exception):
+                            req.Cancel()
+                        t._orphans.append(req)
+            t._orphans.extend(self._sends)
+            self._posted, self._sends = [], []
+            t._keep.append(keep)
+            if isinstance(exc, CommError):
+                t._fail(exc, notify=True)
+            else:
+                t._fail(CommError(f"a stream was interrupted by {exc!r}"), notify=True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -861,6 +1133,8 @@ class MPITransport(Transport):
         """The payload part of the records of the last :meth:`exchange_records`."""
         self._rec_req: MPI.Prequest | None = None  # the persistent all-gather, once started
         self._rec_persistent = True  # until the MPI library says it has no MPI_Allgather_init
+        self._stream_status = mpi_module.Status()  # streams' tests (under the lock)
+        self._stream_buffers: list[npt.NDArray[np.uint8]] = []  # streams' landing buffers
         _LIVE.add(self)
         _install_excepthook()
 
@@ -1179,6 +1453,32 @@ class MPITransport(Transport):
             req = _RecvRequest(self, reqs, (staging, mv), peer, header, staging, mv)
             self._pending.add(req)
         return req
+
+    streams = True
+
+    def stream(self, out_peer: int, in_peer: int, plan: StreamPlan, deadline: float) -> bool:
+        """Run ``plan`` (:meth:`Transport.stream`): its sends to ``out_peer`` and receives from
+        ``in_peer`` as exactly the MPI messages of the equivalent ``isend``/``irecv`` calls
+        (so a rank that streams and one that makes the frames one by one work together), on
+        the calling thread, with no request object per frame (see :class:`_StreamRun`).
+        Never declines (MPI keeps frames in order behind any already posted), so it returns
+        True once every frame is done. Errors as ``Request.wait``: ProtocolError for a frame
+        that is not the expected one, the failure after an abort, CommTimeoutError past
+        ``deadline``; any of them, a timeout included, fails the transport (peers are told),
+        as a stream half done cannot be resumed. The transport keeps the landing buffers of
+        folded frames (two, as long as the longest folded frame) for the next stream."""
+        self._check_peer(out_peer)
+        self._check_peer(in_peer)
+        _StreamRun(self, out_peer, in_peer, plan).run(deadline)
+        return True
+
+    def _take_stream_buffers(self) -> list[npt.NDArray[np.uint8]]:
+        """The landing buffers for a stream (lock held); given back when it ends well."""
+        bufs, self._stream_buffers = self._stream_buffers, []
+        return bufs
+
+    def _give_stream_buffers(self, bufs: list[npt.NDArray[np.uint8]]) -> None:
+        self._stream_buffers = bufs
 
     # ---------------------------------------------------------------- abort / close
 

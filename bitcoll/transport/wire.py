@@ -20,8 +20,7 @@ carries a tag.
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 from ..errors import ProtocolError, UsageError
 
@@ -57,9 +56,8 @@ class FrameKind:
     ABORT = 2
 
 
-@dataclass(frozen=True)
-class FrameHeader:
-    """A frame header.
+class FrameHeader(NamedTuple):
+    """A frame header (immutable; a named tuple, as every frame makes one).
 
     ``seq`` is the communicator's collective sequence number (identical on every rank for the
     same call), ``step`` counts the frames of this collective between one ordered pair of ranks,
