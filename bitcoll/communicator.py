@@ -93,9 +93,10 @@ DEFAULT_PACKED_SEGMENT_BYTES = 1 << 20
 #: over shared memory (with more ranks on 2 cores, recursive doubling wins further up).
 SMALL_MESSAGE_BYTES = 128 << 10
 #: Over MPI, at or below this many bytes the dense all-reduce's default is MPI's own
-#: all-reduce (after the one fixed-size argument check every all-reduce over MPI starts with):
-#: see :meth:`Communicator.allreduce` and the README for the measured crossover (2 ranks: MPICH's
-#: all-reduce faster up to 1 MiB, bitcoll's ring from 2-4 MiB).
+#: all-reduce (after the one fixed-size argument check every all-reduce over MPI starts with),
+#: above it bitcoll's ring, streamed (:meth:`~bitcoll.transport.mpi.MPITransport.stream`): see
+#: :meth:`Communicator.allreduce` and the README for the measured crossover (2 ranks: MPICH's
+#: all-reduce faster up to 512 KiB, the ring from 1 MiB; ``results/mpi_crossover_streams``).
 NATIVE_ALLREDUCE_MAX_BYTES = 512 << 10
 #: The packed collectives' default is the all-gather baseline while it sends at most this many
 #: bytes more per rank than the bandwidth-optimal direct exchange (one round of messages
