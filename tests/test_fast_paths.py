@@ -101,6 +101,22 @@ def test_mpi_default_allreduce_is_native_up_to_the_threshold() -> None:
 
 
 
+def _check_reduction(comm: Communicator, y: np.ndarray, rows: list[np.ndarray], op: str) -> None:
+    """``y`` is the all-reduce of ``rows`` (every rank's input) with ``op``: integers exactly,
+    floats within float32 rounding of the float64 result, the same bits on every rank."""
+    ufunc = {"sum": np.add, "avg": np.add, "max": np.maximum, "min": np.minimum}[op]
+    if y.dtype.kind in "iu":
+        np.testing.assert_array_equal(y, ufunc.reduce(np.stack(rows)))
+    else:
+        want = ufunc.reduce(np.stack(rows).astype(np.float64))
+        if op == "avg":
+            want = want / comm.size
+        np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
+    every = comm.allgather(y.reshape(1, -1))
+    for row in np.asarray(every).reshape(comm.size, -1):
+        np.testing.assert_array_equal(row, y)  # same bits everywhere
+
+
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(120)
 def test_mpi_native_fast_path_in_place_and_shaped() -> None:
@@ -116,8 +132,6 @@ def test_mpi_native_fast_path_in_place_and_shaped() -> None:
             for op in ("sum", "max", "min", "avg"):
                 if op == "avg" and np.dtype(dtype).kind != "f":
                     continue
-                ufunc = {"sum": np.add, "avg": np.add, "max": np.maximum,
-                         "min": np.minimum}[op]
                 x = rows[comm.rank].copy()
                 comm.stats.reset()
                 y = comm.allreduce(x, op=op)
@@ -131,16 +145,7 @@ def test_mpi_native_fast_path_in_place_and_shaped() -> None:
                 np.testing.assert_array_equal(x, rows[comm.rank])  # input untouched
                 for got in (out.reshape(-1), flat, cube.reshape(-1)):
                     np.testing.assert_array_equal(got, y)
-                if np.dtype(dtype).kind == "i":
-                    np.testing.assert_array_equal(y, ufunc.reduce(np.stack(rows)))
-                else:
-                    want = ufunc.reduce(np.stack(rows).astype(np.float64))
-                    if op == "avg":
-                        want = want / comm.size
-                    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
-                every = comm.allgather(y.reshape(1, -1))
-                for row in np.asarray(every).reshape(comm.size, -1):
-                    np.testing.assert_array_equal(row, y)  # same bits everywhere
+                _check_reduction(comm, y, rows, op)
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(120)
@@ -169,17 +174,7 @@ def test_mpi_default_ring_fast_and_general_paths_agree() -> None:
                 np.testing.assert_array_equal(mine, rows[comm.rank])  # input untouched
                 for got in (forced, out.reshape(-1), inplace):
                     np.testing.assert_array_equal(got, y)
-                ufunc = np.maximum if op == "max" else np.add
-                if dtype == "int32":
-                    np.testing.assert_array_equal(y, ufunc.reduce(np.stack(rows)))
-                else:
-                    want = ufunc.reduce(np.stack(rows).astype(np.float64))
-                    if op == "avg":
-                        want = want / comm.size
-                    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
-                every = comm.allgather(y.reshape(1, -1))
-                for row in np.asarray(every).reshape(comm.size, -1):
-                    np.testing.assert_array_equal(row, y)  # same bits everywhere
+                _check_reduction(comm, y, rows, op)
 
 
 @pytest.mark.mpi(min_size=2)

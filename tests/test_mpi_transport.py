@@ -537,9 +537,12 @@ def test_header_mismatch_fails_every_rank(transport: MPITransport, sent: int, ex
 @mpi
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("where", ["payload", "header"])
-def test_truncation_becomes_protocol_error(transport: MPITransport, where: str) -> None:
+@pytest.mark.parametrize("via", ["irecv", "stream"])
+def test_truncation_becomes_protocol_error(transport: MPITransport, where: str,
+                                           via: str) -> None:
     """A peer that sends more bytes than were posted (bypassing the transport) triggers MPI's
-    truncation error, which must surface as ProtocolError, not an MPI crash."""
+    truncation error, which must surface as ProtocolError, not an MPI crash, from a receive's
+    wait and from a stream alike."""
     from mpi4py import MPI
 
     t = transport
@@ -547,9 +550,13 @@ def test_truncation_becomes_protocol_error(transport: MPITransport, where: str) 
     victim, culprit = 0, 1
     if t.rank == victim:
         out = np.empty(expected, dtype=np.uint8)
-        req = t.irecv(culprit, out.data, _header(expected))
         with pytest.raises(ProtocolError, match="longer than"):
-            req.wait(_deadline())
+            if via == "stream":
+                plan = StreamPlan(out, out, "sum", t.size, [],
+                                  [(_header(expected), 0, expected, MODE_LAND)])
+                t.stream(culprit, culprit, plan, _deadline())
+            else:
+                t.irecv(culprit, out.data, _header(expected)).wait(_deadline())
         assert isinstance(t.failure, ProtocolError)
         assert t.finalize_risk is None  # MPI's truncation error: a mismatch, not a lost peer
     elif t.rank == culprit:
@@ -578,8 +585,9 @@ def test_unmatched_receive_times_out_near_its_deadline(transport: MPITransport) 
     req = t.irecv((t.rank + 1) % t.size, buf.data, _header(16))
     assert not req.done()
     start = time.monotonic()
-    with pytest.raises(CommTimeoutError, match="did not complete"):
+    with pytest.raises(CommTimeoutError, match="did not complete") as info:
         req.wait(start + wait_for)
+    assert info.value.peer == (t.rank + 1) % t.size and info.value.sequence == 1
     elapsed = time.monotonic() - start
     assert wait_for <= elapsed < wait_for + 1.0
     assert t.failure is None  # a timeout alone does not abort the transport
@@ -702,25 +710,24 @@ def _frame_by_frame(t: MPITransport, plan: StreamPlan, right: int, left: int) ->
     lands = [np.empty(z - a, work.dtype) if mode != MODE_LAND else work[a:z]
              for _, a, z, mode in plan.recvs]
     recvs = [t.irecv(left, land.data, h) for land, (h, *_) in zip(lands, plan.recvs, strict=True)]
+
+    def finish(j: int) -> None:
+        _, a, z, mode = plan.recvs[j]
+        recvs[j].wait(_deadline())
+        if mode != MODE_LAND:
+            ufunc(src[a:z], lands[j], out=work[a:z])
+            if mode == MODE_FOLD_DIVIDE:
+                np.divide(work[a:z], np.asarray(plan.divisor, work.dtype), out=work[a:z])
+
     sends: list[Request] = []
     done = 0
     for h, a, z, from_src, after in plan.sends:
-        while after >= done:
-            _, ra, rz, mode = plan.recvs[done]
-            recvs[done].wait(_deadline())
-            if mode != MODE_LAND:
-                ufunc(src[ra:rz], lands[done], out=work[ra:rz])
-                if mode == MODE_FOLD_DIVIDE:
-                    np.divide(work[ra:rz], np.asarray(plan.divisor, work.dtype), out=work[ra:rz])
+        while after >= done:  # a forward: its receive first
+            finish(done)
             done += 1
         sends.append(t.isend(right, (src if from_src else work)[a:z].data, h))
     for j in range(done, len(recvs)):
-        _, ra, rz, mode = plan.recvs[j]
-        recvs[j].wait(_deadline())
-        if mode != MODE_LAND:
-            ufunc(src[ra:rz], lands[j], out=work[ra:rz])
-            if mode == MODE_FOLD_DIVIDE:
-                np.divide(work[ra:rz], np.asarray(plan.divisor, work.dtype), out=work[ra:rz])
+        finish(j)
     wait_all(sends, _deadline())
 
 
@@ -768,6 +775,17 @@ def test_stream_runs_the_frames_of_a_ring(transport: MPITransport, dtype: str, o
 
 
 @mpi
+@pytest.mark.timeout(30)
+def test_stream_rejects_a_forward_of_a_missing_receive(transport: MPITransport) -> None:
+    t = transport
+    work = np.zeros(4, np.uint8)
+    plan = StreamPlan(work, work, "sum", t.size, [(_header(4), 0, 4, False, 0)], [])
+    with pytest.raises(UsageError, match="forwards a receive"):
+        t.stream((t.rank + 1) % t.size, (t.rank - 1) % t.size, plan, _deadline())
+    assert t.failure is None and t.stats.snapshot()["messages_sent"] == 0
+
+
+@mpi
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(("sent", "expected", "wrong_signature"), [
     (7, 7, True), (MIB, MIB, True), (MIB + 1, MIB, False), (8, 7, False)])
@@ -807,31 +825,6 @@ def test_stream_header_mismatch_fails_every_rank(transport: MPITransport, sent: 
 
 @mpi
 @pytest.mark.timeout(60)
-def test_stream_truncation_becomes_protocol_error(transport: MPITransport) -> None:
-    """A peer sends twice the payload announced (bypassing the transport): MPI's truncation
-    error surfaces from the stream as ProtocolError."""
-    from mpi4py import MPI
-
-    t = transport
-    victim, culprit = 0, 1
-    n = 4 * INLINE_MAX
-    if t.rank == victim:
-        work = np.zeros(n, np.uint8)
-        plan = StreamPlan(work, work, "sum", t.size, [], [(_header(n), 0, n, MODE_LAND)])
-        with pytest.raises(ProtocolError, match="longer than"):
-            t.stream(culprit, culprit, plan, _deadline())
-        assert isinstance(t.failure, ProtocolError)
-    elif t.rank == culprit:
-        messages = [_header(n).pack(), np.zeros(2 * n, np.uint8)]
-        sends = [t.comm.Isend([m, MPI.BYTE], victim, DATA_TAG) for m in messages]
-        _expect_peer_abort(t, victim, f"rank {victim} aborted")
-        MPI.Request.Testall(sends)
-    else:
-        _expect_peer_abort(t, victim, f"rank {victim} aborted")
-
-
-@mpi
-@pytest.mark.timeout(60)
 def test_stream_times_out_and_fails_the_transport(transport: MPITransport) -> None:
     """Rank 0 streams frames rank 1 never sends: CommTimeoutError at the deadline naming the
     silent peer, and (unlike a frame's wait) the transport fails, so every peer hears of it;
@@ -847,7 +840,8 @@ def test_stream_times_out_and_fails_the_transport(transport: MPITransport) -> No
         with pytest.raises(CommTimeoutError, match="did not complete") as info:
             t.stream(1, 1, plan, start + wait_for)
         assert wait_for <= time.monotonic() - start < wait_for + 1.0
-        assert info.value.peer == 1 and info.value.silent == 1
+        assert info.value.peer == 1 and info.value.sequence == 1
+        assert info.value.silent is None  # MPI cannot tell whether rank 1 waits on another
         assert t.failure is info.value
         assert t.finalize_risk is not None
         t.close()

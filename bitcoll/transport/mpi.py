@@ -63,13 +63,13 @@ Streams
 the left, which received ones are folded, landed or forwarded) in one loop on the calling
 thread: the same MPI messages as the equivalent ``isend``/``irecv`` calls, so a streaming
 rank and one making its frames one by one work together, but with no request object and no
-wait loop per frame. Sends are posted in plan order as soon as they may leave (a forward once its receive
-is folded); receives are posted in order, :data:`STREAM_WINDOW` ahead, a folded one into one
-of two landing buffers the transport keeps, a landed one straight into the array; the loop
-tests the oldest receive, checks its header as ``irecv`` does and folds with numpy outside
-the lock, and every :data:`STREAM_IDLE_TESTS` unsuccessful tests (every test on an
-oversubscribed node) it polls the abort channel, checks the deadline and backs off like a
-wait loop. Any error, a timeout included, fails the transport: a stream half done cannot be
+wait loop per frame. Sends are posted in plan order as soon as they may leave (a forward
+once its receive is folded); receives are posted in order, :data:`STREAM_WINDOW` ahead, a
+folded one into one of two landing buffers the transport keeps, a landed one straight into
+the array; the loop tests the oldest receive, checks its header as ``irecv`` does and folds
+with numpy outside the lock, and every :data:`STREAM_IDLE_TESTS` unsuccessful tests (every
+test on an oversubscribed node) it polls the abort channel, checks the deadline and backs off
+like a wait loop. Any error, a timeout included, fails the transport: a stream half done cannot be
 resumed (its receives are cancelled, whatever MPI may still touch is kept alive). Measured
 (2 ranks, 1 MiB float32 all-reduce): the ring's frame-by-frame path spent about 50 us of
 Python per call beyond the data's time; streamed, bitcoll's ring is faster than MPICH's
@@ -727,15 +727,21 @@ class _MPIRequest(Request):
                 if self._step():  # a last look before giving up
                     return
                 waited = now - self._posted
+                peer, sequence = self._context()
                 err = CommTimeoutError(
                     f"{self._describe()} did not complete before the deadline "
-                    f"({waited:.3g} s after it was posted)")
+                    f"({waited:.3g} s after it was posted)", peer=peer, sequence=sequence)
                 self._t._note_risk(f"a peer did not answer in time: {err}")
                 raise err
             poller.pause(now)
 
     def _cancel(self) -> None:
         """Cancel what MPI allows to cancel (receives); called with the lock held."""
+
+    def _context(self) -> tuple[int | None, int | None]:
+        """The structured context of this request's errors: ``(peer, sequence)``, None where
+        there is none (a native collective)."""
+        return None, None
 
 
 class _SendRequest(_MPIRequest):
@@ -762,6 +768,9 @@ class _SendRequest(_MPIRequest):
         h = self._header
         return (f"send of {h.length} bytes to rank {self._peer} (collective #{h.seq}, "
                 f"step {h.step})")
+
+    def _context(self) -> tuple[int | None, int | None]:
+        return self._peer, self._header.seq
 
 
 class _RecvRequest(_MPIRequest):
@@ -826,6 +835,9 @@ class _RecvRequest(_MPIRequest):
         h = self._expected
         return (f"receive of {h.length} bytes from rank {self._peer} (collective #{h.seq}, "
                 f"step {h.step})")
+
+    def _context(self) -> tuple[int | None, int | None]:
+        return self._peer, self._expected.seq
 
 
 class _CollectiveRequest(_MPIRequest):
@@ -1066,15 +1078,20 @@ class _StreamRun:
         self._done = j + 1
 
     def _timeout(self) -> CommTimeoutError:
+        """The error of a stream past its deadline: the oldest receive it waits for, else its
+        sends (``peer`` is that neighbour; over MPI no rank can tell whether it waits in
+        turn for another, so ``silent`` stays unknown)."""
+        plan = self._plan
         if self._posted:
-            header = self._plan.recvs[self._posted[0][0]][0]
+            header = plan.recvs[self._posted[0][0]][0]
             what = (f"receive of {header.length} bytes from rank {self.in_peer} (collective "
                     f"#{header.seq}, step {header.step})")
             peer = self.in_peer
         else:
+            header = plan.sends[-1][0]
             what, peer = f"send to rank {self.out_peer}", self.out_peer
         err = CommTimeoutError(f"stream: {what} did not complete before the deadline",
-                               peer=peer, silent=peer)
+                               peer=peer, sequence=header.seq)
         self._t._note_risk(f"a peer did not answer in time: {err}")
         return err
 
@@ -1488,6 +1505,8 @@ class MPITransport(Transport):
         folded frames (two, as long as the longest folded frame) for the next stream."""
         self._check_peer(out_peer)
         self._check_peer(in_peer)
+        if any(not -1 <= after < len(plan.recvs) for *_, after in plan.sends):
+            raise UsageError("a stream plan's send forwards a receive the plan does not have")
         _StreamRun(self, out_peer, in_peer, plan).run(deadline)
         return True
 
