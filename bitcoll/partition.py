@@ -50,9 +50,4 @@ def block_bounds(n: int, p: int) -> tuple[int, ...]:
     """Return the ``p + 1`` boundaries of ``partition(n, p)`` (Python ints: block ``r`` is
     ``[bounds[r], bounds[r + 1])``). Cached: a collective's set-up looks them up in well under a
     microsecond."""
-    _check(n, p)
-    q, rem = divmod(int(n), int(p))
-    bounds = [0] * (p + 1)
-    for r in range(p):
-        bounds[r + 1] = bounds[r] + q + (1 if r < rem else 0)
-    return tuple(bounds)
+    return (*(start for start, _ in partition(int(n), int(p))), int(n))

@@ -583,6 +583,12 @@ def _frame_problem(first: memoryview, count: int, expected: FrameHeader,
     return None
 
 
+def _payload_problem(count: int, n: int, peer: int) -> str:
+    """The error message of a two-message frame from ``peer`` whose payload message has
+    ``count`` bytes where its header announced ``n``."""
+    return f"rank {peer} sent {count} payload bytes for a frame whose header announces {n}"
+
+
 def _receive_failed(t: MPITransport, exc: BaseException, peer: int, posted: int,
                     expected: FrameHeader) -> ProtocolError:
     """The ProtocolError of a receive from ``peer`` that MPI failed with ``exc`` (``posted``
@@ -819,9 +825,7 @@ class _RecvRequest(_MPIRequest):
                 return False
             count = status.Get_count(mpi.BYTE)
             if count != n:
-                raise self._protocol_error(
-                    f"rank {self._peer} sent {count} payload bytes for a frame whose header "
-                    f"announces {n}")
+                raise self._protocol_error(_payload_problem(count, n, self._peer))
         self._t.stats.add_received(HEADER_SIZE + n)
         self._reqs.clear()
         return True
@@ -1040,9 +1044,8 @@ class _StreamRun:
                 raise _receive_failed(t, exc, self.in_peer, header.length, header) from exc
             count = status.Get_count(mpi.BYTE)
             if count != header.length:
-                raise ProtocolError(
-                    f"rank {self.in_peer} sent {count} payload bytes for a frame whose header "
-                    f"announces {header.length}", peer=self.in_peer, sequence=header.seq)
+                raise ProtocolError(_payload_problem(count, header.length, self.in_peer),
+                                    peer=self.in_peer, sequence=header.seq)
         return j
 
     def _test_sends(self) -> int | None:
