@@ -735,6 +735,7 @@ def _frame_by_frame(t: MPITransport, plan: StreamPlan, right: int, left: int) ->
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(("dtype", "op", "fold_small"), [
     ("float32", "sum", MODE_FOLD_DIVIDE), ("float64", "sum", MODE_FOLD),
+    ("float16", "sum", MODE_FOLD_DIVIDE), ("float32", "max", MODE_FOLD),
     ("int32", "max", MODE_FOLD), ("uint8", "min", MODE_LAND)])
 @pytest.mark.parametrize("frames_rank", [None, 0])
 def test_stream_runs_the_frames_of_a_ring(transport: MPITransport, dtype: str, op: str,
@@ -742,8 +743,10 @@ def test_stream_runs_the_frames_of_a_ring(transport: MPITransport, dtype: str, o
     """Every rank streams a ring-shaped plan (two-message and inline frames, a forward of a
     folded block, an empty frame), or rank ``frames_rank`` makes the same frames one by one:
     folds, averages, landings and forwards as computed locally from the seeds, the traffic
-    counted frame by frame, the transport healthy afterwards."""
+    counted frame by frame, the transport healthy afterwards. Over MPI every fold streams
+    (float16 and float max/min too: numpy folds them as the frame path does)."""
     t = transport
+    assert t.stream_folds(np.dtype(dtype), op)
     right, left = (t.rank + 1) % t.size, (t.rank - 1) % t.size
     salt = 3 if frames_rank is None else 4
     src = _stream_src(t.rank, dtype, salt)

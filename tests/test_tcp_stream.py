@@ -152,6 +152,19 @@ def test_stream_uses_a_header_read_ahead(monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 @pytest.mark.timeout(30)
+def test_stream_folds_what_the_kernel_computes_exactly(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The TCP stream folds what its native kernel computes as numpy would: sums of every
+    dtype but float16, max and min of integers only (numpy's NaN rules for floats)."""
+    with _raw_pair(monkeypatch) as (t, _, _):
+        for dt in ("float32", "float64", "int8", "uint64"):
+            assert t.stream_folds(np.dtype(dt), "sum")
+        assert not t.stream_folds(np.dtype("float16"), "sum")
+        assert t.stream_folds(np.dtype("int32"), "max") and t.stream_folds(np.dtype("uint8"), "min")
+        assert not t.stream_folds(np.dtype("float32"), "max")
+        assert not t.stream_folds(np.dtype("float64"), "min")
+
+
+@pytest.mark.timeout(30)
 def test_stream_declines_when_the_connection_is_busy(monkeypatch: pytest.MonkeyPatch) -> None:
     """A receive posted from the peer, or a read-ahead header that is not the plan's first:
     False, nothing read or written, and the frame path goes on as if nothing happened."""

@@ -16,7 +16,6 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ..kernels.stream import STREAM_DTYPES
 from ..ops import ReduceOp
 from ..transport.base import Consumer, FrameHeader, Request, StreamPlan, Transport
 
@@ -122,10 +121,11 @@ class OpContext:
 
     def streams(self, dtype: np.dtype[Any], op: ReduceOp) -> bool:
         """Whether :meth:`stream` may run frames of ``dtype`` folded with ``op`` here: the
-        transport streams, and the fold is exact in native code (sum and avg of every dtype
-        but float16; max and min of integers)."""
-        return (self.transport.streams and dtype in STREAM_DTYPES
-                and (op in (ReduceOp.SUM, ReduceOp.AVG) or dtype.kind in "iu"))
+        transport streams and folds them as the frame path does
+        (:meth:`~bitcoll.transport.base.Transport.stream_folds`; avg folds as a sum)."""
+        t = self.transport
+        return t.streams and t.stream_folds(
+            dtype, "sum" if op in (ReduceOp.SUM, ReduceOp.AVG) else op.value)
 
     def stream(self, out_peer: int, in_peer: int, work: npt.NDArray[Any],
                src: npt.NDArray[Any], op: ReduceOp,

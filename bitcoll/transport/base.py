@@ -188,6 +188,12 @@ class Transport(ABC):
     #: True when :meth:`stream` can run a :class:`StreamPlan` (it may still decline one).
     streams: bool = False
 
+    def stream_folds(self, dtype: np.dtype[Any], op: str) -> bool:
+        """Whether :meth:`stream` folds frames of ``dtype`` with ``op`` ("sum", "max" or
+        "min"), to the same bits as the frame path's numpy fold. Only where :attr:`streams`
+        is True."""
+        return False
+
     def stream(self, out_peer: int, in_peer: int, plan: StreamPlan, deadline: float) -> bool:
         """Run ``plan``: its sends to ``out_peer`` and receives from ``in_peer`` (the same rank
         when there are two), frame for frame what the equivalent ``isend``/``irecv`` calls

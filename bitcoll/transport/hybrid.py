@@ -622,6 +622,9 @@ class HybridTransport(LinkTransport):
         """Streams run over TCP: between peers of other hosts (see :meth:`stream`)."""
         return self._tcp.streams
 
+    def stream_folds(self, dtype: np.dtype[Any], op: str) -> bool:
+        return self._tcp.stream_folds(dtype, op)
+
     def stream(self, out_peer: int, in_peer: int, plan: StreamPlan, deadline: float) -> bool:
         """Run ``plan`` over the TCP transport (``TCPTransport.stream``) when both peers are
         on other hosts; False (nothing done) when either is a shared-memory peer or TCP

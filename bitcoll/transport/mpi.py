@@ -61,19 +61,19 @@ Streams
 :meth:`MPITransport.stream` runs a whole ring pass (a
 :class:`~bitcoll.transport.base.StreamPlan`: the frames one rank sends right and receives from
 the left, which received ones are folded, landed or forwarded) in one loop on the calling
-thread: the same MPI messages as the equivalent ``isend``/``irecv`` calls, so a streaming
-rank and one making its frames one by one work together, but with no request object and no
-wait loop per frame. Sends are posted in plan order as soon as they may leave (a forward
-once its receive is folded); receives are posted in order, :data:`STREAM_WINDOW` ahead, a
-folded one into one of two landing buffers the transport keeps, a landed one straight into
-the array; the loop tests the oldest receive, checks its header as ``irecv`` does and folds
-with numpy outside the lock, and every :data:`STREAM_IDLE_TESTS` unsuccessful tests (every
-test on an oversubscribed node) it polls the abort channel, checks the deadline and backs off
-like a wait loop. Any error, a timeout included, fails the transport: a stream half done cannot be
-resumed (its receives are cancelled, whatever MPI may still touch is kept alive). Measured
-(2 ranks, 1 MiB float32 all-reduce): the ring's frame-by-frame path spent about 50 us of
-Python per call beyond the data's time; streamed, bitcoll's ring is faster than MPICH's
-all-reduce from 1 MiB (README, "Over MPI").
+thread: the same MPI messages as the equivalent ``isend``/``irecv`` calls, so a streaming rank
+and one making its frames one by one work together, but with no request object and no wait loop
+per frame. Sends are posted in plan order as soon as they may leave (a forward once its receive
+is folded); receives are posted in order, :data:`STREAM_WINDOW` ahead, a folded one into one of
+two landing buffers the transport keeps, a landed one straight into the array; the loop tests
+the oldest receive, checks its header as ``irecv`` does and folds with numpy outside the lock
+(the frame path's ufuncs, so every dtype and op streams), and every :data:`STREAM_IDLE_TESTS`
+unsuccessful tests (every test on an oversubscribed node) it polls the abort channel, checks
+the deadline and backs off like a wait loop. Any error, a timeout included, fails the
+transport: a stream half done cannot be resumed (its receives are cancelled, whatever MPI may
+still touch is kept alive). Measured (2 ranks, 1 MiB float32 all-reduce): the ring's
+frame-by-frame path spent about 50 us of Python per call beyond the data's time; streamed,
+bitcoll's ring is faster than MPICH's all-reduce from 1 MiB (README, "Over MPI").
 
 Native collectives
 ------------------
@@ -1494,6 +1494,10 @@ class MPITransport(Transport):
         return req
 
     streams = True
+
+    def stream_folds(self, dtype: np.dtype[Any], op: str) -> bool:
+        """Every fold: a stream folds with the frame path's numpy ufuncs."""
+        return op in _STREAM_UFUNCS
 
     def stream(self, out_peer: int, in_peer: int, plan: StreamPlan, deadline: float) -> bool:
         """Run ``plan`` (:meth:`Transport.stream`): its sends to ``out_peer`` and receives from

@@ -666,6 +666,12 @@ class TCPTransport(LinkTransport):
 
     streams = stream_kernel.AVAILABLE
 
+    def stream_folds(self, dtype: np.dtype[Any], op: str) -> bool:
+        """The native kernel's folds: sums of :data:`~bitcoll.kernels.stream.STREAM_DTYPES`
+        (every dtype but float16, which has no native arithmetic), max and min of integers
+        (a float max/min would have to match numpy's NaN rules)."""
+        return dtype in stream_kernel.STREAM_DTYPES and (op == "sum" or dtype.kind in "iu")
+
     def stream(self, out_peer: int, in_peer: int, plan: StreamPlan, deadline: float) -> bool:
         """Run ``plan`` (see :meth:`Transport.stream`) in :func:`bitcoll.kernels.run_stream`:
         one poll loop on the calling thread, in native code without the GIL, over the two
