@@ -71,9 +71,8 @@ the oldest receive, checks its header as ``irecv`` does and folds with numpy out
 unsuccessful tests (every test on an oversubscribed node) it polls the abort channel, checks
 the deadline and backs off like a wait loop. Any error, a timeout included, fails the
 transport: a stream half done cannot be resumed (its receives are cancelled, whatever MPI may
-still touch is kept alive). Measured (2 ranks, 1 MiB float32 all-reduce): the ring's
-frame-by-frame path spent about 50 us of Python per call beyond the data's time; streamed,
-bitcoll's ring is faster than MPICH's all-reduce from 1 MiB (README, "Over MPI").
+still touch is kept alive). Measured (2 ranks, float32): streamed, bitcoll's ring is faster
+than MPICH's all-reduce from 1 MiB (README, "Over MPI").
 
 Native collectives
 ------------------
