@@ -67,7 +67,7 @@ per frame. Sends are posted in plan order as soon as they may leave (a forward o
 is folded); receives are posted in order, :data:`STREAM_WINDOW` ahead, a folded one into one of
 two landing buffers the transport keeps, a landed one straight into the array; the loop tests
 the oldest receive, checks its header as ``irecv`` does and folds with numpy outside the lock
-(the frame path's ufuncs, so every dtype and op streams), and every :data:`STREAM_IDLE_TESTS`
+(the frame path's reduce_into, so every dtype and op streams), and every :data:`STREAM_IDLE_TESTS`
 unsuccessful tests (every test on an oversubscribed node) it polls the abort channel, checks
 the deadline and backs off like a wait loop. Any error, a timeout included, fails the
 transport: a stream half done cannot be resumed (its receives are cancelled, whatever MPI may
@@ -195,6 +195,7 @@ import numpy.typing as npt
 from ..config import DEFAULT_TIMEOUT
 from ..errors import CommError, CommTimeoutError, PeerLostError, ProtocolError, UsageError
 from ..kernels.stream import MODE_FOLD_DIVIDE, MODE_LAND
+from ..ops import ReduceOp, reduce_into
 from ..topology import usable_cores
 from .base import (
     HEADER_SIZE,
@@ -867,7 +868,8 @@ class _CollectiveRequest(_MPIRequest):
         return f"native {self._what}"
 
 
-_STREAM_UFUNCS: Final = {"sum": np.add, "max": np.maximum, "min": np.minimum}
+_STREAM_OPS: Final = frozenset(("sum", "max", "min"))
+"""A stream plan's ops (an avg folds as a sum, then divides at the owner)."""
 
 STREAM_WINDOW: Final = 2
 """Receives a stream keeps posted ahead (each folded one lands in its own reused buffer)."""
@@ -1073,8 +1075,8 @@ class _StreamRun:
                 self._work[start * itemsize:stop * itemsize] = payload
         else:
             out = plan.work[start:stop]
-            _STREAM_UFUNCS[plan.op](plan.src[start:stop], payload.view(plan.work.dtype),
-                                    out=out)
+            reduce_into(out, plan.src[start:stop], payload.view(plan.work.dtype),
+                        ReduceOp(plan.op))
             if mode == MODE_FOLD_DIVIDE:
                 np.divide(out, np.asarray(plan.divisor, dtype=out.dtype), out=out)
         self._done = j + 1
@@ -1495,8 +1497,8 @@ class MPITransport(Transport):
     streams = True
 
     def stream_folds(self, dtype: np.dtype[Any], op: str) -> bool:
-        """Every fold: a stream folds with the frame path's numpy ufuncs."""
-        return op in _STREAM_UFUNCS
+        """Every fold: a stream folds with the frame path's own :func:`~bitcoll.ops.reduce_into`."""
+        return op in _STREAM_OPS
 
     def stream(self, out_peer: int, in_peer: int, plan: StreamPlan, deadline: float) -> bool:
         """Run ``plan`` (:meth:`Transport.stream`): its sends to ``out_peer`` and receives from
