@@ -8,7 +8,7 @@ from typing import Final
 from .errors import UsageError
 
 __all__ = ["DEFAULT_TIMEOUT", "ENV_MASTER_PORT", "ENV_INTEGRITY", "ENV_TWO_LEVEL",
-           "MAX_SUM_RANGE", "switch"]
+           "ENV_SEND_BUFFER", "MAX_SUM_RANGE", "switch"]
 
 #: Default deadline, in seconds, of every blocking operation (set-up included).
 DEFAULT_TIMEOUT: Final = 300.0
@@ -22,6 +22,11 @@ ENV_INTEGRITY: Final = "BITCOLL_INTEGRITY"
 #: Environment variable that sets whether the two-level algorithms are the default on hosts
 #: with several ranks ("0": flat, "1": two-level, the default).
 ENV_TWO_LEVEL: Final = "BITCOLL_TWO_LEVEL"
+
+#: Environment variable that sets the send buffer of the TCP backend's data connections, in
+#: bytes (0: the kernel's own sizing; default
+#: :data:`bitcoll.transport.tcp_bootstrap.SEND_BUFFER_BYTES`).
+ENV_SEND_BUFFER: Final = "BITCOLL_SEND_BUFFER"
 
 #: Largest ``levels * size`` of the exact-sum collectives (their results travel in at most
 #: 16-bit fields).

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 from tcp_world import free_port, make_event, run_world, wait_dead
 
+from bitcoll.config import ENV_SEND_BUFFER
 from bitcoll.errors import CommError, CommTimeoutError, PeerLostError, ProtocolError, UsageError
 from bitcoll.transport import auth, handshake, netio
 from bitcoll.transport.base import HEADER_SIZE, MAGIC, PROTOCOL_VERSION, FrameHeader
@@ -30,10 +31,13 @@ from bitcoll.transport.tcp import (
     KEY_INTEGRITY,
     KEY_JOB,
     KEY_SIZE,
+    RECEIVE_BUFFER_BYTES,
+    SEND_BUFFER_BYTES,
     PeerState,
     RxPhase,
     TCPTransport,
 )
+from bitcoll.transport.tcp_bootstrap import send_buffer_bytes
 
 pytestmark = pytest.mark.tcp
 
@@ -380,6 +384,63 @@ def test_create_rejects_bad_arguments(args: tuple[int, int, int]) -> None:
     rank, size, port = args
     with pytest.raises(UsageError):
         TCPTransport.create(rank, size, "127.0.0.1", port, timeout=1.0)
+
+
+def _buffers(t: TCPTransport) -> list[tuple[int, int]]:
+    """(SO_SNDBUF, SO_RCVBUF) of each of ``t``'s data connections."""
+    return [(p.sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF),
+             p.sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF))
+            for p in t._peers.values()]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("setting", [None, "65536", "0"])
+def test_data_connections_get_the_send_buffer_asked_for(monkeypatch: pytest.MonkeyPatch,
+                                                        setting: str | None) -> None:
+    """The default send buffer, BITCOLL_SEND_BUFFER's, or the kernel's own (0); the receive
+    buffer raised to RECEIVE_BUFFER_BYTES either way (Linux reports twice what was set)."""
+    if setting is None:
+        monkeypatch.delenv(ENV_SEND_BUFFER, raising=False)
+    else:
+        monkeypatch.setenv(ENV_SEND_BUFFER, setting)
+    fresh = socket.socket()
+    kernel = fresh.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+    fresh.close()
+    asked = SEND_BUFFER_BYTES if setting is None else int(setting)
+    out = _create_in_threads(3, [0, 1, 2], free_port(), timeout=20.0)
+    try:
+        for r in range(3):
+            t = out[r]
+            assert isinstance(t, TCPTransport), repr(t)
+            bufs = _buffers(t)
+            assert len(bufs) == 2
+            for send, receive in bufs:
+                assert receive >= RECEIVE_BUFFER_BYTES
+                if asked:
+                    assert send in (asked, 2 * asked)
+                else:  # left to the kernel: it starts where a fresh socket does and may grow
+                    assert send >= kernel and send not in (SEND_BUFFER_BYTES,
+                                                           2 * SEND_BUFFER_BYTES)
+    finally:  # together: rank 0 keeps the store until the others have closed
+        closers = [threading.Thread(target=t.close) for t in out.values()
+                   if isinstance(t, TCPTransport)]
+        for th in closers:
+            th.start()
+        for th in closers:
+            th.join(30)
+
+
+@pytest.mark.parametrize("text", ["abc", "-1", "1.5", "64K", str(1 << 31)])
+def test_a_bad_send_buffer_setting_is_a_usage_error_before_connecting(
+        monkeypatch: pytest.MonkeyPatch, text: str) -> None:
+    monkeypatch.setenv(ENV_SEND_BUFFER, text)
+    with pytest.raises(UsageError, match=ENV_SEND_BUFFER):
+        send_buffer_bytes()
+    t0 = time.monotonic()
+    # Nobody serves this port: the error must come before any attempt to reach it.
+    with pytest.raises(UsageError, match=ENV_SEND_BUFFER):
+        TCPTransport.create(1, 2, "127.0.0.1", free_port(), timeout=30.0)
+    assert time.monotonic() - t0 < 15.0  # not at the 30 s deadline
 
 
 SECRET = "test-secret"

@@ -24,7 +24,8 @@ Set-up (:meth:`TCPTransport.create`, the steps live in :mod:`bitcoll.transport.t
    logs at debug level (logger ``bitcoll.tcp``), every connection that is not a lower rank of
    this job or fails the proof, and goes on waiting for the real one; for the connector a
    failed answer is a :class:`~bitcoll.errors.ProtocolError`. Every socket gets
-   ``TCP_NODELAY`` and :data:`SOCKET_BUFFER_BYTES` send/receive buffers. Rank 0 then removes
+   ``TCP_NODELAY``, a send buffer of :data:`SEND_BUFFER_BYTES` (``BITCOLL_SEND_BUFFER``) and a
+   receive buffer of at least :data:`RECEIVE_BUFFER_BYTES`. Rank 0 then removes
    its secret file (every rank has proven it read it).
 
 :meth:`TCPTransport.subgroup` repeats steps 1 (through the same store, under a new
@@ -181,16 +182,17 @@ from .tcp_bootstrap import KEY_INTEGRITY as KEY_INTEGRITY
 from .tcp_bootstrap import KEY_JOB as KEY_JOB
 from .tcp_bootstrap import KEY_SIZE as KEY_SIZE
 from .tcp_bootstrap import KEY_STALL as KEY_STALL
-from .tcp_bootstrap import SOCKET_BUFFER_BYTES as SOCKET_BUFFER_BYTES
+from .tcp_bootstrap import RECEIVE_BUFFER_BYTES as RECEIVE_BUFFER_BYTES
+from .tcp_bootstrap import SEND_BUFFER_BYTES as SEND_BUFFER_BYTES
 from .tcp_bootstrap import RendezvousStore as RendezvousStore
 from .tcp_bootstrap import _Mesh as _Mesh
 from .tcp_bootstrap import _Rendezvous as _Rendezvous
-from .tcp_bootstrap import build_mesh
+from .tcp_bootstrap import build_mesh, send_buffer_bytes
 from .wire import FRAME_TAG_BYTES as FRAME_TAG_BYTES
 from .wire import MAX_REASON_BYTES as MAX_REASON_BYTES
 from .wire import abort_frame, blake3_module, decode_reason, frame_tag, tag_hasher
 
-__all__ = ["TCPTransport", "SOCKET_BUFFER_BYTES", "PeerState", "RxPhase"]
+__all__ = ["TCPTransport", "SEND_BUFFER_BYTES", "RECEIVE_BUFFER_BYTES", "PeerState", "RxPhase"]
 
 #: Piece size of :meth:`TCPTransport.irecv_consume`: small enough to stay in a core's L2
 #: cache between the kernel's copy and the consumer's read.
@@ -353,7 +355,8 @@ class TCPTransport(LinkTransport):
         the ``blake3`` package).
         ``close_timeout``: see :meth:`close`.
 
-        Raises UsageError for bad arguments, a world size that differs from rank 0's, a rank
+        Raises UsageError for bad arguments (``BITCOLL_SEND_BUFFER`` included), a world size
+        that differs from rank 0's, a rank
         claimed twice or a secret that cannot be had (see :mod:`bitcoll.transport.auth`);
         CommTimeoutError naming the ranks that did not show up before the deadline (rank 0
         itself when no store answers); CommError when the store's port cannot be bound;
@@ -369,6 +372,7 @@ class TCPTransport(LinkTransport):
             check_store(store)
         if integrity:
             blake3_module()
+        send_buffer_bytes()  # a bad BITCOLL_SEND_BUFFER fails here, before any connection
         if size == 1:
             return cls(0, 1, {}, None, 0, close_timeout)
         if store is None and not 0 < master_port < 65536:

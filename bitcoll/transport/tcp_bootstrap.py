@@ -20,6 +20,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Final, Protocol
 
+from ..config import ENV_SEND_BUFFER
 from ..errors import (
     BitcollError,
     CommError,
@@ -33,15 +34,23 @@ from .external_store import ExternalStore
 from .netio import NOSIGNAL, Backoff
 from .store import StoreClient, StoreServer
 
-__all__ = ["SOCKET_BUFFER_BYTES", "RendezvousStore", "build_mesh", "tune", "KEY_SIZE",
+__all__ = ["SEND_BUFFER_BYTES", "RECEIVE_BUFFER_BYTES", "ENV_SEND_BUFFER", "send_buffer_bytes",
+           "RendezvousStore", "build_mesh", "tune", "KEY_SIZE",
            "KEY_JOB", "KEY_JOIN", "KEY_ADDR", "KEY_ABORT", "KEY_SECRET_FILE", "KEY_STALL",
            "KEY_INTEGRITY"]
 
-#: Requested SO_SNDBUF / SO_RCVBUF of every data connection (the kernel doubles it and may
-#: cap it). Enough for the bandwidth-delay product of 10 GbE at sub-millisecond RTT; larger
-#: buffers let queued data fall out of the CPU caches before the receiver copies it, which
-#: measurably slowed 4-rank all-reduces on one host.
-SOCKET_BUFFER_BYTES: Final = 1 << 20
+#: Requested SO_SNDBUF of every data connection, in bytes (Linux doubles it: 256 KiB). It bounds
+#: what a connection holds unsent or unacknowledged, and so what queues in front of a link:
+#: enough for the bandwidth-delay product of 10 Gbit/s at 200 us round trips (25 Gbit/s at
+#: 80 us). Larger send buffers only lengthen the queues: the bytes fall out of the CPU caches
+#: before the receiver copies them (2 ranks on one host: a 256 MiB all-reduce took 117 ms with
+#: 2 MiB, 58 ms with this), and on shaped links every packet waits in the shaper. The
+#: environment variable ``BITCOLL_SEND_BUFFER`` overrides it for paths with a larger product
+#: (bytes; 0: the kernel's own sizing).
+SEND_BUFFER_BYTES: Final = 128 << 10
+#: Requested SO_RCVBUF of every data connection (doubled by Linux): room for what arrives
+#: while the receiving rank is busy elsewhere. Raised to this, never lowered.
+RECEIVE_BUFFER_BYTES: Final = 1 << 20
 
 # Store keys, under the transport's namespace (``bitcoll/`` in its own store).
 KEY_SIZE: Final = "size"
@@ -59,16 +68,36 @@ KEY_INTEGRITY: Final = "integrity"
 _log = logging.getLogger("bitcoll.tcp")
 
 
+def send_buffer_bytes() -> int:
+    """The SO_SNDBUF a data connection requests: ``BITCOLL_SEND_BUFFER`` from the environment
+    (bytes, 0 for the kernel's own sizing), else :data:`SEND_BUFFER_BYTES`. UsageError when the
+    variable is not a whole number from 0 to 2**31 - 1."""
+    text = os.environ.get(ENV_SEND_BUFFER, "").strip()
+    if not text:
+        return SEND_BUFFER_BYTES
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value < 1 << 31:
+        raise UsageError(f"{ENV_SEND_BUFFER} must be a number of bytes from 0 to 2**31 - 1 "
+                         f"(0: the kernel's sizing), got {text!r}")
+    return value
+
+
 def tune(sock: socket.socket) -> None:
-    """TCP_NODELAY and large buffers (set before connect/listen so the window scales)."""
+    """TCP_NODELAY and the buffers (set before connect/listen so the window scales): the send
+    buffer set to :func:`send_buffer_bytes` (unless 0), the receive buffer raised to
+    :data:`RECEIVE_BUFFER_BYTES`."""
     if sock.family in (socket.AF_INET, socket.AF_INET6):
         with contextlib.suppress(OSError):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    if SOCKET_BUFFER_BYTES:
-        for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-            with contextlib.suppress(OSError):
-                if sock.getsockopt(socket.SOL_SOCKET, opt) < SOCKET_BUFFER_BYTES:
-                    sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER_BYTES)
+    send = send_buffer_bytes()
+    with contextlib.suppress(OSError):
+        if send:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send)
+        if sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) < RECEIVE_BUFFER_BYTES:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RECEIVE_BUFFER_BYTES)
 
 
 def _ranks(ranks: list[int] | set[int]) -> str:
