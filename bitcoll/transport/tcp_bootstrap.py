@@ -34,8 +34,8 @@ from .external_store import ExternalStore
 from .netio import NOSIGNAL, Backoff
 from .store import StoreClient, StoreServer
 
-__all__ = ["SEND_BUFFER_BYTES", "RECEIVE_BUFFER_BYTES", "ENV_SEND_BUFFER", "send_buffer_bytes",
-           "RendezvousStore", "build_mesh", "tune", "KEY_SIZE",
+__all__ = ["SEND_BUFFER_BYTES", "RECEIVE_BUFFER_BYTES", "send_buffer_bytes", "RendezvousStore",
+           "build_mesh", "tune", "KEY_SIZE",
            "KEY_JOB", "KEY_JOIN", "KEY_ADDR", "KEY_ABORT", "KEY_SECRET_FILE", "KEY_STALL",
            "KEY_INTEGRITY"]
 
@@ -93,9 +93,10 @@ def tune(sock: socket.socket) -> None:
         with contextlib.suppress(OSError):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     send = send_buffer_bytes()
-    with contextlib.suppress(OSError):
-        if send:
+    if send:
+        with contextlib.suppress(OSError):
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send)
+    with contextlib.suppress(OSError):
         if sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) < RECEIVE_BUFFER_BYTES:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RECEIVE_BUFFER_BYTES)
 
