@@ -332,13 +332,17 @@ def test_receive_nobody_sends_times_out_at_the_deadline() -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def _create_in_threads(size: int, ranks: list[int], port: int,
-                       timeout: float) -> dict[int, TCPTransport | BaseException]:
+def _create_in_threads(size: int, ranks: list[int], port: int, timeout: float,
+                       send_buffer: dict[int, Any] | None = None
+                       ) -> dict[int, TCPTransport | BaseException]:
+    """Each rank of ``ranks`` creates its transport in a thread (``send_buffer``: the
+    ``send_buffer`` argument of some ranks); their transports or errors."""
     out: dict[int, TCPTransport | BaseException] = {}
 
     def run(r: int) -> None:
         try:
-            out[r] = TCPTransport.create(r, size, "127.0.0.1", port, timeout=timeout)
+            out[r] = TCPTransport.create(r, size, "127.0.0.1", port, timeout=timeout,
+                                         send_buffer=(send_buffer or {}).get(r))
         except BaseException as exc:
             out[r] = exc
 
@@ -421,26 +425,69 @@ def test_data_connections_get_the_send_buffer_asked_for(monkeypatch: pytest.Monk
                 else:  # left to the kernel: it starts where a fresh socket does and may grow
                     assert send >= kernel and send not in (SEND_BUFFER_BYTES,
                                                            2 * SEND_BUFFER_BYTES)
-    finally:  # together: rank 0 keeps the store until the others have closed
-        closers = [threading.Thread(target=t.close) for t in out.values()
-                   if isinstance(t, TCPTransport)]
-        for th in closers:
-            th.start()
-        for th in closers:
-            th.join(30)
+    finally:
+        _close_together(out)
+
+
+def _close_together(out: dict[int, TCPTransport | BaseException]) -> None:
+    """Close the transports among ``out`` at once (rank 0 keeps its store until the others
+    have closed)."""
+    closers = [threading.Thread(target=t.close) for t in out.values()
+               if isinstance(t, TCPTransport)]
+    for th in closers:
+        th.start()
+    for th in closers:
+        th.join(30)
 
 
 @pytest.mark.parametrize("text", ["abc", "-1", "1.5", "64K", str(1 << 31)])
-def test_a_bad_send_buffer_setting_is_a_usage_error_before_connecting(
-        monkeypatch: pytest.MonkeyPatch, text: str) -> None:
+def test_a_bad_send_buffer_variable_is_a_usage_error(monkeypatch: pytest.MonkeyPatch,
+                                                     text: str) -> None:
     monkeypatch.setenv(ENV_SEND_BUFFER, text)
     with pytest.raises(UsageError, match=ENV_SEND_BUFFER):
         send_buffer_bytes()
-    t0 = time.monotonic()
-    # Nobody serves this port: the error must come before any attempt to reach it.
-    with pytest.raises(UsageError, match=ENV_SEND_BUFFER):
-        TCPTransport.create(1, 2, "127.0.0.1", free_port(), timeout=30.0)
-    assert time.monotonic() - t0 < 15.0  # not at the 30 s deadline
+    with pytest.raises(UsageError, match=ENV_SEND_BUFFER):  # a world of one checks it too
+        TCPTransport.create(0, 1, "127.0.0.1", 0)
+    assert send_buffer_bytes(4096) == 4096  # an argument wins over the variable
+
+
+@pytest.mark.parametrize("value", [-1, 1 << 31, 1.5, True, "65536"])
+def test_a_bad_send_buffer_argument_is_a_usage_error(value: Any) -> None:
+    with pytest.raises(UsageError, match="send_buffer"):
+        send_buffer_bytes(value)
+    with pytest.raises(UsageError, match="send_buffer"):
+        TCPTransport.create(0, 1, "127.0.0.1", 0, send_buffer=value)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("bad", [0, 2])
+def test_a_rank_with_a_bad_send_buffer_refuses_and_the_others_fail_at_once(bad: int) -> None:
+    """Rank ``bad`` of 3 passes a negative send buffer: it raises UsageError and says so in
+    the store, so the others fail with PeerLostError naming it (not at their 20 s deadline,
+    which would be a CommTimeoutError)."""
+    out = _create_in_threads(3, [0, 1, 2], free_port(), timeout=20.0, send_buffer={bad: -1})
+    try:
+        assert isinstance(out[bad], UsageError), out
+        assert f"rank {bad}: send_buffer" in str(out[bad])
+        for r in {0, 1, 2} - {bad}:
+            err = out[r]
+            assert isinstance(err, PeerLostError), out
+            assert err.peer == bad and "refused" in str(err) and "send_buffer" in str(err)
+    finally:
+        _close_together(out)
+
+
+@pytest.mark.timeout(60)
+def test_a_bad_send_buffer_variable_on_every_rank_fails_each_with_usage_error(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ENV_SEND_BUFFER, "lots")
+    out = _create_in_threads(2, [0, 1], free_port(), timeout=20.0)
+    try:
+        for r in (0, 1):
+            assert isinstance(out[r], UsageError), out
+            assert ENV_SEND_BUFFER in str(out[r])
+    finally:
+        _close_together(out)
 
 
 SECRET = "test-secret"

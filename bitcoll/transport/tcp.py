@@ -306,9 +306,11 @@ class TCPTransport(LinkTransport):
 
     def __init__(self, rank: int, size: int, socks: dict[int, socket.socket],
                  rendezvous: _Rendezvous | None, job_id: int,
-                 close_timeout: float = CLOSE_TIMEOUT, integrity: bool = False) -> None:
+                 close_timeout: float = CLOSE_TIMEOUT, integrity: bool = False,
+                 send_buffer: int = SEND_BUFFER_BYTES) -> None:
         """Wrap established connections (use :meth:`create` instead)."""
         self.rank = rank
+        self.send_buffer = send_buffer  # the connections' SO_SNDBUF (sub-groups' too)
         self.size = size
         self.stats = TrafficStats()
         self.job_id = job_id
@@ -339,7 +341,8 @@ class TCPTransport(LinkTransport):
     def create(cls, rank: int, size: int, master_addr: str, master_port: int,
                timeout: float = DEFAULT_TIMEOUT, listen_addr: str | None = None, *,
                store: object | None = None, integrity: bool = False,
-               close_timeout: float = CLOSE_TIMEOUT) -> TCPTransport:
+               close_timeout: float = CLOSE_TIMEOUT,
+               send_buffer: int | None = None) -> TCPTransport:
         """Connect the ``size`` ranks of a job; see the module docstring for the steps.
 
         ``rank`` in ``[0, size)``. Without ``store``, rank 0 serves bitcoll's authenticated
@@ -353,9 +356,12 @@ class TCPTransport(LinkTransport):
         payload (:data:`FRAME_TAG_BYTES` bytes), checked on arrival: a frame altered or
         injected on the way is a ProtocolError (every rank must pass the same value; needs
         the ``blake3`` package).
-        ``close_timeout``: see :meth:`close`.
+        ``close_timeout``: see :meth:`close`. ``send_buffer``: the SO_SNDBUF of the data
+        connections in bytes, 0 for the kernel's sizing (default: ``BITCOLL_SEND_BUFFER``,
+        else :data:`SEND_BUFFER_BYTES`); a rank whose value (or variable) is bad refuses to
+        join, so the others fail at once too (PeerLostError naming it).
 
-        Raises UsageError for bad arguments (``BITCOLL_SEND_BUFFER`` included), a world size
+        Raises UsageError for bad arguments, a bad send buffer, a world size
         that differs from rank 0's, a rank
         claimed twice or a secret that cannot be had (see :mod:`bitcoll.transport.auth`);
         CommTimeoutError naming the ranks that did not show up before the deadline (rank 0
@@ -372,22 +378,35 @@ class TCPTransport(LinkTransport):
             check_store(store)
         if integrity:
             blake3_module()
-        send_buffer_bytes()  # a bad BITCOLL_SEND_BUFFER fails here, before any connection
+        refusal = None
+        try:
+            send = send_buffer_bytes(send_buffer)
+        except UsageError as exc:
+            if size == 1:
+                raise
+            refusal, send = f"rank {rank}: {exc}", 0  # told to the others at the rendezvous
         if size == 1:
             return cls(0, 1, {}, None, 0, close_timeout)
         if store is None and not 0 < master_port < 65536:
             raise UsageError(f"master_port must be in 1..65535, got {master_port}")
         deadline = time.monotonic() + timeout
         secret = auth.env_secret()
-        rdv = (_Rendezvous.own(rank, master_addr, master_port, secret, deadline, timeout)
-               if store is None else
-               _Rendezvous.external(rank, store, master_addr, secret, deadline))
+        try:
+            rdv = (_Rendezvous.own(rank, master_addr, master_port, secret, deadline, timeout)
+                   if store is None else
+                   _Rendezvous.external(rank, store, master_addr, secret, deadline))
+        except CommError as exc:
+            if refusal is None:
+                raise
+            raise UsageError(refusal) from exc  # the store was not there to be told
         try:
             socks, job_id = build_mesh(rank, size, rdv, deadline, timeout, listen_addr,
-                                       integrity)
-            return cls(rank, size, socks, rdv, job_id, close_timeout, integrity)
-        except BaseException:
+                                       integrity, send, refusal)
+            return cls(rank, size, socks, rdv, job_id, close_timeout, integrity, send)
+        except BaseException as exc:
             rdv.close(min(deadline, time.monotonic()) + FAILED_CLOSE_SECONDS)
+            if refusal is not None and isinstance(exc, CommError):
+                raise UsageError(refusal) from exc  # this rank's own error comes first
             raise
         finally:
             rdv.forget_secret_file()  # every peer proved the secret (or set-up failed)
@@ -405,9 +424,9 @@ class TCPTransport(LinkTransport):
         deadline = time.monotonic() + timeout
         rdv = self._rdv.child(f"group/{tag}/")
         socks, job_id = build_mesh(members.index(self.rank), len(members), rdv, deadline,
-                                   timeout, None, self.integrity)
+                                   timeout, None, self.integrity, self.send_buffer)
         return TCPTransport(members.index(self.rank), len(members), socks, rdv, job_id,
-                            self.close_timeout, self.integrity)
+                            self.close_timeout, self.integrity, self.send_buffer)
 
     # ---------------------------------------------------------------- state
 

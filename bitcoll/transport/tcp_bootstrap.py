@@ -68,31 +68,36 @@ KEY_INTEGRITY: Final = "integrity"
 _log = logging.getLogger("bitcoll.tcp")
 
 
-def send_buffer_bytes() -> int:
-    """The SO_SNDBUF a data connection requests: ``BITCOLL_SEND_BUFFER`` from the environment
-    (bytes, 0 for the kernel's own sizing), else :data:`SEND_BUFFER_BYTES`. UsageError when the
-    variable is not a whole number from 0 to 2**31 - 1."""
-    text = os.environ.get(ENV_SEND_BUFFER, "").strip()
-    if not text:
-        return SEND_BUFFER_BYTES
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if not 0 <= value < 1 << 31:
-        raise UsageError(f"{ENV_SEND_BUFFER} must be a number of bytes from 0 to 2**31 - 1 "
-                         f"(0: the kernel's sizing), got {text!r}")
+def send_buffer_bytes(value: int | None = None) -> int:
+    """The SO_SNDBUF a data connection requests: ``value`` when given, else
+    ``BITCOLL_SEND_BUFFER`` from the environment, else :data:`SEND_BUFFER_BYTES` (bytes; 0
+    leaves the size to the kernel). UsageError when it is not a whole number from 0 to
+    2**31 - 1."""
+    if value is None:
+        text = os.environ.get(ENV_SEND_BUFFER, "").strip()
+        if not text:
+            return SEND_BUFFER_BYTES
+        try:
+            number = int(text)
+        except ValueError:
+            number = -1
+        if not 0 <= number < 1 << 31:
+            raise UsageError(f"{ENV_SEND_BUFFER} must be a number of bytes from 0 to "
+                             f"2**31 - 1 (0: the kernel's sizing), got {text!r}")
+        return number
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 31:
+        raise UsageError(f"send_buffer must be a number of bytes from 0 to 2**31 - 1 (0: the "
+                         f"kernel's sizing) or None, got {value!r}")
     return value
 
 
-def tune(sock: socket.socket) -> None:
+def tune(sock: socket.socket, send: int) -> None:
     """TCP_NODELAY and the buffers (set before connect/listen so the window scales): the send
-    buffer set to :func:`send_buffer_bytes` (unless 0), the receive buffer raised to
+    buffer set to ``send`` bytes (unless 0), the receive buffer raised to
     :data:`RECEIVE_BUFFER_BYTES`."""
     if sock.family in (socket.AF_INET, socket.AF_INET6):
         with contextlib.suppress(OSError):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    send = send_buffer_bytes()
     if send:
         with contextlib.suppress(OSError):
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send)
@@ -108,10 +113,13 @@ def _ranks(ranks: list[int] | set[int]) -> str:
 
 
 def build_mesh(rank: int, size: int, rdv: _Rendezvous, deadline: float, timeout: float,
-               listen_addr: str | None,
-               integrity: bool) -> tuple[dict[int, socket.socket], int]:
+               listen_addr: str | None, integrity: bool, send_buffer: int,
+               refusal: str | None = None) -> tuple[dict[int, socket.socket], int]:
     """Steps 2-4 of the set-up: job id, join, publish the listener, connect the mesh;
-    return ``({peer: connected socket}, job id)``."""
+    return ``({peer: connected socket}, job id)``. ``send_buffer``: the SO_SNDBUF of the
+    connections (0: the kernel's). ``refusal``: why this rank cannot join (a bad setting of
+    its own); it is published in place of an address, so the others fail at once, and raised
+    here as a UsageError."""
     store, key = rdv.store, rdv.key
     where = rdv.where
     listener: socket.socket | None = None
@@ -121,28 +129,34 @@ def build_mesh(rank: int, size: int, rdv: _Rendezvous, deadline: float, timeout:
             store.set(key(KEY_SIZE), str(size).encode(), deadline)
             store.set(key(KEY_INTEGRITY), b"1" if integrity else b"0", deadline)
             store.set(key(KEY_JOB), str(job_id).encode(), deadline)
+            size0 = size
         else:
             job_id = int(store.get(key(KEY_JOB), deadline))
             size0 = int(store.get(key(KEY_SIZE), deadline))
             integrity0 = store.get(key(KEY_INTEGRITY), deadline) == b"1"
-            refusal = None
-            if size0 != size:
+            if refusal is None and size0 != size:
                 refusal = (f"rank {rank} was started with world size {size} but rank 0 with "
                            f"{size0}")
-            elif integrity0 != integrity:
+            elif refusal is None and integrity0 != integrity:
                 refusal = (f"rank {rank} was started with integrity={integrity} but rank 0 "
                            f"with integrity={integrity0}")
-            if refusal is not None:
-                # Tell the others (they wait for this rank's address) instead of leaving them
-                # to their deadline.
-                if 0 <= rank < size0:
-                    with contextlib.suppress(BitcollError, OSError):
-                        store.set(key(KEY_ADDR.format(rank)),
-                                  REFUSED + refusal.encode()[:400], deadline)
-                raise UsageError(refusal)
+        if refusal is not None:
+            # Tell the others (they wait for this rank's address) instead of leaving them to
+            # their deadline.
+            if 0 <= rank < size0:
+                with contextlib.suppress(BitcollError, OSError):
+                    store.set(key(KEY_ADDR.format(rank)), REFUSED + refusal.encode()[:400],
+                              deadline)
+                    if rank == 0:
+                        # They read it from this rank's store (and need its secret file to
+                        # get in): keep both until every other rank has published an address
+                        # (or a refusal of its own), i.e. is in and about to read this one.
+                        store.wait([key(KEY_ADDR.format(p)) for p in range(1, size)],
+                                   deadline)
+            raise UsageError(refusal)
         if store.add(key(KEY_JOIN.format(rank)), 1, deadline) != 1:
             raise UsageError(f"two processes claim rank {rank} of the job at {where}")
-        listener, host = _listen(store, listen_addr, size)
+        listener, host = _listen(store, listen_addr, size, send_buffer)
         mine = f"{listener.getsockname()[1]} {host}"
         store.set(key(KEY_ADDR.format(rank)), mine.encode(), deadline)
         keys = [key(KEY_ADDR.format(p)) for p in range(size) if p != rank]
@@ -162,15 +176,15 @@ def build_mesh(rank: int, size: int, rdv: _Rendezvous, deadline: float, timeout:
             raise PeerLostError(f"rank {rank}: {_ranks(set(refused))} refused to join the job "
                                 f"at {where}: {reason}", rank=rank, peer=first)
         addrs = {p: published[p].decode() for p in range(rank + 1, size)}
-        socks = _Mesh(rank, size, job_id, rdv.secret, mine, deadline, timeout).connect(
-            listener, addrs)
+        socks = _Mesh(rank, size, job_id, rdv.secret, mine, deadline, timeout,
+                      send_buffer).connect(listener, addrs)
     finally:
         if listener is not None:
             listener.close()
     return socks, job_id
 
-def _listen(store: RendezvousStore, listen_addr: str | None,
-            size: int) -> tuple[socket.socket, str]:
+def _listen(store: RendezvousStore, listen_addr: str | None, size: int,
+            send_buffer: int) -> tuple[socket.socket, str]:
     """Bind the listener; return it and the host to publish."""
     local = store.local_address
     if listen_addr is None:
@@ -187,7 +201,7 @@ def _listen(store: RendezvousStore, listen_addr: str | None,
         raise UsageError(f"cannot resolve listen address {bind_host!r}: {exc}") from exc
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
-        tune(sock)
+        tune(sock, send_buffer)
         sock.bind(sockaddr)
         sock.listen(max(16, 2 * size))
     except OSError as exc:
@@ -317,7 +331,8 @@ class _Rendezvous:
             self.server.close()
 
 
-def _connect(addr: tuple[str, int], deadline: float, peer: int) -> socket.socket:
+def _connect(addr: tuple[str, int], deadline: float, peer: int,
+             send_buffer: int) -> socket.socket:
     """Connect to a published address, retrying refused connections until ``deadline``."""
     backoff = Backoff()
     while True:
@@ -332,7 +347,7 @@ def _connect(addr: tuple[str, int], deadline: float, peer: int) -> socket.socket
                                 f"{addr[0]!r}: {exc}") from exc
         family, _, _, _, sockaddr = infos[0]
         sock = socket.socket(family, socket.SOCK_STREAM)
-        tune(sock)
+        tune(sock, send_buffer)
         sock.settimeout(min(left, 10.0))
         try:
             sock.connect(sockaddr)
@@ -368,8 +383,10 @@ class _Mesh:
     on the accepting side and are a ProtocolError on the connecting side."""
 
     def __init__(self, rank: int, size: int, job_id: int, secret: bytes, mine: str,
-                 deadline: float, timeout: float) -> None:
+                 deadline: float, timeout: float,
+                 send_buffer: int = SEND_BUFFER_BYTES) -> None:
         self.rank = rank
+        self.send_buffer = send_buffer
         self.size = size
         self.job_id = job_id
         self.secret = secret
@@ -393,7 +410,7 @@ class _Mesh:
         try:
             for peer in range(self.rank + 1, self.size):
                 port_s, host_s = addrs[peer].split(" ", 1)
-                s = _connect((host_s, int(port_s)), self.deadline, peer)
+                s = _connect((host_s, int(port_s)), self.deadline, peer, self.send_buffer)
                 s.settimeout(max(0.001, self.deadline - time.monotonic()))
                 nonce_a = auth.new_nonce()
                 s.sendall(handshake.Hello(handshake.KIND_HELLO, self.rank, self.size,
