@@ -186,7 +186,8 @@ def tcp_environment(environ: dict[str, str] | None = None,
     return TcpEnvironment(rank, size, addr, port, agent and not external_store, source)
 
 
-def _tcp_transport(timeout: float, store: object | None, integrity: bool) -> Transport:
+def _tcp_transport(timeout: float, store: object | None, integrity: bool,
+                   send_buffer: int | None) -> Transport:
     from .transport.external_store import check_store, torchrun_store
     from .transport.tcp import TCPTransport
 
@@ -196,7 +197,8 @@ def _tcp_transport(timeout: float, store: object | None, integrity: bool) -> Tra
     if te.size > 1 and te.agent_store:
         store, _ = torchrun_store(timeout)
     return TCPTransport.create(te.rank, te.size, te.master_addr, te.master_port or 0,
-                               timeout=timeout, store=store, integrity=integrity)
+                               timeout=timeout, store=store, integrity=integrity,
+                               send_buffer=send_buffer)
 
 
 def init(backend: str = "auto", timeout: float = DEFAULT_TIMEOUT,
@@ -204,7 +206,7 @@ def init(backend: str = "auto", timeout: float = DEFAULT_TIMEOUT,
          packed_segment_bytes: int = DEFAULT_PACKED_SEGMENT_BYTES, *,
          comm: object | None = None, store: object | None = None,
          integrity: bool | None = None, shm: bool | None = None,
-         two_level: bool | None = None) -> Communicator:
+         two_level: bool | None = None, send_buffer: int | None = None) -> Communicator:
     """Create the communicator of this process's world.
 
     ``backend``: "auto", "mpi", "tcp" or "local" (see the module docstring for how "auto"
@@ -228,7 +230,11 @@ def init(backend: str = "auto", timeout: float = DEFAULT_TIMEOUT,
     ``1``, else on): whether the two-level algorithms are the default when the ranks run on
     several hosts and some host runs several (:attr:`Communicator.two_level`); every rank
     must use the same setting (a rank that differs fails the first collective it changes
-    with ProtocolError).
+    with ProtocolError). ``send_buffer`` (TCP backend; default: ``BITCOLL_SEND_BUFFER`` in the
+    environment, else 128 KiB, :data:`bitcoll.transport.tcp.SEND_BUFFER_BYTES`): the send
+    buffer of each TCP data connection, in bytes, 0 for the kernel's own sizing (see
+    the README, "Socket buffers"); a rank with a bad value refuses to join, and the others
+    fail at once naming it.
 
     Once the ranks know which of them share a host, the numba kernels of this process get
     its share of the host's cores (:func:`bitcoll.kernels.fit_threads_to_host`; not when
@@ -236,8 +242,8 @@ def init(backend: str = "auto", timeout: float = DEFAULT_TIMEOUT,
 
     Raises UsageError for an unknown backend, ``comm`` that is not an mpi4py
     intra-communicator, ``comm`` with a non-MPI backend, ``store`` lacking a method or with a
-    non-TCP backend, or an inconsistent environment; CommTimeoutError when the other ranks do
-    not show up before the deadline.
+    non-TCP backend, ``send_buffer`` with a non-TCP backend, or an inconsistent environment;
+    CommTimeoutError when the other ranks do not show up before the deadline.
 
     Use it as a context manager to release the connections at the end::
 
@@ -268,13 +274,16 @@ def init(backend: str = "auto", timeout: float = DEFAULT_TIMEOUT,
     if integrity and backend != "tcp":
         raise UsageError(f"integrity=True protects the TCP backend's frames; the {backend} "
                          "backend does not use it")
+    if send_buffer is not None and backend != "tcp":
+        raise UsageError(f"send_buffer= sizes the TCP backend's connections; the {backend} "
+                         "backend does not use it")
     transport: Transport
     if backend == "mpi":
         from .transport.mpi import MPITransport
 
         transport = MPITransport.create(comm, timeout=timeout)
     elif backend == "tcp":
-        transport = _tcp_transport(timeout, store, check)
+        transport = _tcp_transport(timeout, store, check, send_buffer)
     else:
         transport = LocalTransport()
     comm = Communicator(transport, timeout=timeout,

@@ -17,8 +17,11 @@ from typing import Any
 
 import numpy as np
 import pytest
+from multiproc import run_world as multiproc_run_world
 from tcp_world import free_port, make_event, run_world, wait_dead
 
+import bitcoll
+from bitcoll.communicator import Communicator
 from bitcoll.config import ENV_SEND_BUFFER
 from bitcoll.errors import CommError, CommTimeoutError, PeerLostError, ProtocolError, UsageError
 from bitcoll.transport import auth, handshake, netio
@@ -475,6 +478,22 @@ def test_a_rank_with_a_bad_send_buffer_refuses_and_the_others_fail_at_once(bad: 
             assert err.peer == bad and "refused" in str(err) and "send_buffer" in str(err)
     finally:
         _close_together(out)
+
+
+def _send_buffers_via_init(comm: Communicator) -> list[int]:
+    t = comm.transport
+    assert isinstance(t, TCPTransport)
+    return [send for send, _ in _buffers(t)]
+
+
+@pytest.mark.timeout(120)
+def test_init_passes_send_buffer_to_the_connections() -> None:
+    """``bitcoll.init(send_buffer=...)`` reaches every data connection (Linux reports twice
+    the value); it belongs to the TCP backend only."""
+    got = multiproc_run_world(3, _send_buffers_via_init, shm=False, send_buffer=65536)
+    assert got == [[2 * 65536] * 2] * 3 or got == [[65536] * 2] * 3, got
+    with pytest.raises(UsageError, match="send_buffer"):
+        bitcoll.init("local", send_buffer=65536)
 
 
 @pytest.mark.timeout(60)
