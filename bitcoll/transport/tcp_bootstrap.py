@@ -73,21 +73,17 @@ def send_buffer_bytes(value: int | None = None) -> int:
     ``BITCOLL_SEND_BUFFER`` from the environment, else :data:`SEND_BUFFER_BYTES` (bytes; 0
     leaves the size to the kernel). UsageError when it is not a whole number from 0 to
     2**31 - 1."""
+    name, given = "send_buffer", repr(value)
     if value is None:
         text = os.environ.get(ENV_SEND_BUFFER, "").strip()
         if not text:
             return SEND_BUFFER_BYTES
-        try:
-            number = int(text)
-        except ValueError:
-            number = -1
-        if not 0 <= number < 1 << 31:
-            raise UsageError(f"{ENV_SEND_BUFFER} must be a number of bytes from 0 to "
-                             f"2**31 - 1 (0: the kernel's sizing), got {text!r}")
-        return number
+        name, given = ENV_SEND_BUFFER, repr(text)
+        with contextlib.suppress(ValueError):
+            value = int(text)
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 31:
-        raise UsageError(f"send_buffer must be a number of bytes from 0 to 2**31 - 1 (0: the "
-                         f"kernel's sizing) or None, got {value!r}")
+        raise UsageError(f"{name} must be a number of bytes from 0 to 2**31 - 1 (0: the "
+                         f"kernel's sizing), got {given}")
     return value
 
 
