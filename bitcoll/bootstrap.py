@@ -187,12 +187,17 @@ def tcp_environment(environ: dict[str, str] | None = None,
 
 
 def _tcp_transport(timeout: float, store: object | None, integrity: bool,
-                   send_buffer: int | None) -> Transport:
+                   send_buffer: int | None, place: tuple[int, int] | None = None) -> Transport:
     from .transport.external_store import check_store, torchrun_store
     from .transport.tcp import TCPTransport
 
     if store is not None:
         check_store(store)
+    if place is not None and store is not None:  # rank and size given with the store
+        rank, size = place
+        return TCPTransport.create(rank, size, os.environ.get("MASTER_ADDR", ""), 0,
+                                   timeout=timeout, store=store, integrity=integrity,
+                                   send_buffer=send_buffer)
     te = tcp_environment(external_store=store is not None)
     if te.size > 1 and te.agent_store:
         store, _ = torchrun_store(timeout)
@@ -206,7 +211,8 @@ def init(backend: str = "auto", timeout: float = DEFAULT_TIMEOUT,
          packed_segment_bytes: int = DEFAULT_PACKED_SEGMENT_BYTES, *,
          comm: object | None = None, store: object | None = None,
          integrity: bool | None = None, shm: bool | None = None,
-         two_level: bool | None = None, send_buffer: int | None = None) -> Communicator:
+         two_level: bool | None = None, send_buffer: int | None = None,
+         rank: int | None = None, size: int | None = None) -> Communicator:
     """Create the communicator of this process's world.
 
     ``backend``: "auto", "mpi", "tcp" or "local" (see the module docstring for how "auto"
@@ -234,7 +240,9 @@ def init(backend: str = "auto", timeout: float = DEFAULT_TIMEOUT,
     environment, else 128 KiB, :data:`bitcoll.transport.tcp.SEND_BUFFER_BYTES`): the send
     buffer of each TCP data connection, in bytes, 0 for the kernel's own sizing (see
     the README, "Socket buffers"); a rank with a bad value refuses to join, and the others
-    fail at once naming it.
+    fail at once naming it. ``rank`` and ``size`` (only with ``store=``, both or neither):
+    this process's rank and the number of ranks, instead of reading them from the
+    environment (a torch.distributed backend knows them from its process group).
 
     Once the ranks know which of them share a host, the numba kernels of this process get
     its share of the host's cores (:func:`bitcoll.kernels.fit_threads_to_host`; not when
@@ -242,8 +250,10 @@ def init(backend: str = "auto", timeout: float = DEFAULT_TIMEOUT,
 
     Raises UsageError for an unknown backend, ``comm`` that is not an mpi4py
     intra-communicator, ``comm`` with a non-MPI backend, ``store`` lacking a method or with a
-    non-TCP backend, ``send_buffer`` with a non-TCP backend, or an inconsistent environment;
-    CommTimeoutError when the other ranks do not show up before the deadline.
+    non-TCP backend, ``send_buffer`` with a non-TCP backend, ``rank``/``size`` without
+    ``store`` (or one without the other, or not a rank in ``[0, size)``), or an
+    inconsistent environment; CommTimeoutError when the other ranks do not show up before
+    the deadline.
 
     Use it as a context manager to release the connections at the end::
 
@@ -264,6 +274,14 @@ def init(backend: str = "auto", timeout: float = DEFAULT_TIMEOUT,
             raise UsageError(f"store= selects the TCP backend; backend={backend!r} "
                              "contradicts it")
         backend = "tcp"
+    place: tuple[int, int] | None = None
+    if rank is not None or size is not None:
+        if store is None or rank is None or size is None:
+            raise UsageError("rank= and size= come together, and only with store=")
+        if isinstance(rank, bool) or isinstance(size, bool) or not isinstance(rank, int) or \
+                not isinstance(size, int) or size < 1 or not 0 <= rank < size:
+            raise UsageError(f"rank {rank!r} is not in [0, size {size!r})")
+        place = (rank, size)
     check = switch(integrity, "integrity", ENV_INTEGRITY, False)
     layered = switch(two_level, "two_level", ENV_TWO_LEVEL, True)
     from .transport.hybrid import shm_enabled
@@ -283,7 +301,7 @@ def init(backend: str = "auto", timeout: float = DEFAULT_TIMEOUT,
 
         transport = MPITransport.create(comm, timeout=timeout)
     elif backend == "tcp":
-        transport = _tcp_transport(timeout, store, check, send_buffer)
+        transport = _tcp_transport(timeout, store, check, send_buffer, place)
     else:
         transport = LocalTransport()
     comm = Communicator(transport, timeout=timeout,
