@@ -2,15 +2,21 @@
 """Set-up and run commands for bitcoll / lioncub.
 
     python3 dev.py train [train.py options]   # the main job: a 4-rank Lion Cub training run
-    python3 dev.py test                        # the whole test suite (lint, types, tests, MPI)
+    python3 dev.py test                        # the whole suite: lint, types, docs, tests, MPI
+    python3 dev.py docs                        # build the documentation site into site/ (strict)
     python3 dev.py setup                       # only create or update .venv, run nothing
 
 Each command creates (or reuses) the virtual environment ``.venv`` next to this file and
 installs the project with everything it needs (``pip install -e
-.[mpi,torch,test,bench,integrity]`` under ``constraints.txt``; ``bench`` is matplotlib, for the
-loss-curve plots of ``bench/``; ``integrity`` is blake3, for ``bitcoll.init(integrity=True)``),
-again whenever ``pyproject.toml`` or ``constraints.txt`` changed. Only Python 3.10+ with venv
-and pip is assumed.
+.[EXTRAS]`` under ``constraints.txt``, with EXTRAS as in :data:`EXTRAS`: ``bench`` is
+matplotlib, for the loss-curve plots of ``bench/``; ``integrity`` is blake3, for
+``bitcoll.init(integrity=True)``; ``docs`` is mkdocs-material and mkdocstrings; ``examples``
+is JAX on the CPU, for ``examples/``), again whenever ``pyproject.toml`` or ``constraints.txt``
+changed. Only Python 3.10+ with venv and pip is assumed.
+
+The training job runs under the project's own launcher; the same ``train.py`` runs under
+``torchrun --nproc-per-node 4 train.py``, ``mpiexec -n 4 python train.py`` and Slurm's
+``srun -n 4 python train.py`` (see ``docs/launchers.md``).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ PY = VENV / "bin" / "python"
 MPIEXEC = VENV / "bin" / "mpiexec"
 STAMP = VENV / ".bitcoll-install-stamp"
 MPI_WORLD_SIZES = (2, 3, 4)
+EXTRAS = "mpi,torch,test,bench,integrity,docs,examples"
 
 
 def _run(cmd: list[str], env: dict[str, str] | None = None, timeout: float | None = None) -> int:
@@ -40,19 +47,24 @@ def _run(cmd: list[str], env: dict[str, str] | None = None, timeout: float | Non
 
 def ensure_venv() -> None:
     """Create .venv if needed and (re)install the project when its requirements changed."""
-    if not PY.exists() and _run([sys.executable, "-m", "venv", str(VENV)]) != 0:
-        sys.exit("could not create the virtual environment .venv")
+    if not PY.exists():
+        print("dev.py: creating the virtual environment .venv", flush=True)
+        if _run([sys.executable, "-m", "venv", str(VENV)]) != 0:
+            sys.exit("could not create the virtual environment .venv")
     digest = hashlib.sha256()
     for name in ("pyproject.toml", "constraints.txt"):
         digest.update((ROOT / name).read_bytes())
     want = digest.hexdigest()
     if STAMP.exists() and STAMP.read_text().strip() == want:
         return
-    rc = _run([str(PY), "-m", "pip", "install", "--disable-pip-version-check", "-q",
-               "-c", "constraints.txt", "-e", ".[mpi,torch,test,bench,integrity]"])
+    print("dev.py: installing the project and its dependencies into .venv (about 70 s on a "
+          "fresh machine; pip lists each package as it goes)", flush=True)
+    rc = _run([str(PY), "-m", "pip", "install", "--disable-pip-version-check",
+               "--progress-bar", "off", "-c", "constraints.txt", "-e", f".[{EXTRAS}]"])
     if rc != 0:
         sys.exit("installation failed")
     STAMP.write_text(want + "\n")
+    print("dev.py: .venv is ready", flush=True)
 
 
 def _env() -> dict[str, str]:
@@ -60,16 +72,23 @@ def _env() -> dict[str, str]:
     env["PATH"] = f"{VENV / 'bin'}{os.pathsep}{env.get('PATH', '')}"
     env.setdefault("NUMBA_NUM_THREADS", "1")  # more ranks than cores
     env.setdefault("PYTHONUNBUFFERED", "1")
+    env.setdefault("NO_MKDOCS_2_WARNING", "1")  # mkdocs-material's banner about its successor
     return env
+
+
+def _docs_cmd() -> list[str]:
+    """Build the site into site/; strict: a broken link, anchor or reference fails."""
+    return [str(PY), "-m", "mkdocs", "build", "--strict", "--quiet", "--site-dir", "site"]
 
 
 def cmd_test() -> int:
     env = _env()
     steps: list[tuple[str, list[str], float]] = [
         ("ruff", [str(PY), "-m", "ruff", "check", "bitcoll", "lioncub", "launch", "bench",
-                  "tests", "train.py", "dev.py"], 300),
+                  "tests", "examples", "docs/hooks.py", "train.py", "dev.py"], 300),
         # the files mypy checks (bench/ included) are pyproject.toml's [tool.mypy] files
         ("mypy", [str(PY), "-m", "mypy"], 900),
+        ("docs (mkdocs build --strict)", _docs_cmd(), 600),
         ("pytest (single-process and TCP multi-process)",
          [str(PY), "-m", "pytest", "-q", "--color=no", "-m", "not mpi", "tests"], 2400),
     ]
@@ -89,13 +108,20 @@ def cmd_test() -> int:
     return 1 if failed else 0
 
 
+def cmd_docs() -> int:
+    rc = _run(_docs_cmd(), env=_env(), timeout=600)
+    if rc == 0:
+        print(f"dev.py: documentation built into {ROOT / 'site'} (open site/index.html)")
+    return rc
+
+
 def cmd_train(args: list[str]) -> int:
     env = _env()
     return _run([str(PY), "-m", "launch", "-n", "4", "train.py", *args], env=env)
 
 
 def main() -> int:
-    if len(sys.argv) < 2 or sys.argv[1] not in ("test", "train", "setup"):
+    if len(sys.argv) < 2 or sys.argv[1] not in ("test", "train", "docs", "setup"):
         print(__doc__)
         return 2
     ensure_venv()
@@ -103,6 +129,8 @@ def main() -> int:
         return cmd_test()
     if sys.argv[1] == "train":
         return cmd_train(sys.argv[2:])
+    if sys.argv[1] == "docs":
+        return cmd_docs()
     return 0  # setup: the environment is ready
 
 
