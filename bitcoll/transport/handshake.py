@@ -1,7 +1,7 @@
 """The authenticated peer hello of the TCP transport (wire format and checks, no sockets).
 
 The lower rank ``a`` of a pair connects to the higher rank ``b`` at the address ``b``
-published (``addr_b``, the text ``"<port> <host>"``) and the two exchange three messages,
+published (``addr_b``, the text ``"<port> <host>"``) and the two exchange four messages,
 all little-endian:
 
 1. ``a -> b`` :data:`HELLO_SIZE` bytes: ``u32 magic, u16 version, u16 kind=1, u32 rank a,
@@ -11,12 +11,18 @@ all little-endian:
    nonce_b, addr_b)``.
 3. ``a -> b`` :data:`CONFIRM_SIZE` bytes: ``proof_a = mac(secret, "hello-connect", job, size,
    a, b, nonce_a, nonce_b, addr_b)``.
+4. ``b -> a`` :data:`DONE_SIZE` bytes: ``mac(secret, "hello-done", job, size, a, b, nonce_a,
+   nonce_b, addr_b)``: ``b`` has verified ``proof_a`` and keeps the connection.
 
-``a`` accepts the connection once ``proof_b`` verifies, ``b`` once ``proof_a`` does. Both
-proofs cover fresh nonces of both ends (a recorded hello does not verify on another
-connection), the job, both ranks and the direction (the labels differ), and the address ``a``
-dialed: a process that relays ``a``'s connection to ``b`` from another address fails, because
-``a`` computes the proof over the relay's address and ``b`` over its own.
+``b`` accepts the connection once ``proof_a`` verifies (and it has sent message 4), ``a`` once
+``proof_b`` and message 4 do. The proofs cover fresh nonces of both ends (a recorded hello does
+not verify on another connection), the job, both ranks and the direction (the labels differ),
+and the address ``a`` dialed: a process that relays ``a``'s connection to ``b`` from another
+address fails, because ``a`` computes the proof over the relay's address and ``b`` over its
+own. Message 4 makes the outcome the same on both ends: ``b`` may drop a connection that has
+not proven itself in time (it cannot tell a slow rank from a stranger), and ``a`` then sees the
+connection end before message 4 and dials again, instead of starting the job over a
+connection ``b`` has closed.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from typing import Final
 from . import auth
 from .wire import MAGIC, PROTOCOL_VERSION
 
-__all__ = ["HELLO_SIZE", "ACCEPT_SIZE", "CONFIRM_SIZE", "Hello", "proof", "verify"]
+__all__ = ["HELLO_SIZE", "ACCEPT_SIZE", "CONFIRM_SIZE", "DONE_SIZE", "Hello", "proof", "verify"]
 
 _FIXED: Final = struct.Struct("<IHHIIQ")  # magic, version, kind, rank, world size, job id
 KIND_HELLO: Final = 1
@@ -37,6 +43,7 @@ KIND_ACCEPT: Final = 2
 HELLO_SIZE: Final = _FIXED.size + auth.NONCE_BYTES
 ACCEPT_SIZE: Final = HELLO_SIZE + auth.MAC_BYTES
 CONFIRM_SIZE: Final = auth.MAC_BYTES
+DONE_SIZE: Final = auth.MAC_BYTES
 
 
 @dataclass(frozen=True)
@@ -71,7 +78,7 @@ class Hello:
 
 def proof(secret: bytes, role: str, job_id: int, size: int, a: int, b: int, nonce_a: bytes,
           nonce_b: bytes, addr_b: str) -> bytes:
-    """The proof of ``role`` ("accept" from ``b``, "connect" from ``a``)."""
+    """The proof of ``role`` ("accept" from ``b``, "connect" from ``a``, "done" from ``b``)."""
     return auth.mac(secret, f"hello-{role}", job_id, size, a, b, nonce_a, nonce_b, addr_b)
 
 

@@ -10,6 +10,7 @@ for every rank's address, connect every pair with the authenticated hello of
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import selectors
@@ -199,7 +200,7 @@ def _listen(store: RendezvousStore, listen_addr: str | None, size: int,
     try:
         tune(sock, send_buffer)
         sock.bind(sockaddr)
-        sock.listen(max(16, 2 * size))
+        sock.listen(max(_BACKLOG, 2 * size))
     except OSError as exc:
         sock.close()
         raise CommError(f"cannot listen on {bind_host!r}: {exc}") from exc
@@ -327,56 +328,58 @@ class _Rendezvous:
             self.server.close()
 
 
-def _connect(addr: tuple[str, int], deadline: float, peer: int,
-             send_buffer: int) -> socket.socket:
-    """Connect to a published address, retrying refused connections until ``deadline``."""
-    backoff = Backoff()
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise CommTimeoutError(f"could not connect to rank {peer} at {addr[0]}:{addr[1]} "
-                                   "before the deadline")
-        try:
-            infos = socket.getaddrinfo(addr[0], addr[1], type=socket.SOCK_STREAM)
-        except socket.gaierror as exc:
-            raise PeerLostError(f"rank {peer} published an unresolvable address "
-                                f"{addr[0]!r}: {exc}") from exc
-        family, _, _, _, sockaddr = infos[0]
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        tune(sock, send_buffer)
-        sock.settimeout(min(left, 10.0))
-        try:
-            sock.connect(sockaddr)
-        except OSError:
-            sock.close()
-            backoff.sleep(deadline)
-            continue
-        return sock
-
-
 class _Pending:
-    """A connection in the handshake: what it waits for and what it has read."""
+    """A connection in the handshake: its stage, what it waits for and what it has read.
 
-    __slots__ = ("buf", "need", "nonce_a", "nonce_b", "peer", "stage")
+    Stages: on the connecting side ``"connecting"`` (TCP connect under way), ``"accept"``
+    (waits for message 2), ``"done"`` (waits for message 4); on the accepting side
+    ``"hello"`` (waits for message 1: nothing is known of the other end yet) and
+    ``"confirm"`` (waits for message 3)."""
 
-    def __init__(self, peer: int | None, stage: str, need: int, nonce_a: bytes = b"") -> None:
+    __slots__ = ("buf", "need", "nonce_a", "nonce_b", "peer", "since", "source", "stage")
+
+    def __init__(self, peer: int | None, stage: str, need: int, since: float,
+                 source: str = "", nonce_a: bytes = b"") -> None:
         self.peer = peer  # the rank this side expects (connector) or claims to be (acceptor)
-        self.stage = stage  # "accept" (connector waits), "hello" / "confirm" (acceptor waits)
+        self.stage = stage
         self.need = need
+        self.since = since  # time.monotonic() when the connection was made or accepted
+        self.source = source  # the other end's address ("host:port"), for the logs
         self.buf = bytearray()
         self.nonce_a = nonce_a
         self.nonce_b = b""
 
+    @property
+    def incoming(self) -> bool:
+        return self.stage in ("hello", "confirm")
 
-#: Most handshakes an acceptor runs at once with connections not yet proven (strangers).
+
+#: Most accepted connections that have not proven themselves yet (strangers among them) a rank
+#: keeps at once; when one more arrives, the oldest is dropped: first among those that have
+#: not even sent a valid hello, else the oldest of all.
 MAX_PENDING_HANDSHAKES: Final = 256
+#: How long an accepted connection may take to prove itself (messages 1 and 3 of the hello)
+#: before it is dropped. A lower rank whose connection was dropped dials again.
+HANDSHAKE_SECONDS: Final = 5.0
+#: Most connections accepted in one round of the set-up loop (the others wait in the backlog
+#: while the connections already accepted are read).
+_ACCEPT_BATCH: Final = 64
+#: The listener's backlog (at least; two per rank in large jobs).
+_BACKLOG: Final = 128
 
 
 class _Mesh:
     """Connects every pair of ranks with the authenticated hello of
     :mod:`bitcoll.transport.handshake`: this rank connects to every higher rank and accepts
-    every lower one. Connections that fail the proof are dropped (and logged at debug level)
-    on the accepting side and are a ProtocolError on the connecting side."""
+    every lower one, all in one non-blocking loop.
+
+    Accepting side: a connection that fails a check, takes longer than
+    :data:`HANDSHAKE_SECONDS` to prove itself, or is the oldest unproven one when
+    :data:`MAX_PENDING_HANDSHAKES` are waiting, is dropped and logged at debug level (logger
+    ``bitcoll.tcp``, naming its address). Connecting side: an answer that fails the proof is a
+    ProtocolError; a connection the higher rank closes before the hello is complete is dialed
+    again (the higher rank may have dropped it as an unproven one), unless the higher rank no
+    longer accepts connections at all (PeerLostError: it left the set-up)."""
 
     def __init__(self, rank: int, size: int, job_id: int, secret: bytes, mine: str,
                  deadline: float, timeout: float,
@@ -391,7 +394,13 @@ class _Mesh:
         self.timeout = timeout
         self.addrs: dict[int, str] = {}
         self.done: dict[int, socket.socket] = {}
-        self.pending: dict[socket.socket, _Pending] = {}
+        self.pending: dict[socket.socket, _Pending] = {}  # oldest first
+        self.dial_at: dict[int, float] = {}  # higher ranks to dial, and from when
+        self.backoff: dict[int, Backoff] = {}
+        self.reached: set[int] = set()  # higher ranks whose listener answered once
+        self.redials: dict[int, int] = {}  # connections a higher rank closed mid-hello
+        self.dropped = 0  # incoming connections dropped (strangers, mostly)
+        self.sel: selectors.BaseSelector = selectors.DefaultSelector()
 
     def _proof(self, role: str, a: int, b: int, nonce_a: bytes, nonce_b: bytes,
                addr_b: str) -> bytes:
@@ -401,46 +410,52 @@ class _Mesh:
     def connect(self, listener: socket.socket, addrs: dict[int, str]) -> dict[int, socket.socket]:
         """Run the handshakes until every peer is connected; return ``{peer: socket}``."""
         self.addrs = addrs
-        sel = selectors.DefaultSelector()
+        sel = self.sel
+        now = time.monotonic()
+        for peer in range(self.rank + 1, self.size):
+            self.dial_at[peer] = now
+            self.backoff[peer] = Backoff()
         ok = False
         try:
-            for peer in range(self.rank + 1, self.size):
-                port_s, host_s = addrs[peer].split(" ", 1)
-                s = _connect((host_s, int(port_s)), self.deadline, peer, self.send_buffer)
-                s.settimeout(max(0.001, self.deadline - time.monotonic()))
-                nonce_a = auth.new_nonce()
-                s.sendall(handshake.Hello(handshake.KIND_HELLO, self.rank, self.size,
-                                          self.job_id, nonce_a).pack())
-                s.setblocking(False)
-                self.pending[s] = _Pending(peer, "accept", handshake.ACCEPT_SIZE, nonce_a)
-                sel.register(s, selectors.EVENT_READ)
             listener.setblocking(False)
             sel.register(listener, selectors.EVENT_READ)
             while len(self.done) < self.size - 1:
-                left = self.deadline - time.monotonic()
-                if left <= 0:
+                now = time.monotonic()
+                if now >= self.deadline:
                     raise self._timed_out()
-                for key, _ in sel.select(min(left, 1.0)):
+                for peer, when in list(self.dial_at.items()):
+                    if when <= now:
+                        del self.dial_at[peer]
+                        self._dial(peer, now)
+                self._expire(now)
+                wake = min([self.deadline, now + 1.0, *self.dial_at.values(),
+                            *(p.since + HANDSHAKE_SECONDS for p in self._incoming())])
+                for key, _ in sel.select(max(0.0, wake - now)):
                     obj = key.fileobj
                     assert isinstance(obj, socket.socket)
                     if obj is listener:
-                        self._accept(listener, sel)
-                    else:
-                        self._read(obj, sel)
+                        self._accept(listener)
+                    elif obj in self.pending:
+                        if self.pending[obj].stage == "connecting":
+                            self._connected(obj)
+                        else:
+                            self._read(obj)
             ok = True
         finally:
             sel.close()
+            for s in list(self.pending):
+                s.close()
             if not ok:
-                for s in list(self.pending) + list(self.done.values()):
-                    s.close()
-            else:
-                for s in self.pending:
+                for s in self.done.values():
                     s.close()
         for s in self.done.values():
             s.setblocking(True)
             with contextlib.suppress(OSError):
                 s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return self.done
+
+    def _incoming(self) -> list[_Pending]:
+        return [p for p in self.pending.values() if p.incoming]
 
     def _timed_out(self) -> CommTimeoutError:
         absent = set(range(self.rank)) - self.done.keys()
@@ -450,95 +465,81 @@ class _Mesh:
             parts.append(f"{_ranks(absent)} never connected")
         if silent:
             parts.append(f"{_ranks(silent)} never answered the handshake")
+        extra = ""
+        if self.dropped:
+            extra = (f" ({self.dropped} connection{'s' if self.dropped != 1 else ''} that did "
+                     "not prove themselves were dropped here)")
         return CommTimeoutError(f"rank {self.rank}: {' and '.join(parts)} within "
-                                f"{self.timeout:g} s")
+                                f"{self.timeout:g} s{extra}")
 
-    def _accept(self, listener: socket.socket, sel: selectors.BaseSelector) -> None:
-        while True:
-            try:
-                conn, addr = listener.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as exc:  # EMFILE and friends: drop nothing, try again later
-                _log.debug("rank %d: accept failed during set-up: %s", self.rank, exc)
-                return
-            if len(self.pending) >= MAX_PENDING_HANDSHAKES:
-                _log.debug("rank %d: too many handshakes at once; dropped %s", self.rank, addr)
-                conn.close()
-                continue
-            conn.setblocking(False)
-            self.pending[conn] = _Pending(None, "hello", handshake.HELLO_SIZE)
-            sel.register(conn, selectors.EVENT_READ)
+    # -- the connecting side -------------------------------------------------------------
 
-    def _drop(self, s: socket.socket, sel: selectors.BaseSelector, why: str) -> None:
-        p = self.pending.pop(s)
-        sel.unregister(s)
-        s.close()
-        if p.stage == "accept":  # a connection this rank made: the peer is not who it should be
-            raise PeerLostError(f"rank {self.rank}: rank {p.peer} {why}")
-        _log.debug("rank %d: dropped an incoming connection during set-up: %s", self.rank, why)
+    def _dial(self, peer: int, now: float) -> None:
+        """Start a non-blocking connection to ``peer``'s published address."""
+        port_s, host_s = self.addrs[peer].split(" ", 1)
+        try:
+            infos = socket.getaddrinfo(host_s, int(port_s), type=socket.SOCK_STREAM)
+        except (socket.gaierror, ValueError) as exc:
+            raise PeerLostError(f"rank {self.rank}: rank {peer} published an unresolvable "
+                                f"address {host_s!r}: {exc}", rank=self.rank,
+                                peer=peer) from exc
+        family, _, _, _, sockaddr = infos[0]
+        s = socket.socket(family, socket.SOCK_STREAM)
+        tune(s, self.send_buffer)
+        s.setblocking(False)
+        err = s.connect_ex(sockaddr)
+        if err not in (0, errno.EINPROGRESS, errno.EAGAIN, errno.EWOULDBLOCK):
+            s.close()
+            self._dial_failed(peer, err)
+            return
+        self.pending[s] = _Pending(peer, "connecting", 0, now)
+        self.sel.register(s, selectors.EVENT_WRITE)
 
-    def _read(self, s: socket.socket, sel: selectors.BaseSelector) -> None:
+    def _dial_failed(self, peer: int, err: int) -> None:
+        """A connection to ``peer`` could not be made: dial again after a pause, unless
+        ``peer`` refuses after it had accepted before (its listener is closed: it left the
+        set-up)."""
+        if err == errno.ECONNREFUSED and peer in self.reached:
+            raise PeerLostError(f"rank {self.rank}: rank {peer} stopped accepting connections "
+                                "during set-up (it failed or exited)", rank=self.rank,
+                                peer=peer)
+        _log.debug("rank %d: connecting to rank %d failed (%s); trying again", self.rank,
+                   peer, os.strerror(err))
+        self.dial_at[peer] = time.monotonic() + self.backoff[peer].next()
+
+    def _connected(self, s: socket.socket) -> None:
+        """The TCP connection to a higher rank is up (or failed): send message 1."""
         p = self.pending[s]
-        try:
-            chunk = s.recv(p.need - len(p.buf))
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError as exc:
-            self._drop(s, sel, f"broke the handshake: {exc}")
-            return
-        if not chunk:
-            self._drop(s, sel, "closed the connection during the handshake")
-            return
-        p.buf += chunk
-        if len(p.buf) < p.need:
-            return
-        if p.stage == "hello":
-            self._on_hello(s, p, sel)
-        elif p.stage == "confirm":
-            self._on_confirm(s, p, sel)
-        else:
-            self._on_accept(s, p, sel)
-
-    def _send(self, s: socket.socket, data: bytes) -> bool:
-        """Write a handshake message (small: fits the empty socket buffer at once)."""
-        try:
-            return s.send(data, NOSIGNAL) == len(data)
-        except OSError:
-            return False
-
-    def _on_hello(self, s: socket.socket, p: _Pending, sel: selectors.BaseSelector) -> None:
-        """Acceptor, message 1 arrived: check it, answer with message 2."""
-        h = handshake.Hello.unpack(p.buf)
-        if not h.matches(handshake.KIND_HELLO, self.size, self.job_id) or \
-                not 0 <= h.rank < self.rank or h.rank in self.done:
-            self._drop(s, sel, f"not a lower rank of this job (claims rank {h.rank} of "
-                               f"{h.size}, job {h.job_id:#x}, version {h.version})")
-            return
-        p.peer, p.nonce_a, p.nonce_b = h.rank, h.nonce, auth.new_nonce()
-        answer = handshake.Hello(handshake.KIND_ACCEPT, self.rank, self.size, self.job_id,
-                                 p.nonce_b).pack()
-        answer += self._proof("accept", h.rank, self.rank, p.nonce_a, p.nonce_b, self.mine)
-        if not self._send(s, answer):
-            self._drop(s, sel, "could not be answered")
-            return
-        p.stage, p.need, p.buf = "confirm", handshake.CONFIRM_SIZE, bytearray()
-
-    def _on_confirm(self, s: socket.socket, p: _Pending, sel: selectors.BaseSelector) -> None:
-        """Acceptor, message 3 arrived: the connector's proof."""
         assert p.peer is not None
-        if p.peer in self.done or not handshake.verify(
-                self.secret, p.buf, "connect", self.job_id, self.size, p.peer, self.rank,
-                p.nonce_a, p.nonce_b, self.mine):
-            self._drop(s, sel, f"a connection claiming rank {p.peer} failed the proof of the "
-                               "job's secret")
-            return
+        err = s.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+        if not err:
+            p.nonce_a = auth.new_nonce()
+            hello = handshake.Hello(handshake.KIND_HELLO, self.rank, self.size, self.job_id,
+                                    p.nonce_a).pack()
+            if self._send(s, hello):
+                self.reached.add(p.peer)
+                p.stage, p.need = "accept", handshake.ACCEPT_SIZE
+                self.sel.modify(s, selectors.EVENT_READ)
+                return
+            err = errno.ECONNRESET
         del self.pending[s]
-        sel.unregister(s)
-        self.done[p.peer] = s
+        self.sel.unregister(s)
+        s.close()
+        self._dial_failed(p.peer, err)
 
-    def _on_accept(self, s: socket.socket, p: _Pending, sel: selectors.BaseSelector) -> None:
-        """Connector, message 2 arrived: the acceptor's identity and proof."""
+    def _lost_outgoing(self, s: socket.socket, p: _Pending, why: str) -> None:
+        """The higher rank ``p.peer`` closed (or broke) a connection this rank made before
+        the hello completed: dial it again. It may have dropped the connection as one that
+        took too long to prove itself; if it left the set-up, the next dial is refused."""
+        assert p.peer is not None
+        self._forget(s)
+        self.redials[p.peer] = self.redials.get(p.peer, 0) + 1
+        _log.debug("rank %d: rank %d %s during the handshake; dialing again", self.rank,
+                   p.peer, why)
+        self.dial_at[p.peer] = time.monotonic() + self.backoff[p.peer].next()
+
+    def _on_accept(self, s: socket.socket, p: _Pending) -> None:
+        """Connector, message 2 arrived: the acceptor's identity and proof; send message 3."""
         assert p.peer is not None
         h = handshake.Hello.unpack(p.buf)
         addr = self.addrs[p.peer]
@@ -548,17 +549,156 @@ class _Mesh:
                 self.rank, p.peer, p.nonce_a, h.nonce, addr)
         if not good:
             port_s, host_s = addr.split(" ", 1)
-            del self.pending[s]
-            sel.unregister(s)
-            s.close()
+            self._forget(s)
             raise ProtocolError(
                 f"rank {self.rank}: the process at {host_s}:{port_s} is not rank {p.peer} of "
                 f"this job (it answered as rank {h.rank} of {h.size}, version {h.version}, "
-                f"job {h.job_id:#x}, or could not prove it knows the job's secret)")
+                f"job {h.job_id:#x}, or could not prove it knows the job's secret)",
+                rank=self.rank, peer=p.peer)
+        p.nonce_b = h.nonce
         confirm = self._proof("connect", self.rank, p.peer, p.nonce_a, h.nonce, addr)
         if not self._send(s, confirm):
-            self._drop(s, sel, "closed the connection during the handshake")
+            self._lost_outgoing(s, p, "closed the connection")
             return
-        del self.pending[s]
-        sel.unregister(s)
+        p.stage, p.need, p.buf = "done", handshake.DONE_SIZE, bytearray()
+
+    def _on_done(self, s: socket.socket, p: _Pending) -> None:
+        """Connector, message 4 arrived: the acceptor keeps the connection."""
+        assert p.peer is not None
+        addr = self.addrs[p.peer]
+        if not handshake.verify(self.secret, p.buf, "done", self.job_id, self.size, self.rank,
+                                p.peer, p.nonce_a, p.nonce_b, addr):
+            port_s, host_s = addr.split(" ", 1)
+            self._forget(s)
+            raise ProtocolError(f"rank {self.rank}: the process at {host_s}:{port_s} did not "
+                                f"complete the handshake of rank {p.peer} (a wrong final "
+                                "proof)", rank=self.rank, peer=p.peer)
+        self._forget(s, close=False)
+        self.done[p.peer] = s
+
+    # -- the accepting side --------------------------------------------------------------
+
+    def _accept(self, listener: socket.socket) -> None:
+        for _ in range(_ACCEPT_BATCH):
+            try:
+                conn, addr = listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:  # EMFILE and friends: make room, try again next round
+                _log.debug("rank %d: accept failed during set-up: %s", self.rank, exc)
+                if exc.errno in (errno.EMFILE, errno.ENFILE):
+                    self._evict()
+                return
+            incoming = self._incoming()
+            if len(incoming) >= MAX_PENDING_HANDSHAKES:
+                self._evict(incoming)
+            source = (f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) and len(addr) >= 2
+                      else str(addr))
+            conn.setblocking(False)
+            self.pending[conn] = _Pending(None, "hello", handshake.HELLO_SIZE,
+                                          time.monotonic(), source)
+            self.sel.register(conn, selectors.EVENT_READ)
+            self._read(conn)  # a rank sends its hello right after connecting
+
+    def _evict(self, incoming: list[_Pending] | None = None) -> None:
+        """Drop the oldest unproven incoming connection (one that has not sent a valid
+        hello yet, if there is one)."""
+        if incoming is None:
+            incoming = self._incoming()
+        if not incoming:
+            return
+        victim = next((p for p in incoming if p.stage == "hello"), incoming[0])
+        s = next(k for k, v in self.pending.items() if v is victim)
+        self._drop(s, f"evicted after {time.monotonic() - victim.since:.2f} s: "
+                      f"{len(incoming)} connections were waiting to prove themselves")
+
+    def _expire(self, now: float) -> None:
+        """Drop the incoming connections that took longer than HANDSHAKE_SECONDS."""
+        for s, p in list(self.pending.items()):
+            if p.incoming and now - p.since >= HANDSHAKE_SECONDS:
+                self._drop(s, f"did not prove itself within {HANDSHAKE_SECONDS:g} s")
+
+    def _forget(self, s: socket.socket, close: bool = True) -> None:
+        self.pending.pop(s, None)
+        with contextlib.suppress(KeyError, ValueError):
+            self.sel.unregister(s)
+        if close:
+            s.close()
+
+    def _drop(self, s: socket.socket, why: str) -> None:
+        """Drop an incoming connection (logged with its address)."""
+        p = self.pending[s]
+        self._forget(s)
+        self.dropped += 1
+        claim = "" if p.peer is None else f" (claiming rank {p.peer})"
+        _log.debug("rank %d: dropped the connection from %s%s during set-up: %s", self.rank,
+                   p.source, claim, why)
+
+    def _read(self, s: socket.socket) -> None:
+        p = self.pending[s]
+        try:
+            chunk = s.recv(p.need - len(p.buf))
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            if p.incoming:
+                self._drop(s, f"broke the handshake: {exc}")
+            else:
+                self._lost_outgoing(s, p, f"broke the connection ({exc})")
+            return
+        if not chunk:
+            if p.incoming:
+                self._drop(s, "closed the connection during the handshake")
+            else:
+                self._lost_outgoing(s, p, "closed the connection")
+            return
+        p.buf += chunk
+        if len(p.buf) < p.need:
+            return
+        if p.stage == "hello":
+            self._on_hello(s, p)
+        elif p.stage == "confirm":
+            self._on_confirm(s, p)
+        elif p.stage == "accept":
+            self._on_accept(s, p)
+        else:
+            self._on_done(s, p)
+
+    def _send(self, s: socket.socket, data: bytes) -> bool:
+        """Write a handshake message (small: fits the empty socket buffer at once)."""
+        try:
+            return s.send(data, NOSIGNAL) == len(data)
+        except OSError:
+            return False
+
+    def _on_hello(self, s: socket.socket, p: _Pending) -> None:
+        """Acceptor, message 1 arrived: check it, answer with message 2."""
+        h = handshake.Hello.unpack(p.buf)
+        if not h.matches(handshake.KIND_HELLO, self.size, self.job_id) or \
+                not 0 <= h.rank < self.rank or h.rank in self.done:
+            self._drop(s, f"not a lower rank of this job (claims rank {h.rank} of "
+                          f"{h.size}, job {h.job_id:#x}, version {h.version})")
+            return
+        p.peer, p.nonce_a, p.nonce_b = h.rank, h.nonce, auth.new_nonce()
+        answer = handshake.Hello(handshake.KIND_ACCEPT, self.rank, self.size, self.job_id,
+                                 p.nonce_b).pack()
+        answer += self._proof("accept", h.rank, self.rank, p.nonce_a, p.nonce_b, self.mine)
+        if not self._send(s, answer):
+            self._drop(s, "could not be answered")
+            return
+        p.stage, p.need, p.buf = "confirm", handshake.CONFIRM_SIZE, bytearray()
+
+    def _on_confirm(self, s: socket.socket, p: _Pending) -> None:
+        """Acceptor, message 3 arrived: the connector's proof; answer with message 4."""
+        assert p.peer is not None
+        if p.peer in self.done or not handshake.verify(
+                self.secret, p.buf, "connect", self.job_id, self.size, p.peer, self.rank,
+                p.nonce_a, p.nonce_b, self.mine):
+            self._drop(s, f"failed the proof of the job's secret for rank {p.peer}")
+            return
+        if not self._send(s, self._proof("done", p.peer, self.rank, p.nonce_a, p.nonce_b,
+                                         self.mine)):
+            self._drop(s, f"closed the connection of rank {p.peer} before its last message")
+            return
+        self._forget(s, close=False)
         self.done[p.peer] = s
