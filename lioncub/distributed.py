@@ -537,11 +537,7 @@ class DistributedLion:
             for b in sorted(early.inflight, reverse=True):
                 self._finish(*early.inflight[b], hypers, sums)
         else:
-            hypers = self._hypers()
-            before = self.comm.stats.snapshot()
-            self._comm_seconds = 0.0
-            self._device_to_host = self._host_to_device = 0
-            start = time.perf_counter()
+            hypers, before, start = self.begin_step()
             pending: tuple[Bucket, Buffers, Any] | None = None
             for bucket in self.buckets:
                 buf = self._buffer(bucket.index % 2)
@@ -552,6 +548,28 @@ class DistributedLion:
                 pending = (bucket, buf, work)
             if pending is not None:
                 self._finish(*pending, hypers, sums)
+        self.end_step(sums, before, start)
+
+    def begin_step(self) -> tuple[list[Hyper], dict[str, int], float]:
+        """The start of a step: ``(hyperparameters per parameter, the communicator's traffic
+        counters, the start time)``, the step's timers reset. :meth:`step` begins with it; a
+        front end that runs the buckets itself (:mod:`lioncub.torch_hooks`: inside
+        DistributedDataParallel's communication hooks, with its own bucket layout) calls it,
+        runs the strategy's ``prepare`` / ``start`` / ``update`` per bucket, then
+        :meth:`end_step`."""
+        hypers = self._hypers()
+        before = self.comm.stats.snapshot()
+        self._comm_seconds = 0.0
+        self._device_to_host = self._host_to_device = 0
+        return hypers, before, time.perf_counter()
+
+    def end_step(self, sums: Mapping[int, int], before: Mapping[str, int],
+                 start: float) -> None:
+        """The end of a step, the same for every variant (collective when the momentum
+        schedule selects tensors): count the step, advance the tie counter, average the
+        momenta the schedule selects and set :attr:`last_stats`. ``sums``: the exact vote
+        sums ``sum |total|`` per parameter index (variants that yield sums); ``before`` and
+        ``start``: from :meth:`begin_step`."""
         self._step += 1
         if self.strategy.breaks_ties:
             self._tie_counter += 1

@@ -18,6 +18,13 @@ and step, in this order:
 4. :meth:`VariantStrategy.finish`: after the Work completed, apply the result to the
    bucket's parameters (identically on every rank) and record the per-tensor vote sums.
 
+A front end that applies the update elsewhere (:mod:`lioncub.torch_hooks`: the strategy runs
+inside DistributedDataParallel's communication hooks and an optimizer step applies the result
+later) calls :meth:`VariantStrategy.update` instead of :meth:`~VariantStrategy.finish`: it
+writes the direction ``u`` of every element, so that ``p * decay - lr * u`` (float32, each
+operation rounded) is bitwise the parameter :meth:`~VariantStrategy.finish` would have
+written; the momenta advance exactly as with :meth:`~VariantStrategy.finish`.
+
 The class attributes tell the core the rest: :attr:`~VariantStrategy.local_momentum`,
 :attr:`~VariantStrategy.yields_sums`, :attr:`~VariantStrategy.uses_levels`,
 :attr:`~VariantStrategy.breaks_ties`. Bytes on the wire are counted by the communicator
@@ -144,6 +151,16 @@ class VariantStrategy(ABC):
         """Apply the completed collective's result in ``buf`` to the bucket's parameters;
         with :attr:`yields_sums`, set ``sums[index]`` of every parameter of the bucket."""
 
+    def update(self, core: DistributedLion, bucket: Bucket, buf: Buffers,
+               hypers: Sequence[Hyper], out: F32, sums: dict[int, int]) -> None:
+        """Like :meth:`finish`, but write the update direction ``u`` of the bucket's
+        elements into ``out`` (float32, bucket coordinates) instead of changing the
+        parameters: ``p * decay - lr * u``, rounded operation by operation, is bitwise what
+        :meth:`finish` writes. With :attr:`yields_sums`, set ``sums[index]``. The default
+        raises UsageError (a registered strategy that only implements :meth:`finish`)."""
+        raise UsageError(f"variant {self.spec.name!r} ({type(self).__name__}) has no update() "
+                         "(needed to run inside DistributedDataParallel's hooks)")
+
     # ------------------------------------------------------------------ helpers
     @staticmethod
     def direction(core: DistributedLion, s: Slot, out: F32, grads: Sequence[F32 | None],
@@ -196,6 +213,17 @@ class GlobalAverage(VariantStrategy):
             kernels.lion_step(core._flat[i], buf.f[s.offset:s.stop], core._mom[i], h.lr,
                               h.decay, h.b1, h.a1, h.b2, h.a2)
 
+    def update(self, core: DistributedLion, bucket: Bucket, buf: Buffers,
+               hypers: Sequence[Hyper], out: F32, sums: dict[int, int]) -> None:
+        """``u = sign(beta1 m + (1 - beta1) mean_g)``, the shared momentum advanced (the
+        arithmetic of :func:`lioncub.kernels.lion_step`)."""
+        for s in bucket.slots:
+            h = hypers[s.index]
+            u = out[s.offset:s.stop]
+            kernels.direction(core._mom[s.index], buf.f[s.offset:s.stop], u, h.b1, h.a1,
+                              h.b2, h.a2)
+            np.sign(u, out=u)
+
 
 class _LocalDirections(VariantStrategy):
     """The local-momentum variants' :meth:`prepare`: ``c`` of every slot into ``buf.f``."""
@@ -225,6 +253,12 @@ class MajorityVote(_LocalDirections):
         for s in bucket.slots:
             self.apply_signs(core, s, buf.s[s.offset:s.stop], hypers[s.index])
 
+    def update(self, core: DistributedLion, bucket: Bucket, buf: Buffers,
+               hypers: Sequence[Hyper], out: F32, sums: dict[int, int]) -> None:
+        """``u = majority`` (+-1)."""
+        n = bucket.size
+        out[:n] = buf.s[:n]
+
 
 class ExactSum(_LocalDirections):
     """Base of the variants whose collective returns exact integer vote sums (int16):
@@ -236,6 +270,14 @@ class ExactSum(_LocalDirections):
                hypers: Sequence[Hyper], sums: dict[int, int]) -> None:
         for s in bucket.slots:
             sums[s.index] = self.apply_signs(core, s, buf.s[s.offset:s.stop], hypers[s.index])
+
+    def update(self, core: DistributedLion, bucket: Bucket, buf: Buffers,
+               hypers: Sequence[Hyper], out: F32, sums: dict[int, int]) -> None:
+        """``u = sign(sum)``."""
+        for s in bucket.slots:
+            total = buf.s[s.offset:s.stop]
+            np.sign(total, out=out[s.offset:s.stop])
+            sums[s.index] = int(np.abs(total).sum(dtype=np.int64))
 
 
 class SignSum(ExactSum):
@@ -261,6 +303,17 @@ class SignMean(SignSum):
             h = hypers[s.index]
             sums[s.index] = kernels.apply_mean(core._flat[s.index], buf.s[s.offset:s.stop],
                                                h.lr, h.decay, p)
+
+    def update(self, core: DistributedLion, bucket: Bucket, buf: Buffers,
+               hypers: Sequence[Hyper], out: F32, sums: dict[int, int]) -> None:
+        """``u = sum / p`` (float32, correctly rounded, as :func:`kernels.apply_mean`)."""
+        p = kernels.f32(core.world_size)
+        for s in bucket.slots:
+            total = buf.s[s.offset:s.stop]
+            u = out[s.offset:s.stop]
+            u[:] = total
+            u /= p
+            sums[s.index] = int(np.abs(total).sum(dtype=np.int64))
 
 
 class QuantizedSum(ExactSum):
