@@ -1,0 +1,198 @@
+"""Hostile strangers against real ranks on loopback: handshake floods, forged control frames,
+weak settings. Strangers are real sockets opened by the test process; the ranks are separate
+processes (the fork server of ``tcp_world``)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import queue
+import re
+import socket
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+from bitcoll.transport.base import FrameHeader
+from bitcoll.transport.tcp import TCPTransport
+from bitcoll.transport.tcp_bootstrap import MAX_PENDING_HANDSHAKES
+from multiproc import context, start
+from tcp_world import free_port
+
+SIG = 0x5EC
+
+
+class _Capture(logging.Handler):
+    """Keeps the messages of the ``bitcoll`` logger (debug level) in a list."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def _exchange(t: TCPTransport, seq: int) -> None:
+    """Every rank sends its rank to every other rank and checks what it receives."""
+    out = np.array([t.rank], np.int64)
+    bufs = {p: np.zeros(1, np.int64) for p in range(t.size) if p != t.rank}
+    reqs = [t.irecv(p, memoryview(b).cast("B"), FrameHeader(seq, 0, SIG, 8))
+            for p, b in bufs.items()]
+    reqs += [t.isend(p, memoryview(out).cast("B"), FrameHeader(seq, 0, SIG, 8))
+             for p in bufs]
+    deadline = time.monotonic() + 60.0
+    for r in reqs:
+        r.wait(deadline)
+    assert all(int(b[0]) == p for p, b in bufs.items()), bufs
+
+
+def _flooded_rank(q: Any, rank: int, size: int, port: int, timeout: float) -> None:
+    capture = _Capture()
+    log = logging.getLogger("bitcoll")
+    log.setLevel(logging.DEBUG)
+    log.addHandler(capture)
+    try:
+        t = TCPTransport.create(rank, size, "127.0.0.1", port, timeout=timeout)
+        try:
+            _exchange(t, 1)
+        finally:
+            t.close()
+        q.put((rank, None, [m for m in capture.messages if "dropped the connection" in m]))
+    except BaseException as exc:
+        q.put((rank, f"{type(exc).__name__}: {exc}", []))
+
+
+def _listening_ports(pid: int) -> set[int]:
+    """The TCP ports process ``pid`` listens on (as a stranger finds them: /proc)."""
+    inodes = set()
+    with contextlib.suppress(OSError):
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                m = re.fullmatch(r"socket:\[(\d+)\]", os.readlink(f"/proc/{pid}/fd/{fd}"))
+                if m:
+                    inodes.add(m.group(1))
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError), open(table) as f:
+            for line in f.readlines()[1:]:
+                cols = line.split()
+                if cols[3] == "0A" and cols[9] in inodes:  # LISTEN
+                    ports.add(int(cols[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+def _flood(port: int, count: int, held: list[socket.socket]) -> None:
+    """Open ``count`` silent connections to ``port`` (non-blocking; kept in ``held``)."""
+    for _ in range(count):
+        s = socket.socket()
+        s.setblocking(False)
+        s.connect_ex(("127.0.0.1", port))
+        held.append(s)
+
+
+class _Flood:
+    """A thread that keeps opening silent connections to every port the given processes
+    listen on (found through /proc, as a stranger on the host finds them), up to ``cap``
+    per port, until stopped. ``sources``: the strangers' addresses."""
+
+    def __init__(self, pids: list[int], exclude: set[int], cap: int) -> None:
+        self.pids = pids
+        self.exclude = exclude
+        self.cap = cap
+        self.held: dict[int, list[socket.socket]] = {}
+        self.sources: set[str] = set()
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            for pid in list(self.pids):
+                for port in _listening_ports(pid) - self.exclude:
+                    self.held.setdefault(port, [])
+            busy = False
+            for port, held in self.held.items():
+                if len(held) < self.cap:
+                    busy = True
+                    _flood(port, 16, held)
+                    self.sources.update(f"127.0.0.1:{s.getsockname()[1]}" for s in held[-16:])
+            if not busy:
+                self.stop.wait(0.05)
+
+    def flooded(self, ports: int, each: int) -> bool:
+        """Whether ``ports`` ports have had ``each`` connections opened to them."""
+        return sum(len(h) >= each for h in list(self.held.values())) >= ports
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(10)
+        for held in self.held.values():
+            for s in held:
+                s.close()
+
+
+def test_a_flood_of_silent_connections_does_not_stop_the_job() -> None:
+    """Ranks 0, 2 and 3 of 4 start, listen and wait for rank 1; the test keeps opening
+    silent connections to every rank's listening port (far more than a rank keeps unproven)
+    while rank 1 starts and the ranks connect. Every rank completes set-up and an exchange;
+    the strangers' addresses are in the ranks' debug logs."""
+    size, timeout = 4, 60.0
+    store_port = free_port()
+    q = context(__name__).Queue()
+    procs = [start(_flooded_rank, q, r, size, store_port, timeout) for r in (0, 2, 3)]
+    flood = _Flood([p.pid for p in procs], {store_port}, 4 * MAX_PENDING_HANDSHAKES)
+    results = {}
+    try:
+        end = time.monotonic() + 30.0
+        while not flood.flooded(3, MAX_PENDING_HANDSHAKES + 64) and time.monotonic() < end:
+            time.sleep(0.02)  # polls the flood's progress; sets up no interleaving
+        assert flood.flooded(3, MAX_PENDING_HANDSHAKES + 64), flood.held.keys()
+        procs.append(start(_flooded_rank, q, 1, size, store_port, timeout))
+        flood.pids.append(procs[-1].pid)
+        for _ in range(size):
+            rank, error, dropped = q.get(timeout=timeout + 30)
+            results[rank] = (error, dropped)
+    finally:
+        flood.close()
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    assert all(error is None for error, _ in results.values()), results
+    named = [m for _, dropped in results.values() for m in dropped
+             if any(f"from {a} " in m for a in flood.sources)]
+    assert named, results
+
+
+def _relay_rank(q: Any, rank: int, size: int, port: int, integrity: bool) -> None:
+    """Set up, then wait for one frame from the other rank (it never sends one)."""
+    try:
+        t = TCPTransport.create(rank, size, "127.0.0.1", port, timeout=30.0,
+                                integrity=integrity)
+        try:
+            q.put((rank, "up", None))
+            buf = np.zeros(1, np.int64)
+            t.irecv(1 - rank, memoryview(buf).cast("B"), FrameHeader(1, 0, SIG, 8)).wait(
+                time.monotonic() + 30.0)
+            q.put((rank, "received", None))
+        finally:
+            t.close()
+    except BaseException as exc:
+        q.put((rank, type(exc).__name__, str(exc)))
+
+
+def _queue_get(q: Any, timeout: float) -> Any:
+    try:
+        return q.get(timeout=timeout)
+    except queue.Empty:
+        raise AssertionError(f"no rank reported within {timeout} s") from None
+
+
+def _run_in_thread(fn: Any) -> threading.Thread:
+    t = threading.Thread(target=fn, daemon=True)
+    t.start()
+    return t
