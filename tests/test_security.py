@@ -15,12 +15,12 @@ import time
 from typing import Any
 
 import numpy as np
+from multiproc import context, start
+from tcp_world import free_port
 
 from bitcoll.transport.base import FrameHeader
 from bitcoll.transport.tcp import TCPTransport
 from bitcoll.transport.tcp_bootstrap import MAX_PENDING_HANDSHAKES
-from multiproc import context, start
-from tcp_world import free_port
 
 SIG = 0x5EC
 
