@@ -42,6 +42,8 @@ from .communicator import (
 )
 from .config import DEFAULT_TIMEOUT, ENV_INTEGRITY, ENV_MASTER_PORT, ENV_TWO_LEVEL, switch
 from .errors import UsageError
+from .plan import CostModel, load_model
+from .topology import usable_cores
 from .transport.base import Transport
 from .transport.local import LocalTransport
 
@@ -206,6 +208,19 @@ def _tcp_transport(timeout: float, store: object | None, integrity: bool,
                                send_buffer=send_buffer)
 
 
+def _agreed_model(comm: Communicator) -> CostModel:
+    """Rank 0's cost model (:func:`bitcoll.plan.load_model`, its host's cores), given to every
+    rank with one broadcast so that every rank's automatic choices agree. A rank whose own
+    model file or variables are bad raises UsageError (its peers: PeerLostError)."""
+    with comm._validating("init"):
+        model = load_model()
+        if "BITCOLL_COST_HOST_CORES" not in os.environ:
+            model = model.replace(host_cores=float(usable_cores()))
+    if comm.size == 1:
+        return model
+    return CostModel.from_array(comm.broadcast(model.as_array(), root=0))
+
+
 def init(backend: str = "auto", timeout: float = DEFAULT_TIMEOUT,
          segment_bytes: int | None = None,
          packed_segment_bytes: int = DEFAULT_PACKED_SEGMENT_BYTES, *,
@@ -310,6 +325,7 @@ def init(backend: str = "auto", timeout: float = DEFAULT_TIMEOUT,
                         packed_segment_bytes=packed_segment_bytes, two_level=layered)
     try:
         comm.topology  # noqa: B018  (exchanges the host keys once, see bitcoll.topology)
+        comm.cost_model = _agreed_model(comm)
     except BaseException:
         comm.close()
         raise

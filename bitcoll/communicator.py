@@ -56,12 +56,13 @@ from .errors import BitcollError, CommError, PeerLostError, ProtocolError, Usage
 from .layout import packed_stream
 from .ops import FLOAT_DTYPES, SUPPORTED_DTYPES, ReduceOp, check_dtype, parse_op
 from .partition import block, block_bounds
+from .plan import DEFAULT_MODEL, Call, CostModel, Group, choose, group_of
 from .topology import Topology, digest, host_key
 from .transport.base import NativeCollectives, TrafficStats, Transport
 from .work import Work
 
 __all__ = ["Communicator", "DEFAULT_TIMEOUT", "DEFAULT_SEGMENT_BYTES", "REMOTE_SEGMENT_BYTES",
-           "DEFAULT_PACKED_SEGMENT_BYTES", "SMALL_MESSAGE_BYTES", "NATIVE_ALLREDUCE_MAX_BYTES"]
+           "DEFAULT_PACKED_SEGMENT_BYTES", "NATIVE_ALLREDUCE_MAX_BYTES"]
 
 T = TypeVar("T")
 Array = npt.NDArray[Any]
@@ -85,23 +86,12 @@ found 32 MiB 12-15% faster there.)"""
 DEFAULT_PACKED_SEGMENT_BYTES = 1 << 20
 """Wire segment of the packed-bit pipelines: 1 MiB of packed signs is 8M elements, so a
 64M-element sign all-reduce on 4 ranks packs, counts and decodes in 2 segments per block."""
-#: At or below this many bytes the dense all-reduce uses recursive doubling (latency-bound):
-#: ``ceil(log2 p)`` exchanges of the whole vector instead of the ring's ``2 (p - 1)`` steps of
-#: ``1/p`` of it. At 128 KiB it was faster than the ring with 2, 3, 4 and 5 ranks over shared
-#: memory and over TCP on this project's machine (``results/small_allreduce``; 2 ranks: 43
-#: against 80 µs, and 64 against 117 µs over TCP); from 256 KiB the ring wins with 2 ranks
-#: over shared memory (with more ranks on 2 cores, recursive doubling wins further up).
-SMALL_MESSAGE_BYTES = 128 << 10
 #: Over MPI, at or below this many bytes the dense all-reduce's default is MPI's own
 #: all-reduce (after the one fixed-size argument check every all-reduce over MPI starts with),
 #: above it bitcoll's ring, streamed (:meth:`~bitcoll.transport.mpi.MPITransport.stream`): see
 #: :meth:`Communicator.allreduce` and the README for the measured crossover (2 ranks: MPICH's
 #: all-reduce faster up to 512 KiB, the ring from 1 MiB; ``results/mpi_crossover_streams``).
 NATIVE_ALLREDUCE_MAX_BYTES = 512 << 10
-#: The packed collectives' default is the all-gather baseline while it sends at most this many
-#: bytes more per rank than the bandwidth-optimal direct exchange (one round of messages
-#: instead of two), the direct exchange above: see :func:`packed_auto_algorithm`.
-PACKED_ALLGATHER_MAX_EXCESS = 128 << 10
 
 _ALGORITHMS: dict[str, tuple[str, ...]] = {
     "allreduce": ("auto", "ring", "recursive_doubling", "hierarchical", "native"),
@@ -265,13 +255,16 @@ class Communicator:
     ``topology``: which ranks share a host (:class:`~bitcoll.topology.Topology` of this rank,
     the same ``hosts`` on every rank) when the caller knows it; default None: exchanged on
     first use of :attr:`topology`. UsageError unless it has ``size`` entries and this rank.
-    ``two_level``: see :attr:`two_level` (the same on every rank).
+    ``two_level``: see :attr:`two_level` (the same on every rank). ``cost_model``: the
+    parameters the automatic algorithm choice uses (:mod:`bitcoll.plan`; the same on every
+    rank: ``bitcoll.init`` gives every rank rank 0's).
     """
 
     def __init__(self, transport: Transport, timeout: float = DEFAULT_TIMEOUT,
                  segment_bytes: int = DEFAULT_SEGMENT_BYTES,
                  packed_segment_bytes: int = DEFAULT_PACKED_SEGMENT_BYTES,
-                 topology: Topology | None = None, two_level: bool = True) -> None:
+                 topology: Topology | None = None, two_level: bool = True,
+                 cost_model: CostModel = DEFAULT_MODEL) -> None:
         if not isinstance(two_level, bool):
             raise UsageError(f"two_level must be True or False, got {two_level!r}")
         if topology is not None and (len(topology.hosts) != transport.size or
@@ -296,6 +289,8 @@ class Communicator:
         self._agreed_failure: CommError | None = None  # see _AGREED
         self._topology: Topology | None = topology
         self._two_level_on = two_level
+        self._model = DEFAULT_MODEL
+        self._group: Group | None = None  # the planner's view of this group, see plan_group
         self._host_comms: dict[str, Communicator] = {}  # host_comm() / cross_host_comm()
         self._no_local_stats: TrafficStats | None = None  # stats_local without shared memory
         # MPI's own collectives (algorithm="native", the argument check), when there are any.
@@ -308,6 +303,7 @@ class Communicator:
         self._plans_on = transport.size > 1
         self._plans: dict[tuple[object, ...], _Plan | None] = {}
         self._mpi_plans: dict[tuple[object, ...], _Plan | None] = {}
+        self.cost_model = cost_model
 
     # ------------------------------------------------------------------ properties
     @property
@@ -359,6 +355,9 @@ class Communicator:
         if self._topology is None:
             keys = self.allgather(np.array([digest(host_key())], dtype=np.int64))
             self._topology = Topology.from_digests([int(k) for k in keys], self.rank)
+            self._group = None  # the planner now knows the hosts
+            self._plans.clear()
+            self._mpi_plans.clear()
         return self._topology
 
     @property
@@ -468,18 +467,41 @@ class Communicator:
 
     @property
     def two_level(self) -> bool:
-        """Whether the two-level algorithms (``algorithm="hierarchical"``) are the default
+        """Whether the two-level algorithms (``algorithm="hierarchical"``) may be the default
         where the ranks run on several hosts and some host runs several (``bitcoll.init``'s
-        ``two_level``, default on; ``BITCOLL_TWO_LEVEL=0`` turns it off). Off, those
-        collectives default to the flat algorithms, as on one host. Sub-communicators from
+        ``two_level``, default on; ``BITCOLL_TWO_LEVEL=0`` turns it off): the cost model
+        chooses them where they are cheapest. Off, those collectives default to the flat
+        algorithms, as on one host. Sub-communicators from
         :meth:`split` inherit it."""
         return self._two_level_on
 
-    def _two_level(self) -> bool:
-        """Whether the two-level algorithms are the default: :attr:`two_level` is on, the
-        topology is known, the ranks run on several hosts and some host runs several."""
-        topo = self._topology
-        return self._two_level_on and topo is not None and 1 < topo.num_hosts < self.size
+    @property
+    def cost_model(self) -> CostModel:
+        """The cost model's parameters behind every "auto" algorithm (:mod:`bitcoll.plan`).
+        Setting it is local: give every rank the same model (``bitcoll.init`` does), or the
+        ranks may choose different algorithms and fail their collectives with
+        ProtocolError."""
+        return self._model
+
+    @cost_model.setter
+    def cost_model(self, model: CostModel) -> None:
+        if not isinstance(model, CostModel):
+            raise UsageError(f"cost_model must be a bitcoll.plan.CostModel, got {model!r}")
+        self._model = model
+        self._group = None
+        self._plans.clear()
+        self._mpi_plans.clear()
+
+    @property
+    def plan_group(self) -> Group:
+        """This communicator as the planner sees it (:class:`bitcoll.plan.Group`): ranks,
+        hosts (when the topology is known; else one host), ranks per host, each rank's share
+        of a core, whether the two-level algorithms may be chosen."""
+        if self._group is None:
+            topo = self._topology
+            self._group = group_of(self.size, None if topo is None else topo.hosts,
+                                   self._model, self._two_level_on)
+        return self._group
 
     def _hosts(self) -> tuple[int, ...]:
         """Every rank's host index, for ``algorithm="hierarchical"`` (on a communicator
@@ -881,15 +903,15 @@ class Communicator:
         uint16 bits and ``bf16``; identical on every rank that passes the same arguments):
         over MPI, "inline" while the vector fits the argument check's records (not bfloat16),
         then MPI's own up to :data:`NATIVE_ALLREDUCE_MAX_BYTES` when MPI reduces the dtype (not
-        bfloat16, not float16), then recursive doubling up to :data:`SMALL_MESSAGE_BYTES`, then
-        "hierarchical" when the ranks run on several hosts and some host runs several, else
-        the ring."""
+        bfloat16, not float16), else the cheapest of recursive doubling, the ring and (ranks on
+        several hosts, some with several) "hierarchical" by the cost model
+        (:func:`bitcoll.plan.choose`)."""
         plan = None if bf16 else self._mpi_plan(dtype, size, op)
         if plan is not None:
             return str(plan.fields[3])
-        if dtype.itemsize * size <= SMALL_MESSAGE_BYTES:
-            return "recursive_doubling"
-        return "hierarchical" if self._two_level() else "ring"
+        return choose("allreduce", self._model, self.plan_group,
+                      Call(nbytes=(4 if bf16 else dtype.itemsize) * size,
+                           segment_bytes=self._segment_bytes))
 
     def _native_t(self) -> NativeCollectives:
         """The transport's own collectives (``_algorithm`` allowed "native" only with them)."""
@@ -1188,7 +1210,7 @@ class Communicator:
             self._topology.subset(members, members.index(self.rank))
         return Communicator(transport, timeout=self.timeout, segment_bytes=self.segment_bytes,
                             packed_segment_bytes=self.packed_segment_bytes, topology=topo,
-                            two_level=self._two_level_on)
+                            two_level=self._two_level_on, cost_model=self._model)
 
     # ------------------------------------------------------------------ packed-bit collectives
     def _packed(self, name: str, x: Any, codec_args: tuple[str, str, int], out: Any,
@@ -1214,7 +1236,8 @@ class Communicator:
             if kind == "sum" and bound > np.iinfo(flat.dtype).max:
                 raise UsageError(f"out dtype {flat.dtype} cannot hold sums up to {bound} "
                                  f"(levels {levels} x {self.size} ranks)")
-            codec, algo = self._packed_codec(kind, source, levels, tie, algorithm, False, n)
+            codec, algo = self._packed_codec(kind, source, levels, tie, algorithm, False, n,
+                                             gather)
 
         def check() -> None:
             if source == "int" and n and (vec.min() < -levels or vec.max() > levels):
@@ -1227,7 +1250,8 @@ class Communicator:
                                 async_op, timeout)
 
     def _packed_codec(self, kind: str, source: str, levels: int, tie: str,
-                      algorithm: str | None, packed_io: bool, count: int) -> tuple[Any, str]:
+                      algorithm: str | None, packed_io: bool, count: int, gather: bool
+                      ) -> tuple[Any, str]:
         """The tie rule and algorithm checked, the majority call counted: the call's codec
         and algorithm (the last step of a packed collective's validation)."""
         from .algorithms.votes import TIES, VoteCodec
@@ -1239,8 +1263,10 @@ class Communicator:
 
         w_in = field_width(levels) if kind == "sum" else 1
         w_out = field_width(levels * self.size) if kind == "sum" else 1
-        auto = "hierarchical" if self._two_level() else \
-            packed_auto_algorithm(count, self.size, w_in, w_out)
+        auto = "" if algorithm not in (None, "auto") else \
+            choose("packed", self._model, self.plan_group,
+                   Call(count=count, w_in=w_in, w_out=w_out, gather=gather,
+                        packed_io=packed_io, segment_bytes=self._packed_segment_bytes))
         algo = self._algorithm("packed", algorithm, auto)
         tie_call = 0
         if kind == "majority":
@@ -1302,7 +1328,7 @@ class Communicator:
             if flat.size and vec.size and np.shares_memory(flat, vec):
                 raise UsageError(f"out overlaps {arg}; pass a separate array")
             codec, algo = self._packed_codec(kind, "int" if kind == "sum" else "sign", levels,
-                                             tie, algorithm, True, n)
+                                             tie, algorithm, True, n, gather)
 
         def check() -> None:
             if kind != "sum" or not n:
@@ -1348,9 +1374,10 @@ class Communicator:
           int32 by default (``out`` may be int8/16/32/64 if it holds ``+-size``).
 
         NaN in ``x`` raises UsageError (found while packing; the peers get PeerLostError).
-        ``algorithm``: "auto" (default: "hierarchical" when the ranks run on several hosts and
-        some host runs several, else "allgather" for small vectors, where one round of
-        messages beats two, "direct" above; see :func:`packed_auto_algorithm`), "direct"
+        ``algorithm``: "auto" (default: the cheapest by the cost model, :mod:`bitcoll.plan`:
+        typically "allgather" for small vectors, where one round of messages beats two,
+        "direct" for large ones, "hierarchical" when the ranks run on several hosts and some
+        host runs several), "direct"
         (bandwidth-optimal direct-exchange reduce-scatter of packed bits, aggregation at each
         block's owner, all-gather of the packed result, pipelined in segments), "ring"
         (partial counts forwarded round a ring), "allgather" (every rank gathers every rank's
@@ -1664,18 +1691,6 @@ def _check_same_root(ctx: OpContext, root: int) -> None:
                             f"to {hi}; this rank passed {root})")
         _AGREED.add(exc)
         raise exc
-
-
-def packed_auto_algorithm(count: int, size: int, w_in: int = 1, w_out: int = 1) -> str:
-    """The default algorithm of a packed collective of ``count`` elements on ``size`` ranks
-    with ``w_in``-bit votes and ``w_out``-bit results: "allgather" (one round: every rank
-    sends its ``(size - 1) * count * w_in / 8`` bytes) while that is at most
-    :data:`PACKED_ALLGATHER_MAX_EXCESS` bytes more than the direct exchange's
-    ``(size - 1) / size * count * (w_in + w_out) / 8`` (two rounds), else "direct". With 2
-    ranks the all-gather never sends more, so it is always chosen."""
-    allgather = (size - 1) * count * w_in / 8
-    direct = (size - 1) / size * count * (w_in + w_out) / 8
-    return "allgather" if allgather - direct <= PACKED_ALLGATHER_MAX_EXCESS else "direct"
 
 
 def _check_timeout(timeout: float) -> float:

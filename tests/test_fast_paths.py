@@ -9,27 +9,9 @@ import pytest
 from inproc import run_threads
 
 import bitcoll
-from bitcoll.communicator import (
-    NATIVE_ALLREDUCE_MAX_BYTES,
-    PACKED_ALLGATHER_MAX_EXCESS,
-    SMALL_MESSAGE_BYTES,
-    Communicator,
-    packed_auto_algorithm,
-)
+from bitcoll.communicator import NATIVE_ALLREDUCE_MAX_BYTES, Communicator
+from bitcoll.plan import DEFAULT_MODEL, Call, choose, group_of
 from bitcoll.transport.base import HEADER_SIZE
-
-
-def test_packed_auto_algorithm_rule() -> None:
-    assert packed_auto_algorithm(10**9, 2) == "allgather"  # 2 ranks: never more bytes
-    assert packed_auto_algorithm(1000, 4) == "allgather"
-    assert packed_auto_algorithm(64 << 20, 4) == "direct"
-    # The boundary: excess bytes of the all-gather over the direct exchange.
-    p = 4
-    n = int(PACKED_ALLGATHER_MAX_EXCESS * 8 * p / ((p - 1) * (p - 2)))
-    assert packed_auto_algorithm(n, p) == "allgather"
-    assert packed_auto_algorithm(n + 64, p) == "direct"
-    # Wider sums make the all-gather's excess grow faster.
-    assert packed_auto_algorithm(200_000, 8, 5, 9) == "direct"
 
 
 def _default_bytes(comm: Communicator) -> list[int]:
@@ -352,8 +334,18 @@ def test_mpi_broadcast_roots_that_differ_fail_every_rank(n: int) -> None:
             comm.broadcast(np.zeros(n, np.float64), root=root)
 
 
-#: Recursive doubling up to 1001 elements, the ring above SMALL_MESSAGE_BYTES.
-_MIXED_LENGTHS = (0, 1, 7, 8, 9, 1001, SMALL_MESSAGE_BYTES // 4 + 9)
+def _ring_from(p: int) -> int:
+    """The smallest float32 length whose default all-reduce on ``p`` ranks of one host (the
+    default model) is the ring."""
+    n = 1
+    while choose("allreduce", DEFAULT_MODEL, group_of(p, None, DEFAULT_MODEL),
+                 Call(nbytes=4 * n)) != "ring":
+        n *= 2
+    return n
+
+
+#: Recursive doubling up to 1001 elements, the ring for the last length.
+_MIXED_LENGTHS = (0, 1, 7, 8, 9, 1001, _ring_from(3) + 9)
 
 
 def _mixed_paths(comm: Communicator) -> list[object]:
@@ -367,7 +359,8 @@ def _mixed_paths(comm: Communicator) -> list[object]:
         comm.stats.reset()
         y = comm.allreduce(x)
         frames = comm.stats.snapshot()["messages_sent"]
-        algo = "ring" if 4 * n > SMALL_MESSAGE_BYTES else "recursive_doubling"
+        algo = choose("allreduce", comm.cost_model, comm.plan_group, Call(nbytes=4 * n))
+        assert algo == ("ring" if n == _MIXED_LENGTHS[-1] else "recursive_doubling")
         forced = comm.allreduce(np.ascontiguousarray(x), algorithm=algo)
         late = comm.allreduce(np.ascontiguousarray(x), async_op=True).wait()
         inplace = np.ascontiguousarray(x)

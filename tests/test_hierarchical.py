@@ -29,9 +29,10 @@ from bitcoll.algorithms.context import OpContext, Slot
 from bitcoll.algorithms.hierarchical import HostPlan, count_width
 from bitcoll.algorithms.sign_allreduce_direct import segment_elements
 from bitcoll.algorithms.votes import field_width
-from bitcoll.communicator import Communicator, packed_auto_algorithm
+from bitcoll.communicator import Communicator
 from bitcoll.errors import UsageError
 from bitcoll.partition import block_bounds
+from bitcoll.plan import DEFAULT_MODEL, Call, choose
 from bitcoll.topology import Topology
 from bitcoll.transport.base import HEADER_SIZE
 
@@ -137,11 +138,12 @@ def test_same_bits_as_direct_and_default() -> None:
 def test_two_level_off_makes_the_flat_algorithms_the_default(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """``two_level=False`` (``BITCOLL_TWO_LEVEL=0``): on several hosts with several ranks
-    the defaults send exactly what the flat algorithms send (the packed collectives' choice
-    by size, the ring for a large dense all-reduce); on (the default) exactly what the
-    two-level ones send. Splits inherit the setting; a bad value is a UsageError."""
+    the defaults send exactly what the flat algorithms the cost model picks send; on (the
+    default) the model may pick the two-level ones, and does for a dense all-reduce over slow
+    links. Splits inherit the setting; a bad value is a UsageError."""
     hosts = (0, 0, 1, 1)
     n = 40_001
+    slow = DEFAULT_MODEL.replace(remote_bandwidth=1.25e8)  # 1 Gbit links
 
     def sent(comm: Communicator, packed: str | None = None, dense: str | None = None
              ) -> tuple[int, int]:
@@ -152,14 +154,19 @@ def test_two_level_off_makes_the_flat_algorithms_the_default(
         snap = comm.stats.snapshot()
         return snap["bytes_sent"], snap["messages_sent"]
 
-    def body(comm: Communicator) -> list[tuple[int, int]]:
-        return [sent(comm), sent(comm, packed_auto_algorithm(n, comm.size), "ring"),
-                sent(comm, "hierarchical", "hierarchical")]
+    def body(comm: Communicator) -> tuple[tuple[int, int], tuple[int, int], str, str]:
+        group = comm.plan_group
+        packed = choose("packed", comm.cost_model, group, Call(count=n))
+        dense = choose("allreduce", comm.cost_model, group, Call(nbytes=4 * n))
+        return sent(comm), sent(comm, packed, dense), packed, dense
 
     for on in (False, True):
-        for default, flat, layered in run_hosts(hosts, body, two_level=on):
-            assert default == (layered if on else flat)
-            assert flat != layered
+        for default, forced, packed, dense in run_hosts(hosts, body, two_level=on,
+                                                        cost_model=slow):
+            assert default == forced
+            assert (dense == "hierarchical") is on
+            if not on:
+                assert packed != "hierarchical"
     for value, want in (("0", False), ("1", True), ("", True)):
         monkeypatch.setenv("BITCOLL_TWO_LEVEL", value)
         with bitcoll.init("local") as comm:
@@ -268,7 +275,7 @@ def test_explicit_choices_and_errors() -> None:
         comm.sign_allreduce(x, algorithm="direct")
         flat = comm.stats.snapshot()["messages_sent"]
         comm.stats.reset()
-        comm.sign_allreduce(x)
+        comm.sign_allreduce(x, algorithm="hierarchical")
         return flat, comm.stats.snapshot()["messages_sent"]
 
     # Flat direct: 2 (p - 1) messages per rank. Two-level (2 hosts of 2, one segment): one
@@ -320,10 +327,10 @@ def _tcp_world(comm: Communicator) -> dict[str, Any]:
     q = np.random.default_rng([r, 3]).integers(-31, 32, n).astype(np.int8)
     widest = max(len(m) for m in HostPlan(hosts, n).members)
     runs: dict[str, tuple[Callable[[], Any], Callable[[], Any], int]] = {
-        "majority": (lambda: comm.sign_allreduce(x),
+        "majority": (lambda: comm.sign_allreduce(x, algorithm="hierarchical"),
                      lambda: comm.sign_allreduce(x, algorithm="direct"),
                      count_width("majority", widest, 1)[0]),
-        "sum": (lambda: comm.quantized_allreduce(q, 31),
+        "sum": (lambda: comm.quantized_allreduce(q, 31, algorithm="hierarchical"),
                 lambda: comm.quantized_allreduce(q, 31, algorithm="direct"),
                 max(field_width(31), field_width(31 * p), count_width("sum", widest, 31)[0]))}
     for kind, (two_level, direct, width) in runs.items():

@@ -1,0 +1,435 @@
+"""Algorithm choice: a registry of algorithms with an alpha-beta cost model.
+
+Every collective whose algorithm is left at "auto" asks :func:`choose` which registered
+algorithm is cheapest for the call. The choice is a pure function of three values, so it is
+the same on every rank that passes the same arguments and can be tested without ranks:
+
+* a :class:`Group`: how many ranks, on how many hosts, how many per host, how many cores each
+  rank has, whether the two-level algorithms are allowed;
+* a :class:`Call`: the collective's size (bytes of a dense vector, or elements and field
+  widths of a packed one);
+* a :class:`CostModel`: the machine's parameters (latency and bandwidth of a message inside a
+  host and across hosts, per-message CPU cost, per-core rates of packing, counting, decoding
+  and reducing).
+
+Cost formulas (seconds; ``p`` ranks, ``h`` hosts of ``l`` ranks, ``n`` bytes or elements,
+``a`` the latency and ``B`` the bandwidth of the slowest link the algorithm crosses, ``o``
+the CPU cost of one message, ``R`` a per-core rate; see ``docs/cost-model.md`` for their
+derivation and the measurements beside them):
+
+=======================================  ==========================================================
+dense ``recursive_doubling``             ``k (a + o + n/B + n/R_reduce)``, ``k = log2 p'`` (+2 for
+                                         ``p`` not a power of two, ``p'`` the power below)
+dense ``ring``                           ``2(p-1)(a+o) + 2(p-1)/p n/B + (p-1)/p n/R_reduce``
+dense ``hierarchical``                   local reduce-scatter + ring between hosts on ``n/l`` +
+                                         local all-gather (each on its own link's ``a``, ``B``)
+packed ``allgather``                     ``pack(n) + (p-1)(a+o) + (p-1) n w_in/8/B + count(p, m)
+                                         + decode(m)``, one round, not pipelined
+packed ``direct``                        ``K`` segments pipelined: ``2(a+o) + fill + (K-1)
+                                         max(cpu/K, wire/K)``, ``cpu = pack(n) + count(p, n/p) +
+                                         decode(m) + 2(p-1)K o``, ``wire = (p-1)/p n (w_in +
+                                         w_out)/8/B``
+packed ``ring``                          ``2(p-1)(a+o)`` + counts growing ``ceil(log2(s+2))`` bits
+                                         per hop + all-gather of the results
+packed ``hierarchical``                  votes counted inside each host (shared memory), counts
+                                         of ``ceil(log2(l+1))`` bits exchanged between hosts
+=======================================  ==========================================================
+
+(``pack(n) = n / R_pack`` on the rank's share of a core, ``count(r, m) = r m / R_count``,
+``decode(m) = m / R_decode``; ``m`` the output's elements: ``n`` for an all-reduce, ``n/p``
+for a reduce-scatter.)
+
+The parameters: :data:`DEFAULT_MODEL` holds figures measured on the project's reference
+machine; ``python -m bitcoll.plan probe`` (run under a launcher: ``python -m launch -n 2
+-m bitcoll.plan probe``) measures this machine's rates, and with several hosts its links, and
+caches them in ``$BITCOLL_COST_MODEL`` (default ``~/.cache/bitcoll/cost_model.json``);
+``bitcoll.init`` loads that file on rank 0 and gives rank 0's model to every rank, so the
+ranks always agree on the choice. Every field can be overridden in that file or by
+``BITCOLL_COST_<FIELD>`` in the environment (e.g. ``BITCOLL_COST_REMOTE_BANDWIDTH=1.25e8``
+for 1 Gbit links).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+import numpy as np
+import numpy.typing as npt
+
+from .errors import UsageError
+
+__all__ = ["Group", "Call", "CostModel", "Algorithm", "REGISTRY", "DEFAULT_MODEL", "choose",
+           "predict", "candidates", "group_of", "load_model", "model_path", "ENV_COST_MODEL"]
+
+#: Environment variable naming the cost model's cache file.
+ENV_COST_MODEL: Final = "BITCOLL_COST_MODEL"
+#: Prefix of the environment variables that override one field of the model each.
+ENV_FIELD_PREFIX: Final = "BITCOLL_COST_"
+
+
+@dataclass(frozen=True)
+class Group:
+    """The shape of a communicator, as the cost model sees it.
+
+    ``size``: ranks; ``hosts``: hosts (1 when every rank runs on one host); ``per_host``: the
+    largest number of ranks on one host; ``cores_per_rank``: the share of a core each rank
+    can use for packing and reducing (1.0: a core of its own; 0.5: two ranks per core);
+    ``two_level``: whether the two-level ("hierarchical") algorithms may be chosen."""
+
+    size: int
+    hosts: int = 1
+    per_host: int = 0
+    cores_per_rank: float = 1.0
+    two_level: bool = True
+
+    def __post_init__(self) -> None:
+        if self.per_host == 0:
+            object.__setattr__(self, "per_host", -(-self.size // max(1, self.hosts)))
+
+    @property
+    def layered(self) -> bool:
+        """Whether the two-level algorithms apply: several hosts, some with several ranks."""
+        return self.two_level and 1 < self.hosts < self.size
+
+
+@dataclass(frozen=True)
+class Call:
+    """One collective call: ``nbytes`` of a dense vector, or ``count`` elements of a packed
+    one with ``w_in``-bit votes and ``w_out``-bit results (``gather``: all-reduce, else
+    reduce-scatter; ``packed_io``: the input is already packed, nothing to pack or decode);
+    ``segment_bytes``: the pipelines' segment size."""
+
+    nbytes: int = 0
+    count: int = 0
+    w_in: int = 1
+    w_out: int = 1
+    gather: bool = True
+    packed_io: bool = False
+    segment_bytes: int = 1 << 20
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """The machine's parameters (seconds, bytes per second, elements per second).
+
+    Latencies are one-way times of a small message; bandwidths the rate one rank can send
+    at on that path; ``message_cpu`` the CPU cost of handing one message to the transport and
+    taking one from it; the rates are one core's; ``host_cores`` the cores of a host that
+    its ranks share (:func:`group_of` divides them among the host's ranks);
+    ``switch_latency`` what a wait adds when a host runs more ranks than it has cores (the
+    peer that sends must first be scheduled)."""
+
+    local_latency: float = 25e-6
+    local_bandwidth: float = 8.0e9
+    remote_latency: float = 60e-6
+    remote_bandwidth: float = 1.2e9
+    message_cpu: float = 8e-6
+    call_cpu: float = 15e-6
+    pack_rate: float = 7.5e9
+    count_rate: float = 3.0e10
+    decode_rate: float = 2.5e10
+    reduce_rate: float = 4.0e9
+    host_cores: float = 1.0
+    switch_latency: float = 100e-6
+
+    def as_array(self) -> npt.NDArray[np.float64]:
+        """The fields in declaration order (to send to other ranks)."""
+        return np.array(dataclasses.astuple(self), np.float64)
+
+    @classmethod
+    def from_array(cls, values: npt.NDArray[np.float64]) -> CostModel:
+        """The inverse of :meth:`as_array`."""
+        return cls(*(float(v) for v in values))
+
+    def replace(self, **fields: float) -> CostModel:
+        """A copy with some fields replaced (each checked like :meth:`from_mapping`)."""
+        return dataclasses.replace(self, **_checked(fields))
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, object], base: CostModel | None = None
+                     ) -> CostModel:
+        """``base`` (default: the defaults) with the fields named in ``values``; UsageError
+        for an unknown field or a value that is not a positive finite number."""
+        return dataclasses.replace(base or cls(), **_checked(values))
+
+    def link(self, remote: bool, group: Group | None = None) -> tuple[float, float]:
+        """(latency, bandwidth) of a message inside a host or across hosts; on a ``group``
+        whose hosts run more ranks than they have cores, the latency includes
+        ``switch_latency``."""
+        extra = self.switch_latency if group is not None and group.cores_per_rank < 1 else 0.0
+        if remote:
+            return self.remote_latency + extra, self.remote_bandwidth
+        return self.local_latency + extra, self.local_bandwidth
+
+
+_FIELDS: Final = tuple(f.name for f in dataclasses.fields(CostModel))
+
+
+def _checked(values: Mapping[str, object]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for name, value in values.items():
+        if name not in _FIELDS:
+            raise UsageError(f"unknown cost model field {name!r}; expected one of "
+                             f"{', '.join(_FIELDS)}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                not 0 < value < math.inf:
+            raise UsageError(f"cost model field {name} must be a positive finite number, got "
+                             f"{value!r}")
+        out[name] = float(value)
+    return out
+
+
+#: The reference machine's figures (2-core x86 VM; see docs/cost-model.md).
+DEFAULT_MODEL: Final = CostModel()
+
+
+# ---------------------------------------------------------------------------- the formulas
+def _mesh_share(g: Group) -> float:
+    """How many times one rank's traffic a host's link carries when every rank sends to every
+    other (direct exchange, all-gather, recursive doubling): the host's ranks share the link,
+    and only the share of their peers on other hosts crosses it. 1 on one host; a ring over
+    hosts in rank order crosses each link once, so rings do not use this factor."""
+    if g.hosts <= 1:
+        return 1.0
+    return g.per_host * (g.size - g.per_host) / max(1, g.size - 1)
+
+
+def _rounds_rd(p: int) -> int:
+    below = 1 << (p.bit_length() - 1)
+    return (below.bit_length() - 1) + (0 if below == p else 2)
+
+
+def _dense_rd(m: CostModel, g: Group, c: Call) -> float:
+    a, b = m.link(g.hosts > 1, g)
+    n = c.nbytes
+    rate = m.reduce_rate * g.cores_per_rank
+    return m.call_cpu + _rounds_rd(g.size) * (a + m.message_cpu + n * _mesh_share(g) / b
+                                              + n / rate)
+
+
+def _ring(m: CostModel, g: Group, p: int, n: float, remote: bool) -> float:
+    a, b = m.link(remote, g)
+    return (2 * (p - 1) * (a + m.message_cpu) + 2 * (p - 1) / p * n / b
+            + (p - 1) / p * n / (m.reduce_rate * g.cores_per_rank))
+
+
+def _dense_ring(m: CostModel, g: Group, c: Call) -> float:
+    return m.call_cpu + _ring(m, g, g.size, c.nbytes, g.hosts > 1)
+
+
+def _dense_hier(m: CostModel, g: Group, c: Call) -> float:
+    n, loc, h = c.nbytes, g.per_host, g.hosts
+    al, bl = m.link(False, g)
+    cores = g.cores_per_rank
+    inside = 2 * ((loc - 1) * (al + m.message_cpu) + (loc - 1) / loc * n / bl) \
+        + (loc - 1) / loc * n / (m.reduce_rate * cores)
+    # every local rank runs a ring between hosts on its slice: the host's link carries all
+    ar, br = m.link(True, g)
+    between = 2 * (h - 1) * (ar + m.message_cpu) + 2 * (h - 1) / h * n / br \
+        + (h - 1) / h * n / loc / (m.reduce_rate * cores)
+    return m.call_cpu + inside + between
+
+
+def _pack(m: CostModel, g: Group, c: Call) -> float:
+    return 0.0 if c.packed_io else c.count / (m.pack_rate * g.cores_per_rank)
+
+
+def _out_count(g: Group, c: Call) -> float:
+    return c.count if c.gather else c.count / g.size
+
+
+def _decode(m: CostModel, g: Group, c: Call) -> float:
+    return 0.0 if c.packed_io else _out_count(g, c) / (m.decode_rate * g.cores_per_rank)
+
+
+def _count(m: CostModel, g: Group, rows: float, elements: float) -> float:
+    return rows * elements / (m.count_rate * g.cores_per_rank)
+
+
+def _packed_allgather(m: CostModel, g: Group, c: Call) -> float:
+    p = g.size
+    a, b = m.link(g.hosts > 1, g)
+    wire = (p - 1) * c.count * c.w_in / 8 / b * _mesh_share(g)
+    return (m.call_cpu + _pack(m, g, c) + (p - 1) * (a + 2 * m.message_cpu) + wire
+            + _count(m, g, p, _out_count(g, c)) + _decode(m, g, c))
+
+
+def _segments(c: Call, p: int, width: int) -> int:
+    seg = max(64, c.segment_bytes * 8 // max(1, width))
+    return max(1, -(-c.count // p // seg))
+
+
+def _pipeline(stages_cpu: float, wire: float, segments: int, latency: float) -> float:
+    """``segments`` pipelined segments whose CPU work and wire time (totals) overlap."""
+    per_cpu, per_wire = stages_cpu / segments, wire / segments
+    return latency + per_cpu + per_wire + (segments - 1) * max(per_cpu, per_wire)
+
+
+def _packed_direct(m: CostModel, g: Group, c: Call) -> float:
+    p = g.size
+    a, b = m.link(g.hosts > 1, g)
+    k = _segments(c, p, c.w_in)
+    wire = (p - 1) / p * c.count * (c.w_in + (c.w_out if c.gather else 0)) / 8 / b \
+        * _mesh_share(g)
+    msgs = (2 if c.gather else 1) * (p - 1) * k
+    cpu = (_pack(m, g, c) + _count(m, g, p, c.count / p) + _decode(m, g, c)
+           + 2 * msgs * m.message_cpu)
+    return m.call_cpu + _pipeline(cpu, wire, k, (2 if c.gather else 1) * a)
+
+
+def _packed_ring(m: CostModel, g: Group, c: Call) -> float:
+    p = g.size
+    a, b = m.link(g.hosts > 1, g)
+    block = c.count / p
+    bits = sum(max(c.w_in, math.ceil(math.log2(s + 2))) for s in range(p - 1))
+    wire = block * bits / 8 / b + ((p - 1) * block * c.w_out / 8 / b if c.gather else 0.0)
+    steps = 2 * (p - 1) if c.gather else p - 1
+    cpu = _pack(m, g, c) + _count(m, g, 2 * (p - 1), block) + _decode(m, g, c)
+    return m.call_cpu + steps * (a + 2 * m.message_cpu) + wire + cpu
+
+
+def _packed_hier(m: CostModel, g: Group, c: Call) -> float:
+    loc, h = g.per_host, g.hosts
+    al, bl = m.link(False, g)
+    ar, br = m.link(True, g)
+    w_c = max(1, math.ceil(math.log2(loc + 1))) if c.w_out == 1 else c.w_out
+    k = _segments(c, loc, c.w_in)
+    inside = (loc - 1) / loc * c.count * (c.w_in + (c.w_out if c.gather else 0)) / 8 / bl
+    # each local rank sends its slice's counts: the host's link carries all the slices
+    between = (h - 1) / h * c.count * (w_c + c.w_out) / 8 / br
+    msgs = k * (2 * (loc - 1) + 2 * (h - 1))
+    cpu = (_pack(m, g, c) + _count(m, g, loc + h, c.count / loc) + _decode(m, g, c)
+           + 2 * msgs * m.message_cpu)
+    return m.call_cpu + _pipeline(cpu, inside + between, k, 2 * al + 2 * ar)
+
+
+def _one_round(m: CostModel, g: Group, c: Call) -> float:
+    a, b = m.link(g.hosts > 1, g)
+    return m.call_cpu + math.ceil(math.log2(max(2, g.size))) * (a + m.message_cpu) \
+        + c.nbytes / b
+
+
+# ---------------------------------------------------------------------------- the registry
+@dataclass(frozen=True)
+class Algorithm:
+    """One registered algorithm of a collective: its name (the ``algorithm=`` value), when
+    it applies, and its predicted time."""
+
+    collective: str
+    name: str
+    cost: Callable[[CostModel, Group, Call], float]
+    eligible: Callable[[Group, Call], bool] = lambda g, c: True
+
+
+def group_of(size: int, hosts: tuple[int, ...] | None, model: CostModel,
+             two_level: bool = True) -> Group:
+    """The :class:`Group` of a communicator of ``size`` ranks whose rank ``r`` runs on host
+    ``hosts[r]`` (None: unknown, taken as one host), each host's ``model.host_cores`` shared
+    by its ranks."""
+    if not hosts:
+        n_hosts, per_host = 1, size
+    else:
+        counts: dict[int, int] = {}
+        for h in hosts:
+            counts[h] = counts.get(h, 0) + 1
+        n_hosts, per_host = len(counts), max(counts.values())
+    return Group(size, n_hosts, per_host, min(1.0, model.host_cores / max(1, per_host)),
+                 two_level)
+
+
+def _layered(g: Group, c: Call) -> bool:
+    return g.layered
+
+
+def _several(g: Group, c: Call) -> bool:
+    return g.size > 1
+
+
+#: Every algorithm "auto" can choose, in order of preference on equal cost.
+REGISTRY: Final[tuple[Algorithm, ...]] = (
+    Algorithm("allreduce", "recursive_doubling", _dense_rd),
+    Algorithm("allreduce", "ring", _dense_ring, _several),
+    Algorithm("allreduce", "hierarchical", _dense_hier, _layered),
+    Algorithm("packed", "allgather", _packed_allgather),
+    Algorithm("packed", "direct", _packed_direct),
+    Algorithm("packed", "ring", _packed_ring, _several),
+    Algorithm("packed", "hierarchical", _packed_hier, _layered),
+    Algorithm("reduce_scatter", "ring", _dense_ring),
+    Algorithm("allgather", "ring", _dense_ring),
+    Algorithm("broadcast", "tree", _one_round),
+    Algorithm("alltoall", "direct", _one_round),
+    Algorithm("barrier", "dissemination", _one_round),
+)
+
+_BY_KEY: Final = {(a.collective, a.name): a for a in REGISTRY}
+
+
+def candidates(collective: str, group: Group, call: Call) -> list[Algorithm]:
+    """The registered algorithms of ``collective`` that apply to ``call`` on ``group``."""
+    return [a for a in REGISTRY if a.collective == collective and a.eligible(group, call)]
+
+
+def predict(collective: str, name: str, model: CostModel, group: Group, call: Call) -> float:
+    """The model's time in seconds of algorithm ``name`` of ``collective``; UsageError for an
+    algorithm the registry does not know."""
+    algo = _BY_KEY.get((collective, name))
+    if algo is None:
+        raise UsageError(f"no cost formula for {collective} algorithm {name!r}")
+    return algo.cost(model, group, call)
+
+
+def choose(collective: str, model: CostModel, group: Group, call: Call) -> str:
+    """The cheapest applicable algorithm of ``collective`` (the first registered on a tie).
+    Pure: the same answer on every rank given the same model, group and call."""
+    best, best_cost = "", math.inf
+    for algo in candidates(collective, group, call):
+        cost = algo.cost(model, group, call)
+        if cost < best_cost * (1 - 1e-9):  # a near tie goes to the first registered
+            best, best_cost = algo.name, cost
+    if not best:
+        raise UsageError(f"no algorithm of {collective} applies to {group} and {call}")
+    return best
+
+
+# ---------------------------------------------------------------------------- configuration
+def model_path(environ: Mapping[str, str] | None = None) -> Path:
+    """The cost model's cache file: ``$BITCOLL_COST_MODEL``, else
+    ``~/.cache/bitcoll/cost_model.json``."""
+    env = os.environ if environ is None else environ
+    if env.get(ENV_COST_MODEL):
+        return Path(env[ENV_COST_MODEL])
+    return Path.home() / ".cache" / "bitcoll" / "cost_model.json"
+
+
+def load_model(environ: Mapping[str, str] | None = None) -> CostModel:
+    """This machine's model: :data:`DEFAULT_MODEL`, updated by the cache file when it exists
+    (see :func:`model_path`), then by ``BITCOLL_COST_<FIELD>`` variables. UsageError for a
+    file that is not a JSON object of known fields, or a bad value."""
+    env = os.environ if environ is None else environ
+    model = DEFAULT_MODEL
+    path = model_path(env)
+    if path.is_file():
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise UsageError(f"cannot read the cost model {path}: {exc}") from exc
+        if not isinstance(data, dict):
+            raise UsageError(f"the cost model {path} must hold a JSON object")
+        model = CostModel.from_mapping({k: v for k, v in data.items() if k != "_about"}, model)
+    overrides: dict[str, object] = {}
+    for name in _FIELDS:
+        text = env.get(ENV_FIELD_PREFIX + name.upper())
+        if text:
+            try:
+                overrides[name] = float(text)
+            except ValueError:
+                raise UsageError(f"{ENV_FIELD_PREFIX}{name.upper()} must be a number, got "
+                                 f"{text!r}") from None
+    return CostModel.from_mapping(overrides, model) if overrides else model

@@ -1,0 +1,158 @@
+"""Measure the cost model's parameters on this machine (:mod:`bitcoll.plan`).
+
+``python -m bitcoll.probe`` (one process) measures the per-core rates of packing, counting,
+decoding and reducing with bitcoll's own kernels and writes them to the cost model's cache file
+(:func:`bitcoll.plan.model_path`). Under a launcher with several ranks (``python -m launch
+-n 2 -m bitcoll.probe``, ``mpiexec -n 2 python -m bitcoll.probe``; one rank per host or several)
+it also measures the latency and bandwidth between ranks of one host and, when the ranks span
+several hosts, between hosts, and rank 0 writes the file. It takes a few seconds. Options:
+``--dry-run`` prints the model without writing it; ``--output PATH`` writes elsewhere.
+
+Every figure is the best of several repetitions (the least disturbed), the way the cost model
+uses them: a prediction of an undisturbed call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .plan import CostModel, load_model, model_path
+
+__all__ = ["compute_rates", "link_rates", "main"]
+
+
+def _best(fn: Callable[[], object], repeats: int = 5) -> float:
+    fn()  # compile / warm the caches
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def compute_rates(n: int = 1 << 24, rows: int = 4) -> dict[str, float]:
+    """Per-core rates of this process, measured on ``n`` elements: ``pack_rate`` (float32
+    signs packed to bits, elements/s), ``count_rate`` (majority of ``rows`` packed rows,
+    row-elements/s), ``decode_rate`` (bits to int8 +-1, elements/s), ``reduce_rate``
+    (float32 ``a += b``, bytes of ``a`` per second)."""
+    from . import kernels
+
+    old = kernels.get_num_threads()
+    kernels.set_num_threads(1)
+    try:
+        rng = np.random.default_rng(0)
+        x = rng.standard_normal(n).astype(np.float32)
+        bits = kernels.pack_signs(x)
+        packed = np.stack([kernels.pack_signs(rng.standard_normal(n).astype(np.float32))
+                           for _ in range(rows)])
+        res = np.empty_like(bits)
+        out = np.empty(n, np.int8)
+        y = np.ones(n, np.float32)
+        t_pack = _best(lambda: kernels.pack_signs(x, out=bits))
+        t_count = _best(lambda: kernels.majority(packed, n, kernels.TIE_POSITIVE, 0, out=res))
+        t_decode = _best(lambda: kernels.unpack_signs(bits, n, out=out, dtype=np.int8))
+        t_reduce = _best(lambda: np.add(y, x, out=y))
+    finally:
+        kernels.set_num_threads(old)
+    return {"pack_rate": n / t_pack, "count_rate": rows * n / t_count,
+            "decode_rate": n / t_decode, "reduce_rate": 4 * n / t_reduce}
+
+
+def _pingpong(comm: Any, nbytes: int, repeats: int) -> float:
+    """Best one-way time of an ``nbytes`` message on the 2-rank ``comm`` (a broadcast in
+    each direction)."""
+    buf = np.zeros(max(1, nbytes), np.uint8)
+    best = float("inf")
+    for i in range(repeats + 1):
+        t0 = time.perf_counter()
+        comm.broadcast(buf, root=0)
+        comm.broadcast(buf, root=1)
+        if i:
+            best = min(best, (time.perf_counter() - t0) / 2)
+    return best
+
+
+def link_rates(comm: Any, repeats: int = 5, nbytes: int = 8 << 20) -> dict[str, float]:
+    """Latency and bandwidth between ranks 0 and 1 of one host and, when the ranks span
+    several hosts, between host 0's first rank and host 1's first rank (collective over
+    ``comm``; the figures are rank 0's). Keys: ``local_latency``, ``local_bandwidth``,
+    ``remote_latency``, ``remote_bandwidth`` (only those the world can measure)."""
+    hosts = comm.topology.hosts
+    pairs: dict[str, tuple[int, int]] = {}
+    same = [r for r in range(comm.size) if hosts[r] == hosts[0]]
+    if len(same) > 1:
+        pairs["local"] = (same[0], same[1])
+    other = [r for r in range(comm.size) if hosts[r] != hosts[0]]
+    if other:
+        pairs["remote"] = (0, other[0])
+    out: dict[str, float] = {}
+    for kind in ("local", "remote"):
+        pair = pairs.get(kind)
+        color = 0 if pair is not None and comm.rank in pair else None
+        sub = comm.split(color, key=0 if pair is not None and comm.rank == pair[0] else 1)
+        if sub is None:
+            continue
+        try:
+            small = _pingpong(sub, 8, repeats * 20)
+            large = _pingpong(sub, nbytes, repeats)
+        finally:
+            sub.close()
+        out[f"{kind}_latency"] = small
+        out[f"{kind}_bandwidth"] = nbytes / max(large - small, 1e-9)
+    # rank 0's figures for everyone (rank 0 may not be in the local pair)
+    keys = ("local_latency", "local_bandwidth", "remote_latency", "remote_bandwidth")
+    mine = np.array([out.get(k, np.nan) for k in keys], np.float64)
+    table = comm.allgather(mine).reshape(comm.size, len(keys))
+    merged: dict[str, float] = {}
+    for j, key in enumerate(keys):
+        column = table[:, j][~np.isnan(table[:, j])]
+        if column.size:
+            merged[key] = float(column[0])
+    return merged
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bitcoll.probe", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dry-run", action="store_true", help="print, do not write")
+    parser.add_argument("--output", type=Path, default=None, help="file to write")
+    args = parser.parse_args(argv)
+    fields = compute_rates()
+    import bitcoll
+
+    with bitcoll.init() as comm:
+        if comm.size > 1:
+            fields.update(link_rates(comm))
+        # every rank measured its own rates: the model takes the slowest rank's
+        rates = ("pack_rate", "count_rate", "decode_rate", "reduce_rate")
+        mine = np.array([fields[k] for k in rates], np.float64)
+        low = comm.allreduce(mine, op="min")
+        fields.update({k: float(v) for k, v in zip(rates, low, strict=True)})
+        if comm.rank != 0:
+            return 0
+    from .topology import usable_cores
+
+    fields["host_cores"] = float(usable_cores())
+    model = CostModel.from_mapping(fields, load_model())
+    text = json.dumps({"_about": "bitcoll cost model, measured by python -m bitcoll.probe",
+                       **{k: v for k, v in vars(model).items()}}, indent=2)
+    print(text)
+    if not args.dry_run:
+        path = args.output or model_path()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text + "\n")
+        print(f"written to {path}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,202 @@
+"""The planner (:mod:`bitcoll.plan`): algorithm choice by the cost model, without ranks, and
+the model's configuration (file, variables, rank 0's model on every rank)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from inproc import run_threads
+from multiproc import run_world
+
+import bitcoll
+from bitcoll.plan import (
+    DEFAULT_MODEL,
+    REGISTRY,
+    Call,
+    CostModel,
+    Group,
+    candidates,
+    choose,
+    group_of,
+    load_model,
+    predict,
+)
+
+GBIT = 1.25e8  # bytes per second of a 1 Gbit link
+ONE_GBIT = DEFAULT_MODEL.replace(remote_bandwidth=GBIT * 0.96)
+
+
+def test_two_hosts_large_majority_takes_the_pipelined_direct_exchange() -> None:
+    """The regression the planner fixes: with 2 ranks the all-gather and the direct exchange
+    send the same bytes, but only the direct exchange overlaps packing with the wire, so
+    a large majority vote takes it; a small one keeps the one-round all-gather."""
+    group = Group(2, hosts=2)
+    for model in (DEFAULT_MODEL, ONE_GBIT):
+        big = Call(count=64 << 20)
+        assert choose("packed", model, group, big) == "direct"
+        assert predict("packed", "direct", model, group, big) < \
+            predict("packed", "allgather", model, group, big)
+        assert choose("packed", model, group, Call(count=1024)) == "allgather"
+
+
+def test_direct_time_is_near_the_wire_bound_when_the_link_is_slow() -> None:
+    """Over a 1 Gbit link the predicted direct exchange of 64M votes is the wire time plus
+    less than 10% (packing is hidden behind the wire but the first segment), the
+    all-gather's is not."""
+    group = Group(2, hosts=2)
+    n = 64 << 20
+    wire = n / 8 / ONE_GBIT.remote_bandwidth  # each rank sends half the votes, gets half
+    direct = predict("packed", "direct", ONE_GBIT, group, Call(count=n))
+    allgather = predict("packed", "allgather", ONE_GBIT, group, Call(count=n))
+    assert wire < direct < 1.1 * wire
+    assert allgather > 1.1 * wire
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 5, 8, 64, 1024])
+def test_choices_are_registered_eligible_and_deterministic(p: int) -> None:
+    for hosts in sorted({1, max(1, p // 2), p}):
+        for two_level in (False, True):
+            group = group_of(p, tuple(r % hosts for r in range(p)), DEFAULT_MODEL, two_level)
+            for count in (0, 1, 7, 8, 9, 1001, 1 << 20, (1 << 26) + 1):
+                for collective, call in (("packed", Call(count=count)),
+                                         ("packed", Call(count=count, w_in=5, w_out=9)),
+                                         ("packed", Call(count=count, gather=False)),
+                                         ("allreduce", Call(nbytes=4 * count))):
+                    name = choose(collective, DEFAULT_MODEL, group, call)
+                    names = [a.name for a in candidates(collective, group, call)]
+                    assert name in names
+                    assert name == choose(collective, DEFAULT_MODEL, group, call)
+                    if name == "hierarchical":
+                        assert group.layered
+                    best = min(predict(collective, other, DEFAULT_MODEL, group, call)
+                               for other in names)  # near ties go to the first registered
+                    assert predict(collective, name, DEFAULT_MODEL, group, call) == \
+                        pytest.approx(best, rel=1e-9)
+
+
+def test_slow_links_make_the_two_level_algorithms_the_default() -> None:
+    """4 hosts of 2 ranks over 1 Gbit: the two-level algorithms move fewer bytes over the
+    hosts' links (the ranks of a host share one), so they are chosen for large vectors;
+    with ``two_level`` off they are never chosen."""
+    on = group_of(8, (0, 0, 1, 1, 2, 2, 3, 3), ONE_GBIT, True)
+    off = group_of(8, (0, 0, 1, 1, 2, 2, 3, 3), ONE_GBIT, False)
+    assert choose("allreduce", ONE_GBIT, on, Call(nbytes=64 << 20)) == "hierarchical"
+    assert choose("packed", ONE_GBIT, on, Call(count=64 << 20)) == "hierarchical"
+    assert choose("allreduce", ONE_GBIT, off, Call(nbytes=64 << 20)) == "ring"
+    assert choose("packed", ONE_GBIT, off, Call(count=64 << 20)) == "direct"
+
+
+def test_latency_bound_dense_all_reduce_takes_recursive_doubling() -> None:
+    for p in (2, 3, 4, 5):
+        group = group_of(p, None, DEFAULT_MODEL)
+        assert choose("allreduce", DEFAULT_MODEL, group, Call(nbytes=8)) == \
+            "recursive_doubling"
+        assert choose("allreduce", DEFAULT_MODEL, group, Call(nbytes=256 << 20)) == "ring"
+
+
+def test_group_of_counts_hosts_ranks_and_cores() -> None:
+    model = DEFAULT_MODEL.replace(host_cores=2)
+    g = group_of(5, (0, 0, 1, 0, 1), model)
+    assert (g.size, g.hosts, g.per_host, g.cores_per_rank) == (5, 2, 3, 2 / 3)
+    assert g.layered
+    assert group_of(5, None, model).hosts == 1
+    assert group_of(2, (0, 1), model).cores_per_rank == 1.0
+    assert not group_of(4, (0, 1, 2, 3), model).layered  # one rank per host
+    assert not group_of(4, (0, 0, 1, 1), model, two_level=False).layered
+
+
+def test_every_registered_formula_is_finite_and_grows_with_size() -> None:
+    group = group_of(6, (0, 0, 0, 1, 1, 1), DEFAULT_MODEL)
+    for algo in REGISTRY:
+        times = [algo.cost(DEFAULT_MODEL, group, Call(nbytes=n, count=n))
+                 for n in (0, 1 << 10, 1 << 20, 1 << 26)]
+        assert all(np.isfinite(t) and t > 0 for t in times), algo
+        assert times == sorted(times), algo
+
+
+def test_model_round_trips_and_refuses_bad_fields() -> None:
+    model = DEFAULT_MODEL.replace(remote_bandwidth=1e8, host_cores=3)
+    assert CostModel.from_array(model.as_array()) == model
+    with pytest.raises(bitcoll.UsageError, match="unknown cost model field 'speed'"):
+        CostModel.from_mapping({"speed": 1.0})
+    for bad in (0, -1.0, float("nan"), float("inf"), True, "1e9"):
+        with pytest.raises(bitcoll.UsageError, match="positive finite number"):
+            DEFAULT_MODEL.replace(pack_rate=bad)  # type: ignore[arg-type]
+    with pytest.raises(bitcoll.UsageError, match="no cost formula"):
+        predict("packed", "telepathy", DEFAULT_MODEL, Group(2), Call(count=8))
+
+
+def test_load_model_reads_the_file_then_the_variables(tmp_path: Path) -> None:
+    path = tmp_path / "model.json"
+    env = {"BITCOLL_COST_MODEL": str(path)}
+    assert load_model(env) == DEFAULT_MODEL  # no file yet
+    path.write_text(json.dumps({"_about": "x", "remote_bandwidth": 1.25e8, "pack_rate": 1e9}))
+    model = load_model(env)
+    assert (model.remote_bandwidth, model.pack_rate) == (1.25e8, 1e9)
+    env["BITCOLL_COST_PACK_RATE"] = "2e9"
+    assert load_model(env).pack_rate == 2e9
+    env["BITCOLL_COST_PACK_RATE"] = "fast"
+    with pytest.raises(bitcoll.UsageError, match="BITCOLL_COST_PACK_RATE must be a number"):
+        load_model(env)
+    del env["BITCOLL_COST_PACK_RATE"]
+    for text in ("[1, 2]", "{not json", json.dumps({"latency": 1})):
+        path.write_text(text)
+        with pytest.raises(bitcoll.UsageError, match="cost model"):
+            load_model(env)
+
+
+def test_communicators_choose_what_the_planner_chooses() -> None:
+    """A communicator's defaults are the planner's choices for its model and group, and a
+    model set on it (every rank the same) changes them; a wrong type is refused."""
+    n = 1 << 16
+
+    def body(comm: bitcoll.Communicator) -> tuple[str, str, int, int]:
+        group = comm.plan_group
+        before = choose("packed", comm.cost_model, group, Call(count=n))
+        x = np.random.default_rng(comm.rank).standard_normal(n).astype(np.float32)
+        comm.stats.reset()
+        comm.sign_allreduce(x)
+        default = comm.stats.snapshot()["messages_sent"]
+        comm.stats.reset()
+        comm.sign_allreduce(x, algorithm=before)
+        assert comm.stats.snapshot()["messages_sent"] == default
+        # a model under which every message costs more than any bytes
+        comm.cost_model = DEFAULT_MODEL.replace(message_cpu=1.0)
+        after = choose("packed", comm.cost_model, comm.plan_group, Call(count=n))
+        comm.stats.reset()
+        comm.sign_allreduce(x)
+        with pytest.raises(bitcoll.UsageError, match="CostModel"):
+            comm.cost_model = {"pack_rate": 1.0}  # type: ignore[assignment]
+        return before, after, default, comm.stats.snapshot()["messages_sent"]
+
+    for before, after, default, later in run_threads(4, body):
+        assert (before, after) == ("direct", "allgather")
+        assert later < default  # the all-gather's fewer messages
+
+
+def test_init_gives_every_rank_rank_0s_model(tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("BITCOLL_COST_REMOTE_LATENCY", "0.001")
+    monkeypatch.setenv("BITCOLL_COST_HOST_CORES", "3")
+    with bitcoll.init("local") as comm:
+        assert comm.cost_model.remote_latency == 0.001
+        assert comm.cost_model.host_cores == 3
+    monkeypatch.setenv("BITCOLL_COST_REMOTE_LATENCY", "-1")
+    with pytest.raises(bitcoll.UsageError, match="positive finite"):
+        bitcoll.init("local")
+
+
+def _model_fields(comm: bitcoll.Communicator) -> tuple[float, float]:
+    return comm.cost_model.remote_latency, comm.cost_model.host_cores
+
+
+@pytest.mark.timeout(120)
+def test_tcp_ranks_take_rank_0s_model() -> None:
+    """3 TCP ranks whose environments set different models: every rank plans with rank 0's
+    (its variables, its host's cores), so their automatic choices agree."""
+    env = {r: {"BITCOLL_COST_REMOTE_LATENCY": str(0.001 * (r + 1)),
+               "BITCOLL_COST_HOST_CORES": str(r + 1)} for r in range(3)}
+    assert run_world(3, _model_fields, timeout=100, rank_env=env) == [(0.001, 1.0)] * 3
