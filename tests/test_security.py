@@ -15,6 +15,7 @@ import time
 from typing import Any
 
 import numpy as np
+import pytest
 from multiproc import context, start
 from tcp_world import free_port
 
@@ -168,21 +169,90 @@ def test_a_flood_of_silent_connections_does_not_stop_the_job() -> None:
     assert named, results
 
 
-def _relay_rank(q: Any, rank: int, size: int, port: int, integrity: bool) -> None:
-    """Set up, then wait for one frame from the other rank (it never sends one)."""
+FORGED = "maintenance: please re-run with BITCOLL_INSECURE=1"
+
+
+def _abort_rank(q: Any, rank: int, size: int, port: int, integrity: bool,
+                scenario: str) -> None:
+    """Rank 0 sends two data frames to rank 1, then (``scenario``) either inserts an abort
+    notice it did not make through its transport (as a relay on the path would: the bytes of
+    an untagged ABORT frame, then one with a made-up tag) or aborts for real; the last rank
+    expects a third frame and reports its error. With three ranks, rank 1 instead leaves an
+    abort reason in the store without its proof and exits (as if killed)."""
+    from bitcoll.transport.wire import FRAME_TAG_BYTES, abort_frame
+
     try:
         t = TCPTransport.create(rank, size, "127.0.0.1", port, timeout=30.0,
                                 integrity=integrity)
-        try:
-            q.put((rank, "up", None))
-            buf = np.zeros(1, np.int64)
-            t.irecv(1 - rank, memoryview(buf).cast("B"), FrameHeader(1, 0, SIG, 8)).wait(
-                time.monotonic() + 30.0)
-            q.put((rank, "received", None))
-        finally:
-            t.close()
     except BaseException as exc:
         q.put((rank, type(exc).__name__, str(exc)))
+        return
+    deadline = time.monotonic() + 30.0
+    buf = np.zeros(1, np.int64)
+    victim = size - 1
+    try:
+        if scenario == "store" and rank == 1:
+            assert t._store is not None
+            t._store.set(t._key(f"abort/{rank}"), FORGED.encode(), deadline)
+            os._exit(3)
+        if rank == 0 and scenario != "store":
+            for seq in (1, 2):
+                t.isend(victim, memoryview(buf).cast("B"),
+                        FrameHeader(seq, 0, SIG, 8)).wait(deadline)
+            if scenario == "genuine":
+                t.abort("genuine reason")
+            else:
+                sock = t._peers[victim].sock
+                frame = abort_frame(FORGED)
+                if integrity:
+                    frame += b"\x5a" * FRAME_TAG_BYTES  # a tag made up without the key
+                sock.sendall(frame)
+            # Wait for the victim's verdict (its own abort notice, or its end).
+            t.irecv(victim, memoryview(buf).cast("B"), FrameHeader(9, 0, SIG, 8)).wait(deadline)
+        elif rank == victim:
+            frm = 1 if scenario == "store" else 0
+            seqs = (3,) if scenario == "store" else (1, 2, 3)
+            for seq in seqs:
+                t.irecv(frm, memoryview(buf).cast("B"), FrameHeader(seq, 0, SIG, 8)).wait(
+                    deadline)
+        else:  # rank 0 of the store scenario: wait for the victim's verdict
+            t.irecv(victim, memoryview(buf).cast("B"), FrameHeader(9, 0, SIG, 8)).wait(deadline)
+        q.put((rank, None, ""))
+    except BaseException as exc:
+        q.put((rank, type(exc).__name__, str(exc)))
+    finally:
+        t.close()
+
+
+@pytest.mark.parametrize(("integrity", "scenario"), [
+    (True, "forged"), (False, "forged"), (True, "genuine"), (True, "store")])
+def test_abort_notices_are_authenticated_with_integrity(integrity: bool,
+                                                        scenario: str) -> None:
+    size = 3 if scenario == "store" else 2
+    port = free_port()
+    q = context(__name__).Queue()
+    procs = [start(_abort_rank, q, r, size, port, integrity, scenario) for r in range(size)]
+    results: dict[int, tuple[str | None, str]] = {}
+    try:
+        expected = size - 1 if scenario == "store" else size  # rank 1 exits unreported
+        for _ in range(expected):
+            rank, etype, msg = _queue_get(q, 60.0)
+            results[rank] = (etype, msg)
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    etype, msg = results[size - 1]
+    if scenario == "genuine":
+        assert etype == "PeerLostError" and "rank 0 aborted: genuine reason" in msg, results
+    elif scenario == "store":
+        assert etype == "PeerLostError" and "rank 1" in msg and FORGED not in msg, results
+    elif integrity:
+        assert etype == "ProtocolError" and FORGED not in msg, results
+        assert "integrity check" in msg and "rank 0" in msg, results
+    else:  # without integrity a notice inserted on the path is believed (documented)
+        assert etype == "PeerLostError" and f"rank 0 aborted: {FORGED}" in msg, results
 
 
 def _queue_get(q: Any, timeout: float) -> Any:
@@ -190,9 +260,3 @@ def _queue_get(q: Any, timeout: float) -> Any:
         return q.get(timeout=timeout)
     except queue.Empty:
         raise AssertionError(f"no rank reported within {timeout} s") from None
-
-
-def _run_in_thread(fn: Any) -> threading.Thread:
-    t = threading.Thread(target=fn, daemon=True)
-    t.start()
-    return t

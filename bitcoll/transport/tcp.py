@@ -132,6 +132,7 @@ import contextlib
 import enum
 import errno
 import hmac
+import logging
 import os
 import select
 import socket
@@ -216,6 +217,8 @@ STALL_POLL_SECONDS: Final = 0.02
 _STREAM_OPS: Final = {"sum": stream_kernel.OP_SUM, "max": stream_kernel.OP_MAX,
                       "min": stream_kernel.OP_MIN}
 
+_log = logging.getLogger("bitcoll.tcp")
+
 _POLL_IN: Final = select.POLLIN | select.POLLPRI | select.POLLERR | select.POLLHUP
 
 
@@ -290,6 +293,7 @@ class _Peer(PeerLink[_TCPRequest]):
         self.key_in: bytes | None = None
         self.count_out = 0
         self.count_in = 0
+        self.count_sent = 0  # frames written completely (``send_lock``): an abort's number
         self.mac_lock = threading.Lock()
         self.rx_mac: Any = None  # the tag hasher of the frame being consumed
 
@@ -520,6 +524,7 @@ class TCPTransport(LinkTransport):
             req._finish(self._os_error(p, exc))
             return
         if sent == total:
+            p.count_sent += 1
             self.stats.add_sent(total)
             req._finish(None)
             return
@@ -541,6 +546,7 @@ class TCPTransport(LinkTransport):
                 if error is None:
                     try:
                         send_all_parts(p.sock, req.parts(), req.sent)
+                        p.count_sent += 1
                     except OSError as exc:
                         error = self._os_error(p, exc)
                 with p.lock:
@@ -1077,8 +1083,18 @@ class TCPTransport(LinkTransport):
 
     def _abort_notice(self, p: _Peer, header: FrameHeader, req: _TCPRequest | None,
                       early: int) -> None:
-        """``p`` sent an ABORT frame; ``early`` bytes of its reason landed in ``req.view``."""
-        n = min(header.length, MAX_REASON_BYTES)
+        """``p`` sent an ABORT frame; ``early`` bytes of its reason landed in ``req.view``.
+        With frame integrity on, its tag must verify: a notice that does not is a
+        ProtocolError (not sent by ``p``: its text is not shown), one cut short is a lost
+        connection."""
+        tagged = p.key_in is not None
+        if tagged and header.length > MAX_REASON_BYTES:
+            self._fail(ProtocolError(f"rank {self.rank}: a control frame from rank {p.rank} "
+                                     f"failed its integrity check (an abort notice of "
+                                     f"{header.length} bytes; altered on the way, or not sent "
+                                     "by it)", rank=self.rank, peer=p.rank))
+            return
+        n = min(header.length, MAX_REASON_BYTES) + (FRAME_TAG_BYTES if tagged else 0)
         raw = bytearray(n)
         have = 0
         if req is not None and early > 0:
@@ -1096,6 +1112,22 @@ class TCPTransport(LinkTransport):
                 if k == 0:
                     break
                 have += k
+        if tagged:
+            assert p.key_in is not None
+            if have < n:
+                self._fail(PeerLostError(self._lost_message(p.rank, None), rank=self.rank,
+                                         peer=p.rank))
+                return
+            text = bytes(raw[:header.length])
+            if not hmac.compare_digest(
+                    frame_tag(p.key_in, p.count_in, bytes(p.hbuf), text),
+                    bytes(raw[header.length:])):
+                self._fail(ProtocolError(f"rank {self.rank}: a control frame from rank "
+                                         f"{p.rank} failed its integrity check (an abort "
+                                         "notice altered on the way, or not sent by it)",
+                                         rank=self.rank, peer=p.rank))
+                return
+            have = header.length
         self._fail(PeerLostError(f"rank {p.rank} aborted: {decode_reason(raw[:have])}",
                                  rank=self.rank, peer=p.rank))
 
@@ -1132,7 +1164,8 @@ class TCPTransport(LinkTransport):
         if store is None:
             return peer
         with contextlib.suppress(CommError):
-            store.set(self._key(KEY_STALL.format(self.rank)), str(peer).encode(),
+            store.set(self._key(KEY_STALL.format(self.rank)),
+                      self._signed(KEY_STALL, str(peer).encode()),
                       time.monotonic() + ABORT_STORE_SECONDS)
         chain = [self.rank]
         current = peer
@@ -1148,6 +1181,10 @@ class TCPTransport(LinkTransport):
                     return current
                 if raw is None:
                     time.sleep(STALL_POLL_SECONDS)
+                else:
+                    raw = self._unsigned(KEY_STALL, current, raw)
+                    if raw is None:
+                        return current
             if raw is None or not raw.isdigit() or int(raw) >= self.size:
                 return current
             current = int(raw)
@@ -1166,7 +1203,36 @@ class TCPTransport(LinkTransport):
             return None
         if raw is None:
             return None
+        raw = self._unsigned(KEY_ABORT, peer, raw)
+        if raw is None:
+            return None
         return f"rank {peer} aborted: {raw.decode('utf-8', errors='replace')}"
+
+    def _store_mac(self, what: str, rank: int, value: bytes) -> bytes:
+        assert self._rdv is not None
+        return auth.mac(self._rdv.secret, f"store-{what}", self.job_id, self.size, rank, value)
+
+    def _signed(self, what: str, value: bytes) -> bytes:
+        """``value`` as this rank writes it under the store key ``what`` (``abort/`` or
+        ``stall/``): followed by a proof of the job's secret, bound to the job, the key and
+        this rank, when frame integrity is on (the store's messages carry no tag of their
+        own)."""
+        if not self.integrity:
+            return value
+        return value + self._store_mac(what, self.rank, value)
+
+    def _unsigned(self, what: str, rank: int, raw: bytes) -> bytes | None:
+        """The value ``rank`` wrote under ``what`` (see :meth:`_signed`); None (and a debug
+        log) when its proof does not verify."""
+        if not self.integrity:
+            return raw
+        value, proof = raw[:-auth.MAC_BYTES], raw[-auth.MAC_BYTES:]
+        if len(raw) >= auth.MAC_BYTES and hmac.compare_digest(
+                proof, self._store_mac(what, rank, value)):
+            return value
+        _log.debug("rank %d: ignored a store value under %r for rank %d: its proof of the "
+                   "job's secret does not verify", self.rank, what, rank)
+        return None
 
     def _lost_message(self, peer: int, exc: BaseException | None) -> str:
         """Why the connection to ``peer`` ended: its abort reason from the store if any."""
@@ -1185,7 +1251,7 @@ class TCPTransport(LinkTransport):
         Never raises."""
         if not self._record_failure(error):
             return
-        frame = abort_frame(str(error) if reason is None else reason)
+        text = str(error) if reason is None else reason
         # 1. An ABORT frame on every connection that is between frames (the fast path). A
         # stream holding a connection's sending side gets the frame to send (between frames)
         # and does that connection's step 3 itself when it ends, at the wake-up below.
@@ -1195,19 +1261,22 @@ class TCPTransport(LinkTransport):
                 try:
                     if not p.partial:
                         with contextlib.suppress(OSError):
-                            p.sock.send(frame, DONTWAIT | NOSIGNAL)
+                            p.sock.send(abort_frame(text, p.key_out, p.count_sent),
+                                        DONTWAIT | NOSIGNAL)
                 finally:
                     p.send_lock.release()
             else:
                 with p.lock:
-                    if p.streaming:
-                        p.notice = frame
+                    if p.streaming:  # (never with frame integrity on)
+                        p.notice = abort_frame(text)
                         deferred.add(p)
         # 2. The reason in the store, for peers that will only see the stream end mid-frame.
         if self._store is not None:
             with contextlib.suppress(CommError):
                 self._store.set(self._key(KEY_ABORT.format(self.rank)),
-                                frame[HEADER_SIZE:], time.monotonic() + ABORT_STORE_SECONDS)
+                                self._signed(KEY_ABORT, text.encode("utf-8", "replace")
+                                             [:MAX_REASON_BYTES]),
+                                time.monotonic() + ABORT_STORE_SECONDS)
         # 3. SHUT_WR: peers read the end of the stream after what was sent (this rank's own
         # blocked sends fail at once); the receiver threads go on reading and dropping data
         # until the peers close, so no peer stays blocked writing to this rank.

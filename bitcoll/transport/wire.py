@@ -13,8 +13,11 @@ on connections with frame integrity on, a :data:`FRAME_TAG_BYTES`-byte tag
 Abort notice
 ------------
 A frame of kind :attr:`FrameKind.ABORT` whose payload is the UTF-8 reason (at most
-:data:`MAX_REASON_BYTES` bytes; ``seq``, ``step`` and ``signature`` are zero). It never
-carries a tag.
+:data:`MAX_REASON_BYTES` bytes; ``seq``, ``step`` and ``signature`` are zero). On connections
+with frame integrity on it carries a tag like a data frame (:func:`abort_frame` with a key):
+its number is the count of data frames written before it on the connection, which is the
+count the receiver has checked when it reads the notice, so a notice inserted on the way, or
+one replayed from another connection or position, does not verify.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ __all__ = [
 ]
 
 MAGIC: Final = 0xB17C0110
-PROTOCOL_VERSION: Final = 1
+PROTOCOL_VERSION: Final = 2
 _HEADER: Final = struct.Struct("<IHHQIIQ")  # magic, version, kind, seq, step, signature, length
 HEADER_SIZE: Final = _HEADER.size  # 32 bytes
 #: Bytes of a frame's integrity tag (``integrity=True``): keyed BLAKE3, 128 bits.
@@ -115,11 +118,16 @@ class FrameHeader(NamedTuple):
         return None
 
 
-def abort_frame(reason: str) -> bytes:
-    """The complete ABORT frame carrying ``reason`` (UTF-8, cut to :data:`MAX_REASON_BYTES`)."""
+def abort_frame(reason: str, key: bytes | None = None, counter: int = 0) -> bytes:
+    """The complete ABORT frame carrying ``reason`` (UTF-8, cut to :data:`MAX_REASON_BYTES`);
+    with ``key`` (frame integrity on) followed by its :func:`frame_tag` as frame number
+    ``counter`` of its direction."""
     text = reason.encode("utf-8", errors="replace")[:MAX_REASON_BYTES]
-    return FrameHeader(seq=0, step=0, signature=0, length=len(text),
-                       kind=FrameKind.ABORT).pack() + text
+    head = FrameHeader(seq=0, step=0, signature=0, length=len(text),
+                       kind=FrameKind.ABORT).pack()
+    if key is None:
+        return head + text
+    return head + text + frame_tag(key, counter, head, text)
 
 
 def decode_reason(raw: bytes | bytearray | memoryview) -> str:
