@@ -13,6 +13,9 @@ Running it::
     mpiexec -n 4 python train.py                        # 4 ranks, MPI backend
     python train.py --steps 100                         # one rank, no communication
     python -m launch -n 4 train.py --optimizer global --json-log runs/global.json
+    torchrun --nproc-per-node 4 train.py                # torchrun's environment
+    srun -N 4 --ntasks-per-node 1 python train.py       # Slurm (SLURM_* environment)
+    python -m launch -n 4 train.py --backend gloo --hook   # DDP, votes during backward
 
 The backend is detected by ``bitcoll.init()``. The defaults (a 0.44M-parameter model, 400
 steps of 16 x 128 characters per rank, lr 3e-4 with warm-up and cosine decay) take about two
@@ -53,6 +56,31 @@ copy) and ``--momentum-dtype bf16`` stores the momenta in bfloat16; both need a 
 model on the GPU; the optimizer takes the GPU parameters when lioncub supports it, else it
 works on a float32 host copy (gradients copied to the host and parameters back every step;
 the copies count as optimizer time); without CUDA it stops with an error (exit status 2).
+
+DistributedDataParallel
+-----------------------
+``--backend bitcoll|gloo`` wraps the model in torch's ``DistributedDataParallel`` over a
+``torch.distributed`` process group of that backend ("bitcoll": :mod:`bitcoll.torch`). The
+process group meets through torchrun's store under torchrun, else through a TCP store that
+rank 0 opens on a free port of ``MASTER_ADDR`` (announced over bitcoll). Without ``--hook``,
+``--optimizer global`` lets DDP average the gradients during backward and steps Lion
+(:class:`lioncub.torch.Lion`) on the mean gradient; any other variant keeps the gradients
+local (``lioncub.torch.no_allreduce_hook``) and votes after backward in
+:class:`lioncub.torch.DistributedLion`. ``--hook`` (``--hook lioncub``) votes inside DDP's
+backward instead, bucket by bucket (:mod:`lioncub.torch_hooks`: ``lioncub_hook`` and the
+stateless ``LionCubStep``, bit for bit DistributedLion's updates); ``--hook sign`` replaces
+the average by a packed 1-bit majority vote with error feedback (``sign_hook``) and steps
+``torch.optim.AdamW`` (the generic hook for other optimizers). With ``--no-comm`` every
+rank runs the same code on a process group and communicator of its own (one rank). In the
+hook modes the votes travel during ``backward()``: their time is part of *forward +
+backward* and *communication* reads 0. DDP mode takes fp32 or bf16 autocast on the CPU.
+
+Replica check
+-------------
+Every ``--check-every`` steps (default 100; 0: only after training) every rank hashes its
+parameters and the ranks compare the hashes (one all-gather of 8 bytes per tensor,
+:meth:`lioncub.replicas.ReplicaSet.check`); replicas that differ stop the run with an error
+naming the lowest differing rank and the first differing parameter.
 
 Checkpoints
 -----------
@@ -116,13 +144,16 @@ os.environ.setdefault("NUMBA_NUM_THREADS", "1")
 
 import argparse
 import contextlib
+import datetime
 import hashlib
+import importlib
 import inspect
 import json
 import math
 import pickle
 import platform
 import shutil
+import socket
 import sys
 import sysconfig
 import time
@@ -144,9 +175,17 @@ import lioncub
 from bitcoll.errors import BitcollError, CommError, UsageError
 from bitcoll.transport.base import format_bytes
 from lioncub.quantize import check_levels
-from lioncub.replicas import ReplicaMismatchError
+from lioncub.replicas import ReplicaMismatchError, ReplicaSet
+from lioncub.stats import StepStats
 from lioncub.sync import parse_sync
-from lioncub.torch import DistributedLion
+from lioncub.torch import DistributedLion, Lion, no_allreduce_hook
+from lioncub.torch_hooks import (
+    LionCubHookState,
+    LionCubStep,
+    SignHookState,
+    lioncub_hook,
+    sign_hook,
+)
 
 __all__ = [
     "VOCAB",
@@ -565,6 +604,14 @@ def build_parser() -> argparse.ArgumentParser:
                     "standard library's sources with Lion Cub or one of its baselines. Run it "
                     "with `python -m launch -n N train.py`, `mpiexec -n N python train.py` or "
                     "plainly on one rank.",
+        epilog="launch lines: `python -m launch -n 4 train.py` (one host); "
+               "`torchrun --nproc-per-node 4 train.py` (torchrun's environment); "
+               "`torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d "
+               "--rdzv-endpoint HOST:29500 train.py` (two hosts); "
+               "`srun -N 4 --ntasks-per-node 1 python train.py` (Slurm); "
+               "`mpiexec -n 4 python train.py` (MPI). Add `--backend gloo --hook` for "
+               "DistributedDataParallel with the votes inside backward. The first step "
+               "compiles bitcoll's and lioncub's kernels (cached for later runs).",
         formatter_class=_HelpFormatter)
     g = p.add_argument_group("optimizer")
     g.add_argument("--optimizer", default="lioncub-l1", choices=list(lioncub.VARIANTS),
@@ -591,6 +638,17 @@ def build_parser() -> argparse.ArgumentParser:
                         "soon as its gradients are final (lioncub's overlap=True; the "
                         "optimizer gets a communicator of its own); not with --dtype fp16 "
                         "(the gradients are unscaled only after backward)")
+    g = p.add_argument_group("DistributedDataParallel")
+    g.add_argument("--backend", choices=("bitcoll", "gloo"), default=None,
+                   help="wrap the model in torch's DistributedDataParallel over a process "
+                        "group of this torch.distributed backend (default: no DDP, the "
+                        "optimizer does all the communication)")
+    g.add_argument("--hook", nargs="?", const="lioncub", default=None,
+                   choices=("lioncub", "sign"),
+                   help="with --backend: vote inside DDP's backward, bucket by bucket: "
+                        "'lioncub' (also plain --hook: the --optimizer variant's votes, "
+                        "bitwise DistributedLion) or 'sign' (packed majority of gradient signs "
+                        "with error feedback, then AdamW)")
     g = p.add_argument_group("run")
     g.add_argument("--steps", type=_positive_int, default=400, help="training steps")
     g.add_argument("--seed", type=_nonneg_int, default=0,
@@ -614,6 +672,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "with the optimizer on a one-rank communicator (nothing exchanged; "
                         "replicas diverge and are not checked; the validation loss is the mean "
                         "over the replicas)")
+    g.add_argument("--check-every", type=_nonneg_int, default=100, metavar="N",
+                   help="compare a digest of the parameters across the ranks every N steps "
+                        "(0: only after training); differing replicas stop the run naming "
+                        "the rank")
     g.add_argument("--target-loss", type=_float_in(0.0, 100.0, low_open=True), default=None,
                    metavar="X", help="report the step and time at which the validation loss "
                                      "first reaches X (checked at every evaluation)")
@@ -701,6 +763,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.overlap and args.device == "cuda" and not OPTIMIZER_TAKES_DEVICE_PARAMS:
         parser.error("--overlap with --device cuda needs a lioncub whose DistributedLion "
                      "takes device parameters")
+    if args.hook is not None and args.backend is None:
+        parser.error("--hook needs --backend bitcoll or gloo (DistributedDataParallel)")
+    if args.backend is not None:
+        for flag, bad in (("--overlap", args.overlap), ("--native", args.native),
+                          ("--momentum-dtype bf16", args.momentum_dtype != "fp32"),
+                          ("--device cuda", args.device != "cpu"),
+                          ("--dtype fp16", args.dtype == "fp16")):
+            if bad:
+                parser.error(f"{flag} cannot be used with --backend (DDP mode takes fp32 or "
+                             "bf16 autocast on the CPU)")
     if args.warmup is None:
         args.warmup = args.steps // 20
     if args.warmup >= args.steps:
@@ -899,11 +971,15 @@ def evaluate(model: nn.Module, comm: bitcoll.Communicator, val: npt.NDArray[np.u
     return float(acc[0] / acc[1])
 
 
-def _optimizer_figures(opt: DistributedLion) -> tuple[float, int, int, int, float | None]:
+def _optimizer_figures(opt: Any) -> tuple[float, int, int, int, float | None]:
     """(comm s, bytes sent, bytes received, tensors whose momentum was synced, mean vote
-    agreement or None) of the last ``opt.step()`` on this rank."""
+    agreement or None) of the last ``opt.step()`` on this rank (a :class:`DDPOptimizer`
+    without lioncub statistics: zeros; in the hook modes the communication time is part of
+    the backward pass: 0)."""
     stats = opt.last_stats
     if stats is None:
+        if isinstance(opt, DDPOptimizer):
+            return 0.0, 0, 0, 0, None
         raise RuntimeError("the optimizer reported no statistics after its step")
     agreement = None
     if stats.agreement:
@@ -987,6 +1063,149 @@ def load_checkpoint(directory: Path, comm: bitcoll.Communicator,
 
 
 # --------------------------------------------------------------------------------------------
+# DistributedDataParallel mode (--backend)
+# --------------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return int(sock.getsockname()[1])
+
+
+def init_process_group(backend: str, comm: bitcoll.Communicator, solo: bool,
+                       timeout: float) -> None:
+    """``torch.distributed.init_process_group(backend)`` for the ranks of ``comm``: through
+    torchrun's store under torchrun, else a TCP store on a free port of rank 0's
+    ``MASTER_ADDR`` (default 127.0.0.1), the port broadcast over ``comm``. ``solo``: every
+    rank a one-rank group of its own (``--no-comm``)."""
+    import torch.distributed as dist
+
+    if backend == "bitcoll":
+        importlib.import_module("bitcoll.torch")  # registers the backend
+    limit = datetime.timedelta(seconds=timeout)
+    if solo:
+        store = dist.HashStore()  # type: ignore[attr-defined]  # not in torch's stubs
+        dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=limit)
+    elif os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        dist.init_process_group(backend, init_method="env://", rank=comm.rank,
+                                world_size=comm.size, timeout=limit)
+    else:
+        port = np.array([_free_port() if comm.rank == 0 else 0], dtype=np.int64)
+        comm.broadcast(port, 0)
+        addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+        dist.init_process_group(backend, init_method=f"tcp://{addr}:{int(port[0])}",
+                                rank=comm.rank, world_size=comm.size, timeout=limit)
+
+
+class DDPOptimizer:
+    """DDP mode's optimizer (see the module docstring), with the parts of
+    DistributedLion's interface that the training loop uses: ``param_groups``,
+    ``zero_grad``, ``step``, ``last_stats``, ``check_replicas``, ``state_dict`` and
+    ``load_state_dict``. ``net`` is the DDP-wrapped model (for the training forward).
+    Collective construction (DDP's broadcast of rank 0's parameters, the hook's
+    communicator and agreement check)."""
+
+    def __init__(self, args: argparse.Namespace, model: nn.Module,
+                 named: Sequence[tuple[str, torch.Tensor]], comm: bitcoll.Communicator,
+                 opt_comm: bitcoll.Communicator) -> None:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        self.net = DDP(model)
+        self.comm = opt_comm
+        self.named = named
+        self.hooked = args.hook is not None
+        self.hook_state: LionCubHookState | None = None
+        self.sign_state: SignHookState | None = None
+        self.inner: DistributedLion | None = None
+        # the hooks' communicator: the bitcoll group's own (the hook splits a private one
+        # off it), or one split off bitcoll.init()'s, so train.py's calls never meet them
+        hook_comm = None if args.backend == "bitcoll" else opt_comm
+        params = [p for _, p in named]
+        self.opt: Any
+        if args.hook == "lioncub":
+            self.opt = LionCubStep(named, lr=args.lr, betas=(0.9, 0.99),
+                                   weight_decay=args.weight_decay)
+            self.hook_state = LionCubHookState(self.opt, hook_comm, variant=args.optimizer,
+                                               levels=args.levels,
+                                               momentum_sync=args.momentum_sync, private=True)
+            self.net.register_comm_hook(self.hook_state, lioncub_hook)
+        elif args.hook == "sign":
+            self.opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
+            self.sign_state = SignHookState(hook_comm, private=True)
+            self.net.register_comm_hook(self.sign_state, sign_hook)
+        elif args.optimizer == "global":  # DDP averages the gradients: Lion on the mean
+            self.opt = Lion(params, lr=args.lr, betas=(0.9, 0.99),
+                            weight_decay=args.weight_decay)
+        else:  # local gradients, votes after backward
+            self.net.register_comm_hook(None, no_allreduce_hook)
+            self.inner = self.opt = DistributedLion(
+                named, opt_comm, variant=args.optimizer, lr=args.lr, betas=(0.9, 0.99),
+                weight_decay=args.weight_decay, levels=args.levels,
+                momentum_sync=args.momentum_sync)
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        groups: list[dict[str, Any]] = self.opt.param_groups
+        return groups
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.opt.zero_grad(set_to_none=set_to_none)
+
+    def step(self) -> None:
+        self.opt.step()
+
+    @property
+    def last_stats(self) -> StepStats | None:
+        """lioncub's statistics of the last step (the hook's or DistributedLion's), None for
+        DDP's own averaging and the sign hook."""
+        if self.hook_state is not None:
+            return self.hook_state.last_stats
+        return None if self.inner is None else self.inner.last_stats
+
+    def check_replicas(self) -> None:
+        """Collective: ReplicaMismatchError on every rank unless every rank's parameters are
+        bitwise rank 0's."""
+        if self.inner is not None:
+            self.inner.check_replicas()
+        elif self.hook_state is not None:
+            self.hook_state.check_replicas()
+        else:
+            ReplicaSet([p.detach().numpy() for _, p in self.named],
+                       [n for n, _ in self.named]).check(self.comm)
+
+    def state_dict(self) -> dict[str, Any]:
+        state = {"optimizer": self.opt.state_dict()}
+        if self.hook_state is not None:
+            state["hook"] = self.hook_state.state_dict()
+        if self.sign_state is not None:
+            errors = self.sign_state.errors
+            state["errors"] = [errors.get(p) for _, p in self.named]
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.opt.load_state_dict(state["optimizer"])
+        if self.hook_state is not None:
+            self.hook_state.load_state_dict(state["hook"])
+        if self.sign_state is not None:
+            for (_, p), e in zip(self.named, state["errors"], strict=True):
+                if e is not None:
+                    self.sign_state.errors[p] = e.clone()
+
+    def close(self) -> None:
+        for st in (self.hook_state, self.sign_state):
+            if st is not None:
+                st.close()
+
+
+def _replica_error(exc: ReplicaMismatchError, when: str) -> RuntimeError:
+    return RuntimeError(f"the model replicas differ {when} (rank {exc.rank}'s parameter "
+                        f"{exc.index} ({exc.name}) differs from rank 0's; "
+                        f"{len(exc.indices)} parameters differ): the optimizer applied "
+                        "different updates on different ranks")
+
+
+# --------------------------------------------------------------------------------------------
 # The run
 # --------------------------------------------------------------------------------------------
 
@@ -1055,22 +1274,48 @@ def run(args: argparse.Namespace, comm: bitcoll.Communicator,
         kwargs["overlap"] = True
     assert opt_comm is not None
     try:
+        if args.backend is not None:
+            return _run_ddp(args, comm, opt_comm, model, named, params, corpus, n_params,
+                            threads, stream, say, wall0, device, dtype)
         opt = DistributedLion(named, opt_comm, variant=args.optimizer, lr=args.lr,
                               betas=(0.9, 0.99), weight_decay=args.weight_decay,
                               levels=args.levels, momentum_sync=args.momentum_sync, **kwargs)
-        return _train(args, comm, opt_comm, opt, model, host, params, corpus, n_params,
+        return _train(args, comm, opt_comm, opt, model, model, host, params, corpus, n_params,
                       threads, stream, say, wall0, device, dtype)
     finally:
         if opt_comm is not comm:
             opt_comm.close()
 
 
+def _run_ddp(args: argparse.Namespace, comm: bitcoll.Communicator,
+             opt_comm: bitcoll.Communicator, model: nn.Module,
+             named: Sequence[tuple[str, torch.Tensor]], params: list[torch.Tensor],
+             corpus: Corpus,
+             n_params: int, threads: int, stream: TextIO, say: Any, wall0: float, device: str,
+             dtype: torch.dtype) -> dict[str, Any]:
+    """:func:`run` in DDP mode (``--backend``): the process group, DDP and its optimizer
+    around the same training loop."""
+    import torch.distributed as dist
+
+    init_process_group(args.backend, comm, args.no_comm, args.comm_timeout)
+    opt: DDPOptimizer | None = None
+    try:
+        opt = DDPOptimizer(args, model, named, comm, opt_comm)
+        return _train(args, comm, opt_comm, opt, model, opt.net, None, params, corpus,
+                      n_params, threads, stream, say, wall0, device, dtype)
+    finally:
+        if opt is not None:
+            opt.close()
+        dist.destroy_process_group()
+
+
 def _train(args: argparse.Namespace, comm: bitcoll.Communicator,
-           opt_comm: bitcoll.Communicator, opt: DistributedLion, model: nn.Module,
+           opt_comm: bitcoll.Communicator, opt: Any, model: nn.Module, net: nn.Module,
            host: HostParams | None, params: list[torch.Tensor], corpus: Corpus, n_params: int,
            threads: int, stream: TextIO, say: Any, wall0: float, device: str,
            dtype: torch.dtype) -> dict[str, Any]:
-    """The training loop of :func:`run`."""
+    """The training loop of :func:`run` (``net``: the module to train through, ``model`` or
+    its DDP wrapper; ``opt``: DistributedLion or a :class:`DDPOptimizer`)."""
     rank, size = comm.rank, comm.size
     lead = rank == 0
     cuda = device == "cuda"
@@ -1102,8 +1347,12 @@ def _train(args: argparse.Namespace, comm: bitcoll.Communicator,
         "python": platform.python_version(), "torch": torch.__version__,
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "resumed_at": start_step,
     }
+    ddp = ""
+    if args.backend is not None:
+        ddp = f", DDP over {args.backend}" + (f" with the {args.hook} hook" if args.hook
+                                               else "")
     say(f"train.py: {args.optimizer} on {size} rank{'s' if size > 1 else ''} ({backend}), "
-        f"{threads} torch thread{'s' if threads > 1 else ''} per rank"
+        f"{threads} torch thread{'s' if threads > 1 else ''} per rank{ddp}"
         + (", no communication (--no-comm)" if args.no_comm else ""))
     say(f"model: {args.model} preset, {n_params / 1e6:.2f}M parameters (d_model "
         f"{args.d_model}, {args.layers} layers, {args.heads} heads); batch {args.batch_size} x "
@@ -1163,10 +1412,12 @@ def _train(args: argparse.Namespace, comm: bitcoll.Communicator,
         lr = lr_at(step, args.steps, args.lr, args.warmup, args.schedule)
         for group in opt.param_groups:
             group["lr"] = lr
+        if step == start_step + 1:
+            say("compiling kernels (first step only) ...")
         t0 = time.perf_counter()
         x, y = sampler.next()
         with autocast(device, dtype):
-            loss = _loss(model, x.to(device), y.to(device))
+            loss = _loss(net, x.to(device), y.to(device))
         model.zero_grad(set_to_none=True)
         opt.zero_grad(set_to_none=True)
         torch.autograd.backward(loss * scaler.scale if scaler.enabled else loss)
@@ -1205,6 +1456,12 @@ def _train(args: argparse.Namespace, comm: bitcoll.Communicator,
         steps.append(rec)
         progress.update(step, rec["loss"], rec["time"], rec["compute"], rec["comm"],
                         rec["bytes_sent"])
+        if args.check_every and step % args.check_every == 0 and step < stop \
+                and not args.no_comm:
+            try:
+                opt.check_replicas()  # every rank gets the same verdict
+            except ReplicaMismatchError as exc:
+                raise _replica_error(exc, f"after step {step}") from None
         if step == args.steps or (args.eval_every and step % args.eval_every == 0):
             do_eval(step)
         if args.save is not None and (step == stop or (args.save_every
@@ -1266,10 +1523,7 @@ def _train(args: argparse.Namespace, comm: bitcoll.Communicator,
             _write_json(args.json_log, record)
             say(f"log written to {args.json_log}")
     if mismatch is not None:
-        raise RuntimeError(f"the model replicas differ after training (rank {mismatch.rank}'s "
-                           f"parameter {mismatch.index} ({mismatch.name}) differs from rank "
-                           f"0's; {len(mismatch.indices)} parameters differ): the optimizer "
-                           "applied different updates on different ranks")
+        raise _replica_error(mismatch, "after training")
     return record
 
 

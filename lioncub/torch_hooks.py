@@ -138,10 +138,11 @@ def hook_communicator(comm: Any, private: bool | None = None) -> CommLike:
     if private is None:
         private = group
     if private:
-        split = getattr(resolved, "split", None)
-        if split is None:
+        if getattr(resolved, "split", None) is None:
             raise UsageError(f"{type(resolved).__name__} has no split(): pass private=False")
-        resolved = split(0)
+        # a group's communicator splits on the group's worker thread, behind its collectives
+        resolved = bt.submit(lambda c: c.split(0), comm).wait() if group \
+            else resolved.split(0)
     out: CommLike = resolved
     return out
 
