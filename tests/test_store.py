@@ -83,10 +83,11 @@ def _raw_auth(port: int, secret: bytes = SECRET, timeout: float = 10.0) -> socke
     s = socket.create_connection(("127.0.0.1", port), timeout=timeout)
     _, gen, snonce, _ = _greeting(s)
     cnonce = os.urandom(16)
-    s.sendall(cnonce + auth.mac(secret, "store-client", snonce, cnonce, gen))
+    s.sendall(cnonce)  # the server proves itself first
+    assert auth.verify(secret, _recv_exact(s, 32), "store-server", snonce, cnonce, gen)
+    s.sendall(auth.mac(secret, "store-client", snonce, cnonce, gen))
     status = _recv_exact(s, 1)
     assert status == b"\x00"
-    assert auth.verify(secret, _recv_exact(s, 32), "store-server", snonce, cnonce, gen)
     return s
 
 
@@ -418,7 +419,7 @@ def test_greeting_announces_version_generation_and_hint() -> None:
     with StoreServer("127.0.0.1", 0, secret=SECRET, generation=7, hint="/some/path") as srv, \
             socket.create_connection(("127.0.0.1", srv.port), timeout=5) as s:
         version, gen, nonce, hint = _greeting(s)
-        assert (version, gen, hint, len(nonce)) == (1, 7, "/some/path", 16)
+        assert (version, gen, hint, len(nonce)) == (2, 7, "/some/path", 16)
         with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as s2:
             assert _greeting(s2)[2] != nonce  # a fresh nonce per connection
         assert srv.generation == 7
@@ -426,9 +427,10 @@ def test_greeting_announces_version_generation_and_hint() -> None:
 
 def test_wrong_secret_on_the_client_is_refused_and_the_store_keeps_serving(
         server: StoreServer, store_log: Callable[[str], threading.Event]) -> None:
-    logged = store_log("wrong proof")
+    # The store proves itself first: the client cannot verify that proof and hangs up.
+    logged = store_log("closed the connection during the handshake")
     t0 = time.monotonic()
-    with pytest.raises(CommTimeoutError, match="rejected this process's proof"):
+    with pytest.raises(CommTimeoutError, match="could not prove it knows the job's secret"):
         _client(server, secret=b"not the secret", deadline=0.5)
     assert time.monotonic() - t0 < 3
     assert logged.wait(5)
@@ -438,13 +440,14 @@ def test_wrong_secret_on_the_client_is_refused_and_the_store_keeps_serving(
 
 def test_a_server_with_the_wrong_secret_is_refused() -> None:
     with StoreServer("127.0.0.1", 0, secret=b"another job's secret") as other, \
-            pytest.raises(CommTimeoutError, match="proof"):
+            pytest.raises(CommTimeoutError, match="prove"):
         _client(other, deadline=0.5)
 
 
 def test_a_squatter_that_cannot_prove_the_secret_is_refused() -> None:
-    """A stranger on the store's port that accepts any proof: the client must not believe it
-    (and must send it nothing after the handshake)."""
+    """A stranger on the store's port that cannot prove the secret: the client must not
+    believe it and must send it nothing after its nonce (no proof of its own, which the
+    stranger could test guesses of the secret against)."""
     listener = socket.create_server(("127.0.0.1", 0))
     port = listener.getsockname()[1]
     after_proof: list[bytes] = []
@@ -458,10 +461,10 @@ def test_a_squatter_that_cannot_prove_the_secret_is_refused() -> None:
                 return
             with conn:
                 conn.settimeout(5)
-                conn.sendall(GREETING.pack(b"BCS1", 1, 0, 0, os.urandom(16)))
+                conn.sendall(GREETING.pack(b"BCS1", 2, 0, 0, os.urandom(16)))
                 try:
-                    _recv_exact(conn, 48)
-                    conn.sendall(b"\x00" + os.urandom(32))
+                    _recv_exact(conn, 16)
+                    conn.sendall(os.urandom(32))
                     after_proof.append(_closed_by_peer(conn, 5))
                 except OSError:
                     pass
@@ -484,7 +487,8 @@ def test_a_stranger_sending_requests_without_the_handshake_is_dropped(
             _greeting(s)
             body = b"\x01" + _key("victim") + b"overwritten by a stranger" + b"!" * 40
             s.sendall(struct.pack("<I", len(body)) + body)
-            assert _closed_by_peer(s, 5) in (b"", b"\x01")
+            # (the store's own proof, which comes first, then the refusal)
+            assert _closed_by_peer(s, 5)[32:] in (b"", b"\x01")
         assert good.get("victim") == b"kept"
         assert server.num_clients == 1
 
@@ -535,7 +539,8 @@ def test_a_replayed_handshake_is_refused(server: StoreServer) -> None:
             with socket.create_connection(("127.0.0.1", server.port), timeout=5) as s:
                 _greeting(s)  # another server nonce: the captured proof does not match it
                 s.sendall(captured)
-                assert _closed_by_peer(s, 5) in (b"", b"\x01")
+                # (the store's own proof, which comes first, then the refusal)
+                assert _closed_by_peer(s, 5)[32:] in (b"", b"\x01")
         assert good.get("victim") == b"current"
         assert server.num_clients == 1
 

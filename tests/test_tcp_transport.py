@@ -574,6 +574,9 @@ def _hello_as_rank0(published: str, job: int) -> socket.socket:
                             1, nonce_a, h.nonce, published)
     peer.sendall(handshake.proof(SECRET.encode(), "connect", job, 2, 0, 1, nonce_a, h.nonce,
                                  published))
+    done = peer.recv(handshake.DONE_SIZE, socket.MSG_WAITALL)  # rank 1 keeps the connection
+    assert handshake.verify(SECRET.encode(), done, "done", job, 2, 0, 1, nonce_a, h.nonce,
+                            published)
     return peer
 
 

@@ -25,9 +25,15 @@ is not a decimal integer), for a store that is full (:data:`MAX_KEYS`,
 :data:`MAX_STORED_BYTES`), for a store of a *later* generation (this process is behind), and
 for a secret file that cannot be used (:func:`bitcoll.transport.auth.read_secret_file`).
 
-Authentication. Every connection starts with a mutual challenge-response (below): the client
-proves that it knows the job's secret over a fresh server nonce, and the server proves the same
-over a fresh client nonce, so neither a replayed nor a squatting stranger gets in or is believed.
+Authentication. Every connection starts with a mutual challenge-response (below): the server
+proves that it knows the job's secret over a fresh client nonce, then the client proves the same
+over a fresh server nonce, so neither a replayed nor a squatting stranger gets in or is believed.
+The server proves itself first: a stranger squatting the store's port (there before rank 0, or
+relaying it) gets nothing from a rank that it could test guesses of the secret against. (Any
+process that reaches the real store gets the store's proof over a nonce of its choice: as
+with any proof of a shared key, a secret that can be guessed offline is unsafe, which is why
+the TCP set-up refuses short hand-set secrets for jobs on several hosts; see
+:func:`bitcoll.transport.auth.check_secret`.)
 Both proofs cover the store's *generation*, an integer both sides are given (a job that builds
 several communicators on the same address counts them): a client that meets a store of an
 earlier generation (still closing) hangs up and retries; one that meets a later generation
@@ -77,14 +83,15 @@ Wire protocol (little-endian, no pickle). The handshake first:
 ========= ==================================================================================
 direction bytes
 ========= ==================================================================================
-S -> C    greeting: ``b"BCS1"``, u16 protocol version (1), u16 hint length, u64 generation,
+S -> C    greeting: ``b"BCS1"``, u16 protocol version (2), u16 hint length, u64 generation,
           16-byte server nonce, then the hint (UTF-8: the path of the job's secret file for
           clients that were given no secret, or empty)
-C -> S    16-byte client nonce, then ``mac(secret, "store-client", server nonce, client nonce,
-          generation)`` (32 bytes; :func:`bitcoll.transport.auth.mac`; the generation is the
-          greeting's)
-S -> C    status byte 0 and ``mac(secret, "store-server", server nonce, client nonce,
-          generation)``; or status byte 1 (the client's proof is wrong) and the server closes
+C -> S    16-byte client nonce
+S -> C    ``mac(secret, "store-server", server nonce, client nonce, generation)`` (32 bytes;
+          :func:`bitcoll.transport.auth.mac`; the generation is the greeting's). A client that
+          cannot verify it hangs up.
+C -> S    ``mac(secret, "store-client", server nonce, client nonce, generation)`` (32 bytes)
+S -> C    status byte 0; or status byte 1 (the client's proof is wrong) and the server closes
 ========= ==================================================================================
 
 Then requests and replies. Every message is ``u32 body_length`` then the body. A request body
@@ -156,8 +163,7 @@ _I64 = struct.Struct("<q")
 _GREETING = struct.Struct(f"<4sHHQ{auth.NONCE_BYTES}s")
 
 MAGIC: Final = b"BCS1"
-PROTOCOL_VERSION: Final = 1
-_PROOF_BYTES: Final = auth.NONCE_BYTES + auth.MAC_BYTES
+PROTOCOL_VERSION: Final = 2
 _AUTH_OK: Final = 0
 _AUTH_REJECTED: Final = 1
 
@@ -308,13 +314,15 @@ _K_LISTEN = 2  # the end of an accept back-off
 class _Conn:
     """One accepted connection (owned by the loop thread)."""
 
-    __slots__ = ("accepted", "authed", "deadline", "events", "msg_start", "nonce", "open",
-                 "peer", "rbuf", "reply_since", "sock", "waiter", "wbytes", "wq")
+    __slots__ = ("accepted", "authed", "client_nonce", "deadline", "events", "msg_start",
+                 "nonce", "open", "peer", "rbuf", "reply_since", "sock", "waiter", "wbytes",
+                 "wq")
 
     def __init__(self, sock: socket.socket, peer: str, now: float) -> None:
         self.sock = sock
         self.peer = peer
         self.nonce = auth.new_nonce()
+        self.client_nonce: bytes | None = None  # read: the server's proof is on its way
         self.authed = False
         self.open = True
         self.rbuf = bytearray()
@@ -789,8 +797,9 @@ class StoreServer:
             if want <= 0:  # a full message is waiting behind a pending request
                 self._drop(conn, "sent a request before the previous one was answered")
                 return
-        else:
-            want = _PROOF_BYTES - len(conn.rbuf)
+        else:  # the client's nonce, then its proof
+            want = (auth.NONCE_BYTES if conn.client_nonce is None
+                    else auth.MAC_BYTES) - len(conn.rbuf)
         try:
             n = conn.sock.recv_into(self._scratch_view, want)
         except (BlockingIOError, InterruptedError):
@@ -806,12 +815,20 @@ class StoreServer:
         if not conn.rbuf:
             conn.msg_start = time.monotonic()
         conn.rbuf += self._scratch_view[:n]
-        if not conn.authed and len(conn.rbuf) == _PROOF_BYTES:
+        if conn.authed:
+            return
+        if conn.client_nonce is None and len(conn.rbuf) == auth.NONCE_BYTES:
+            conn.client_nonce = bytes(conn.rbuf)
+            conn.rbuf = bytearray()
+            self._queue(conn, auth.mac(self._secret, "store-server", conn.nonce,
+                                       conn.client_nonce, self._generation))
+        elif conn.client_nonce is not None and len(conn.rbuf) == auth.MAC_BYTES:
             self._authenticate(conn)
 
     def _authenticate(self, conn: _Conn) -> None:
-        client_nonce = bytes(conn.rbuf[:auth.NONCE_BYTES])
-        proof = bytes(conn.rbuf[auth.NONCE_BYTES:_PROOF_BYTES])
+        client_nonce = conn.client_nonce
+        assert client_nonce is not None
+        proof = bytes(conn.rbuf)
         conn.rbuf = bytearray()
         if not auth.verify(self._secret, proof, "store-client", conn.nonce, client_nonce,
                            self._generation):
@@ -827,8 +844,7 @@ class StoreServer:
         with self._cond:
             self._authed += 1
             self._cond.notify_all()
-        self._queue(conn, bytes([_AUTH_OK]) + auth.mac(self._secret, "store-server", conn.nonce,
-                                                      client_nonce, self._generation))
+        self._queue(conn, bytes([_AUTH_OK]))
         log.debug("store %s: authenticated %s", self.port, conn.peer)
 
     def _progress(self, conn: _Conn) -> None:
@@ -1099,8 +1115,16 @@ class StoreClient:
                 secret = auth.read_secret_file(hint)
             client_nonce = auth.new_nonce()
             sock.settimeout(max(1e-3, deadline - time.monotonic()))
-            sock.sendall(client_nonce + auth.mac(secret, "store-client", server_nonce,
-                                                 client_nonce, gen))
+            sock.sendall(client_nonce)
+            # The store proves itself first: nothing of this process's proof goes to a
+            # process that cannot.
+            if not auth.verify(secret, recv(auth.MAC_BYTES), "store-server", server_nonce,
+                               client_nonce, gen):
+                raise _Retry(f"the process at {where} could not prove it knows the job's "
+                             "secret (it is not this job's store, or the ranks were given "
+                             "different secrets)")
+            sock.settimeout(max(1e-3, deadline - time.monotonic()))
+            sock.sendall(auth.mac(secret, "store-client", server_nonce, client_nonce, gen))
             status = recv(1)[0]
             if status == _AUTH_REJECTED:
                 raise _Retry(f"the store at {where} rejected this process's proof: this "
@@ -1109,10 +1133,6 @@ class StoreClient:
             if status != _AUTH_OK:
                 raise _Retry(f"the process at {where} answered the handshake with an unknown "
                              f"status {status}")
-            if not auth.verify(secret, recv(auth.MAC_BYTES), "store-server", server_nonce,
-                               client_nonce, gen):
-                raise _Retry(f"the process at {where} could not prove it knows the job's "
-                             "secret (it is not this job's store)")
         except TimeoutError:
             raise _Retry(f"the process at {where} did not complete the handshake in time",
                          timed_out=True) from None
