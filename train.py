@@ -144,6 +144,7 @@ os.environ.setdefault("NUMBA_NUM_THREADS", "1")
 
 import argparse
 import contextlib
+import dataclasses
 import datetime
 import hashlib
 import importlib
@@ -156,6 +157,7 @@ import shutil
 import socket
 import sys
 import sysconfig
+import textwrap
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
@@ -594,6 +596,11 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         if action.default is None or action.default is False:
             return action.help
         return super()._get_help_string(action)
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        # the launch lines' options (--nproc-per-node) must not be broken at their hyphens
+        return textwrap.fill(" ".join(text.split()), width, initial_indent=indent,
+                             subsequent_indent=indent, break_on_hyphens=False)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -1159,8 +1166,9 @@ class DDPOptimizer:
     def last_stats(self) -> StepStats | None:
         """lioncub's statistics of the last step (the hook's or DistributedLion's), None for
         DDP's own averaging and the sign hook."""
-        if self.hook_state is not None:
-            return self.hook_state.last_stats
+        if self.hook_state is not None:  # the votes travelled during backward
+            stats = self.hook_state.last_stats
+            return None if stats is None else dataclasses.replace(stats, comm_seconds=0.0)
         return None if self.inner is None else self.inner.last_stats
 
     def check_replicas(self) -> None:

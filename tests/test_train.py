@@ -151,11 +151,20 @@ def test_bad_options_exit_2(train: ModuleType, capsys: pytest.CaptureFixture[str
                          (["--d-model", "30", "--heads", "4"], "multiple of --heads"),
                          (["--lr", "-1"], "must be in"),
                          (["--warmup", "5", "--steps", "5"], "smaller than --steps"),
-                         (["--overlap", "--dtype", "fp16"], "--overlap cannot be used")):
+                         (["--overlap", "--dtype", "fp16"], "--overlap cannot be used"),
+                         (["--hook"], "--hook needs --backend"),
+                         (["--backend", "gloo", "--overlap"], "--overlap cannot be used with "
+                                                              "--backend"),
+                         (["--backend", "mpi"], "invalid choice"),
+                         (["--check-every", "-1"], "must be >= 0")):
         with pytest.raises(SystemExit) as exc:
             train.parse_args(argv)
         assert exc.value.code == 2
         assert needle in capsys.readouterr().err
+    usage = " ".join(train.build_parser().format_help().split())
+    for text in ("torchrun --nproc-per-node 4 train.py", "srun -N 4", "--backend", "--hook",
+                 "--check-every"):
+        assert text in usage, text
 
 
 def test_corpus_and_schedule(train: ModuleType) -> None:
@@ -343,6 +352,67 @@ def test_overlap_gives_the_same_run(
     assert [s["synced_tensors"] for s in a["steps"]] == [s["synced_tensors"]
                                                          for s in b["steps"]]
     assert b["summary"]["replicas_identical"] is True
+
+
+@pytest.mark.timeout(300)
+def test_ddp_hook_gives_the_same_run(
+        two_rank_run: tuple[subprocess.CompletedProcess[str], dict[str, Any]],
+        tmp_path: Path) -> None:
+    """The two-rank run again through DistributedDataParallel over gloo with the votes
+    inside backward (--hook: lioncub_hook + LionCubStep): bit-identical losses, the same
+    momentum averaging, replicas checked every 7 steps."""
+    a = two_rank_run[1]
+    path = tmp_path / "hook.json"
+    proc = _launch([*TWO_RANKS, "--backend", "gloo", "--hook", "--check-every", "7",
+                    "--json-log", str(path)])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "DDP over gloo with the lioncub hook" in proc.stdout
+    assert "compiling kernels (first step only)" in proc.stdout
+    b = json.loads(path.read_text())
+    assert b["config"]["hook"] == "lioncub" and b["config"]["backend"] == "gloo"
+    assert [s["loss"] for s in a["steps"]] == [s["loss"] for s in b["steps"]]
+    assert [e["val_loss"] for e in a["evals"]] == [e["val_loss"] for e in b["evals"]]
+    assert [s["synced_tensors"] for s in a["steps"]] == [s["synced_tensors"]
+                                                         for s in b["steps"]]
+    assert all(s["bytes_sent"] > 0 and s["comm"] == 0 for s in b["steps"])
+    assert b["summary"]["replicas_identical"] is True
+
+
+@pytest.mark.timeout(300)
+def test_ddp_sign_hook_and_plain_ddp(tmp_path: Path) -> None:
+    """The other DDP modes train and keep identical replicas: the sign hook (AdamW) over
+    the bitcoll backend, and DDP's own averaging with Lion (global)."""
+    for extra in (["--backend", "bitcoll", "--hook", "sign"],
+                  ["--backend", "gloo", "--optimizer", "global", "--check-every", "5"]):
+        path = tmp_path / "log.json"
+        proc = _launch(["--steps", "12", "--eval-every", "0", *extra, "--json-log", str(path)])
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        log = json.loads(path.read_text())
+        assert log["summary"]["replicas_identical"] is True, extra
+        losses = [s["loss"] for s in log["steps"]]
+        assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0], extra
+
+
+def test_periodic_replica_check_stops_the_run(train: ModuleType,
+                                              monkeypatch: pytest.MonkeyPatch,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """--check-every N: a mismatch found after step N stops the run (exit 1) naming the
+    rank and the parameter."""
+    import lioncub.torch
+    from lioncub.replicas import ReplicaMismatchError
+
+    calls: list[int] = []
+
+    def mismatch(self: object) -> None:
+        calls.append(1)
+        raise ReplicaMismatchError("replicas differ", 1, 3, "head.weight", (1,), (3,))
+
+    monkeypatch.setattr(lioncub.torch.DistributedLion, "check_replicas", mismatch)
+    assert train.main([*TINY, "--steps", "6", "--eval-every", "0", "--check-every", "2"]) == 1
+    err = capsys.readouterr().err
+    assert "differ after step 2 (rank 1's parameter 3 (head.weight)" in err
+    assert len(calls) == 1
+
 
 def test_checkpoint_of_another_run_is_refused(train: ModuleType, tmp_path: Path,
                                               capsys: pytest.CaptureFixture[str]) -> None:
