@@ -10,6 +10,7 @@ import os
 import queue
 import re
 import socket
+import struct
 import threading
 import time
 from typing import Any
@@ -260,3 +261,118 @@ def _queue_get(q: Any, timeout: float) -> Any:
         return q.get(timeout=timeout)
     except queue.Empty:
         raise AssertionError(f"no rank reported within {timeout} s") from None
+
+
+def _setup_rank(q: Any, rank: int, size: int, addr: str, port: int, integrity: bool,
+                env: dict[str, str], timeout: float) -> None:
+    """Set up with ``env`` added to the environment, exchange once, report."""
+    os.environ.update(env)
+    try:
+        t = TCPTransport.create(rank, size, addr, port, timeout=timeout, integrity=integrity)
+        try:
+            _exchange(t, 1)
+        finally:
+            t.close()
+        q.put((rank, None, ""))
+    except BaseException as exc:
+        q.put((rank, type(exc).__name__, str(exc)))
+
+
+def _run_setup(size: int, addr: str, integrity: bool, env: dict[str, str],
+               port: int | None = None, ranks: list[int] | None = None,
+               timeout: float = 30.0) -> dict[int, tuple[str | None, str]]:
+    port = free_port() if port is None else port
+    q = context(__name__).Queue()
+    ranks = list(range(size)) if ranks is None else ranks
+    procs = [start(_setup_rank, q, r, size, addr, port, integrity, env, timeout)
+             for r in ranks]
+    results = {}
+    try:
+        for _ in ranks:
+            rank, etype, msg = _queue_get(q, 60.0)
+            results[rank] = (etype, msg)
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    return results
+
+
+def _host_address() -> str | None:
+    """A non-loopback IPv4 address of this host, or None."""
+    with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect(("10.255.255.255", 9))  # no packet is sent: only the route is looked up
+        addr = str(s.getsockname()[0])
+        if not addr.startswith("127."):
+            with socket.socket() as probe:
+                probe.bind((addr, 0))  # usable here
+            return addr
+    return None
+
+
+def test_integrity_is_refused_without_a_secret() -> None:
+    """``integrity=True`` with ``BITCOLL_INSECURE=1``: every rank refuses at once."""
+    results = _run_setup(2, "127.0.0.1", True, {"BITCOLL_INSECURE": "1"})
+    assert all(e == "UsageError" and "BITCOLL_INSECURE" in m for e, m in results.values()), \
+        results
+
+
+def test_short_secrets_are_refused_across_hosts_unless_allowed() -> None:
+    """A rendezvous address that is not loopback means a job on several hosts: a 15-byte
+    ``BITCOLL_SECRET`` is refused on every rank, ``BITCOLL_WEAK_SECRET=1`` lets it through,
+    16 bytes pass; on loopback a short secret is fine."""
+    addr = _host_address()
+    if addr is None:
+        pytest.skip("no non-loopback address on this host")
+    short = {"BITCOLL_SECRET": "x" * 15}
+    refused = _run_setup(2, addr, False, short)
+    assert all(e == "UsageError" and "BITCOLL_WEAK_SECRET" in m
+               for e, m in refused.values()), refused
+    for env in ({**short, "BITCOLL_WEAK_SECRET": "1"}, {"BITCOLL_SECRET": "y" * 16}):
+        ok = _run_setup(2, addr, False, env)
+        assert all(e is None for e, _ in ok.values()), (env, ok)
+    ok = _run_setup(2, "127.0.0.1", False, short)
+    assert all(e is None for e, _ in ok.values()), ok
+
+
+def test_a_rank_sends_no_proof_to_a_squatter_on_the_store_port() -> None:
+    """A stranger listening on the store's port before rank 0 answers like a store (greeting,
+    then a made-up proof): rank 1 gets a CommTimeoutError and has sent only its nonces,
+    nothing the stranger could test guesses of the secret against."""
+    squatter = socket.create_server(("127.0.0.1", 0))
+    port = squatter.getsockname()[1]
+    received: list[bytes] = []
+    stop = threading.Event()
+
+    def squat() -> None:
+        greeting = struct.Struct("<4sHHQ16s")
+        squatter.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                conn, _ = squatter.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            with conn:
+                conn.settimeout(5)
+                with contextlib.suppress(OSError):
+                    conn.sendall(greeting.pack(b"BCS1", 2, 0, 0, os.urandom(16)))
+                    got = conn.recv(1024)
+                    conn.sendall(os.urandom(32))
+                    while chunk := conn.recv(1024):
+                        got += chunk
+                    received.append(got)
+
+    th = threading.Thread(target=squat, daemon=True)
+    th.start()
+    try:
+        results = _run_setup(2, "127.0.0.1", False, {"BITCOLL_SECRET": "z" * 32}, port=port,
+                             ranks=[1], timeout=2.0)
+    finally:
+        stop.set()
+        th.join(10)
+        squatter.close()
+    assert results[1][0] == "CommTimeoutError" and "prove" in results[1][1], results
+    assert received and all(len(r) == 16 for r in received), [len(r) for r in received]

@@ -10,9 +10,14 @@ Where the secret comes from (:func:`job_secret`, in this order):
 
 1. ``BITCOLL_SECRET``: any non-empty string, the same on every rank. ``python -m launch``
    generates one per job (single node) and passes it to its ranks; users of other launchers
-   set it themselves for multi-host jobs.
+   set it themselves for multi-host jobs. Every proof of it can be tested against guesses
+   offline by whoever sees or provokes one, so for a job on several hosts (its rendezvous
+   address is not a loopback address) a secret shorter than :data:`MIN_SECRET_BYTES` bytes
+   (128 bits) is refused (:func:`check_secret`) unless ``BITCOLL_WEAK_SECRET=1``.
 2. ``BITCOLL_INSECURE=1``: no secret (the proofs are computed with an empty key, i.e. they
-   prove nothing). For a trusted network only; documented as an explicit opt-out.
+   prove nothing). For a trusted network only; documented as an explicit opt-out. Frame
+   integrity (``integrity=True``) is refused with it: its keys would come from the empty
+   secret and the job id, which travels in clear.
 3. Otherwise a *secret file*: rank 0 writes 32 random bytes into a new file that only its user
    can read (:class:`SecretFile`, mode 0600 in a 0700 directory) and tells the other ranks its
    path (the path is not secret). A rank that cannot read the file, or finds it owned by
@@ -41,6 +46,10 @@ from ..errors import UsageError
 __all__ = [
     "SECRET_ENV",
     "INSECURE_ENV",
+    "WEAK_SECRET_ENV",
+    "MIN_SECRET_BYTES",
+    "check_secret",
+    "is_loopback",
     "NONCE_BYTES",
     "MAC_BYTES",
     "mac",
@@ -53,6 +62,11 @@ __all__ = [
 
 SECRET_ENV: Final = "BITCOLL_SECRET"
 INSECURE_ENV: Final = "BITCOLL_INSECURE"
+#: ``BITCOLL_WEAK_SECRET=1`` lets a job on several hosts use a secret shorter than
+#: :data:`MIN_SECRET_BYTES` (the user's explicit choice).
+WEAK_SECRET_ENV: Final = "BITCOLL_WEAK_SECRET"
+#: Shortest ``BITCOLL_SECRET`` (UTF-8 bytes) a job on several hosts accepts: 128 bits.
+MIN_SECRET_BYTES: Final = 16
 #: Bytes of every nonce (128 bits: never repeats).
 NONCE_BYTES: Final = 16
 #: Bytes of every proof (HMAC-SHA256).
@@ -111,6 +125,52 @@ def env_secret(environ: dict[str, str] | None = None) -> bytes | None:
     if insecure == "1":
         return INSECURE_SECRET
     return None
+
+
+def check_secret(secret: bytes | None, multi_host: bool, integrity: bool,
+                 environ: dict[str, str] | None = None) -> None:
+    """Refuse settings that leave the job's proofs weak (UsageError, before any connection):
+
+    * ``integrity`` with the insecure empty secret (``BITCOLL_INSECURE=1``): the frame keys
+      would be derived from nothing secret, so the tags would protect nothing;
+    * for a ``multi_host`` job, a hand-set ``secret`` shorter than :data:`MIN_SECRET_BYTES`
+      bytes, unless ``BITCOLL_WEAK_SECRET=1``: every proof of the secret (the store's, a
+      peer's, one seen on the network) lets it be guessed offline, at the speed of HMAC.
+
+    ``secret``: what :func:`env_secret` returned (None: a generated secret file is used)."""
+    env = os.environ if environ is None else environ
+    if secret == INSECURE_SECRET:
+        if integrity:
+            raise UsageError(f"integrity=True cannot be combined with {INSECURE_ENV}=1: without "
+                             "a secret the frame keys come from the job id alone, which "
+                             f"travels in clear, and the tags protect nothing; set "
+                             f"{SECRET_ENV} (or unset {INSECURE_ENV}) to use integrity")
+        return
+    if secret is None or not multi_host or len(secret) >= MIN_SECRET_BYTES:
+        return
+    weak = env.get(WEAK_SECRET_ENV, "0")
+    if weak not in ("0", "1", ""):
+        raise UsageError(f"{WEAK_SECRET_ENV} must be 0 or 1, got {weak!r}")
+    if weak != "1":
+        raise UsageError(
+            f"{SECRET_ENV} has {len(secret)} bytes; a job on several hosts needs at least "
+            f"{MIN_SECRET_BYTES} (128 bits), since its proofs can be tested against guesses "
+            "offline: use e.g. python -c \"import secrets; print(secrets.token_hex(16))\", "
+            f"or set {WEAK_SECRET_ENV}=1 to accept the risk")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (a name or an address) resolves only to loopback addresses (False
+    when it does not resolve)."""
+    import ipaddress
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except (OSError, UnicodeError):
+        return False
+    return bool(infos) and all(ipaddress.ip_address(str(i[4][0]).split("%")[0]).is_loopback
+                               for i in infos)
 
 
 def _private_dir() -> str:

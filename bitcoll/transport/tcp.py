@@ -367,7 +367,10 @@ class TCPTransport(LinkTransport):
 
         Raises UsageError for bad arguments, a bad send buffer, a world size
         that differs from rank 0's, a rank
-        claimed twice or a secret that cannot be had (see :mod:`bitcoll.transport.auth`);
+        claimed twice, a secret that cannot be had or is too weak (see
+        :func:`bitcoll.transport.auth.check_secret`: ``integrity`` with
+        ``BITCOLL_INSECURE=1``; a ``BITCOLL_SECRET`` under 128 bits when the rendezvous
+        address is not a loopback one, unless ``BITCOLL_WEAK_SECRET=1``);
         CommTimeoutError naming the ranks that did not show up before the deadline (rank 0
         itself when no store answers); CommError when the store's port cannot be bound;
         PeerLostError or ProtocolError when a peer breaks the handshake.
@@ -382,6 +385,7 @@ class TCPTransport(LinkTransport):
             check_store(store)
         if integrity:
             blake3_module()
+            auth.check_secret(auth.env_secret(), False, True)  # not with BITCOLL_INSECURE=1
         refusal = None
         try:
             send = send_buffer_bytes(send_buffer)
@@ -395,6 +399,9 @@ class TCPTransport(LinkTransport):
             raise UsageError(f"master_port must be in 1..65535, got {master_port}")
         deadline = time.monotonic() + timeout
         secret = auth.env_secret()
+        store_host = master_addr if store is None else \
+            str(getattr(store, "host", None) or master_addr)
+        auth.check_secret(secret, not auth.is_loopback(store_host), integrity)
         try:
             rdv = (_Rendezvous.own(rank, master_addr, master_port, secret, deadline, timeout)
                    if store is None else
