@@ -267,9 +267,18 @@ class _Staged:
             self.orig.detach().copy_(self.host)
 
 
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """The 1-D view of a contiguous tensor with unit stride (a one-element view of a strided
+    tensor counts as contiguous for torch but keeps its stride)."""
+    flat = t.reshape(-1)
+    if flat.numel() == 1 and flat.stride(0) != 1:
+        flat = flat.as_strided((1,), (1,))
+    return flat
+
+
 def _raw(t: torch.Tensor) -> Array:
     """The bytes of a contiguous CPU tensor as a 1-D uint8 numpy view (any dtype)."""
-    flat = t.reshape(-1)
+    flat = _flat(t)
     if flat.dtype != torch.uint8:
         flat = flat.view(torch.uint8) if flat.numel() else flat.new_empty(0, dtype=torch.uint8)
     return flat.numpy()
@@ -278,7 +287,7 @@ def _raw(t: torch.Tensor) -> Array:
 def _typed(t: torch.Tensor) -> Any:
     """A contiguous CPU tensor as bitcoll reduces it: numpy view (complex as its real pairs,
     bool as uint8), or the tensor itself for bfloat16."""
-    flat = t.reshape(-1)
+    flat = _flat(t)
     if flat.dtype == torch.bfloat16:
         return flat
     if flat.dtype == torch.bool:
@@ -431,6 +440,12 @@ def _connect(store: Any, rank: int, size: int, timeout: float, options: Any,
 
 
 # --------------------------------------------------------------------------- the group
+def _own_client(store: Any) -> Any:
+    """``store.clone()`` (a new connection to the same store) where the store has it."""
+    clone = getattr(store, "clone", None)
+    return clone() if callable(clone) else store
+
+
 class _Channel:
     """One direction of point-to-point traffic with one peer for one tag (module docstring).
     The 2-rank communicator is made on the channel's worker by its first message."""
@@ -445,7 +460,9 @@ class _Channel:
 
     def communicator(self, pg: BitcollProcessGroup) -> Communicator:
         if self.comm is None:
-            store = PrefixStore(self.key, pg._store)
+            # A client connection of its own: a torch TCPStore client serves one request at a
+            # time, so a blocking wait of one channel's set-up would hold up the others'.
+            store = PrefixStore(self.key, _own_client(pg._store))
             secret = _store_secret(store, 0 if self.sending else 1, 2)
             from . import bootstrap
 
@@ -471,6 +488,7 @@ class BitcollProcessGroup(dist.ProcessGroup):
         self._store = store
         self._timeout = timeout
         self._group_name = group_name or "default"
+        self._group_desc = ""
         self._worker = _Worker(f"bitcoll-{self._group_name}")
         self._channels: dict[tuple[int, int, bool], _Channel] = {}
         self._channels_lock = threading.Lock()
@@ -479,6 +497,18 @@ class BitcollProcessGroup(dist.ProcessGroup):
     # -------------------------------------------------------------- identity
     def getBackendName(self) -> str:
         return BACKEND_NAME
+
+    def setGroupName(self, name: str) -> None:
+        self._group_name = name
+
+    def getGroupName(self) -> str:
+        return self._group_name
+
+    def setGroupDesc(self, desc: str) -> None:
+        self._group_desc = desc
+
+    def getGroupDesc(self) -> str:
+        return self._group_desc
 
     @property
     def communicator(self) -> Communicator:

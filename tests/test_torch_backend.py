@@ -1,0 +1,528 @@
+"""The torch.distributed backend "bitcoll" (bitcoll.torch) on real ranks.
+
+Each test is one multi-process run that packs many checks: every ReduceOp and dtype and a
+sweep of lengths against references computed locally from the seeds, every collective and
+group shape, point-to-point, the object collectives, DDP and FSDP2 against gloo, under each
+init method (tcp://, file://, store=, env:// through ``python -m launch``), and a rank killed
+inside a collective. A rank returns the list of checks that failed (empty: all passed).
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import functools
+import os
+import queue
+import signal
+import subprocess
+import sys
+import tempfile
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+
+from multiproc import context, free_port, start  # noqa: E402
+
+R = dist.ReduceOp
+DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int8,
+          torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool, torch.complex64,
+          torch.complex128]
+SMALL_DTYPES = [torch.float32, torch.bfloat16, torch.int64, torch.bool]
+LENGTHS = [0, 1, 7, 9, 1001]
+INTS = {torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8}
+TIMEOUT = 60.0  # seconds: each rank's collectives' deadline
+
+
+# ------------------------------------------------------------------------ references
+def _values(rank: int, dtype: Any, n: int, salt: int, lo: int = -3, hi: int = 4) -> Any:
+    """Rank ``rank``'s input: small integers (exact sums in every dtype), from a seed."""
+    g = torch.Generator().manual_seed(7919 * salt + rank)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, (n,), generator=g).bool()
+    if dtype == torch.uint8:
+        lo = max(lo, 0)
+    if dtype.is_complex:
+        re = torch.randint(lo, hi, (n,), generator=g).double()
+        im = torch.randint(lo, hi, (n,), generator=g).double()
+        return torch.complex(re, im).to(dtype)
+    return torch.randint(lo, hi, (n,), generator=g).to(dtype)
+
+
+def _ops(dtype: Any) -> list[Any]:
+    if dtype == torch.bool:
+        return [R.SUM, R.MAX, R.MIN, R.PRODUCT, R.BAND, R.BOR, R.BXOR]
+    if dtype.is_complex:
+        return [R.SUM, R.AVG, "premul"]
+    if dtype in INTS:
+        return [R.SUM, R.MAX, R.MIN, R.PRODUCT, R.BAND, R.BOR, R.BXOR]
+    return [R.SUM, R.AVG, R.MAX, R.MIN, R.PRODUCT, "premul"]
+
+
+def _reference(rows: list[Any], op: Any, dtype: Any) -> Any:
+    """The reduction of the ranks' rows, computed here (wide types, then cast)."""
+    stack = torch.stack(rows)
+    if dtype == torch.bool:
+        if op in (R.SUM, R.MAX, R.BOR):
+            return stack.any(0)
+        if op in (R.MIN, R.PRODUCT, R.BAND):
+            return stack.all(0)
+        return functools.reduce(torch.bitwise_xor, rows)
+    if op in (R.BAND, R.BOR, R.BXOR):
+        fn = {R.BAND: torch.bitwise_and, R.BOR: torch.bitwise_or,
+              R.BXOR: torch.bitwise_xor}[op]
+        return functools.reduce(fn, rows)
+    wide = stack.to(torch.complex128 if dtype.is_complex else
+                    torch.int64 if dtype in INTS else torch.float64)
+    if op == R.SUM:
+        out = wide.sum(0)
+    elif op == R.AVG:
+        out = wide.sum(0) / len(rows)
+    elif op == "premul":
+        out = wide.sum(0) * 0.5
+    elif op == R.MAX:
+        out = wide.amax(0)
+    elif op == R.MIN:
+        out = wide.amin(0)
+    else:
+        out = wide.prod(0)
+    return out.to(dtype)
+
+
+def _same(got: Any, want: Any, dtype: Any, exact: bool = True) -> bool:
+    if got.shape != want.shape or got.dtype != want.dtype:
+        return False
+    if exact or dtype in INTS or dtype == torch.bool:
+        return bool(torch.equal(got, want))
+    tol = {torch.float16: 2e-3, torch.bfloat16: 1e-2}.get(dtype, 1e-6)
+    return bool(torch.allclose(got, want, rtol=tol, atol=tol))
+
+
+def _torch_op(op: Any) -> Any:
+    return dist._make_nccl_premul_sum(0.5) if op == "premul" else op
+
+
+# ------------------------------------------------------------------------ the sweeps
+def _sweep(group: Any, dtypes: list[Any], lengths: list[int], fails: list[str],
+           salt: int = 0) -> None:
+    """Every collective on ``group`` for these dtypes and lengths, against references."""
+    p, me = dist.get_world_size(group), dist.get_rank(group)
+    for dtype in dtypes:
+        for n in lengths:
+            salt += 1
+            rows = [_values(r, dtype, n, salt) for r in range(p)]
+            tag = f"{dtype} n={n} p={p}"
+            # all_reduce, every op (a non-contiguous input for odd n)
+            for op in _ops(dtype):
+                prows = [_values(r, dtype, n, salt, -2, 3) for r in range(p)] \
+                    if op == R.PRODUCT else rows
+                if n % 2:
+                    big = torch.zeros(2 * n, dtype=dtype)
+                    x = big[::2]
+                    x.copy_(prows[me])
+                else:
+                    x = prows[me].clone()
+                dist.all_reduce(x, op=_torch_op(op), group=group)
+                want = _reference(prows, op, dtype)
+                if not _same(x, want, dtype, exact=op not in (R.AVG, "premul")):
+                    fails.append(f"all_reduce {op} {tag}: {x[:5]} != {want[:5]}")
+            # async all_reduce: the future's value is the output
+            x = rows[me].clone()
+            work = dist.all_reduce(x, group=group, async_op=True)
+            work.wait()
+            value = work.get_future().wait()
+            if not (work.is_completed() and value[0] is not None and
+                    _same(x, _reference(rows, R.SUM, dtype), dtype)):
+                fails.append(f"async all_reduce {tag}")
+            # broadcast from a rank that depends on n
+            root = n % p
+            x = rows[me].clone()
+            dist.broadcast(x, group_src=root, group=group)
+            if not torch.equal(x, rows[root]):
+                fails.append(f"broadcast root {root} {tag}")
+            # reduce: the root gets the sum, the others keep their input
+            if dtype != torch.bool:
+                x = rows[me].clone()
+                dist.reduce(x, group_dst=root, group=group)
+                want = _reference(rows, R.SUM, dtype) if me == root else rows[me]
+                if not _same(x, want, dtype):
+                    fails.append(f"reduce root {root} {tag}")
+            # all_gather (list, sizes differing by rank) and into one tensor
+            outs = [torch.empty(n + r, dtype=dtype) for r in range(p)]
+            mine = torch.cat([rows[me], rows[me][:me]]) if n >= me else None
+            if mine is not None and n >= p:
+                outs_ok = [torch.cat([rows[r], rows[r][:r]]) for r in range(p)]
+                dist.all_gather(outs, mine, group=group)
+                if not all(torch.equal(a, b) for a, b in zip(outs, outs_ok, strict=True)):
+                    fails.append(f"all_gather list {tag}")
+            out = torch.empty(p * n, dtype=dtype)
+            dist.all_gather_into_tensor(out, rows[me], group=group)
+            if not torch.equal(out, torch.cat(rows)):
+                fails.append(f"all_gather_into_tensor {tag}")
+            # reduce_scatter: list and tensor forms (rank r gets block r of the sum)
+            if dtype != torch.bool:
+                blocks = [_values(r, dtype, p * n, salt + 500) for r in range(p)]
+                total = _reference(blocks, R.SUM, dtype)
+                out = torch.empty(n, dtype=dtype)
+                dist.reduce_scatter_tensor(out, blocks[me], group=group)
+                if not _same(out, total[me * n:(me + 1) * n], dtype):
+                    fails.append(f"reduce_scatter_tensor {tag}")
+                out = torch.empty(n, dtype=dtype)
+                dist.reduce_scatter(out, list(blocks[me].chunk(p)) if n else
+                                    [torch.empty(0, dtype=dtype)] * p, group=group)
+                if not _same(out, total[me * n:(me + 1) * n], dtype):
+                    fails.append(f"reduce_scatter list {tag}")
+            # gather and scatter
+            gl = [torch.empty(n, dtype=dtype) for _ in range(p)] if me == root else None
+            dist.gather(rows[me], gl, group_dst=root, group=group)
+            if me == root and not all(torch.equal(a, b) for a, b in
+                                      zip(gl or [], rows, strict=True)):
+                fails.append(f"gather {tag}")
+            out = torch.empty(n, dtype=dtype)
+            dist.scatter(out, rows if me == root else None, group_src=root, group=group)
+            if not torch.equal(out, rows[me]):
+                fails.append(f"scatter {tag}")
+            # all_to_all_single with uneven splits: rank i sends (i + j) % 3 rows to rank j
+            sizes = [[(i + j + n) % 3 for j in range(p)] for i in range(p)]
+            src = [_values(i, dtype, 2 * sum(sizes[i]), salt + 900).reshape(-1, 2)
+                   for i in range(p)]
+            parts = [list(src[i].split(sizes[i])) for i in range(p)]
+            out = torch.empty(sum(sizes[i][me] for i in range(p)), 2, dtype=dtype)
+            dist.all_to_all_single(out, src[me], [sizes[i][me] for i in range(p)],
+                                   sizes[me], group=group)
+            if not torch.equal(out, torch.cat([parts[i][me] for i in range(p)])):
+                fails.append(f"all_to_all_single uneven {tag}")
+            outs = [torch.empty(sizes[i][me], 2, dtype=dtype) for i in range(p)]
+            dist.all_to_all(outs, parts[me], group=group)
+            if not all(torch.equal(outs[i], parts[i][me]) for i in range(p)):
+                fails.append(f"all_to_all list {tag}")
+
+
+def _p2p_and_objects(fails: list[str]) -> None:
+    p, me = dist.get_world_size(), dist.get_rank()
+    # a ring exchange of 1 MiB in both directions at once (must not deadlock)
+    right, left = (me + 1) % p, (me - 1) % p
+    out = torch.full((1 << 18,), float(me))
+    got = torch.empty(1 << 18)
+    reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, out, right),
+                                   dist.P2POp(dist.irecv, got, left)])
+    for r in reqs:
+        r.wait()
+    if not torch.equal(got, torch.full((1 << 18,), float(left))):
+        fails.append("batch_isend_irecv ring")
+    # ordered messages per pair and tag; two tags; a bfloat16 and a bool tensor
+    if me == 0:
+        works = [dist.isend(torch.tensor([k, 10 * k], dtype=torch.int64), 1, tag=5)
+                 for k in range(3)]
+        dist.send(torch.arange(4, dtype=torch.bfloat16), 1, tag=7)
+        for w in works:
+            w.wait()
+        dist.send(torch.tensor([True, False]), 1)
+    elif me == 1:
+        b = torch.empty(4, dtype=torch.bfloat16)
+        dist.recv(b, 0, tag=7)  # another tag: its own channel, not blocked by tag 5
+        for k in range(3):
+            t = torch.empty(2, dtype=torch.int64)
+            dist.irecv(t, 0, tag=5).wait()
+            if t.tolist() != [k, 10 * k]:
+                fails.append(f"recv #{k} in order: {t.tolist()}")
+        if not torch.equal(b, torch.arange(4, dtype=torch.bfloat16)):
+            fails.append("recv bfloat16 tag 7")
+        flags = torch.empty(2, dtype=torch.bool)
+        dist.recv(flags, 0)
+        if flags.tolist() != [True, False]:
+            fails.append("recv bool")
+    # the object collectives
+    objs: list[Any] = [None] * p
+    dist.all_gather_object(objs, {"rank": me, "pad": "x" * me})
+    if objs != [{"rank": r, "pad": "x" * r} for r in range(p)]:
+        fails.append(f"all_gather_object {objs}")
+    lst: list[Any] = [me, None] if me else ["zero", {"k": 1}]
+    dist.broadcast_object_list(lst, src=0)
+    if lst != ["zero", {"k": 1}]:
+        fails.append(f"broadcast_object_list {lst}")
+    gathered: list[Any] | None = [None] * p if me == 0 else None
+    dist.gather_object(("g", me), gathered, dst=0)
+    if me == 0 and gathered != [("g", r) for r in range(p)]:
+        fails.append(f"gather_object {gathered}")
+    got_obj: list[Any] = [None]
+    dist.scatter_object_list(got_obj, [f"s{r}" for r in range(p)] if me == 0 else None,
+                             src=0)
+    if got_obj != [f"s{me}"]:
+        fails.append(f"scatter_object_list {got_obj}")
+    dist.barrier()
+    # coalesced forms
+    xs = [torch.full((3,), float(me)), torch.full((2,), float(me)),
+          torch.full((4,), float(me))]
+    dist.all_reduce_coalesced(xs)
+    s = sum(range(p))
+    if [x.tolist() for x in xs] != [[float(s)] * 3, [float(s)] * 2, [float(s)] * 4]:
+        fails.append(f"all_reduce_coalesced {xs}")
+
+
+def _errors(fails: list[str]) -> None:
+    """Bad arguments raise ValueError naming the rank, on every rank, without a hang."""
+    me = dist.get_rank()
+    for call in (lambda: dist.all_reduce(torch.ones(3, dtype=torch.int32), op=R.AVG),
+                 lambda: dist.all_reduce(torch.ones(3), op=R.BXOR)):
+        try:
+            call()
+            fails.append("a bad op did not raise")
+        except ValueError as exc:
+            if f"rank {me}" not in str(exc):
+                fails.append(f"error does not name the rank: {exc}")
+    import bitcoll.torch as bt
+
+    if bt.communicator_of().size != dist.get_world_size():
+        fails.append("communicator_of: wrong size")
+    try:
+        bt.communicator_of(dist.new_group(backend="gloo"))
+        fails.append("communicator_of(gloo group) did not raise")
+    except ValueError:
+        pass
+    if bt.submit(lambda comm: comm.rank).wait() != me:
+        fails.append("submit")
+
+
+def _training(fails: list[str]) -> None:
+    """DDP and FSDP2 on the bitcoll backend against the same runs on gloo."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    me = dist.get_rank()
+    gloo = dist.new_group(backend="gloo")
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+
+    def batches() -> list[Any]:
+        g = torch.Generator().manual_seed(100 + me)
+        return [torch.randn(4, 8, generator=g) for _ in range(4)]
+
+    def ddp(pg: Any) -> list[Any]:
+        m = DDP(copy.deepcopy(base), process_group=pg, bucket_cap_mb=0.0001)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        for x in batches():
+            opt.zero_grad()
+            m(x).pow(2).mean().backward()
+            opt.step()
+        return [q.detach().clone() for q in m.parameters()]
+
+    def fsdp(pg: Any) -> list[Any]:
+        m = copy.deepcopy(base)
+        mesh = DeviceMesh.from_group(pg, "cpu")
+        for layer in m:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(m, mesh=mesh)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        for x in batches():
+            opt.zero_grad()
+            m(x).pow(2).mean().backward()
+            opt.step()
+        return [q.full_tensor().detach().clone() for q in m.parameters()]
+
+    for name, fn in (("DDP", ddp), ("FSDP2", fsdp)):
+        a, b = fn(dist.group.WORLD), fn(gloo)
+        if not all(torch.allclose(x, y, rtol=1e-5, atol=1e-6) for x, y in zip(a, b,
+                                                                                 strict=True)):
+            fails.append(f"{name} differs from gloo")
+        if any(torch.equal(x, y) for x, y in zip(a, base.parameters(), strict=True)):
+            fails.append(f"{name} did not train")
+
+
+# ------------------------------------------------------------------------ scenarios
+def _scenario_full(fails: list[str]) -> None:
+    _sweep(None, DTYPES, LENGTHS, fails)
+    _p2p_and_objects(fails)
+    _errors(fails)
+    p, me = dist.get_world_size(), dist.get_rank()
+    sub = dist.new_group([0, p - 1])  # every rank calls it; only the members get a group
+    if me in (0, p - 1):
+        _sweep(sub, SMALL_DTYPES, [0, 9], fails, salt=3000)
+    mine, _ = dist.new_subgroups(group_size=1)
+    x = torch.full((2,), float(me))
+    dist.all_reduce(x, group=mine)
+    if x.tolist() != [float(me)] * 2:
+        fails.append("new_subgroups of one rank")
+
+
+def _scenario_small(fails: list[str]) -> None:
+    _sweep(None, SMALL_DTYPES, [0, 1, 9, 1001], fails)
+    _p2p_and_objects(fails)
+
+
+def _scenario_training(fails: list[str]) -> None:
+    _sweep(None, [torch.float16, torch.int8, torch.complex64], [7], fails)
+    _training(fails)
+
+
+def _scenario_killed(fails: list[str]) -> None:
+    """The last rank dies inside the second all_reduce; the others must raise."""
+    p, me = dist.get_world_size(), dist.get_rank()
+    dist.all_reduce(torch.ones(4))
+    if me == p - 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        dist.all_reduce(torch.ones(1 << 16))
+        dist.all_reduce(torch.ones(4))
+        fails.append("no error after a rank was killed")
+    except dist.DistError as exc:
+        if f"rank {me}" not in str(exc):
+            fails.append(f"error does not name the rank: {exc}")
+    try:
+        dist.all_reduce(torch.ones(4))
+        fails.append("the group is usable after the failure")
+    except dist.DistError:
+        pass
+
+
+SCENARIOS: dict[str, Callable[[list[str]], None]] = {
+    "full": _scenario_full, "small": _scenario_small, "training": _scenario_training,
+    "killed": _scenario_killed}
+
+
+def _rank_main(rank: int, size: int, how: str, where: str, scenario: str,
+               results: Any) -> None:
+    os.environ["NUMBA_NUM_THREADS"] = "1"
+    fails: list[str] = []
+    try:
+        import bitcoll.torch  # noqa: F401  (registers "bitcoll")
+
+        timeout = datetime.timedelta(seconds=TIMEOUT)
+        if how == "store":
+            host, port = where.split(":")
+            store = dist.TCPStore(host, int(port), size, is_master=rank == 0, timeout=timeout)
+            dist.init_process_group("bitcoll", store=store, rank=rank, world_size=size,
+                                    timeout=timeout)
+        elif how == "env":
+            dist.init_process_group("bitcoll", timeout=timeout)
+        else:
+            dist.init_process_group("bitcoll", init_method=where, rank=rank, world_size=size,
+                                    timeout=timeout)
+        SCENARIOS[scenario](fails)
+        dist.destroy_process_group()
+    except BaseException:
+        fails.append(f"rank {rank} raised:\n{traceback.format_exc()}")
+    results.put((rank, fails))
+
+
+def _run(size: int, how: str, scenario: str, timeout: float = 240.0,
+         expect_dead: tuple[int, ...] = ()) -> None:
+    if how == "tcp":
+        where = f"tcp://127.0.0.1:{free_port()}"
+    elif how == "file":
+        where = "file://" + os.path.join(tempfile.mkdtemp(prefix="bitcoll-torch-"), "rdv")
+    else:
+        where = f"127.0.0.1:{free_port()}"
+    results = context(__name__).Queue()
+    procs = [start(_rank_main, r, size, how, where, scenario, results) for r in range(size)]
+    got: dict[int, list[str]] = {}
+    try:
+        while len(got) < size - len(expect_dead):
+            try:
+                rank, fails = results.get(timeout=timeout)
+            except queue.Empty:
+                raise AssertionError(f"ranks {sorted(set(range(size)) - set(got))} did not "
+                                     f"finish within {timeout} s") from None
+            got[rank] = fails
+    finally:
+        for proc in procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+    bad = {r: f for r, f in got.items() if f}
+    assert not bad, "\n".join(f"--- rank {r}:\n" + "\n".join(f) for r, f in sorted(bad.items()))
+    assert set(got) == set(range(size)) - set(expect_dead)
+
+
+@pytest.mark.timeout(300)
+def test_every_collective_tcp_init_three_ranks() -> None:
+    """tcp://, 3 ranks: every op and dtype and length, sub-groups, p2p, objects, errors."""
+    _run(3, "tcp", "full")
+
+
+@pytest.mark.timeout(300)
+def test_store_init_four_ranks() -> None:
+    """An explicit TCPStore (store=), 4 ranks."""
+    _run(4, "store", "small")
+
+
+@pytest.mark.timeout(300)
+def test_ddp_and_fsdp_match_gloo_file_init() -> None:
+    """file://, 2 ranks: DDP and FSDP2 train to gloo's parameters."""
+    _run(2, "file", "training")
+
+
+@pytest.mark.timeout(300)
+def test_killed_rank_fails_the_survivors() -> None:
+    """A rank killed inside a collective: the others raise DistError naming their rank (long
+    before the 60 s deadline: the hard timeout of the run is what bounds it)."""
+    _run(3, "tcp", "killed", expect_dead=(2,))
+
+
+@pytest.mark.timeout(300)
+def test_env_init_under_launch() -> None:
+    """env:// with the ranks started by ``python -m launch``."""
+    env = dict(os.environ, NUMBA_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "launch", "-n", "2", __file__], env=env,
+                          capture_output=True, text=True, timeout=240,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("bitcoll env:// OK") == 2, proc.stdout + proc.stderr
+
+
+@pytest.mark.cuda
+@pytest.mark.timeout(300)
+def test_cuda_tensors_staged() -> None:
+    """CUDA tensors through the host (needs a CUDA device)."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    _run(2, "tcp", "cuda")
+
+
+def _scenario_cuda(fails: list[str]) -> None:
+    me, p = dist.get_rank(), dist.get_world_size()
+    dev = torch.device("cuda", me % torch.cuda.device_count())
+    x = torch.full((1000,), float(me + 1), device=dev)
+    dist.all_reduce(x)
+    if x.device != dev or not torch.equal(x.cpu(), torch.full((1000,), float(sum(range(1,
+                                                                                    p + 1))))):
+        fails.append("cuda all_reduce")
+    big = torch.arange(2 * p * 6, dtype=torch.float32, device=dev).reshape(2 * p, 6)[:, ::2]
+    out = torch.empty(p * 2 * p, 3, device=dev)
+    dist.all_gather_into_tensor(out, big)
+    if not torch.equal(out.cpu(), torch.cat([big.cpu()] * p)):
+        fails.append("cuda all_gather_into_tensor of a non-contiguous tensor")
+    t = torch.full((3,), float(me), device=dev)
+    dist.broadcast(t, 1)
+    if t.cpu().tolist() != [1.0] * 3:
+        fails.append("cuda broadcast")
+
+
+SCENARIOS["cuda"] = _scenario_cuda
+
+
+def _main() -> None:
+    """Run by ``python -m launch -n 2 tests/test_torch_backend.py`` (env:// init)."""
+    fails: list[str] = []
+    import bitcoll.torch  # noqa: F401
+
+    dist.init_process_group("bitcoll", timeout=datetime.timedelta(seconds=TIMEOUT))
+    _sweep(None, [torch.float32, torch.int32], [0, 9], fails)
+    _p2p_and_objects(fails)
+    dist.destroy_process_group()
+    if fails:
+        print("\n".join(fails))
+        sys.exit(1)
+    print("bitcoll env:// OK")
+
+
+if __name__ == "__main__":
+    _main()
