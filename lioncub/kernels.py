@@ -69,7 +69,8 @@ PARALLEL_MIN_ELEMENTS = 1 << 17
 
 def f32(x: float) -> np.float32:
     """``x`` rounded to float32: the only way scalars enter the kernels."""
-    return np.float32(x)
+    out: np.float32 = np.float32(x)
+    return out
 
 
 @_jit
@@ -293,7 +294,8 @@ def _abs_max(x: F32) -> np.float32:
         v = abs(x[i])
         if v > best:
             best = v
-    return best
+    out: np.float32 = best  # (numpy's stubs type ``abs`` as Any on Python 3.10)
+    return out
 
 
 def abs_max(x: F32) -> float:

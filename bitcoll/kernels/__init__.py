@@ -112,7 +112,8 @@ _INT_DTYPES = tuple(np.dtype(t) for t in (np.int8, np.int16, np.int32, np.int64,
                                           np.uint8, np.uint16, np.uint32, np.uint64))
 _SIGN_OUT_DTYPES = tuple(np.dtype(t) for t in (np.int8, np.int16, np.int32, np.int64,
                                                np.float16, np.float32, np.float64))
-_FIELD_OUT_DTYPES = (*_INT_DTYPES, np.dtype(np.float32), np.dtype(np.float64))
+_FIELD_OUT_DTYPES: tuple[np.dtype[Any], ...] = (*_INT_DTYPES, np.dtype(np.float32),
+                                                np.dtype(np.float64))
 _ACC_DTYPES = tuple(np.dtype(t) for t in (np.int16, np.int32, np.int64))
 
 _ALL64 = (1 << 64) - 1

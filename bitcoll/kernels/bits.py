@@ -216,7 +216,8 @@ def _ld_row_partial(a: Any, r: int, j: int, nb: int) -> np.uint64:
     v = np.uint64(0)
     for k in range(nb):
         v |= np.uint64(a[r, j + k]) << np.uint64(8 * k)
-    return v
+    out: np.uint64 = v  # (numpy's stubs type the expression as Any on Python 3.10)
+    return out
 
 
 @_helper()
@@ -235,7 +236,9 @@ def _spread32(x: np.uint64) -> np.uint64:
 def _spread8(b: Any) -> np.uint64:
     """Move bit k of the byte ``b`` to bit 8k (one 0/1 count per byte lane)."""
     x = (np.uint64(b) * np.uint64(0x0101010101010101)) & np.uint64(0x8040201008040201)
-    return ((x + np.uint64(0x7F7F7F7F7F7F7F7F)) >> np.uint64(7)) & np.uint64(0x0101010101010101)
+    out: np.uint64 = \
+        ((x + np.uint64(0x7F7F7F7F7F7F7F7F)) >> np.uint64(7)) & np.uint64(0x0101010101010101)
+    return out
 
 
 @_helper()
@@ -671,7 +674,8 @@ def _get_field(lw: np.uint64, hw: np.uint64, k: int, W: int) -> np.int64:
         f = ((lw >> np.uint64(pos)) | (hw << np.uint64(64 - pos))) & fmask
     else:
         f = (hw >> np.uint64(pos - 64)) & fmask
-    return np.int64(f)
+    out: np.int64 = np.int64(f)
+    return out
 
 
 @_helper()

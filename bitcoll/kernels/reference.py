@@ -157,7 +157,8 @@ def insert_bits(dst: U8, start: int, src: U8, nbits: int) -> U8:
 
 def bf16_to_float32(bits: npt.NDArray[np.uint16]) -> npt.NDArray[np.float32]:
     """float32 whose bits are the bfloat16 bits shifted up by 16."""
-    return (bits.astype(np.uint32) << np.uint32(16)).view(np.float32)
+    out: npt.NDArray[np.float32] = (bits.astype(np.uint32) << np.uint32(16)).view(np.float32)
+    return out
 
 
 def float32_to_bf16(x: npt.NDArray[np.float32]) -> npt.NDArray[np.uint16]:

@@ -44,7 +44,7 @@ import threading
 import time
 from abc import abstractmethod
 from collections.abc import Callable
-from typing import Any, Final, Generic, Self, TypeVar
+from typing import Any, Final, Generic, TypeVar
 
 from ..errors import BitcollError, CommError, CommTimeoutError, UsageError
 from .base import Consumer, FrameHeader, Request, Transport
@@ -255,6 +255,9 @@ class PeerLink(Generic[R]):
         self.send_q.put(None)
 
 
+_LT = TypeVar("_LT", bound="LinkTransport")
+
+
 class LinkTransport(Transport):
     """Base of the transports that keep a :class:`PeerLink` per peer: the failure record,
     the close flags, the wake-up pipe every waiting thread polls, and the calls a
@@ -371,7 +374,7 @@ class LinkTransport(Transport):
     def _timeout_for(self, req: Any) -> CommTimeoutError:
         """The error of a wait on ``req`` that passed its deadline."""
 
-    def __enter__(self) -> Self:
+    def __enter__(self: _LT) -> _LT:
         return self
 
     def __exit__(self, *exc: object) -> None:
