@@ -35,7 +35,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from osu import Schedule, display_command, sizes_arg  # noqa: E402
+from osu import Schedule, display_command, sizes_arg
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
 
