@@ -26,13 +26,16 @@ what they share:
   size (:func:`data_bytes`) and ``t`` the average latency, and ``BusBW = AlgBW * factor``
   (:func:`bus_factor`: ``2 (p - 1) / p`` for all-reduce, ``(p - 1) / p`` for reduce-scatter,
   all-gather and all-to-all, 1 for broadcast). GB/s are 10^9 bytes per second.
-* **Output** (:class:`Report`, rank 0 only): OSU-style text tables (comment lines starting
-  with ``#``, a column header line, one row per size; columns are separated by at least two
-  spaces in the header and by whitespace in the rows, a missing value is ``-``), read back by
-  :func:`parse_tables`; ``--json PATH`` writes the same tables as JSON, read back by
-  :func:`load_tables`. Under the launcher, ``--no-prefix`` (or :func:`strip_rank_prefix`)
-  leaves output that any OSU-format reader takes: ``#`` lines, then rows whose first column
-  is the size in bytes and whose second is the average latency in microseconds.
+* **Output** (:class:`Report`, rank 0 only): OSU-format text tables: comment lines starting
+  with ``#`` (the last one names the columns), then one row per size whose first column is
+  the size in bytes and whose other columns hold one number each (a missing value is ``-``);
+  columns are separated by at least two spaces in the header and by whitespace in the rows.
+  By default a row has exactly OSU's columns: ``Size  Avg Latency(us)``, and with
+  ``-f``/``--full`` also ``Min Latency(us)  Max Latency(us)  Iterations``. ``--metrics``
+  appends the tool's own columns after OSU's (bandwidth, CPU time, bytes on the wire, ...);
+  ``--json PATH`` always writes every column, those included, read back by
+  :func:`load_tables` (the text by :func:`parse_tables`). Under the launcher, ``--no-prefix``
+  (or :func:`strip_rank_prefix`) leaves output that any OSU-format reader takes.
 * **Runtimes** (:class:`Runtime`): the process group a tool measures with: bitcoll
   (:func:`bitcoll.init`, backend chosen from the environment), mpi4py's ``COMM_WORLD`` or
   torch.distributed with gloo.
@@ -268,6 +271,9 @@ def add_common_args(parser: argparse.ArgumentParser, default_sizes: str,
     parser.add_argument("-f", "--full", action="store_true",
                         help="full statistics (as OSU's -f): also the minimum and maximum "
                              "latency over the ranks and the iteration count")
+    parser.add_argument("--metrics", action="store_true",
+                        help="also print the tool's own columns (bandwidth, CPU time, ...) "
+                             "after OSU's; --json always has them")
     parser.add_argument("--timeout", type=float, default=300.0,
                         help="deadline in seconds of every collective and of the set-up "
                              "(bitcoll and gloo; default 300)")
@@ -304,12 +310,14 @@ def check_dense_args(parser: argparse.ArgumentParser, args: argparse.Namespace,
         check_whole_elements(parser, args.sizes, 4, "float32")
 
 
-def dense_columns(full: bool) -> list[Column]:
+def dense_columns(full: bool, metrics: bool = False) -> list[Column]:
     """The table columns of the dense tools: Size, the latency columns (``full``: OSU's -f
-    statistics after the average), AlgBW, BusBW and CPU."""
+    statistics after the average), then AlgBW, BusBW and CPU (printed only with
+    ``metrics``; always in the JSON)."""
     return [Column("Size", 10, "d"), *latency_columns(full),
-            Column("AlgBW(GB/s)", 14, ".3f"), Column("BusBW(GB/s)", 14, ".3f"),
-            Column("CPU(us)", 14, ".0f")]
+            Column("AlgBW(GB/s)", 14, ".3f", shown=metrics),
+            Column("BusBW(GB/s)", 14, ".3f", shown=metrics),
+            Column("CPU(us)", 14, ".0f", shown=metrics)]
 
 
 def ramp(n: int, offset: float) -> F32:
@@ -628,8 +636,8 @@ def start_dense_table(report: Report, rt: Runtime, args: argparse.Namespace, tes
     report.start(f"bitcoll OSU-style {test} Test, backend {rt.backend}, {ranks(rt.size)}",
                  [f"impl {args.impl}, algorithm {algo}, {what}" + (f", {info}" if info else ""),
                   legend],
-                 dense_columns(args.full), impl=args.impl, backend=rt.backend, ranks=rt.size,
-                 algorithm=algo, **meta)
+                 dense_columns(args.full, getattr(args, "metrics", False)), impl=args.impl,
+                 backend=rt.backend, ranks=rt.size, algorithm=algo, **meta)
 
 
 def check_once(rt: Runtime, op: Callable[[], object], x: F32, result: F32,
@@ -676,11 +684,14 @@ def gbps(nbytes: float, seconds: float) -> float:
 @dataclass(frozen=True)
 class Column:
     """A table column: ``name`` (no double spaces), printed ``width`` wide with ``fmt``
-    (a format spec such as ``".2f"`` or ``"d"``); the first column is left-aligned."""
+    (a format spec such as ``".2f"`` or ``"d"``); the first column is left-aligned. A column
+    with ``shown=False`` is recorded in the JSON but not printed (the text keeps OSU's
+    columns)."""
 
     name: str
     width: int
     fmt: str = ""
+    shown: bool = True
 
 
 @dataclass
@@ -715,7 +726,10 @@ class Report:
     def start(self, title: str, comments: Sequence[str], columns: Sequence[Column],
               **meta: Any) -> None:
         """Begin a table: print the title (``# ...``), the comments and the column header."""
-        self._columns = [Column(c.name, max(c.width, len(c.name) + 2), c.fmt) for c in columns]
+        self._columns = [Column(c.name, max(c.width, len(c.name) + 2), c.fmt, c.shown)
+                         for c in columns]
+        if not self._columns[0].shown:
+            raise ValueError("the first column (the size) must be shown")
         table = Table(title, list(comments), [c.name for c in self._columns], meta=dict(meta))
         if self.tables:
             self._emit("")
@@ -723,7 +737,7 @@ class Report:
         self._emit(f"# {title}")
         for c in comments:
             self._emit(f"# {c}")
-        first, *rest = self._columns
+        first, *rest = [c for c in self._columns if c.shown]
         head = "# " + first.name.ljust(first.width - 2)
         head += "".join(c.name.rjust(c.width) for c in rest)
         self._emit(head)
@@ -738,11 +752,13 @@ class Report:
             text = MISSING if v is None else format(v, col.fmt)
             if not text or any(ch.isspace() for ch in text):
                 raise ValueError(f"cell {text!r} of column {col.name!r} is empty or has spaces")
+            record[col.name] = None if v is None else _plain(v)
+            if not col.shown:
+                continue
             if i == 0:
                 cells.append(text.ljust(col.width))
             else:
                 cells.append(text.rjust(col.width) if len(text) < col.width else " " + text)
-            record[col.name] = None if v is None else _plain(v)
         self.tables[-1].rows.append(record)
         self._emit("".join(cells).rstrip())
 

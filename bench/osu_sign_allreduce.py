@@ -1,23 +1,25 @@
 """OSU-style benchmark of bitcoll's packed-bit all-reduces: ``sign_allreduce`` (majority vote
-and exact sign sum) and ``quantized_allreduce``, optionally against the float32 all-reduce of
-the same vector on the same transport.
+and exact sign sum), ``quantized_allreduce`` and ``packed_sign_allreduce`` (votes already
+packed, so its timings exclude packing and unpacking), optionally against the float32
+all-reduce of the same vector on the same transport.
 
 Usage::
 
     python -m launch -n 4 bench/osu_sign_allreduce.py -m 64M --compare-float32 \\
-        --algorithm default,allgather
-    mpiexec -n 4 python bench/osu_sign_allreduce.py --op majority,sum,quantized -m 1K:16M
+        --algorithm default,allgather --metrics
+    mpiexec -n 4 python bench/osu_sign_allreduce.py --op majority,packed,sum,quantized -m 1K:16M
     python bench/osu_sign_allreduce.py -m 1M --check            # one rank
 
-Sizes are element counts ``n`` (``-m``, same syntax as byte sizes, default 1K:64M); the table
-also shows the bytes of the float32 input, ``4 n``. Variants, measured one after another at
-each size in the same run:
+Sizes are element counts ``n`` (``-m``, same syntax as byte sizes, default 1K:64M). Variants,
+measured one after another at each size in the same run:
 
 * ``majority/<algo>``: ``comm.sign_allreduce(x, op="majority", tie=--tie)`` (int8 output),
+* ``packed/<algo>``: ``comm.packed_sign_allreduce(bits, n, tie=--tie)``: the same majority
+  on the votes of ``x`` packed beforehand (bit ``i`` = ``x[i] >= 0``), uint8 output packed
+  the same way: the collective alone, without the packing and unpacking passes,
 * ``sum/<algo>``: ``comm.sign_allreduce(x, op="sum")`` (int32 output),
 * ``quantized<L>/<algo>``: ``comm.quantized_allreduce(q, L)`` with int8 ``q`` in
-  ``[-L, L]`` (``--levels L``; its effective bandwidth still counts the 4 n bytes of the
-  float32 vector that ``q`` stands for),
+  ``[-L, L]`` (``--levels L``),
 * ``float32/allreduce``: ``comm.allreduce(x)`` of the float32 vector (``--compare-float32``),
 * ``floor/pack+unpack`` (``--floor``): no communication, each rank only packs the signs of its
   float32 vector into bits and unpacks bits into its int8 output with bitcoll's kernels. Any
@@ -27,19 +29,19 @@ each size in the same run:
 
 for every ``<algo>`` of ``--algorithm`` (``default`` is the library's choice, or ``direct``,
 ``ring``, ``allgather``, ``hierarchical``: the two-level algorithm for hosts with several
-ranks, the default there). Columns: latency averaged over ranks (with ``-f``, OSU's full
-statistics, also its minimum and maximum over ranks and the iteration count),
-``EffBW = 4 n / Avg`` (GB/s = 1e9 B/s), ``Wire(B/rank)``: bytes each rank handed to the
-transport per call (headers included, from ``comm.stats``; averaged over ranks), ``CPU(us)``:
-process CPU time (all threads) per call averaged over ranks, and with
-``--compare-float32`` the ``Speedup`` = float32 average latency / this variant's.
+ranks, the default there).
 
-After that table, one OSU-format table per variant (``# OSU-style Latency Test: bitcoll
-<variant>, ...``, then ``# Size  Avg Latency(us)`` and, with ``-f``, ``Min Latency(us)  Max
-Latency(us)  Iterations``), whose first column is the size in bytes of the float32 input
-vector, ``4 n``, so that tools which read OSU output can compare the variants with each other
-and with ``osu_allreduce.py``. ``--json`` writes every table (the variant tables carry
-``meta.variant``).
+Output: one OSU-format table per variant (``# OSU-style Sign Allreduce Test: bitcoll
+<variant>, ...``), whose rows start with ``Size``, the size in bytes of the float32 input
+vector, ``4 n`` (so that OSU readers compare the variants with each other and with
+``osu_allreduce.py``), then ``Avg Latency(us)`` averaged over ranks (with ``-f``, OSU's full
+statistics: also its minimum and maximum over ranks and the iteration count). ``--metrics``
+appends, one number per column: ``Elements`` (``n``), ``EffBW(GB/s)`` = ``4 n / Avg`` (GB/s =
+1e9 B/s), ``Wire(B/rank)``: bytes each rank handed to the transport per call (headers
+included, from ``comm.stats``; averaged over ranks), ``CPU(us)``: process CPU time (all
+threads) per call averaged over ranks, and with ``--compare-float32`` ``Speedup`` = float32
+average latency / this variant's. ``--json`` writes every column of every table (each row
+also carries its ``Variant``; the tables carry ``meta.variant``).
 
 Inputs are a fixed hash of (element index, rank): floats are integers in ``[-1000, 1000]``
 (a few exact zeros), ``q`` is uniform in ``[-L, L]``. ``--check`` makes one extra call per
@@ -64,19 +66,25 @@ import osu
 from bitcoll import kernels
 from bitcoll.kernels import reference
 
-OPS = ("majority", "sum", "quantized")
+OPS = ("majority", "packed", "sum", "quantized")
+MAJORITY_OPS = ("majority", "packed")
 FLOOR = "floor"
 ALGORITHMS = ("default", "direct", "ring", "allgather", "hierarchical")
 TIES = ("positive", "negative", "alternate")
 CHECK_CHUNK = 1 << 22
 
 
-def columns(full: bool) -> list[osu.Column]:
-    """The main table's columns (``full``: OSU's -f statistics after the average)."""
-    return [osu.Column("Elements", 11, "d"), osu.Column("Bytes(f32)", 12, "d"),
-            osu.Column("Variant", 22, "s"), *osu.latency_columns(full),
-            osu.Column("EffBW(GB/s)", 13, ".3f"), osu.Column("Wire(B/rank)", 15, ".0f"),
-            osu.Column("CPU(us)", 14, ".0f"), osu.Column("Speedup", 10, ".2f")]
+def columns(full: bool, metrics: bool, speedup: bool) -> list[osu.Column]:
+    """A variant table's columns: OSU's (``full``: its -f statistics after the average), then
+    the tool's own, printed with ``metrics`` (always in the JSON; ``Variant`` only there)."""
+    cols = [osu.Column("Size", 12, "d"), *osu.latency_columns(full),
+            osu.Column("Elements", 11, "d", shown=metrics),
+            osu.Column("EffBW(GB/s)", 13, ".3f", shown=metrics),
+            osu.Column("Wire(B/rank)", 15, ".0f", shown=metrics),
+            osu.Column("CPU(us)", 14, ".0f", shown=metrics)]
+    if speedup:
+        cols.append(osu.Column("Speedup", 10, ".2f", shown=metrics))
+    return [*cols, osu.Column("Variant", 22, "s", shown=False)]
 
 
 # ----------------------------------------------------------------------------------- inputs
@@ -129,6 +137,8 @@ class Variant:
 
     @property
     def name(self) -> str:
+        if self.op == "packed":
+            return f"packed/{self.algorithm}"
         if self.op == "float32":
             return "float32/allreduce"
         if self.op == FLOOR:
@@ -143,6 +153,8 @@ def expected(v: Variant, p: int, start: int, stop: int, tie: str, call: int, ran
     communicator's count of earlier majority calls (for the alternate tie rule)."""
     if v.op == FLOOR:
         return np.where(float_votes(rank, start, stop) >= 0, 1, -1).astype(np.int8)
+    if v.op == "packed":  # the majority, compared after unpacking
+        return expected(Variant("majority", v.algorithm), p, start, stop, tie, call, rank)
     if v.op == "quantized":
         acc = np.zeros(stop - start, dtype=np.int32)
         for r in range(p):
@@ -178,6 +190,9 @@ class Bench:
         fill(self.q, lambda a, b: int_votes(rt.rank, a, b, levels))
         self.out_i8 = np.zeros(n if "majority" in ops or FLOOR in ops else 0, dtype=np.int8)
         self.bits = np.zeros(kernels.packed_nbytes(n) if FLOOR in ops else 0, dtype=np.uint8)
+        packed = "packed" in ops
+        self.votes = kernels.pack_signs(self.x) if packed else np.zeros(0, np.uint8)
+        self.out_bits = np.zeros(kernels.packed_nbytes(n) if packed else 0, dtype=np.uint8)
         need_i32 = "sum" in ops or "quantized" in ops
         self.out_i32 = np.zeros(n if need_i32 else 0, dtype=np.int32)
         self.out_f32 = np.zeros(0, dtype=np.float32)
@@ -194,6 +209,10 @@ class Bench:
             o8, tie = self.out_i8, self.tie
             return (lambda: comm.sign_allreduce(x, op="majority", tie=tie, out=o8,
                                                 algorithm=algo)), o8
+        if v.op == "packed":
+            votes, ob, n, tie = self.votes, self.out_bits, self.n, self.tie
+            return (lambda: comm.packed_sign_allreduce(votes, n, tie=tie, out=ob,
+                                                       algorithm=algo)), ob
         if v.op == "sum":
             o32 = self.out_i32
             return (lambda: comm.sign_allreduce(x, op="sum", out=o32, algorithm=algo)), o32
@@ -231,10 +250,12 @@ def parser() -> argparse.ArgumentParser:
         description="OSU-style latency, effective bandwidth and wire bytes of bitcoll's "
                     "sign_allreduce and quantized_allreduce.")
     p.add_argument("--op", type=_list(OPS), default=["majority"], metavar="OPS",
-                   help="comma list of majority, sum, quantized (default majority)")
+                   help="comma list of majority, packed (majority on packed votes: "
+                        "packed_sign_allreduce), sum, quantized (default majority)")
     p.add_argument("--algorithm", type=_list(ALGORITHMS), default=["default"],
                    metavar="ALGOS",
-                   help="comma list of default, direct, ring, allgather (default: default)")
+                   help="comma list of default, direct, ring, allgather, hierarchical "
+                        "(default: default)")
     p.add_argument("--levels", type=int, default=7,
                    help="quantized_allreduce levels L, inputs in [-L, L] (default 7)")
     p.add_argument("--tie", choices=TIES, default="alternate",
@@ -250,7 +271,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace, rt: osu.BitcollRuntime) -> None:
-    """Measure every variant at every size; print the table on rank 0."""
+    """Measure every variant at every size; print one table per variant on rank 0."""
     schedule = osu.schedule_from_args(args)
     p = rt.size
     variants = [Variant(op, algo, args.levels if op == "quantized" else 0)
@@ -259,17 +280,7 @@ def run(args: argparse.Namespace, rt: osu.BitcollRuntime) -> None:
         variants.insert(0, Variant(FLOOR, "local"))
     if args.compare_float32:
         variants.insert(0, Variant("float32", "allreduce"))
-    report = osu.Report(rt.rank, args.json)
-    report.start(f"bitcoll OSU-style Sign Allreduce Test, backend {rt.backend}, "
-                 f"{osu.ranks(p)}",
-                 [f"variants {', '.join(v.name for v in variants)}; tie {args.tie}; "
-                  f"{rt.describe()}",
-                  "Elements: vector length; Bytes(f32) = 4 * Elements; EffBW = Bytes(f32) / "
-                  "Avg (GB/s = 1e9 B/s); Wire: bytes sent per rank per call (headers "
-                  "included); CPU: process CPU time per call; Speedup = float32 Avg / Avg"],
-                 columns(args.full), backend=rt.backend, ranks=p, tie=args.tie,
-                 collective="sign_allreduce", variants=[v.name for v in variants])
-    timings: dict[str, list[tuple[int, osu.Timing]]] = {v.name: [] for v in variants}
+    rows: dict[str, list[tuple[Any, ...]]] = {v.name: [] for v in variants}
     majority_calls = 0
     for n in args.sizes:
         bench = Bench(rt, n, args.tie, args.op + ([FLOOR] if args.floor else []),
@@ -286,29 +297,39 @@ def run(args: argparse.Namespace, rt: osu.BitcollRuntime) -> None:
                 for a in range(0, n, CHECK_CHUNK):
                     b = min(n, a + CHECK_CHUNK)
                     want = expected(v, p, a, b, args.tie, majority_calls, rt.rank)
-                    ok = ok and bool(np.array_equal(result[a:b], want))
-                if v.op == "majority":
+                    got = result[a:b] if v.op != "packed" else \
+                        kernels.unpack_signs(result, n)[a:b]
+                    ok = ok and bool(np.array_equal(got, want))
+                if v.op in MAJORITY_OPS:
                     majority_calls += 1
                 osu.agree(rt, ok, f"{v.name} of {n} elements")
             t = osu.time_loop(rt, op, iters, warm)
-            if v.op == "majority":
+            if v.op in MAJORITY_OPS:
                 majority_calls += iters + warm
             if v.op == "float32":
                 f32_us = t.avg_us
-            speedup = None if f32_us is None else f32_us / t.avg_us
-            report.row(n, 4 * n, v.name, *osu.latency_values(t, args.full),
-                       osu.gbps(4 * n, t.avg_us * 1e-6), t.wire_bytes, t.cpu_us, speedup)
-            timings[v.name].append((4 * n, t))
+            row: tuple[Any, ...] = (4 * n, *osu.latency_values(t, args.full), n,
+                                    osu.gbps(4 * n, t.avg_us * 1e-6), t.wire_bytes, t.cpu_us)
+            if args.compare_float32:
+                row += (None if f32_us is None else f32_us / t.avg_us,)
+            rows[v.name].append((*row, v.name))
         del bench
-    for name, rows in timings.items():
-        report.start(f"OSU-style Latency Test: bitcoll {name}, backend {rt.backend}, "
+    report = osu.Report(rt.rank, args.json)
+    for v in variants:
+        report.start(f"OSU-style Sign Allreduce Test: bitcoll {v.name}, backend {rt.backend}, "
                      f"{osu.ranks(p)}",
-                     ["Size: bytes of the float32 input vector (4 * elements); latency over "
-                      "ranks"],
-                     [osu.Column("Size", 10, "d"), *osu.latency_columns(args.full)],
-                     backend=rt.backend, ranks=p, collective="sign_allreduce", variant=name)
-        for nbytes, t in rows:
-            report.row(nbytes, *osu.latency_values(t, args.full))
+                     [f"tie {args.tie}; {rt.describe()}",
+                      "Size: bytes of the float32 input vector (4 * Elements); latency "
+                      "averaged over ranks"
+                      + ("; EffBW = Size / Avg (GB/s = 1e9 B/s); Wire: bytes sent per rank "
+                         "per call (headers included); CPU: process CPU time per call"
+                         + ("; Speedup = float32 Avg / Avg" if args.compare_float32 else "")
+                         if args.metrics else "")],
+                     columns(args.full, args.metrics, args.compare_float32),
+                     backend=rt.backend, ranks=p, tie=args.tie, collective="sign_allreduce",
+                     variant=v.name)
+        for r in rows[v.name]:
+            report.row(*r)
     report.finish()
 
 

@@ -234,13 +234,30 @@ def check_rows(table: osu.Table, sizes: list[int], iterations: int = 3,
         assert abs(r["AlgBW(GB/s)"] - want) <= slack, (r, want)
 
 
+def numeric_rows(text: str) -> list[list[str]]:
+    """The rows of OSU-format output, each checked to be numbers only (``-`` for a missing
+    value): the size in bytes, then one value per column."""
+    rows = []
+    for line in text.splitlines():
+        if not line.strip() or line.startswith("#"):
+            continue
+        fields = line.split()
+        for f in fields:
+            if f != "-":
+                float(f)  # ValueError: a cell that is not a number
+        assert int(fields[0]) >= 0, line
+        rows.append(fields)
+    return rows
+
+
 @pytest.mark.timeout(90)
 def test_single_rank_runs(tmp_path: Path) -> None:
-    out = run(tool("osu_allreduce.py", "-f", "-m", "4,1K:4K", "--check", "--json",
+    metrics = ["AlgBW(GB/s)", "BusBW(GB/s)", "CPU(us)"]
+    out = run(tool("osu_allreduce.py", "-f", "--metrics", "-m", "4,1K:4K", "--check", "--json",
                    str(tmp_path / "a.json"), *SMALL))
     table = one_table(out)
     assert table.title == "bitcoll OSU-style Allreduce Test, backend local, 1 rank"
-    assert table.columns == [*OSU_FULL, "AlgBW(GB/s)", "BusBW(GB/s)", "CPU(us)"]
+    assert table.columns == [*OSU_FULL, *metrics]
     check_rows(table, [4, 1024, 2048, 4096])
     assert all(r["BusBW(GB/s)"] == 0 for r in table.rows)  # 2(p-1)/p = 0 for one rank
     doc = json.loads((tmp_path / "a.json").read_text())
@@ -253,12 +270,17 @@ def test_single_rank_runs(tmp_path: Path) -> None:
           "BusBW(GB/s)": pytest.approx(r["BusBW(GB/s)"], abs=6e-4),
           "CPU(us)": pytest.approx(r["CPU(us)"], abs=0.6)} for r in table.rows]]
 
-    out = run(tool("osu_allreduce.py", "-m", "1K", *SMALL))  # OSU's default: no -f columns
-    assert one_table(out).columns == ["Size", "Avg Latency(us)", "AlgBW(GB/s)", "BusBW(GB/s)",
-                                      "CPU(us)"]
+    # OSU's layout by default: size and average latency only (-f adds OSU's three columns);
+    # the JSON still has every column
+    out = run(tool("osu_allreduce.py", "-m", "1K", "--json", str(tmp_path / "b.json"), *SMALL))
+    assert one_table(out).columns == ["Size", "Avg Latency(us)"]
+    assert all(len(r) == 2 for r in numeric_rows(out))
+    (doc_b,) = osu.load_tables(tmp_path / "b.json")
+    assert doc_b.columns == ["Size", "Avg Latency(us)", *metrics]
+    assert doc_b.rows[0]["Size"] == 1024 and doc_b.rows[0]["CPU(us)"] >= 0
 
     out = run(tool("osu_collectives.py", "--collective", "allgather,barrier", "-m", "1K",
-                   "--check", "--full", *SMALL))
+                   "--check", "--full", "--metrics", *SMALL))
     ag, barrier = osu.parse_tables(out)
     assert ag.title.startswith("bitcoll OSU-style Allgather Test, backend local")
     assert ag.columns[:5] == barrier.columns[:5] == OSU_FULL
@@ -267,22 +289,29 @@ def test_single_rank_runs(tmp_path: Path) -> None:
     assert barrier.rows[0]["Iterations"] == 3
 
     out = run(tool("osu_sign_allreduce.py", "-m", "1001", "--algorithm", "default,ring",
-                   "--compare-float32", "--floor", "--check", *SMALL))
-    table, *per_variant = osu.parse_tables(out)
-    variants = ["float32/allreduce", "floor/pack+unpack", "majority/default", "majority/ring"]
-    assert [r["Variant"] for r in table.rows] == variants
-    assert "Min Latency(us)" not in table.columns and "Iterations" not in table.columns
-    assert all(r["Wire(B/rank)"] == 0 for r in table.rows)  # nothing to send alone
-    assert [t.title for t in per_variant] == [
-        f"OSU-style Latency Test: bitcoll {v}, backend local, 1 rank" for v in variants]
-    for t, r in zip(per_variant, table.rows, strict=True):
+                   "--op", "majority,packed", "--compare-float32", "--floor", "--check",
+                   "--json", str(tmp_path / "s.json"), *SMALL))
+    tables = osu.parse_tables(out)
+    variants = ["float32/allreduce", "floor/pack+unpack", "majority/default", "majority/ring",
+                "packed/default", "packed/ring"]
+    assert [t.title for t in tables] == [
+        f"OSU-style Sign Allreduce Test: bitcoll {v}, backend local, 1 rank" for v in variants]
+    for t in tables:
         assert t.columns == ["Size", "Avg Latency(us)"]
-        assert t.rows == [{"Size": 4004, "Avg Latency(us)": r["Avg Latency(us)"]}]
+        assert [r["Size"] for r in t.rows] == [4004]
+    assert all(len(r) == 2 for r in numeric_rows(out))
+    docs = osu.load_tables(tmp_path / "s.json")
+    assert [t.meta["variant"] for t in docs] == variants
+    for t in docs:
+        (r,) = t.rows
+        assert (r["Size"], r["Elements"], r["Variant"]) == (4004, 1001, t.meta["variant"])
+        assert r["Wire(B/rank)"] == 0  # nothing to send alone
 
 
 @pytest.mark.timeout(90)
 def test_allreduce_two_tcp_ranks_and_gloo() -> None:
-    cmd = launch(2, "osu_allreduce.py", "-f", "-m", "1K,64K,256K", "--check", *SMALL)
+    cmd = launch(2, "osu_allreduce.py", "-f", "--metrics", "-m", "1K,64K,256K", "--check",
+                 *SMALL)
     cmd.insert(cmd.index("launch") + 1, "--no-prefix")
     out = run(cmd)
     assert "[rank" not in out
@@ -296,8 +325,8 @@ def test_allreduce_two_tcp_ranks_and_gloo() -> None:
     check_rows(table, [1024, 65536, 262144])
     for r in table.rows:  # 2 (p - 1) / p = 1
         assert r["BusBW(GB/s)"] == pytest.approx(r["AlgBW(GB/s)"], abs=1e-3)
-    out = run(launch(2, "osu_allreduce.py", "--impl", "gloo", "-f", "-m", "1K,8K", "--check",
-                     *SMALL))
+    out = run(launch(2, "osu_allreduce.py", "--impl", "gloo", "-f", "--metrics", "-m", "1K,8K",
+                     "--check", *SMALL))
     table = one_table(out)
     assert table.title == "bitcoll OSU-style Allreduce Test, backend gloo, 2 ranks"
     check_rows(table, [1024, 8192])
@@ -349,7 +378,7 @@ def test_paired_against_gloo_and_mpi4py(tmp_path: Path) -> None:
 @pytest.mark.timeout(90)
 def test_collectives_two_tcp_ranks() -> None:
     out = run(launch(2, "osu_collectives.py", "--collective", "all", "-m", "1K,16K",
-                     "--check", "-f", *SMALL))
+                     "--check", "-f", "--metrics", *SMALL))
     tables = osu.parse_tables(out)
     names = [t.title.split(" Test")[0].split()[-1] for t in tables]
     assert names == ["Reduce_scatter", "Allgather", "Broadcast", "Alltoall", "Barrier"]
@@ -363,39 +392,41 @@ def test_sign_two_tcp_ranks() -> None:
     # levels 1: the quantized and the sign-sum variants share their field widths (2 bits in,
     # 3 bits out at p = 2), which keeps the kernels compiled for this run to one set
     cmd = launch(2, "osu_sign_allreduce.py", "-m", "1001,4096", "--op",
-                 "majority,sum,quantized", "--algorithm", "default,allgather",
-                 "--compare-float32", "--check", "--levels", "1", "-f", *SMALL)
+                 "majority,packed,sum,quantized", "--algorithm", "default,allgather",
+                 "--compare-float32", "--check", "--levels", "1", "-f", "--metrics", *SMALL)
     cmd.insert(cmd.index("launch") + 1, "--no-prefix")
     out = run(cmd, timeout=110)
-    table, *per_variant = osu.parse_tables(out)
-    assert "backend tcp, 2 ranks" in table.title
-    variants = ["float32/allreduce"] + [f"{op}/{a}" for op in ("majority", "sum", "quantized1")
+    tables = osu.parse_tables(out)
+    variants = ["float32/allreduce"] + [f"{op}/{a}" for op in ("majority", "packed", "sum",
+                                                               "quantized1")
                                         for a in ("default", "allgather")]
-    # the OSU-format tables, read without bench/osu.py: one per variant, size in bytes first
-    osu_tables = [t for t in read_osu(out) if t[0].startswith("OSU")]
+    # what any OSU-format reader sees, without bench/osu.py: one table per variant, the size
+    # in bytes of the float32 input first, then OSU's -f columns, then the tool's own
+    osu_tables = read_osu(out)
     assert [name for name, _, _ in osu_tables] == [
-        f"OSU-style Latency Test: bitcoll {v}, backend tcp, 2 ranks" for v in variants]
-    for (_, columns, osu_rows), v in zip(osu_tables, variants, strict=True):
-        assert columns == OSU_FULL
-        mine = [r for r in table.rows if r["Variant"] == v]
-        assert osu_rows == [(r["Bytes(f32)"], r["Avg Latency(us)"]) for r in mine]
-    assert [t.rows[0]["Iterations"] for t in per_variant] == [3] * len(variants)
-    assert [(r["Elements"], r["Variant"]) for r in table.rows] == \
-        [(n, v) for n in (1001, 4096) for v in variants]
+        f"OSU-style Sign Allreduce Test: bitcoll {v}, backend tcp, 2 ranks" for v in variants]
+    for (_, columns, osu_rows), t in zip(osu_tables, tables, strict=True):
+        assert columns[:5] == OSU_FULL
+        assert columns[5:] == ["Elements", "EffBW(GB/s)", "Wire(B/rank)", "CPU(us)", "Speedup"]
+        assert osu_rows == [(r["Size"], r["Avg Latency(us)"]) for r in t.rows]
+    assert all(len(r) == 10 for r in numeric_rows(out))
+    assert [t.rows[0]["Iterations"] for t in tables] == [3] * len(variants)
     rows: dict[tuple[int, str], dict[str, Any]] = {
-        (r["Elements"], r["Variant"]): r for r in table.rows}
+        (r["Elements"], v): r for t, v in zip(tables, variants, strict=True) for r in t.rows}
+    assert sorted(rows) == sorted((n, v) for n in (1001, 4096) for v in variants)
     for (n, _), r in rows.items():
-        assert r["Bytes(f32)"] == 4 * n
+        assert r["Size"] == 4 * n
         base, avg = rows[(n, "float32/allreduce")]["Avg Latency(us)"], r["Avg Latency(us)"]
         want = base / avg  # from the printed latencies (2 decimals) and Speedup (2 decimals)
         assert abs(r["Speedup"] - want) <= 5e-3 + want * (0.005 / base + 0.005 / avg) + 1e-9
 
     # Counted wire bytes: a float32 ring sends the whole vector once (p = 2) plus headers;
-    # the 1-bit majority sends an eighth of that order.
+    # the 1-bit majority sends an eighth of that order, packed or not
     f32 = rows[(4096, "float32/allreduce")]["Wire(B/rank)"]
     maj = rows[(4096, "majority/default")]["Wire(B/rank)"]
     assert 4 * 4096 <= f32 < 4 * 4096 + 4096
     assert 4096 // 8 <= maj < 4096 // 8 + 1024
+    assert rows[(4096, "packed/default")]["Wire(B/rank)"] == maj
 
 
 def exit_status(name: str, argv: list[str], capsys: pytest.CaptureFixture[str]
