@@ -569,33 +569,46 @@ class Communicator:
     def _run_locked(self, name: str, fields: tuple[object, ...],
                     body: Callable[[OpContext], T], async_op: bool, limit: float,
                     packed: bool, checks_itself: bool = False) -> T | Work[T]:
-        self._call_owner = threading.current_thread()
-        seq = self._seq  # the call lock guards the sequence number
-        self._seq = seq + 1
+        seq = self._turn()
         sig = signature(name, *fields)
         checked = self._nt is not None and self.size > 1 and not checks_itself
-
-        def execute() -> T:
-            if async_op:  # queued: the communicator may have failed since run() checked
-                self._check_usable()
-            seg = self._packed_segment_bytes if packed else self._segment_bytes
-            ctx = OpContext(self._transport, seq, sig, time.monotonic() + limit, seg,
-                            self._scratch)
-            try:
-                if checked:
-                    self._exchange(ctx.seq, ctx.signature, None, ctx.deadline, name, fields)
-                return body(ctx)
-            except BaseException as exc:
-                self._failed(exc, name, seq)
-
         if async_op:
+            def execute() -> T:
+                self._check_usable()  # queued: the communicator may have failed since
+                return self._execute(name, fields, seq, sig, body, limit, packed, checked)
+
             if self._executor is None:
                 self._executor = cf.ThreadPoolExecutor(1, thread_name_prefix="bitcoll")
             fut = self._executor.submit(execute)
             self._last = fut
             return Work(fut, f"{name} #{seq}")
         self._drain()
-        return execute()
+        return self._execute(name, fields, seq, sig, body, limit, packed, checked)
+
+    def _turn(self) -> int:
+        """The calling thread, holding the call lock, takes the next collective: it becomes
+        the owner, and the call its sequence number (returned). Every collective, the fast
+        all-reduce included, starts here."""
+        self._call_owner = threading.current_thread()
+        seq = self._seq  # the call lock guards the sequence number
+        self._seq = seq + 1
+        return seq
+
+    def _execute(self, name: str, fields: tuple[object, ...], seq: int, sig: int,
+                 body: Callable[[OpContext], T], limit: float, packed: bool,
+                 checked: bool) -> T:
+        """Run collective ``name`` #``seq`` (signature ``sig``) on this thread within ``limit``
+        seconds: over MPI the argument check first when ``checked``, then ``body``; any error
+        goes through :meth:`_failed`. The one execution path of every collective."""
+        seg = self._packed_segment_bytes if packed else self._segment_bytes
+        ctx = OpContext(self._transport, seq, sig, time.monotonic() + limit, seg,
+                        self._scratch)
+        try:
+            if checked:
+                self._exchange(ctx.seq, ctx.signature, None, ctx.deadline, name, fields)
+            return body(ctx)
+        except BaseException as exc:
+            self._failed(exc, name, seq)
 
     def _failed(self, exc: BaseException, name: str, seq: int) -> NoReturn:
         """Re-raise ``exc``, which ended collective ``name`` #``seq``, after the bookkeeping
@@ -748,9 +761,7 @@ class Communicator:
             if algo == "inline":
                 plan = self._mpi_plan(vec.dtype, vec.size, rop)
                 assert plan is not None and plan.reduce is not None  # "auto" chose inline
-                self._exchange(ctx.seq, ctx.signature, vec.data.cast("B"), ctx.deadline,
-                               "allreduce", plan.fields)
-                plan.reduce(flat)
+                self._planned(plan, vec, flat, inplace, ctx)
                 return res
             if not inplace:
                 np.copyto(flat, vec)
@@ -833,48 +844,41 @@ class Communicator:
                 if not last.done():
                     return None  # the general path waits for it
                 self._last = None
-            self._call_owner = threading.current_thread()
-            seq = self._seq  # the call lock guards the sequence number
-            self._seq = seq + 1
-            nt = self._nt
-            try:
-                deadline = time.monotonic() + limit
-                flat = res if res.ndim == 1 else res.reshape(-1)
-                if plan.reduce is None and plan.native is None:  # bitcoll frames
-                    if nt is not None:
-                        self._exchange(seq, plan.signature, None, deadline, "allreduce",
-                                       plan.fields)
-                    ctx = OpContext(self._transport, seq, plan.signature, deadline,
-                                    self._segment_bytes, self._scratch)
-                    xf = x if x.ndim == 1 else x.reshape(-1)
-                    if plan.fields[3] == "ring":  # out of place: no copy (see the ring)
-                        allreduce_ring(ctx, flat, plan.op, src=None if res is x else xf)
-                    else:
-                        if res is not x:
-                            np.copyto(flat, xf)
-                        allreduce_recursive_doubling(ctx, flat, plan.op)
-                elif plan.reduce is not None:
-                    assert nt is not None  # "inline" plans are MPI's
-                    data = x.data if x.ndim == 1 else x.reshape(-1).data
-                    agree, _ = nt.exchange_records(seq, plan.signature, data.cast("B"),
-                                                   deadline)
-                    if not agree:
-                        self._mismatch(seq, deadline, "allreduce", plan.fields)
-                    plan.reduce(flat)
-                else:
-                    self._exchange(seq, plan.signature, None, deadline, "allreduce",
-                                   plan.fields)
-                    assert plan.native is not None  # a "native" plan
-                    # In place, send and recv must be the same object (MPI_IN_PLACE).
-                    plan.native(flat if res is x else x if x.ndim == 1 else x.reshape(-1),
-                                flat, deadline)
-                    if plan.divisor is not None:
-                        np.divide(flat, plan.divisor, out=flat)
-            except BaseException as exc:
-                self._failed(exc, "allreduce", seq)
+            seq = self._turn()
+            xf = x if x.ndim == 1 else x.reshape(-1)
+            flat = res if res.ndim == 1 else res.reshape(-1)
+            self._execute("allreduce", plan.fields, seq, plan.signature,
+                          functools.partial(self._planned, plan, xf, flat, res is x), limit,
+                          False, self._nt is not None and plan.reduce is None)
         finally:
             self._call_lock.release()
         return res
+
+    def _planned(self, plan: _Plan, x: Array, flat: Array, inplace: bool,
+                 ctx: OpContext) -> None:
+        """The body of a fast all-reduce: ``x`` (1-D) reduced into ``flat`` (1-D; the same
+        array when ``inplace``) as ``plan`` says: bitcoll's algorithm, MPI's own all-reduce
+        (after the argument check :meth:`_execute` made), or the gathered records of an
+        argument check that carries ``x`` (then reduced locally)."""
+        if plan.reduce is None and plan.native is None:  # bitcoll frames
+            if plan.fields[3] == "ring":  # out of place: no copy (see the ring)
+                allreduce_ring(ctx, flat, plan.op, src=None if inplace else x)
+            else:
+                if not inplace:
+                    np.copyto(flat, x)
+                allreduce_recursive_doubling(ctx, flat, plan.op)
+        elif plan.reduce is not None:
+            agree, _ = self._native_t().exchange_records(ctx.seq, ctx.signature,
+                                                         x.data.cast("B"), ctx.deadline)
+            if not agree:
+                self._mismatch(ctx.seq, ctx.deadline, "allreduce", plan.fields)
+            plan.reduce(flat)
+        else:
+            assert plan.native is not None  # a "native" plan
+            # In place, send and recv must be the same object (MPI_IN_PLACE).
+            plan.native(flat if inplace else x, flat, ctx.deadline)
+            if plan.divisor is not None:
+                np.divide(flat, plan.divisor, out=flat)
 
     def _fast_plan(self, key: tuple[np.dtype[Any], int, object]) -> _Plan | None:
         """The fast path's plan for its key ``(dtype, count, op as passed)``, cached under that
