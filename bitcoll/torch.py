@@ -36,8 +36,10 @@ an MPI communicator made with ``MPI_Comm_create_group`` over its members.
 torch calls a backend from the user's thread and from the autograd thread (DDP's comm hooks).
 So every process group owns one worker thread that runs its collectives one at a time in the
 order they were issued; each call returns at once with a :class:`BitcollWork` (``wait``,
-``is_completed``, ``get_future``: a ``torch.futures.Future`` completed by the worker thread
-with the output tensors). A synchronous torch call (``async_op=False``) is issue + ``wait``.
+``is_completed``, ``get_future``: a ``torch.futures.Future`` completed with the output
+tensors). A synchronous torch call (``async_op=False``) is issue + ``wait``; a ``wait`` on the
+collective that is next in line while none is running runs it on the waiting thread itself
+(still one at a time, in issue order), which spares a synchronous call two thread hand-offs.
 Collectives of different groups run on different threads, concurrently. Code that wants to
 call the group's :class:`~bitcoll.Communicator` itself (:func:`communicator_of`) while torch
 collectives on the group may be in flight uses :func:`submit`, which queues the call behind
@@ -84,10 +86,10 @@ itself accepts only gloo there; ``group.monitored_barrier(timeout)`` works), ``s
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import datetime
 import os
-import queue
 import secrets
 import socket
 import threading
@@ -153,11 +155,13 @@ def _dist_error(exc: BaseException, rank: int, group: str, what: str) -> BaseExc
 class BitcollWork(_C10dWork):
     """The handle of one collective of a bitcoll process group.
 
-    ``wait()`` blocks until the worker thread finished it and re-raises its error (torch's
-    types, see the module docstring); ``wait(timeout)`` with a positive ``timedelta`` raises
+    ``wait()`` blocks until it finished and re-raises its error (torch's types, see the
+    module docstring); when it is the group's next collective and none is running, ``wait``
+    runs it on the calling thread. ``wait(timeout)`` with a positive ``timedelta`` raises
     ``DistBackendError`` if it is not done by then (the collective goes on under its own
-    deadline). ``is_completed()`` never blocks. ``get_future()`` is a ``torch.futures.Future``
-    completed (value: the output tensors, a list) or failed by the worker thread.
+    deadline; one run by the waiting thread ends by that deadline). ``is_completed()`` never
+    blocks. ``get_future()`` is a ``torch.futures.Future`` completed (value: the output
+    tensors, a list) or failed by the thread that ran the collective.
     """
 
     def __init__(self, name: str) -> None:
@@ -167,6 +171,7 @@ class BitcollWork(_C10dWork):
         self._error: BaseException | None = None
         self._value: Any = None
         self._future: Future[Any] = Future()
+        self._worker: _Worker | None = None
 
     def _finish(self, value: Any, error: BaseException | None) -> None:
         self._value, self._error = value, error
@@ -179,6 +184,8 @@ class BitcollWork(_C10dWork):
             self._event.set()
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        if not self._event.is_set() and self._worker is not None:
+            self._worker.try_run(self)  # next in line: run it here (no thread hand-off)
         limit = None
         if timeout is not None and timeout.total_seconds() > 0:
             limit = timeout.total_seconds()
@@ -210,36 +217,69 @@ class BitcollWork(_C10dWork):
         return f"<BitcollWork {self._name} {state}>"
 
 
+_Item = tuple[Job, "BitcollWork", Callable[[BaseException], BaseException]]
+
+
 class _Worker:
-    """One daemon thread running jobs one at a time in submission order."""
+    """Runs jobs one at a time in submission order: on its own daemon thread, or on the
+    thread that waits for a job (:meth:`try_run`) when that job is next and no job is
+    running, so that a synchronous call costs no hand-off between threads."""
 
     def __init__(self, name: str) -> None:
-        self._queue: queue.SimpleQueue[tuple[Job, BitcollWork, Callable[[BaseException],
-                                                                       BaseException]] | None]
-        self._queue = queue.SimpleQueue()
+        self._cond = threading.Condition()
+        self._pending: collections.deque[_Item] = collections.deque()
+        self._busy = False
+        self._stopped = False
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
     def submit(self, job: Job, work: BitcollWork,
                wrap: Callable[[BaseException], BaseException]) -> BitcollWork:
-        self._queue.put((job, work, wrap))
+        work._worker = self
+        with self._cond:
+            self._pending.append((job, work, wrap))
+            self._cond.notify()
         return work
 
+    def try_run(self, work: BitcollWork) -> None:
+        """Run ``work``'s job on this thread if it is the next one and none is running."""
+        with self._cond:
+            if self._busy or not self._pending or self._pending[0][1] is not work:
+                return
+            item = self._pending.popleft()
+            self._busy = True
+        self._run(item)
+
     def stop(self) -> None:
-        self._queue.put(None)
+        """Let the thread end once the queued jobs are done."""
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
+
+    def _run(self, item: _Item) -> None:
+        job, work, wrap = item
+        error: BaseException | None = None
+        value: Any = None
+        try:
+            value = job()
+        except BaseException as exc:  # handed to the waiter
+            error = wrap(exc)
+        finally:
+            with self._cond:
+                self._busy = False
+                self._cond.notify_all()
+        work._finish(value, error)
 
     def _loop(self) -> None:
         while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            job, work, wrap = item
-            try:
-                value = job()
-            except BaseException as exc:  # handed to the waiter
-                work._finish(None, wrap(exc))
-            else:
-                work._finish(value, None)
+            with self._cond:
+                while self._busy or not self._pending:
+                    if self._stopped and not self._pending:
+                        return
+                    self._cond.wait()
+                item = self._pending.popleft()
+                self._busy = True
+            self._run(item)
 
 
 # ------------------------------------------------------------------------- tensor staging

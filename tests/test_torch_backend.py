@@ -268,8 +268,10 @@ def _p2p_and_objects(fails: list[str]) -> None:
 def _errors(fails: list[str]) -> None:
     """Bad arguments raise ValueError naming the rank, on every rank, without a hang."""
     me = dist.get_rank()
-    for call in (lambda: dist.all_reduce(torch.ones(3, dtype=torch.int32), op=R.AVG),
-                 lambda: dist.all_reduce(torch.ones(3), op=R.BXOR)):
+    calls: list[Callable[[], object]] = [
+        lambda: dist.all_reduce(torch.ones(3, dtype=torch.int32), op=R.AVG),
+        lambda: dist.all_reduce(torch.ones(3), op=R.BXOR)]
+    for call in calls:
         try:
             call()
             fails.append("a bad op did not raise")
@@ -382,9 +384,31 @@ def _scenario_killed(fails: list[str]) -> None:
         pass
 
 
+def _scenario_timeout(fails: list[str]) -> None:
+    """The last rank stays out of an all_reduce: the others raise by the group's deadline
+    (init_process_group's timeout, short here) naming their rank; it waits for them through
+    the store (no sleep), then everyone stops."""
+    p, me = dist.get_world_size(), dist.get_rank()
+    store = dist.distributed_c10d._get_default_store()
+    dist.all_reduce(torch.ones(4))  # connected
+    if me == p - 1:
+        store.wait([f"test/raised/{r}" for r in range(p - 1)],
+                   datetime.timedelta(seconds=TIMEOUT))
+        return
+    try:
+        dist.all_reduce(torch.ones(4))
+        fails.append("no error although a rank stayed out")
+    except dist.DistError as exc:
+        if f"rank {me}" not in str(exc):
+            fails.append(f"error does not name the rank: {exc}")
+    store.set(f"test/raised/{me}", "1")
+
+
 SCENARIOS: dict[str, Callable[[list[str]], None]] = {
     "full": _scenario_full, "small": _scenario_small, "training": _scenario_training,
-    "killed": _scenario_killed}
+    "killed": _scenario_killed, "timeout": _scenario_timeout}
+#: init_process_group's timeout (seconds) where a scenario needs another one.
+SCENARIO_TIMEOUT = {"timeout": 3.0}
 
 
 def _rank_main(rank: int, size: int, how: str, where: str, scenario: str,
@@ -394,7 +418,7 @@ def _rank_main(rank: int, size: int, how: str, where: str, scenario: str,
     try:
         import bitcoll.torch  # noqa: F401  (registers "bitcoll")
 
-        timeout = datetime.timedelta(seconds=TIMEOUT)
+        timeout = datetime.timedelta(seconds=SCENARIO_TIMEOUT.get(scenario, TIMEOUT))
         if how == "store":
             host, port = where.split(":")
             store = dist.TCPStore(host, int(port), size, is_master=rank == 0, timeout=timeout)
@@ -465,6 +489,13 @@ def test_killed_rank_fails_the_survivors() -> None:
     """A rank killed inside a collective: the others raise DistError naming their rank (long
     before the 60 s deadline: the hard timeout of the run is what bounds it)."""
     _run(3, "tcp", "killed", expect_dead=(2,))
+
+
+@pytest.mark.timeout(300)
+def test_timeout_of_init_process_group_is_honoured() -> None:
+    """A rank that stays out of a collective: the others raise DistError by the 3 s deadline
+    given to init_process_group (not the 60 s of the other tests)."""
+    _run(3, "tcp", "timeout", timeout=120.0)
 
 
 @pytest.mark.timeout(300)
