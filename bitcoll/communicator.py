@@ -49,7 +49,11 @@ from .algorithms.alltoall_direct import alltoall_direct
 from .algorithms.barrier_dissemination import barrier_dissemination
 from .algorithms.broadcast_tree import broadcast_tree
 from .algorithms.context import OpContext, Slot
-from .algorithms.hierarchical import allreduce_hierarchical
+from .algorithms.hierarchical import allreduce_hierarchical, packed_hierarchical
+from .algorithms.sign_allreduce_allgather import packed_allgather
+from .algorithms.sign_allreduce_direct import packed_direct
+from .algorithms.sign_allreduce_ring import packed_ring
+from .algorithms.votes import TIES, VoteCodec, field_width
 from .arrays import BFLOAT16, HostArray, bf16_tensor, to_numpy, type_name
 from .config import DEFAULT_TIMEOUT, MAX_SUM_RANGE
 from .errors import BitcollError, CommError, PeerLostError, ProtocolError, UsageError
@@ -67,7 +71,6 @@ __all__ = ["Communicator", "DEFAULT_TIMEOUT", "DEFAULT_SEGMENT_BYTES", "REMOTE_S
 T = TypeVar("T")
 Array = npt.NDArray[Any]
 
-#: Payload size of one wire segment in the pipelined algorithms.
 DEFAULT_SEGMENT_BYTES = 32 << 20
 """Wire segment of the dense ring algorithms among the ranks of one host. Per-segment costs (a
 frame, thread hand-offs, a reduction call, cache misses) dominate there: in interleaved runs
@@ -102,7 +105,7 @@ _ALGORITHMS: dict[str, tuple[str, ...]] = {
     "barrier": ("auto", "dissemination", "native"),
     "packed": ("auto", "direct", "ring", "allgather", "hierarchical"),
 }
-TIE_RULES = ("positive", "negative", "alternate")
+TIE_RULES = tuple(TIES)  # "positive", "negative", "alternate": see bitcoll.algorithms.votes
 SIGN_DTYPES = frozenset(np.dtype(t) for t in (np.float16, np.float32, np.float64))
 INT_DTYPES = frozenset(np.dtype(t) for t in (np.int8, np.int16, np.int32, np.int64))
 
@@ -1255,16 +1258,12 @@ class Communicator:
 
     def _packed_codec(self, kind: str, source: str, levels: int, tie: str,
                       algorithm: str | None, packed_io: bool, count: int, gather: bool
-                      ) -> tuple[Any, str]:
+                      ) -> tuple[VoteCodec, str]:
         """The tie rule and algorithm checked, the majority call counted: the call's codec
         and algorithm (the last step of a packed collective's validation)."""
-        from .algorithms.votes import TIES, VoteCodec
-
         if tie not in TIE_RULES:
             raise UsageError(f"unknown tie rule {tie!r}; expected one of "
                              f"{', '.join(TIE_RULES)}")
-        from .algorithms.votes import field_width
-
         w_in = field_width(levels) if kind == "sum" else 1
         w_out = field_width(levels * self.size) if kind == "sum" else 1
         auto = "" if algorithm not in (None, "auto") else \
@@ -1281,17 +1280,12 @@ class Communicator:
                           packed_in=packed_io, packed_out=packed_io)
         return codec, algo
 
-    def _run_packed(self, name: str, fields: tuple[object, ...], codec: Any, algo: str,
+    def _run_packed(self, name: str, fields: tuple[object, ...], codec: VoteCodec, algo: str,
                     vec: Array, flat: Array, res: Any, n: int, gather: bool,
                     check: Callable[[], None], async_op: bool, timeout: float | None) -> Any:
         """Run a validated packed collective: ``check()`` (the input's range, a UsageError
         on this rank), then the algorithm, which reads ``vec`` and writes ``flat`` through
         ``codec`` (values or packed streams alike)."""
-        from .algorithms.hierarchical import packed_hierarchical
-        from .algorithms.sign_allreduce_allgather import packed_allgather
-        from .algorithms.sign_allreduce_direct import packed_direct
-        from .algorithms.sign_allreduce_ring import packed_ring
-
         run_algo: Callable[..., None]
         if algo == "hierarchical":
             run_algo = functools.partial(packed_hierarchical, hosts=self._hosts())
@@ -1316,8 +1310,6 @@ class Communicator:
                    algorithm: str | None) -> Any:
         """Shared front of the four collectives on packed streams (see
         :meth:`packed_sign_allreduce`)."""
-        from .algorithms.votes import field_width
-
         with self._validating(name):
             n = _count(count)
             vec = packed_stream(data, arg)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["StepStats"]
@@ -42,15 +42,6 @@ class StepStats:
     def host_device_bytes(self) -> int:
         """``device_to_host_bytes + host_to_device_bytes``."""
         return self.device_to_host_bytes + self.host_to_device_bytes
-
-    @property
-    def total_seconds(self) -> float:
-        """``compute_seconds + comm_seconds``: the step's wall time."""
-        return self.compute_seconds + self.comm_seconds
-
-    def as_dict(self) -> dict[str, Any]:
-        """The fields as a plain dict (for logging)."""
-        return asdict(self)
 
     def __getitem__(self, key: str) -> Any:
         if key not in self.__dataclass_fields__:

@@ -34,7 +34,7 @@ import numpy.typing as npt
 
 from .. import kernels
 
-__all__ = ["VoteCodec", "field_width", "majority_codec", "sum_codec", "TIES"]
+__all__ = ["VoteCodec", "field_width", "TIES"]
 
 Array = npt.NDArray[Any]
 
@@ -147,14 +147,3 @@ class VoteCodec:
                                   dtype=out.dtype)
         else:
             np.copyto(out, x, casting="unsafe")
-
-
-def majority_codec(size: int, tie: int, tie_call: int) -> VoteCodec:
-    """1-bit sign votes, majority result."""
-    return VoteCodec("majority", "sign", 1, size, tie, tie_call)
-
-
-def sum_codec(size: int, source: str, levels: int) -> VoteCodec:
-    """Exact sums of ternary signs (``source="sign"``, levels 1) or of integers in
-    ``[-levels, levels]`` (``source="int"``)."""
-    return VoteCodec("sum", source, levels, size)

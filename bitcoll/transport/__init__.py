@@ -7,7 +7,6 @@ from .base import (
     Request,
     TrafficStats,
     Transport,
-    wait_all,
 )
 
 __all__ = [
@@ -17,5 +16,4 @@ __all__ = [
     "Request",
     "TrafficStats",
     "Transport",
-    "wait_all",
 ]

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -51,7 +51,6 @@ __all__ = [
     "TrafficStats",
     "Transport",
     "NativeCollectives",
-    "wait_all",
     "byte_view",
     "format_bytes",
 ]
@@ -286,12 +285,6 @@ class NativeCollectives(Protocol):
 
     def native_barrier(self, deadline: float) -> None:
         """Returns once every rank has entered."""
-
-
-def wait_all(requests: Iterable[Request], deadline: float) -> None:
-    """Wait for every request; the first failure is raised."""
-    for req in requests:
-        req.wait(deadline)
 
 
 def byte_view(buf: object, *, writable: bool, what: str) -> memoryview:
