@@ -376,3 +376,48 @@ def test_a_rank_sends_no_proof_to_a_squatter_on_the_store_port() -> None:
         squatter.close()
     assert results[1][0] == "CommTimeoutError" and "prove" in results[1][1], results
     assert received and all(len(r) == 16 for r in received), [len(r) for r in received]
+
+
+def _squatted_dir_rank(q: Any, rank: int, size: int, port: int, shared: str, tmp: str) -> None:
+    """Rank of a job whose secret-file directory name is taken (``shared`` holds a file of
+    that name): rank 0 falls back to a fresh directory under ``tmp``."""
+    import tempfile
+
+    from bitcoll.transport import auth
+
+    os.environ.pop("BITCOLL_SECRET", None)
+    os.environ.pop("BITCOLL_INSECURE", None)
+    auth.SHARED_DIR = shared
+    tempfile.tempdir = tmp
+    try:
+        t = TCPTransport.create(rank, size, "127.0.0.1", port, timeout=30.0)
+        try:
+            _exchange(t, 1)
+        finally:
+            t.close()
+        q.put((rank, None, ""))
+    except BaseException as exc:
+        q.put((rank, type(exc).__name__, str(exc)))
+
+
+def test_the_fallback_secret_directory_is_removed(tmp_path: Any) -> None:
+    """``bitcoll-<uid>`` is squatted (a file of another kind): rank 0 writes the secret
+    into a fresh private directory; after the job neither the file nor that directory is
+    left."""
+    shared, tmp = tmp_path / "shm", tmp_path / "tmp"
+    shared.mkdir()
+    tmp.mkdir()
+    (shared / f"bitcoll-{os.getuid()}").write_text("squatted")
+    q = context(__name__).Queue()
+    port = free_port()
+    procs = [start(_squatted_dir_rank, q, r, 2, port, str(shared), str(tmp)) for r in (0, 1)]
+    try:
+        results = dict((r, (e, m)) for r, e, m in (_queue_get(q, 60.0) for _ in procs))
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    assert all(e is None for e, _ in results.values()), results
+    assert sorted(os.listdir(shared)) == [f"bitcoll-{os.getuid()}"]
+    assert os.listdir(tmp) == []

@@ -31,6 +31,7 @@ that no two different field lists give the same message. Labels name the role of
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import hashlib
 import hmac
@@ -173,9 +174,16 @@ def is_loopback(host: str) -> bool:
                                for i in infos)
 
 
-def _private_dir() -> str:
-    """A directory only this user can enter (created with mode 0700 if needed)."""
-    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) \
+#: Where secret files go: ``bitcoll-<uid>`` in this directory when it is writable (memory, not
+#: disk), else in the temporary directory.
+SHARED_DIR = "/dev/shm"
+
+
+def _private_dir() -> tuple[str, bool]:
+    """A directory only this user can enter (created with mode 0700 if needed), and whether
+    it is a fresh one made for this secret alone (the usual name was taken by someone else:
+    its owner removes it with the file)."""
+    base = SHARED_DIR if os.path.isdir(SHARED_DIR) and os.access(SHARED_DIR, os.W_OK) \
         else tempfile.gettempdir()
     path = os.path.join(base, f"bitcoll-{os.getuid()}")
     with contextlib.suppress(FileExistsError):
@@ -183,8 +191,8 @@ def _private_dir() -> str:
     st = os.lstat(path)
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
         # Someone else owns the name (or it is a link): use a fresh private directory.
-        return tempfile.mkdtemp(prefix="bitcoll-")
-    return path
+        return tempfile.mkdtemp(prefix="bitcoll-"), True
+    return path, False
 
 
 class SecretFile:
@@ -192,22 +200,36 @@ class SecretFile:
 
     ``SecretFile()`` creates the file (``O_EXCL``, mode 0600, random name in a private
     directory); :attr:`secret` is its content and :attr:`path` its name, to be published to the
-    other ranks. :meth:`remove` deletes it (idempotent), once every rank has read it.
+    other ranks. :meth:`remove` deletes it (idempotent), once every rank has read it, and
+    with it the directory when it was a fresh fallback one (``bitcoll-<uid>`` taken by
+    someone else); both are also removed at interpreter exit if still there.
     """
 
     def __init__(self) -> None:
         self.secret = secrets.token_bytes(SECRET_BYTES)
-        self.path = os.path.join(_private_dir(), f"secret-{secrets.token_hex(16)}")
-        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        folder, self._own_dir = _private_dir()
+        self.path = os.path.join(folder, f"secret-{secrets.token_hex(16)}")
+        atexit.register(self.remove)
         try:
-            os.write(fd, self.secret)
-        finally:
-            os.close(fd)
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW,
+                         0o600)
+            try:
+                os.write(fd, self.secret)
+            finally:
+                os.close(fd)
+        except BaseException:
+            self.remove()
+            raise
 
     def remove(self) -> None:
-        """Delete the file. Idempotent; never raises."""
+        """Delete the file (and a fallback directory of its own). Idempotent; never
+        raises."""
         with contextlib.suppress(OSError):
             os.unlink(self.path)
+        if self._own_dir:
+            with contextlib.suppress(OSError):
+                os.rmdir(os.path.dirname(self.path))
+        atexit.unregister(self.remove)
 
 
 def read_secret_file(path: str) -> bytes:

@@ -209,8 +209,14 @@ FAILED_CLOSE_SECONDS: Final = 2.0
 #: (abort notices, lost peers) this often.
 IDLE_LOOK_SECONDS: Final = 0.05
 #: How long a rank that timed out waits for the ranks it waited on to report whom they
-#: waited on (see :meth:`TCPTransport.silent_origin`), and how often it looks.
+#: waited on (see :meth:`TCPTransport.silent_origin`): :data:`STALL_GRACE_FRACTION` of the
+#: time it waited, from :data:`STALL_GRACE_MIN_SECONDS` to :data:`STALL_GRACE_SECONDS`
+#: (the ranks of one collective time out within about the same time of each other, so a
+#: peer that is itself waiting reports soon; a stopped peer never does, and the error comes
+#: that much after the deadline: 0.5 s for a 10 s timeout). And how often it looks.
 STALL_GRACE_SECONDS: Final = 2.0
+STALL_GRACE_MIN_SECONDS: Final = 0.5
+STALL_GRACE_FRACTION: Final = 0.05
 STALL_POLL_SECONDS: Final = 0.02
 
 #: The kernel's fold codes of the ops a stream may carry.
@@ -641,7 +647,8 @@ class TCPTransport(LinkTransport):
             p.hand_over()
 
     def _timeout_for(self, req: _TCPRequest) -> CommTimeoutError:
-        return timeout_error(self.rank, req, self.silent_origin(req.peer))
+        return timeout_error(self.rank, req,
+                             self.silent_origin(req.peer, time.monotonic() - req.posted))
 
     def _drive(self, req: _TCPRequest, deadline: float) -> None:
         """Make progress on the calling thread until ``req`` (a receive) completes, the
@@ -1161,12 +1168,14 @@ class TCPTransport(LinkTransport):
 
     # ---------------------------------------------------------------- stalls and reasons
 
-    def silent_origin(self, peer: int) -> int:
-        """This rank timed out waiting for ``peer``: record that in the store and follow the
-        chain of ranks that timed out waiting for others (each leaves ``stall/<rank>``) to
-        the first one that is not waiting for anybody: the rank the silence started from
-        (``peer`` itself when it left no record within :data:`STALL_GRACE_SECONDS`, or when
-        the chain runs in a circle). Never raises."""
+    def silent_origin(self, peer: int, waited: float | None = None) -> int:
+        """This rank timed out waiting for ``peer`` (for ``waited`` seconds): record that in
+        the store and follow the chain of ranks that timed out waiting for others (each
+        leaves ``stall/<rank>``) to the first one that is not waiting for anybody: the rank
+        the silence started from (``peer`` itself when it left no record within the grace,
+        :data:`STALL_GRACE_FRACTION` of ``waited`` bounded by :data:`STALL_GRACE_MIN_SECONDS`
+        and :data:`STALL_GRACE_SECONDS` (the latter when ``waited`` is None), or when the
+        chain runs in a circle). Never raises."""
         store = self._store
         if store is None:
             return peer
@@ -1176,7 +1185,9 @@ class TCPTransport(LinkTransport):
                       time.monotonic() + ABORT_STORE_SECONDS)
         chain = [self.rank]
         current = peer
-        end = time.monotonic() + STALL_GRACE_SECONDS
+        grace = STALL_GRACE_SECONDS if waited is None else min(
+            STALL_GRACE_SECONDS, max(STALL_GRACE_MIN_SECONDS, STALL_GRACE_FRACTION * waited))
+        end = time.monotonic() + grace
         while current not in chain:
             chain.append(current)
             raw: bytes | None = None
