@@ -6,6 +6,7 @@ stored in the repository (``bench/gate_figures.json``).
     python3 dev.py bench                 # the same as: python bench/gate.py
     python bench/gate.py --only loopback,mpi
     python bench/gate.py --update        # store this run's figures (after a deliberate change)
+    python bench/gate.py --against /tmp/base   # also measure another checkout, side by side
 
 Every figure is a ratio, lower is better, measured side by side in one job so that the load of
 the machine falls on both sides alike (``bench/gate_worker.py``: best round of 5 interleaved
@@ -46,7 +47,7 @@ PROBE = re.compile(r"probe host 1 -> host 0: ([0-9.]+) Gbit/s")
 
 def _command(suite: str) -> list[str]:
     py = sys.executable
-    worker = str(ROOT / "bench" / "gate_worker.py")
+    worker = str(Path(__file__).resolve().parent / "gate_worker.py")
     if suite == "loopback":
         return [py, "-m", "launch", "-n", "2", worker, "loopback"]
     if suite == "mpi":
@@ -56,13 +57,18 @@ def _command(suite: str) -> list[str]:
             "--probe", worker, "wire"]
 
 
-def run_suite(suite: str, timeout: float = 600.0) -> dict[str, float]:
-    """Run one suite; return its figures (name -> ratio). RuntimeError when it fails."""
+def run_suite(suite: str, tree: Path = ROOT, timeout: float = 600.0) -> dict[str, float]:
+    """Run one suite on the code of the checkout ``tree`` (default: this one; the worker and
+    the testbed are this checkout's); return its figures (name -> ratio). RuntimeError when
+    it fails."""
     env = dict(os.environ)
     env.setdefault("NUMBA_NUM_THREADS", "1")
+    if tree != ROOT:
+        env["PYTHONPATH"] = os.pathsep.join([str(tree), env.get("PYTHONPATH", "")]).rstrip(
+            os.pathsep)
     cmd = _command(suite)
-    print("+ " + " ".join(cmd), flush=True)
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+    print(f"+ {' '.join(cmd)}" + (f"  (code of {tree})" if tree != ROOT else ""), flush=True)
+    proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True,
                           timeout=timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"{suite} exited with {proc.returncode}:\n{proc.stdout[-3000:]}"
@@ -103,6 +109,10 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"comma-separated suites (default: {','.join(SUITES)})")
     parser.add_argument("--update", action="store_true",
                         help="store this run's figures as the new reference")
+    parser.add_argument("--against", type=Path, default=None, metavar="TREE",
+                        help="also measure the checkout TREE (e.g. a git worktree of the "
+                             "commit before a change), each suite alternating between the "
+                             "two, and show both")
     args = parser.parse_args(argv)
     suites = [s for s in args.only.split(",") if s]
     if any(s not in SUITES for s in suites):
@@ -110,11 +120,14 @@ def main(argv: list[str] | None = None) -> int:
     stored: dict[str, Any] = json.loads(FIGURES.read_text()) if FIGURES.exists() else {}
     known: dict[str, dict[str, float]] = stored.get("figures", {})
     now: dict[str, float] = {}
+    base: dict[str, float] = {}
     worse: list[str] = []
     for suite in suites:
         if suite == "wire" and not _netns_allowed():
             print("# wire: skipped (needs root and network namespaces)", flush=True)
             continue
+        if args.against is not None:
+            base.update(run_suite(suite, args.against.resolve()))
         got = run_suite(suite)
         bad = [k for k, v in got.items()
                if k in known and v > known[k]["ratio"] * (1 + known[k]["tolerance"])]
@@ -123,17 +136,20 @@ def main(argv: list[str] | None = None) -> int:
             again = run_suite(suite)
             got = {k: min(v, again.get(k, v)) for k, v in got.items()}
         now.update(got)
-    print(f"# {'figure':<32}{'stored':>10}{'now':>10}{'limit':>10}  verdict")
+    against = f"{'against':>10}" if args.against is not None else ""
+    print(f"# {'figure':<32}{'stored':>10}{against}{'now':>10}{'limit':>10}  verdict")
     for name, value in now.items():
         ref = known.get(name)
+        other = "" if args.against is None else \
+            f"{base[name]:>10.3f}" if name in base else f"{'-':>10}"
         if ref is None:
-            print(f"{name:<34}{'-':>10}{value:>10.3f}{'-':>10}  new")
+            print(f"{name:<34}{'-':>10}{other}{value:>10.3f}{'-':>10}  new")
             continue
         limit = ref["ratio"] * (1 + ref["tolerance"])
         verdict = "WORSE" if value > limit else "ok"
         if verdict == "WORSE":
             worse.append(name)
-        print(f"{name:<34}{ref['ratio']:>10.3f}{value:>10.3f}{limit:>10.3f}  {verdict}")
+        print(f"{name:<34}{ref['ratio']:>10.3f}{other}{value:>10.3f}{limit:>10.3f}  {verdict}")
     if args.update:
         for name, value in now.items():
             tol = known.get(name, {}).get("tolerance", 0.25)
