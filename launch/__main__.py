@@ -85,7 +85,9 @@ Failure handling and exit status
 --------------------------------
 * All ranks exit 0: the launcher exits 0.
 * A rank exits with a non-zero status or is killed by a signal: the launcher sends SIGTERM to
-  the process groups of the ranks still running, SIGKILL after the grace period, reports the
+  the process groups of the ranks still running (after a rank killed by a signal, only once
+  they have had up to 2 s to exit on their own and print their own errors, e.g. bitcoll's
+  ``PeerLostError`` naming the lost rank), SIGKILL after the grace period, reports the
   rank that failed first *in time* (not the lowest-numbered one: the others often fail a few
   milliseconds later because it did), e.g. ``launch: rank 2 (pid 1234) was killed by
   SIGKILL; terminated the other ranks``, and exits with that rank's status (``128 + signal
@@ -122,6 +124,9 @@ __all__ = ["main", "parse_args", "parse_ranks", "LaunchConfig", "JobEnv", "job_e
 PROG = "bitcoll-run"
 DEFAULT_GRACE = 5.0
 SECRET_ENV = "BITCOLL_SECRET"
+#: After a rank is killed by a signal, how long the others get to exit on their own (and print
+#: their own errors) before they are sent SIGTERM.
+REPORT_SECONDS = 2.0
 BITCOLL_PORT_ENV = "BITCOLL_MASTER_PORT"
 
 
@@ -371,7 +376,8 @@ class Launcher:
 
     def __init__(self, cfg: LaunchConfig) -> None:
         self.cfg = cfg
-        self.supervisor = Supervisor(cfg.grace_period, group=True)
+        self.supervisor = Supervisor(cfg.grace_period, group=True,
+                                     report_window=REPORT_SECONDS)
         self.outputs: list[_Output] = []
         self._lock = threading.Lock()
 

@@ -10,6 +10,10 @@ A :class:`Supervisor` watches children that the caller has started and stops the
   died since the last look. This matters for a job whose other ranks fail a few milliseconds
   after the first one, as soon as they notice it (bitcoll's ``PeerLostError``).
 * **First failure**: the children still running get SIGTERM, SIGKILL after the grace period.
+  When the first failure is a child killed by a signal (it could say nothing, e.g. SIGKILL),
+  the others first get up to ``report_window`` seconds to exit on their own, so that their
+  own errors (bitcoll's ``PeerLostError`` naming the lost rank) are printed; the ones still
+  running then get SIGTERM.
 * **Signals** (:meth:`Supervisor.on_signal`, installed by :meth:`Supervisor.handle_signals`):
   the first SIGINT/SIGTERM is forwarded to every running child, a second one sends SIGKILL;
   children still running a grace period after the first get SIGKILL too.
@@ -85,9 +89,11 @@ class Supervisor:
     Add every child with :meth:`add` right after starting it, then call :meth:`wait` once.
     """
 
-    def __init__(self, grace_period: float, *, group: bool = True) -> None:
+    def __init__(self, grace_period: float, *, group: bool = True,
+                 report_window: float = 0.0) -> None:
         self.grace_period = grace_period
         self.group = group
+        self.report_window = report_window
         self.procs: list[subprocess.Popen[bytes]] = []
         #: Exits and signals, in the order they happened. SimpleQueue.put may be called from
         #: a signal handler (it is reentrant), which a Queue's may not.
@@ -153,12 +159,22 @@ class Supervisor:
         failed: tuple[int, int] | None = None
         stopped = False
         kill_at: float | None = None
+        term_at: float | None = None  # the end of the report window
         exited = 0
         while exited < len(self.procs):
-            timeout = None if kill_at is None else max(0.0, kill_at - time.monotonic())
+            due = [t for t in (kill_at, term_at) if t is not None]
+            timeout = None if not due else max(0.0, min(due) - time.monotonic())
             try:
                 kind, value = self._events.get(timeout=timeout)
             except queue.Empty:
+                if term_at is not None and time.monotonic() >= term_at:
+                    term_at = None
+                    if self.running():
+                        stopped = True
+                        self.send(signal.SIGTERM)
+                        deadline = time.monotonic() + self.grace_period
+                        kill_at = deadline if kill_at is None else min(kill_at, deadline)
+                    continue
                 self.send(signal.SIGKILL)
                 kill_at = None
                 continue
@@ -171,7 +187,9 @@ class Supervisor:
             assert rc is not None
             if rc != 0 and failed is None:
                 failed = (value, rc)
-                if self.running():
+                if rc < 0 and self.report_window > 0 and self.running():
+                    term_at = time.monotonic() + self.report_window
+                elif self.running():
                     stopped = True
                     self.send(signal.SIGTERM)
                     deadline = time.monotonic() + self.grace_period

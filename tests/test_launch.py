@@ -345,6 +345,35 @@ def test_rank_killed_by_a_signal_is_reported(tmp_path: Path) -> None:
     assert "was killed by SIGKILL; terminated the other ranks" in proc.stderr
 
 
+@pytest.mark.timeout(120)
+def test_survivors_of_a_killed_rank_print_their_own_errors(tmp_path: Path) -> None:
+    """Rank 2 of a bitcoll job is SIGKILLed inside a collective: the launcher gives the other
+    ranks a moment before it terminates them, and each prints its own PeerLostError naming
+    rank 2."""
+    script = _script(tmp_path, """
+    import os, signal
+    import numpy as np
+    import bitcoll
+
+    comm = bitcoll.init("tcp", timeout=60)
+    comm.allreduce(np.ones(8, np.float32))
+    if comm.rank == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        comm.allreduce(np.ones(8, np.float32))
+    except bitcoll.BitcollError as exc:
+        print(f"rank {comm.rank} caught {type(exc).__name__}: {exc}", flush=True)
+        raise SystemExit(1)
+    """)
+    proc = _run([*LAUNCH, "-n", "3", str(script)], timeout=100)
+    assert proc.returncode == 128 + signal.SIGKILL, proc.stderr
+    assert "launch: rank 2 (pid " in proc.stderr and "was killed by SIGKILL" in proc.stderr
+    for r in (0, 1):
+        caught = [line for line in proc.stdout.splitlines()
+                  if line.startswith(f"[rank {r}] rank {r} caught PeerLostError")]
+        assert caught and "rank 2" in caught[0], proc.stdout + proc.stderr
+
+
 @pytest.mark.timeout(60)
 def test_rank_ignoring_sigterm_is_killed_after_the_grace_period(tmp_path: Path) -> None:
     script = _ready_script(tmp_path, """
