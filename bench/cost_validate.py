@@ -1,0 +1,86 @@
+"""The cost model against measurements: for every size and every algorithm of a collective,
+the measured time (best of interleaved rounds) beside the model's prediction, and whether the
+planner's pick is within 5% of the fastest algorithm measured.
+
+::
+
+    python bench/netbed.py --hosts 4 --rate 1gbit bench/cost_validate.py --link 1gbit
+    python -m launch -n 2 bench/cost_validate.py --collective allreduce -m 8,64K,1M,16M
+
+Columns: size (bytes of the float32 input), algorithm, measured µs (best round, averaged over
+ranks), predicted µs, predicted / measured, ``*`` on the planner's pick and ``+`` on the
+fastest measured. Below each size: ``pick/best`` = measured time of the pick over the fastest.
+``--link`` sets the model's remote bandwidth to the testbed's nominal rate times 0.96 (what
+TCP gets through tbf, see the environment notes) so the prediction uses the link the job has;
+every rank sets the same model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from functools import partial
+
+import numpy as np
+import osu
+
+from bitcoll.plan import Call, candidates, choose, predict
+
+ROUNDS = 3
+RATES = {"100mbit": 1.25e7, "1gbit": 1.25e8, "10gbit": 1.25e9}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--collective", choices=("packed", "allreduce"), default="packed")
+    p.add_argument("-m", "--sizes", type=osu.sizes_arg, default=osu.sizes_arg("4K,256K,16M,256M"),
+                   help="sizes in bytes of the float32 input (default 4K,256K,16M,256M)")
+    p.add_argument("--link", choices=tuple(RATES), default=None,
+                   help="the testbed's link rate, for the model's remote bandwidth")
+    args = p.parse_args(argv)
+    rt = osu.BitcollRuntime(timeout=600.0)
+    comm = rt.comm
+    if args.link is not None:
+        comm.cost_model = comm.cost_model.replace(remote_bandwidth=RATES[args.link] * 0.96)
+    group = comm.plan_group
+    if rt.rank == 0:
+        print(f"# bitcoll cost model validation: {args.collective}, {group}")
+        print(f"# model: {comm.cost_model}")
+        print("# Size        algorithm            measured_us  predicted_us  pred/meas  mark")
+    for nbytes in args.sizes:
+        n = nbytes // 4
+        v = np.random.default_rng(rt.rank).standard_normal(n).astype(np.float32)
+        call = Call(count=n, segment_bytes=comm.packed_segment_bytes) \
+            if args.collective == "packed" else \
+            Call(nbytes=nbytes, segment_bytes=comm.segment_bytes)
+        names = [a.name for a in candidates(args.collective, group, call)]
+        pick = choose(args.collective, comm.cost_model, group, call)
+        if args.collective == "packed":
+            out = np.empty(n, np.int8)
+            ops = {a: partial(comm.sign_allreduce, v, out=out, algorithm=a) for a in names}
+        else:
+            res = np.empty(n, np.float32)
+            ops = {a: partial(comm.allreduce, v, out=res, algorithm=a) for a in names}
+        iters, warm = (2, 1) if nbytes >= 16 << 20 else (20, 2) if nbytes >= 256 << 10 \
+            else (200, 20)
+        best = dict.fromkeys(names, float("inf"))
+        for r in range(ROUNDS):
+            order = names if r % 2 == 0 else names[::-1]
+            for a in order:
+                best[a] = min(best[a], osu.time_loop(rt, ops[a], iters, warm).avg_us)
+        fastest = min(best, key=lambda a: best[a])
+        if rt.rank == 0:
+            for a in names:
+                pred = predict(args.collective, a, comm.cost_model, group, call) * 1e6
+                mark = ("*" if a == pick else "") + ("+" if a == fastest else "")
+                print(f"{nbytes:<12d}  {a:<20s}{best[a]:>12.1f}{pred:>14.1f}"
+                      f"{pred / best[a]:>11.2f}  {mark or '-'}")
+            print(f"# {nbytes} bytes: pick {pick}, fastest {fastest}, pick/best "
+                  f"{best[pick] / best[fastest]:.3f}", flush=True)
+    rt.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
