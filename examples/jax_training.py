@@ -49,7 +49,8 @@ def main() -> None:
         err = float(np.max(np.abs(w_np - true_w)))
         assert err < 0.05, err
         if comm.rank == 0:
-            print(f"{comm.size} ranks: loss {float(loss):.5f}, max weight error {err:.4f}; "
+            ranks = f"{comm.size} rank" + ("s" if comm.size != 1 else "")
+            print(f"{ranks}: loss {float(loss):.5f}, max weight error {err:.4f}; "
                   "weights identical on every rank")
 
 

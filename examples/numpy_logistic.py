@@ -70,7 +70,8 @@ def main() -> None:
                               np.tile(np.concatenate([w, v]), (comm.size, 1)))
         assert sgd_loss < 0.5 * first and lion_loss < 0.5 * first, (first, sgd_loss, lion_loss)
         if comm.rank == 0:
-            print(f"{comm.size} ranks: loss {first:.3f} -> averaged gradients {sgd_loss:.3f}, "
+            ranks = f"{comm.size} rank" + ("s" if comm.size != 1 else "")
+            print(f"{ranks}: loss {first:.3f} -> averaged gradients {sgd_loss:.3f}, "
                   f"lioncub-l1 {lion_loss:.3f}; weights identical on every rank")
 
 
