@@ -64,3 +64,14 @@ def test_results_hold_data_only_and_are_indexed() -> None:
     for n in named - DATA_WRITTEN_SEPARATELY:
         assert any(fnmatch.fnmatchcase(item, n) for item in items), \
             f"the table of results/README.md names results/{n}, which does not exist"
+
+
+def test_every_study_names_its_data_commit_and_command() -> None:
+    for page in sorted((DOCS / "studies").glob("*.md")):
+        if page.name == "index.md":
+            continue
+        text = page.read_text(encoding="utf-8")
+        assert "| data" in text and "last commit that changed it |" in text, page.name
+        assert re.search(r"\| `results/[^|]+\| ([0-9a-f]{7,}|removed)", text), page.name
+        assert re.search(r"`(NUMBA_NUM_THREADS=1 )?(python|mpiexec|bash|BITCOLL_\w+=)", text), \
+            f"{page.name} names no command"
