@@ -10,10 +10,11 @@ Run the same loop on three implementations, each under its own launcher::
 
 Each size (bytes of the float32 vector per rank, default 1K:256M; a size that is not a
 multiple of 4 is an error, exit status 2) is timed as described in :mod:`osu`: warm-up,
-barrier, one timed loop; latency averaged over ranks (``-f``: also its minimum and maximum,
-and the iteration count, in OSU's column order); ``AlgBW = Size / Avg``, ``BusBW = AlgBW * 2
-(p - 1) / p``; ``CPU(us)`` is the process CPU time (all threads) per call averaged over
-ranks. The timed input is a vector
+barrier, one timed loop. Rows are in OSU's layout: the size, the latency averaged over ranks
+(``-f``: also its minimum and maximum, and the iteration count, in OSU's column order); with
+``--metrics`` (always in ``--json``) then ``AlgBW = Size / Avg``, ``BusBW = AlgBW * 2 (p - 1)
+/ p`` and ``CPU(us)``, the process CPU time (all threads) per call averaged over ranks. The
+timed input is a vector
 of zeros (the fixed point of an in-place sum, so gloo's in-place all-reduce cannot overflow);
 ``--check`` runs one extra call per size on the input ``(i mod 13) + rank`` and compares the
 result with the exact sum. bitcoll and mpi4py reduce out of place unless ``--inplace``; gloo

@@ -16,7 +16,8 @@ elements (a multiple of 4 bytes; anything else is an error, exit status 2); redu
 alltoall then use the largest multiple of the world size of elements that fits (at least one
 element per rank; the Size column shows the bytes actually used), so that every
 implementation gets equal blocks. ``-f`` adds the minimum and maximum latency over ranks and
-the iteration count, in OSU's column order. ``AlgBW = S / Avg`` with nccl-tests' ``S`` (the
+the iteration count, in OSU's column order; ``--metrics`` (always in ``--json``) appends
+``AlgBW``, ``BusBW`` and ``CPU(us)``. ``AlgBW = S / Avg`` with nccl-tests' ``S`` (the
 gathered output for allgather, the input buffer otherwise) and ``BusBW = AlgBW * (p - 1) / p``
 (1 for broadcast). barrier prints one row of size 0 without bandwidth. The comparison
 implementations use mpi4py's ``Reduce_scatter_block``, ``Allgather``, ``Bcast``,
