@@ -57,7 +57,7 @@ def ensure_venv() -> None:
     want = digest.hexdigest()
     if STAMP.exists() and STAMP.read_text().strip() == want:
         return
-    print("dev.py: installing the project and its dependencies into .venv (about 70 s on a "
+    print("dev.py: installing the project and its dependencies into .venv (a minute or two on a "
           "fresh machine; pip lists each package as it goes)", flush=True)
     rc = _run([str(PY), "-m", "pip", "install", "--disable-pip-version-check",
                "--progress-bar", "off", "-c", "constraints.txt", "-e", f".[{EXTRAS}]"])
