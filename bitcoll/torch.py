@@ -39,7 +39,8 @@ order they were issued; each call returns at once with a :class:`BitcollWork` (`
 ``is_completed``, ``get_future``: a ``torch.futures.Future`` completed with the output
 tensors). A synchronous torch call (``async_op=False``) is issue + ``wait``; a ``wait`` on the
 collective that is next in line while none is running runs it on the waiting thread itself
-(still one at a time, in issue order), which spares a synchronous call two thread hand-offs.
+(still one at a time, in issue order), and a synchronous call does not even wake the worker
+thread (torch passes ``asyncOp=False`` in its options): no thread hand-off on that path.
 Collectives of different groups run on different threads, concurrently. Code that wants to
 call the group's :class:`~bitcoll.Communicator` itself (:func:`communicator_of`) while torch
 collectives on the group may be in flight uses :func:`submit`, which queues the call behind
@@ -234,11 +235,16 @@ class _Worker:
         self._thread.start()
 
     def submit(self, job: Job, work: BitcollWork,
-               wrap: Callable[[BaseException], BaseException]) -> BitcollWork:
+               wrap: Callable[[BaseException], BaseException],
+               wake: bool = True) -> BitcollWork:
+        """Queue ``job``. ``wake=False`` (a synchronous call, whose caller waits at once)
+        leaves the thread asleep: the waiting caller runs the job itself, or the thread takes
+        it when the job before it ends."""
         work._worker = self
         with self._cond:
             self._pending.append((job, work, wrap))
-            self._cond.notify()
+            if wake:
+                self._cond.notify()
         return work
 
     def try_run(self, work: BitcollWork) -> None:
@@ -564,13 +570,16 @@ class BitcollProcessGroup(dist.ProcessGroup):
         rank, group = self.rank(), self._group_name
         return lambda exc: _dist_error(exc, rank, group, what)
 
-    def _submit(self, what: str, job: Job) -> BitcollWork:
-        """Queue ``job`` (returns the future's value) on this group's worker."""
+    def _submit(self, what: str, job: Job, opts: Any = None) -> BitcollWork:
+        """Queue ``job`` (returns the future's value) on this group's worker. ``opts``: the
+        call's options; ``opts.asyncOp`` False (torch's ``async_op=False``, whose caller
+        waits at once) leaves the worker thread asleep (see :meth:`_Worker.submit`)."""
         if self._closed:
             raise UsageError(f"bitcoll rank {self.rank()}: process group "
                              f"{self._group_name!r} was shut down")
+        wake = opts is None or bool(getattr(opts, "asyncOp", True))
         return self._worker.submit(job, BitcollWork(f"{what} on group {self._group_name!r}"),
-                                   self._wrap(what))
+                                   self._wrap(what), wake)
 
     def _check(self, what: str, fn: Callable[[], Any]) -> Any:
         """Argument checks on the caller's thread: errors name the rank."""
@@ -615,7 +624,7 @@ class BitcollProcessGroup(dist.ProcessGroup):
                 st.back()
             return list(tensors)
 
-        return self._submit("allreduce", job)
+        return self._submit("allreduce", job, opts)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor],
                             opts: Any = None) -> BitcollWork:
@@ -647,7 +656,7 @@ class BitcollProcessGroup(dist.ProcessGroup):
                 st.back()
             return list(tensors)
 
-        return self._submit("allreduce_coalesced", job)
+        return self._submit("allreduce_coalesced", job, opts)
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any) -> BitcollWork:  # type: ignore[override]
         """The reduction lands on ``opts.rootRank`` only (others' tensors unchanged)."""
@@ -666,7 +675,7 @@ class BitcollProcessGroup(dist.ProcessGroup):
                     st.back()
             return list(tensors)
 
-        return self._submit("reduce", job)
+        return self._submit("reduce", job, opts)
 
     def _check_root(self, root: int) -> None:
         if not 0 <= root < self.size():
@@ -684,7 +693,7 @@ class BitcollProcessGroup(dist.ProcessGroup):
                 st.back()
             return list(tensors)
 
-        return self._submit("broadcast", job)
+        return self._submit("broadcast", job, opts)
 
     # -------------------------------------------------------------- all-gather
     def allgather(self, output_tensors: list[list[torch.Tensor]],  # type: ignore[override]
@@ -715,7 +724,7 @@ class BitcollProcessGroup(dist.ProcessGroup):
                     o.back()
             return output_tensors
 
-        return self._submit("allgather", job)
+        return self._submit("allgather", job, opts)
 
     def _gather_list(self, x: torch.Tensor, outs: Sequence[torch.Tensor]) -> None:
         """Every rank's ``x`` into ``outs`` (rank order), padded to the largest (worker)."""
@@ -735,7 +744,8 @@ class BitcollProcessGroup(dist.ProcessGroup):
                         opts: Any = None) -> BitcollWork:
         """``all_gather_into_tensor``: ``output`` holds ``size`` inputs in rank order."""
         return self._submit("all_gather_into_tensor",
-                            self._allgather_job([output], [input], "all_gather_into_tensor"))
+                            self._allgather_job([output], [input], "all_gather_into_tensor"),
+                            opts)
 
     all_gather_single = _allgather_base
 
@@ -766,7 +776,7 @@ class BitcollProcessGroup(dist.ProcessGroup):
                                         opts: Any = None) -> BitcollWork:
         return self._submit("all_gather_into_tensor_coalesced",
                             self._allgather_job(outputs, inputs,
-                                                "all_gather_into_tensor_coalesced"))
+                                                "all_gather_into_tensor_coalesced"), opts)
 
     all_gather_single_coalesced = allgather_into_tensor_coalesced  # type: ignore[assignment]
 
@@ -804,7 +814,7 @@ class BitcollProcessGroup(dist.ProcessGroup):
                 so.back()
             return list(output_tensors)
 
-        return self._submit("reduce_scatter", job)
+        return self._submit("reduce_scatter", job, opts)
 
     def _reduce_scatter_flat(self, buf: torch.Tensor, out: torch.Tensor, red: _Reduction,
                              m: int) -> None:
@@ -832,7 +842,7 @@ class BitcollProcessGroup(dist.ProcessGroup):
         """``reduce_scatter_tensor``: ``input`` is ``size`` blocks of ``output``'s size."""
         return self._submit("reduce_scatter_tensor",
                             self._reduce_scatter_job([output], [input], opts,
-                                                     "reduce_scatter_tensor"))
+                                                     "reduce_scatter_tensor"), opts)
 
     reduce_scatter_single = _reduce_scatter_base  # type: ignore[assignment]
 
@@ -864,7 +874,7 @@ class BitcollProcessGroup(dist.ProcessGroup):
                                         opts: Any) -> BitcollWork:
         return self._submit("reduce_scatter_tensor_coalesced",
                             self._reduce_scatter_job(outputs, inputs, opts,
-                                                     "reduce_scatter_tensor_coalesced"))
+                                                     "reduce_scatter_tensor_coalesced"), opts)
 
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced  # type: ignore[assignment]
 
@@ -905,7 +915,7 @@ class BitcollProcessGroup(dist.ProcessGroup):
                 self._exchange("gather", str(x.host.dtype), [(root, _raw(x.host))], [])
             return output_tensors
 
-        return self._submit("gather", job)
+        return self._submit("gather", job, opts)
 
     def scatter(self, output_tensors: list[torch.Tensor],  # type: ignore[override]
                 input_tensors: list[list[torch.Tensor]], opts: Any) -> BitcollWork:
@@ -933,7 +943,7 @@ class BitcollProcessGroup(dist.ProcessGroup):
             out.back()
             return output_tensors
 
-        return self._submit("scatter", job)
+        return self._submit("scatter", job, opts)
 
     def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor],
                  opts: Any = None) -> BitcollWork:
@@ -960,7 +970,7 @@ class BitcollProcessGroup(dist.ProcessGroup):
                 o.back()
             return output_tensors
 
-        return self._submit("alltoall", job)
+        return self._submit("alltoall", job, opts)
 
     def alltoall_base(self, output: torch.Tensor, input: torch.Tensor,
                       output_split_sizes: list[int], input_split_sizes: list[int],
@@ -1009,7 +1019,7 @@ class BitcollProcessGroup(dist.ProcessGroup):
             sout.back()
             return output
 
-        return self._submit("all_to_all_single", job)
+        return self._submit("all_to_all_single", job, opts)
 
     all_to_all_single = alltoall_base  # type: ignore[assignment]
 
@@ -1019,7 +1029,7 @@ class BitcollProcessGroup(dist.ProcessGroup):
             self._comm.barrier()
             return []
 
-        return self._submit("barrier", job)
+        return self._submit("barrier", job, opts)
 
     def monitored_barrier(self, timeout: datetime.timedelta | None = None,
                           wait_all_ranks: bool = False) -> None:

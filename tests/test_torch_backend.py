@@ -263,6 +263,29 @@ def _p2p_and_objects(fails: list[str]) -> None:
     s = sum(range(p))
     if [x.tolist() for x in xs] != [[float(s)] * 3, [float(s)] * 2, [float(s)] * 4]:
         fails.append(f"all_reduce_coalesced {xs}")
+    # the coalescing manager's fast paths (FSDP's): one coalesced call per kind
+    ins = [torch.full((2,), float(me)), torch.full((3,), 1.0 + me)]
+    gathered_t = [torch.empty(2 * p), torch.empty(3 * p)]
+    scattered = [torch.empty(2), torch.empty(3)]
+    reduced = [x.clone() for x in ins]
+    with dist._coalescing_manager(async_ops=True) as cm:
+        for o, x in zip(gathered_t, ins, strict=True):
+            dist.all_gather_into_tensor(o, x)
+    cm.wait()
+    with dist._coalescing_manager():
+        for o, x in zip(scattered, gathered_t, strict=True):
+            dist.reduce_scatter_tensor(o, x)
+    with dist._coalescing_manager():
+        for x in reduced:
+            dist.all_reduce(x, op=R.MAX)
+    if [g.tolist() for g in gathered_t] != [
+            [float(r) for r in range(p) for _ in range(2)],
+            [1.0 + r for r in range(p) for _ in range(3)]]:
+        fails.append(f"coalesced all_gather_into_tensor {gathered_t}")
+    if [o.tolist() for o in scattered] != [[float(p * me)] * 2, [float(p * (1 + me))] * 3]:
+        fails.append(f"coalesced reduce_scatter_tensor {scattered}")
+    if [x.tolist() for x in reduced] != [[float(p - 1)] * 2, [float(p)] * 3]:
+        fails.append(f"coalesced all_reduce MAX {reduced}")
 
 
 def _errors(fails: list[str]) -> None:
