@@ -65,6 +65,19 @@ def _op(name: str, nbytes: int, p: int, group: Any) -> Callable[[], object] | No
     return lambda: dist.all_to_all_single(out, x, group=group)
 
 
+def _revision() -> str:
+    """The repository's commit (short), or "unknown" outside a git checkout."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, timeout=10,
+                             cwd=os.path.dirname(os.path.abspath(__file__)))
+    except OSError:
+        return "unknown"
+    return out.stdout.strip() or "unknown"
+
+
 def _round(op: Callable[[], object], group: Any, iters: int, warmup: int) -> float:
     """Seconds per call of the slowest rank in one timed loop."""
     import torch
@@ -126,8 +139,9 @@ def main(argv: list[str] | None = None) -> int:
         cmd = cmd.replace("python ", f"python -m launch -n {local} ", 1)
     emit("# OSU-style torch.distributed benchmark: bitcoll backend against gloo")
     emit(f"# command: {cmd}")
-    emit(f"# ranks: {p}, host {platform.node()}, torch {torch.__version__}, "
-         f"started {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC")
+    emit(f"# ranks: {p}, host {platform.node()}, torch {torch.__version__}, bitcoll "
+         f"{_revision()}, started {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M}"
+         f" UTC, load average {os.getloadavg()[0]:.1f}")
     for name in ops:
         emit("#")
         emit(f"# collective: {name} (float32{', sum' if 'reduce' in name else ''}), best "
