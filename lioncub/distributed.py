@@ -53,6 +53,19 @@ aggregated update as on every other rank (weight decay included). The layout the
 depends on which gradients exist, and ranks can never disagree about it. (In the 1-bit
 majority variants a zero ``c`` votes +1, as bitcoll's 1-bit code cannot carry 0.)
 
+One-step-stale updates, ``stale=True``
+--------------------------------------
+For slow or far links: :meth:`DistributedLion.step` applies the update of the step before
+(whose exchange has had the whole forward and backward pass of this step to finish), then
+starts this step's exchange and returns without waiting for it. The update of step ``t`` is
+therefore applied at step ``t + 1``: gradients are computed on parameters one update behind,
+the price of hiding the exchange entirely (measured in ``docs/cost-model.md``). Every rank
+still applies the same updates in the same order, so the parameters stay bitwise identical.
+:meth:`DistributedLion.flush` applies the update in flight (collective); call it before
+evaluating or saving and at the end of training (:meth:`~DistributedLion.check_replicas` and
+:meth:`~DistributedLion.broadcast_parameters` flush first; ``state_dict`` refuses while an
+update is in flight). Every bucket in flight keeps its own buffers; ``ready()`` is refused.
+
 Ties of the 1-bit majority (even world size), ``tie=``
 ------------------------------------------------------
 ``"alternate"`` (default): the optimizer alternates the rule between steps and buckets, bucket
@@ -121,6 +134,17 @@ class _Early:
     before: dict[str, int]             # comm stats at the first ready()
     inflight: dict[int, tuple[Any, Any, Any]]  # bucket index -> (bucket, buffers, work)
     seconds: float = 0.0               # wall time spent inside ready()
+
+
+@dataclass
+class _InFlight:
+    """Stale mode: a step whose collectives :meth:`DistributedLion.step` started and the next
+    step (or :meth:`DistributedLion.flush`) completes."""
+
+    works: list[tuple[Any, Any, Any]]  # (bucket, buffers, work) in start order
+    hypers: list[Any]                  # the step's hyperparameters
+    before: dict[str, int]             # comm stats when it began
+    start: float                       # when it began (perf_counter)
 
 
 def _normalize_groups(params: object, lr: float, betas: object, weight_decay: float
@@ -225,7 +249,7 @@ class DistributedLion:
                  bucket_size: int = DEFAULT_BUCKET_BYTES,
                  names: Sequence[str] | None = None, *,
                  broadcast_parameters: bool = True,
-                 replicas: ReplicaSet | None = None) -> None:
+                 replicas: ReplicaSet | None = None, stale: bool = False) -> None:
         self.spec = get_spec(variant)
         self.variant = self.spec.name
         self.strategy = self._make_strategy(self.spec)
@@ -298,6 +322,10 @@ class DistributedLion:
         self._buffers: list[Buffers] = []
         self._step = 0
         self._tie_counter = 0
+        if not isinstance(stale, bool):
+            raise UsageError(f"stale must be True or False, got {stale!r}")
+        self.stale = stale
+        self._in_flight: _InFlight | None = None  # stale mode: the exchange of the last step
         self._comm_seconds = 0.0
         self._device_to_host = 0  # bytes copied this step (engines on another device)
         self._host_to_device = 0
@@ -472,6 +500,10 @@ class DistributedLion:
         starts its buckets only at :meth:`step`), so such a call could meet a bucket's
         collective on another rank.
         """
+        if self.stale:
+            raise UsageError("ready() is for overlapping a step's exchange with its backward "
+                             "pass; with stale=True the exchange already overlaps the next "
+                             "step's forward and backward pass")
         if self.tie == "elementwise":
             raise UsageError("ready() starts buckets in another order than step(), which "
                              "changes tie='elementwise''s ties; use another tie rule")
@@ -524,6 +556,9 @@ class DistributedLion:
         rank) and this rank's momenta in place, then sets :attr:`last_stats`.
         """
         flat_grads = self._check_grads(grads)
+        if self.stale:
+            self._step_stale(flat_grads)
+            return
         early, self._early = self._early, None
         sums: dict[int, int] = {}
         if early is not None:  # buckets started by ready(): the rest, then every update
@@ -549,6 +584,38 @@ class DistributedLion:
             if pending is not None:
                 self._finish(*pending, hypers, sums)
         self.end_step(sums, before, start)
+
+    def _step_stale(self, flat_grads: list[Any]) -> None:
+        """Stale mode's step: apply the update of the step before (its collectives have had
+        this step's forward and backward pass to finish), then start this step's collectives
+        and return without waiting for them."""
+        self.flush()
+        hypers, before, start = self.begin_step()
+        works = []
+        for bucket in self.buckets:
+            buf = self._buffer(bucket.index)  # every bucket in flight keeps its buffers
+            self._prepare(bucket, buf, flat_grads, hypers)
+            works.append((bucket, buf, self._start(bucket, buf)))
+        self._in_flight = _InFlight(works, hypers, before, start)
+
+    def flush(self) -> None:
+        """Stale mode (``stale=True``): wait for the exchange of the last :meth:`step` and
+        apply its update (collective when the momentum schedule selects tensors, as every
+        step's end is). A no-op when nothing is in flight, and always without ``stale``.
+        :meth:`step` calls it first; call it before reading the parameters for evaluation,
+        before :meth:`state_dict`, :meth:`check_replicas` and at the end of training."""
+        flight, self._in_flight = self._in_flight, None
+        if flight is None:
+            return
+        sums: dict[int, int] = {}
+        for bucket, buf, work in flight.works:
+            self._finish(bucket, buf, work, flight.hypers, sums)
+        self.end_step(sums, flight.before, flight.start)
+
+    def _check_settled(self, what: str) -> None:
+        if self._in_flight is not None:
+            raise UsageError(f"{what}() while the last step's update is in flight "
+                             "(stale=True): call flush() on every rank first")
 
     def begin_step(self) -> tuple[list[Hyper], dict[str, int], float]:
         """The start of a step: ``(hyperparameters per parameter, the communicator's traffic
@@ -642,7 +709,9 @@ class DistributedLion:
         calls it with ``root=0`` unless ``broadcast_parameters=False``.
 
         Momenta are not touched (they are zero before the first step). Raises UsageError for
-        a bad ``root``; communication failures are bitcoll's CommError family."""
+        a bad ``root``; communication failures are bitcoll's CommError family. In stale mode
+        the update in flight is applied first (:meth:`flush`)."""
+        self.flush()
         self.replicas.broadcast(self.comm, root)
 
     def check_replicas(self) -> None:
@@ -652,7 +721,9 @@ class DistributedLion:
         Returns None when they agree. Otherwise every rank raises the same
         :class:`lioncub.replicas.ReplicaMismatchError` (a UsageError) naming the lowest rank
         whose parameters differ from rank 0's and the first parameter where they do (index,
-        and name when ``names`` were given); the communicator stays usable."""
+        and name when ``names`` were given); the communicator stays usable. In stale mode
+        the update in flight is applied first (:meth:`flush`)."""
+        self.flush()
         self.replicas.check(self.comm)
 
     # ------------------------------------------------------------------ checkpoints
@@ -660,7 +731,9 @@ class DistributedLion:
         """This rank's optimizer state (copies): step count, tie counter, per-rank momenta
         (one float32 array per parameter, shaped like it), the sync schedule's state and the
         param groups' hyperparameters. Save one per rank; the "global" variant's momenta
-        are identical on every rank."""
+        are identical on every rank. In stale mode, UsageError while an update is in flight
+        (call :meth:`flush` on every rank first: it is collective)."""
+        self._check_settled("state_dict")
         groups = []
         index = 0
         for group in self.param_groups:
@@ -687,7 +760,8 @@ class DistributedLion:
         """Restore a :meth:`state_dict` of an optimizer built the same way (same variant,
         world size, levels, tie rule, parameter shapes and groups, sync schedule). Each rank
         loads its own rank's state. Raises UsageError on any mismatch, before changing
-        anything."""
+        anything (also while a stale-mode update is in flight: :meth:`flush` first)."""
+        self._check_settled("load_state_dict")
         if not isinstance(state, Mapping) or state.get("format") != _STATE_FORMAT:
             raise UsageError("not a lioncub.DistributedLion state dict")
         for key, value in (("variant", self.variant), ("world_size", self.world_size),

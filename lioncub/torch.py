@@ -183,6 +183,10 @@ class DistributedLion(Optimizer):
     (default): "host" on a CPU, "device" elsewhere. The numpy engine takes only "auto"
     (another value with ``backend="auto"`` selects the torch engine).
 
+    ``stale``: True applies each step's update one step later, so that its exchange overlaps
+    the next step's forward and backward pass (for slow or far links; numpy backend only,
+    not with ``overlap``; :meth:`flush` applies the last one; see
+    :class:`lioncub.distributed.DistributedLion`).
     ``overlap``: True starts each bucket's work (direction, votes, packing and its
     collective) during ``backward()``, as soon as every gradient of the bucket is final and
     every later bucket has started (hooks ``register_post_accumulate_grad_hook``; buckets
@@ -224,7 +228,7 @@ class DistributedLion(Optimizer):
                  names: Sequence[str] | None = None, *,
                  broadcast_parameters: bool = True, backend: str = "auto",
                  momentum_dtype: torch.dtype | None = None, overlap: bool = False,
-                 packing: str = "auto") -> None:
+                 packing: str = "auto", stale: bool = False) -> None:
         b1, b2 = _betas(betas)
         check_hyper(lr, b1, b2, weight_decay)
         self._constructed = False
@@ -257,8 +261,12 @@ class DistributedLion(Optimizer):
             "levels": levels, "tie": tie, "momentum_sync": momentum_sync,
             "bucket_size": bucket_size, "names": core_names,
             "broadcast_parameters": broadcast_parameters, "replicas": self._replica_set()}
+        if stale is not False and (self._backend != "numpy" or overlap):
+            raise UsageError("stale=True needs the numpy backend (float32 CPU parameters, "
+                             "backend='auto' or 'numpy') and overlap=False (the exchange "
+                             "already overlaps the next step)")
         if self._backend == "numpy":
-            self._core = _CoreDistributedLion(core_groups, comm, **options)
+            self._core = _CoreDistributedLion(core_groups, comm, **options, stale=stale)
         else:
             self._core = TorchEngine(core_groups, comm, **options,
                                      momentum_dtype=momentum_dtype or torch.float32,
@@ -407,6 +415,13 @@ class DistributedLion(Optimizer):
         self._core.step([self._grad(p, ptr) for p, ptr in zip(self._tensors, self._ptrs,
                                                                strict=True)])
         return loss
+
+    def flush(self) -> None:
+        """``stale=True``: apply the update still in flight from the last :meth:`step`
+        (collective; see :meth:`lioncub.distributed.DistributedLion.flush`). Call it before
+        evaluating, before ``state_dict()`` and at the end of training; a no-op otherwise."""
+        if isinstance(self._core, _CoreDistributedLion):
+            self._core.flush()
 
     def _grad(self, p: torch.Tensor, ptr: int) -> Any:
         """``p``'s gradient as the engine takes it (a numpy view for the numpy engine)."""
