@@ -75,3 +75,22 @@ def test_every_study_names_its_data_commit_and_command() -> None:
         assert re.search(r"\| `results/[^|]+\| ([0-9a-f]{7,}|removed)", text), page.name
         assert re.search(r"`(NUMBA_NUM_THREADS=1 )?(python|mpiexec|bash|BITCOLL_\w+=)", text), \
             f"{page.name} names no command"
+
+
+def test_configuration_page_names_every_argument_and_variable() -> None:
+    """docs/configuration.md is the one table of ``bitcoll.init``'s arguments and of every
+    ``BITCOLL_*`` variable the packages read (found in their source)."""
+    import inspect
+
+    import bitcoll
+
+    page = (DOCS / "configuration.md").read_text(encoding="utf-8")
+    for name in inspect.signature(bitcoll.init).parameters:
+        assert f"`{name}`" in page, f"bitcoll.init's argument {name} is not in the table"
+    found: set[str] = set()
+    for package in ("bitcoll", "lioncub", "launch"):
+        for path in (ROOT / package).rglob("*.py"):
+            found |= set(re.findall(r"[\"'`](BITCOLL_[A-Z0-9_]*[A-Z0-9])[\"'`]",
+                                    path.read_text(encoding="utf-8")))
+    missing = sorted(v for v in found if f"`{v}" not in page)
+    assert not missing, f"variables missing from docs/configuration.md: {missing}"
