@@ -312,6 +312,9 @@ def _errors(fails: list[str]) -> None:
         pass
     if bt.submit(lambda comm: comm.rank).wait() != me:
         fails.append("submit")
+    bt.register()  # again: harmless
+    if dist.get_backend() != "bitcoll" or "BITCOLL" not in dist.Backend._plugins:
+        fails.append("registration")
 
 
 def _training(fails: list[str]) -> None:
