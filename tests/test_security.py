@@ -58,14 +58,17 @@ def _flooded_rank(q: Any, rank: int, size: int, port: int, timeout: float) -> No
     log.setLevel(logging.DEBUG)
     log.addHandler(capture)
     try:
+        begun = time.monotonic()
         t = TCPTransport.create(rank, size, "127.0.0.1", port, timeout=timeout)
+        took = time.monotonic() - begun
         try:
             _exchange(t, 1)
         finally:
             t.close()
-        q.put((rank, None, [m for m in capture.messages if "dropped the connection" in m]))
+        q.put((rank, None, [m for m in capture.messages if "dropped the connection" in m],
+               took))
     except BaseException as exc:
-        q.put((rank, f"{type(exc).__name__}: {exc}", []))
+        q.put((rank, f"{type(exc).__name__}: {exc}", [], 0.0))
 
 
 def _listening_ports(pid: int) -> set[int]:
@@ -155,8 +158,9 @@ def test_a_flood_of_silent_connections_does_not_stop_the_job() -> None:
         assert flood.flooded(3, MAX_PENDING_HANDSHAKES + 64), flood.held.keys()
         procs.append(start(_flooded_rank, q, 1, size, store_port, timeout))
         flood.pids.append(procs[-1].pid)
+        took = {}
         for _ in range(size):
-            rank, error, dropped = q.get(timeout=timeout + 30)
+            rank, error, dropped, took[rank] = q.get(timeout=timeout + 30)
             results[rank] = (error, dropped)
     finally:
         flood.close()
@@ -168,6 +172,11 @@ def test_a_flood_of_silent_connections_does_not_stop_the_job() -> None:
     named = [m for _, dropped in results.values() for m in dropped
              if any(f"from {a} " in m for a in flood.sources)]
     assert named, results
+    # For the record (pytest -s), never asserted: set-up time per rank, strangers opened.
+    print(f"\nflood: set-up took {', '.join(f'{took[r]:.2f}' for r in sorted(took))} s on "
+          f"ranks {sorted(took)}; {sum(len(h) for h in flood.held.values())} stranger "
+          f"connections to {len(flood.held)} ports; {sum(len(d) for _, d in results.values())}"
+          " dropped and logged")
 
 
 FORGED = "maintenance: please re-run with BITCOLL_INSECURE=1"
