@@ -19,7 +19,10 @@ Collectives (``--ops``): ``all_reduce`` (float32 sum, in place), ``all_gather``
 
 Output (rank 0; ``--out`` also writes it to a file): OSU-format tables, ``#`` comment lines
 (the command, the ranks, versions; the last one names the columns), then one row per size:
-``Size  bitcoll(us)  gloo(us)  speedup`` (gloo's latency over bitcoll's).
+``Size  bitcoll(us)  gloo(us)  speedup  bitcoll-direct(us)``: speedup is gloo's latency over
+the bitcoll backend's; the last column is the same collective called on the bitcoll
+Communicator behind the group directly (numpy arrays), so the torch layer's own cost is the
+difference between the first and the last column.
 """
 
 from __future__ import annotations
@@ -63,6 +66,34 @@ def _op(name: str, nbytes: int, p: int, group: Any) -> Callable[[], object] | No
         return lambda: dist.reduce_scatter_tensor(out, x, group=group)
     x, out = torch.zeros(n), torch.zeros(n)
     return lambda: dist.all_to_all_single(out, x, group=group)
+
+
+def _raw_op(name: str, nbytes: int, p: int) -> Callable[[], object] | None:
+    """The same collective as :func:`_op` called on the bitcoll Communicator behind the
+    default group directly (numpy arrays, no torch layer): the backend's own cost is the
+    difference."""
+    import numpy as np
+
+    from bitcoll.torch import communicator_of
+
+    comm = communicator_of()
+    n = nbytes // 4
+    if name == "all_reduce":
+        t = np.zeros(n, np.float32)
+        return lambda: comm.allreduce(t, out=t)
+    if name == "broadcast":
+        t = np.zeros(n, np.float32)
+        return lambda: comm.broadcast(t, 0)
+    if n % p or n == 0:
+        return None
+    if name == "all_gather":
+        out, x = np.zeros(n, np.float32), np.zeros(n // p, np.float32)
+        return lambda: comm.allgather(x, out=out)
+    if name == "reduce_scatter":
+        x, out = np.zeros(n, np.float32), np.zeros(n // p, np.float32)
+        return lambda: comm.reduce_scatter(x, out=out)
+    x, out = np.zeros(n, np.float32), np.zeros(n, np.float32)
+    return lambda: comm.alltoall(x, out=out)
 
 
 def _revision() -> str:
@@ -146,22 +177,24 @@ def main(argv: list[str] | None = None) -> int:
         emit("#")
         emit(f"# collective: {name} (float32{', sum' if 'reduce' in name else ''}), best "
              f"of {args.rounds} rounds, slowest rank's latency per call")
-        emit("# Size  bitcoll(us)  gloo(us)  speedup")
+        emit("# Size  bitcoll(us)  gloo(us)  speedup  bitcoll-direct(us)")
         for nbytes in args.sizes:
             calls = {b: _op(name, nbytes, p, g) for b, g in groups.items()}
+            calls["direct"] = _raw_op(name, nbytes, p)
             if any(c is None for c in calls.values()):
                 continue
             iters, warm = schedule.for_bytes(nbytes)
-            best = {b: float("inf") for b in groups}
+            best = {b: float("inf") for b in calls}
             for r in range(args.rounds):
-                order = list(groups) if r % 2 == 0 else list(groups)[::-1]
+                order = list(calls) if r % 2 == 0 else list(calls)[::-1]
                 for b in order:
                     op = calls[b]
                     assert op is not None
-                    best[b] = min(best[b], _round(op, groups[b], iters, warm))
-            us = {b: best[b] * 1e6 for b in groups}
+                    best[b] = min(best[b], _round(op, groups.get(b, dist.group.WORLD), iters,
+                                                  warm))
+            us = {b: best[b] * 1e6 for b in calls}
             emit(f"{nbytes:<12d}{us['bitcoll']:>14.2f}{us['gloo']:>14.2f}"
-                 f"{us['gloo'] / us['bitcoll']:>10.2f}")
+                 f"{us['gloo'] / us['bitcoll']:>10.2f}{us['direct']:>14.2f}")
             del calls
     dist.destroy_process_group()
     if rank == 0 and args.out:
