@@ -9,6 +9,7 @@ Usage (as root; needs iproute2's ``ip`` and ``tc``)::
     python bench/netbed.py --hosts 4 --rate 1gbit --probe train.py --steps 50
     python bench/netbed.py --hosts 3 --rate 1gbit -m some.module args...
     python bench/netbed.py --hosts 2 --rate 10gbit --probe        # only measure a link
+    python bench/netbed.py --hosts 4 --rate 100mbit --rtt 50 bench/osu_allreduce.py -m 8,1M
 
 Topology
 --------
@@ -18,8 +19,13 @@ with address ``10.99.0.<k+1>/24``; a veth pair joins it to port ``h<k>`` of a Li
 the switch namespace. Both ends of every link are shaped with ``tc ... tbf rate R burst B
 latency 50ms``, so each host has a full-duplex link of ``--rate`` to the switch, like a
 switched Ethernet (traffic from one host to another crosses two shaped links). There is no
-added delay (this kernel has no netem); link latency is that of the veth pairs (tens of
-microseconds).
+added delay by default (this kernel has no netem); link latency is that of the veth pairs
+(tens of microseconds). ``--rtt MS`` replaces the bridge with a user-space switch that delays
+every frame by ``MS / 2`` milliseconds (``bench/netbed_delay.py``; ``--loss PCT`` also drops
+that share of its frames), so that hosts are a round trip of ``MS`` apart: far links. TCP
+then needs send buffers of at least the bandwidth-delay product: bitcoll's 128 KiB default
+caps a connection at about 256 KiB per round trip, ``BITCOLL_SEND_BUFFER=0`` leaves the sizing
+to the kernel.
 
 Running the job
 ---------------
@@ -107,6 +113,8 @@ HOST_GRACE_MARGIN = 2.0
 SECRET_ENV = "BITCOLL_SECRET"
 #: The programs run inside the namespaces (pinning, the probe's two ends).
 HELPERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "netbed_helpers.py")
+#: The user-space switch with a delay line (``--rtt``).
+DELAY_LINE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "netbed_delay.py")
 _RATE = re.compile(r"^(\d+(?:\.\d+)?)(bit|kbit|mbit|gbit)$")
 _UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9}
 
@@ -141,6 +149,9 @@ class Testbed:
     rate: str
     burst: int
     prefix: str
+    delayed: bool = False
+    """Whether the ports are left out of the kernel's bridge for the user-space delay line
+    (``--rtt``, :mod:`netbed_delay`)."""
 
     @property
     def switch(self) -> str:
@@ -170,7 +181,8 @@ class Testbed:
                      ["ip", "-n", h, "link", "set", "lo", "up"],
                      ["ip", "-n", sw, "link", "add", port, "type", "veth", "peer", "name",
                       "eth0", "netns", h],
-                     ["ip", "-n", sw, "link", "set", port, "master", "sw"],
+                     *([] if self.delayed else
+                       [["ip", "-n", sw, "link", "set", port, "master", "sw"]]),
                      ["ip", "-n", sw, "link", "set", port, "up"],
                      ["ip", "-n", h, "addr", "add", f"{self.address(k)}/24", "dev", "eth0"],
                      ["ip", "-n", h, "link", "set", "eth0", "up"],
@@ -197,6 +209,23 @@ class Testbed:
         for ns in self.namespaces():
             if ns in existing:
                 subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)
+
+
+def start_delay_line(bed: Testbed, rtt_ms: float, loss_pct: float) -> subprocess.Popen[str]:
+    """Start the user-space switch with its delay line (:mod:`netbed_delay`) in the switch
+    namespace, every port attached, ``rtt_ms / 2`` milliseconds per traversal; return once it
+    forwards. SetupError when it does not start."""
+    ports = ",".join(f"h{k}" for k in range(bed.hosts))
+    cmd = ["ip", "netns", "exec", bed.switch, sys.executable, DELAY_LINE, "--ports", ports,
+           "--delay-ms", str(rtt_ms / 2), "--loss", str(loss_pct)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if not line.startswith("delay line up"):
+        proc.kill()
+        proc.wait()
+        raise SetupError(f"the delay line did not start: {line.strip() or proc.returncode}")
+    return proc
 
 
 def list_namespaces() -> list[str]:
@@ -381,6 +410,12 @@ def parser() -> argparse.ArgumentParser:
                    help="link rate per host and direction, tc units (default 1gbit)")
     p.add_argument("--burst", type=int, default=None, metavar="BYTES",
                    help="tbf bucket in bytes (default: 1 ms of traffic, at least 256 KiB)")
+    p.add_argument("--rtt", type=float, default=0.0, metavar="MS",
+                   help="round-trip time between hosts in milliseconds, added by a user-space "
+                        "delay line in the switch (bench/netbed_delay.py; default 0: the "
+                        "kernel's bridge, no added delay)")
+    p.add_argument("--loss", type=float, default=0.0, metavar="PCT",
+                   help="with --rtt: percent of frames the delay line drops (default 0)")
     p.add_argument("--mpi", action="store_true",
                    help="run the ranks with mpiexec (MPICH over TCP) instead of the launcher")
     p.add_argument("--no-pin", action="store_true",
@@ -426,6 +461,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     burst = default_burst(rate_bits) if args.burst is None else args.burst
     if burst < 1500:
         ap.error(f"--burst must be at least one packet (1500 bytes), got {burst}")
+    if args.rtt < 0 or not 0 <= args.loss < 100 or (args.loss and not args.rtt):
+        ap.error("--rtt must be >= 0 and --loss in [0, 100), and --loss needs --rtt")
     if os.geteuid() != 0:
         ap.error("the testbed creates network namespaces: run it as root")
     missing = [t for t in ("ip", "tc") if shutil.which(t) is None]
@@ -443,16 +480,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     if stale:
         print(f"netbed: removed the namespaces of earlier testbeds that no longer run: "
               f"{', '.join(stale)}", file=sys.stderr)
-    bed = Testbed(args.hosts, args.rate.strip().lower(), burst, f"{PREFIX}{os.getpid()}")
+    bed = Testbed(args.hosts, args.rate.strip().lower(), burst, f"{PREFIX}{os.getpid()}",
+                  delayed=args.rtt > 0)
     try:
         bed.build()
     except SetupError as exc:
         print(f"netbed: cannot build the testbed: {exc}", file=sys.stderr)
         return 1
+    delay_line: subprocess.Popen[str] | None = None
     try:
+        if bed.delayed:
+            delay_line = start_delay_line(bed, args.rtt, args.loss)
         print(f"netbed: {args.hosts} hosts x {args.nproc_per_host} ranks, links {bed.rate} "
               f"(tbf burst {burst}), {'mpiexec (MPICH over TCP)' if args.mpi else 'bitcoll TCP'}"
-              + ("" if args.no_pin else ", hosts pinned to their share of the cores"),
+              + ("" if args.no_pin else ", hosts pinned to their share of the cores")
+              + (f", round trip {args.rtt:g} ms added in user space"
+                 + (f", {args.loss:g}% frame loss" if args.loss else "")
+                 if bed.delayed else ""),
               flush=True)
         if args.probe:
             print(f"netbed: probe host 1 -> host 0: {probe(bed):.3f} Gbit/s", flush=True)
@@ -470,6 +514,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for k in range(args.hosts)]
         return Job(cmds, env, args.grace_period, cpus).run()
     finally:
+        if delay_line is not None:
+            delay_line.terminate()
+            try:
+                delay_line.wait(5)
+            except subprocess.TimeoutExpired:
+                delay_line.kill()
+                delay_line.wait()
         bed.remove()
 
 

@@ -189,6 +189,9 @@ def test_helpers_probe_on_loopback() -> None:
     (["--nproc-per-host", "0", "x.py"], "--nproc-per-host must be >= 1"),
     (["--hosts", "1", "--probe", "x.py"], "--probe needs at least 2 hosts"),
     (["--burst", "100", "x.py"], "--burst must be at least one packet"),
+    (["--rtt", "-1", "x.py"], "--rtt must be >= 0"),
+    (["--loss", "1", "x.py"], "--loss needs --rtt"),
+    (["--rtt", "10", "--loss", "100", "x.py"], "--loss in [0, 100)"),
 ])
 def test_bad_options_exit_2_with_a_message(args: list[str], message: str) -> None:
     done = run(args)
@@ -237,6 +240,25 @@ def test_sign_allreduce_across_shaped_links_then_clean_up() -> None:
         f"OSU-style Latency Test: bitcoll {v}, backend tcp, 3 ranks"
         for v in ("float32/allreduce", "majority/default")]
     assert all(r["Wire(B/rank)"] > 0 for r in table.rows)
+    assert ours(pid) == []
+
+
+@needs_netns
+@pytest.mark.timeout(180)
+def test_delay_line_adds_its_round_trip_then_clean_up() -> None:
+    """``--rtt 40``: the user-space switch delays every frame by 20 ms, so an 8-byte
+    all-reduce between two hosts (one exchange) takes at least 20 ms, and every result is
+    still checked; the switch and the namespaces are gone afterwards."""
+    rc, out, err, pid = run_bed(["--hosts", "2", "--rate", "100mbit", "--rtt", "40",
+                                 "bench/osu_allreduce.py", "-m", "8,4K", "--check", *SMALL])
+    assert rc == 0, out + err
+    assert "round trip 40 ms added in user space" in out.splitlines()[0]
+    text = "\n".join(line.split("] ", 1)[1] if line.startswith("[rank") else line
+                     for line in out.splitlines()[1:])
+    (table,) = osu.parse_tables(text)
+    assert [r["Size"] for r in table.rows] == [8, 4096]
+    assert all(r["Avg Latency(us)"] >= 20_000 for r in table.rows)
+    assert "frames forwarded, 0 dropped" in err
     assert ours(pid) == []
 
 
