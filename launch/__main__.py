@@ -81,6 +81,14 @@ prefixed with ``[rank R]`` and a space (none with ``--no-prefix``), one whole li
 lines of different ranks never mix. ``--output-ranks`` selects whose lines are shown. The
 launcher's own messages start with ``launch:`` and go to stderr.
 
+Identical stderr of several ranks is shown once: the lines of the first rank that writes to
+stderr are shown as they come; another rank's lines are held back while they repeat that
+rank's, line for line, and dropped if the rank's stderr ends that way (the launcher then says
+``launch: ranks 1, 2, 3 wrote the same lines to stderr as the rank shown above (shown once)``).
+So a mistyped option of the script prints its usage message once, not once per rank. A line
+that differs, or a hold of more than 5 s or 1000 lines, shows the held lines after all, in
+order (a traceback that differs only in its last line is shown whole for every rank).
+
 Failure handling and exit status
 --------------------------------
 * All ranks exit 0: the launcher exits 0.
@@ -111,6 +119,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -124,6 +133,10 @@ __all__ = ["main", "parse_args", "parse_ranks", "LaunchConfig", "JobEnv", "job_e
 PROG = "bitcoll-run"
 DEFAULT_GRACE = 5.0
 SECRET_ENV = "BITCOLL_SECRET"
+#: Identical stderr of several ranks is shown once (:class:`_Echoes`): how long, and how many
+#: lines, a rank's lines may be held back while they repeat another rank's.
+ECHO_SECONDS = 5.0
+ECHO_LINES = 1000
 #: After a rank is killed by a signal, how long the others get to exit on their own (and print
 #: their own errors) before they are sent SIGTERM.
 REPORT_SECONDS = 2.0
@@ -348,11 +361,134 @@ def child_env(cfg: LaunchConfig, local_rank: int, job: JobEnv,
     return env
 
 
-class _Output:
-    """Copies one rank's stream to ours, line by line, after ``prefix``."""
+def _write(dst: IO[bytes], data: bytes) -> None:
+    try:
+        dst.write(data)
+        dst.flush()
+    except (OSError, ValueError):
+        pass  # our own output is gone (closed pipe): keep draining the children
 
-    def __init__(self, src: IO[bytes], dst: IO[bytes], prefix: bytes, lock: threading.Lock):
+
+class _Held:
+    """A rank's stderr lines held back by :class:`_Echoes`."""
+
+    __slots__ = ("ended", "lines", "matched", "prefix", "since")
+
+    def __init__(self, prefix: bytes, since: float) -> None:
+        self.prefix = prefix
+        self.lines: list[bytes] = []
+        self.matched = 0  # how many of ``lines`` equal the leader's at the same positions
+        self.since = since
+        self.ended = False
+
+
+class _Echoes:
+    """Shows identical stderr of several ranks once (every rank's usage message after a
+    mistyped option of the script).
+
+    The first rank to write to stderr *leads*: its lines are shown as they come. Another rank's
+    lines are held back while they equal the leader's lines at the same positions (or the
+    leader has not written that many yet). When such a rank's stream ends with every line
+    matched, its lines are dropped and counted (:meth:`summary`). A line that differs, the
+    leader's stream ending with fewer lines, :data:`ECHO_LINES` held lines or a hold older than
+    :data:`ECHO_SECONDS` releases a rank: its held lines are shown, in order, and from then
+    on its lines as they come. All methods take ``lock`` (the one every output writes under).
+    """
+
+    def __init__(self, dst: IO[bytes], lock: threading.Lock) -> None:
+        self._dst = dst
+        self._cond = threading.Condition(lock)
+        self._leader: int | None = None
+        self._leader_done = False
+        self._lines: list[bytes] = []
+        self._held: dict[int, _Held] = {}
+        self._free: set[int] = set()
+        self.echoed: dict[int, int] = {}  # rank -> lines dropped
+        self._open = True
+        threading.Thread(target=self._expire, daemon=True).start()
+
+    def write(self, rank: int, prefix: bytes, line: bytes) -> None:
+        with self._cond:
+            if self._leader is None:
+                self._leader = rank
+            if rank == self._leader:
+                self._lines.append(line)
+                _write(self._dst, prefix + line)
+                for r in list(self._held):
+                    self._settle(r)
+            elif rank in self._free:
+                _write(self._dst, prefix + line)
+            else:
+                held = self._held.get(rank)
+                if held is None:
+                    held = self._held[rank] = _Held(prefix, time.monotonic())
+                    self._cond.notify()
+                held.lines.append(line)
+                self._settle(rank)
+
+    def end(self, rank: int) -> None:
+        """``rank``'s stream ended."""
+        with self._cond:
+            if rank == self._leader:
+                self._leader_done = True
+                for r in list(self._held):
+                    self._settle(r)
+            elif rank in self._held:
+                self._held[rank].ended = True
+                self._settle(rank)
+
+    def _settle(self, rank: int) -> None:
+        held = self._held[rank]
+        lines = self._lines
+        while held.matched < len(held.lines) and held.matched < len(lines):
+            if held.lines[held.matched] != lines[held.matched]:
+                self._release(rank)
+                return
+            held.matched += 1
+        if held.matched < len(held.lines):  # ahead of the leader
+            if self._leader_done or len(held.lines) >= ECHO_LINES:
+                self._release(rank)
+        elif held.ended:
+            self.echoed[rank] = len(held.lines)
+            del self._held[rank]
+
+    def _release(self, rank: int) -> None:
+        held = self._held.pop(rank)
+        self._free.add(rank)
+        _write(self._dst, b"".join(held.prefix + line for line in held.lines))
+
+    def _expire(self) -> None:
+        with self._cond:
+            while self._open:
+                now = time.monotonic()
+                for r, held in list(self._held.items()):
+                    if now - held.since >= ECHO_SECONDS:
+                        self._release(r)
+                due = [h.since + ECHO_SECONDS for h in self._held.values()]
+                self._cond.wait(None if not due else max(0.0, min(due) - now))
+
+    def close(self) -> None:
+        """Release whatever is still held (streams that never ended) and stop the timer."""
+        with self._cond:
+            for r in list(self._held):
+                held = self._held[r]
+                if held.ended and held.matched == len(held.lines):
+                    self.echoed[r] = len(held.lines)
+                    del self._held[r]
+                else:
+                    self._release(r)
+            self._open = False
+            self._cond.notify()
+
+
+class _Output:
+    """Copies one rank's stream to ours, line by line, after ``prefix`` (through ``echoes``
+    when given: stderr)."""
+
+    def __init__(self, src: IO[bytes], dst: IO[bytes], prefix: bytes, lock: threading.Lock,
+                 rank: int = 0, echoes: _Echoes | None = None):
         self._src, self._dst, self._prefix, self._lock = src, dst, prefix, lock
+        self._rank, self._echoes = rank, echoes
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
 
@@ -361,13 +497,14 @@ class _Output:
             for line in iter(lambda: self._src.readline(1 << 16), b""):
                 if not line.endswith(b"\n"):
                     line += b"\n"
+                if self._echoes is not None:
+                    self._echoes.write(self._rank, self._prefix, line)
+                    continue
                 with self._lock:
-                    try:
-                        self._dst.write(self._prefix + line)
-                        self._dst.flush()
-                    except (OSError, ValueError):
-                        pass  # our own output is gone (closed pipe): keep draining the child
+                    _write(self._dst, self._prefix + line)
         finally:
+            if self._echoes is not None:
+                self._echoes.end(self._rank)
             self._src.close()
 
 
@@ -380,6 +517,7 @@ class Launcher:
                                      report_window=REPORT_SECONDS)
         self.outputs: list[_Output] = []
         self._lock = threading.Lock()
+        self.echoes: _Echoes | None = None
 
     @property
     def procs(self) -> list[subprocess.Popen[bytes]]:
@@ -400,6 +538,7 @@ class Launcher:
         cfg = self.cfg
         job = job_env(cfg)
         out, err = sys.stdout.buffer, sys.stderr.buffer
+        self.echoes = _Echoes(err, self._lock)
         for local in range(cfg.nproc_per_node):
             if self.supervisor.signal is not None:
                 break
@@ -414,7 +553,8 @@ class Launcher:
                 prefix = f"[rank {rank}] ".encode() if cfg.prefix else b""
                 assert proc.stdout is not None and proc.stderr is not None
                 self.outputs.append(_Output(proc.stdout, out, prefix, self._lock))
-                self.outputs.append(_Output(proc.stderr, err, prefix, self._lock))
+                self.outputs.append(_Output(proc.stderr, err, prefix, self._lock, rank,
+                                            self.echoes))
 
     def abandon(self) -> None:
         """Kill and reap the ranks started so far (after a failed :meth:`start`)."""
@@ -427,6 +567,13 @@ class Launcher:
         outcome = self.supervisor.wait()
         for o in self.outputs:
             o.thread.join(5.0)
+        if self.echoes is not None:
+            self.echoes.close()
+            echoed = sorted(self.echoes.echoed)
+            if echoed:
+                self.say(f"{'rank' if len(echoed) == 1 else 'ranks'} "
+                         f"{', '.join(str(r) for r in echoed)} wrote the same lines to stderr "
+                         "as the rank shown above (shown once)")
         if outcome.failed is not None:
             local, rc = outcome.failed
             tail = "; terminated the other ranks" if outcome.stopped else ""

@@ -375,6 +375,32 @@ def test_survivors_of_a_killed_rank_print_their_own_errors(tmp_path: Path) -> No
 
 
 @pytest.mark.timeout(60)
+def test_a_usage_error_of_every_rank_is_shown_once(tmp_path: Path) -> None:
+    """A mistyped option of the script: every rank prints the same usage message and exits
+    2; the launcher shows it once and says so. Lines that differ are all shown."""
+    script = _script(tmp_path, """
+    import argparse, os, sys
+    p = argparse.ArgumentParser(prog="job.py")
+    p.add_argument("--lr", type=float)
+    p.add_argument("--differ", action="store_true")
+    args = p.parse_args()
+    print("same line", file=sys.stderr)
+    print(f"rank {os.environ['RANK']} differs", file=sys.stderr)
+    """)
+    proc = _run([*LAUNCH, "-n", "3", str(script), "--lrr", "1"])
+    assert proc.returncode == 2, proc.stderr
+    usage = [line for line in proc.stderr.splitlines() if "usage: job.py" in line]
+    errors = [line for line in proc.stderr.splitlines() if "unrecognized arguments" in line]
+    assert len(usage) == 1 and len(errors) == 1, proc.stderr
+    proc = _run([*LAUNCH, "-n", "3", str(script), "--differ"])
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stderr.splitlines()
+    assert sorted(line for line in lines if "differs" in line) == [
+        f"[rank {r}] rank {r} differs" for r in range(3)], proc.stderr
+    assert sum("same line" in line for line in lines) == 3, proc.stderr
+
+
+@pytest.mark.timeout(60)
 def test_rank_ignoring_sigterm_is_killed_after_the_grace_period(tmp_path: Path) -> None:
     script = _ready_script(tmp_path, """
     if rank == 0:
