@@ -169,20 +169,28 @@ class BitcollWork(_C10dWork):
         super().__init__()
         self._name = name
         self._event = threading.Event()
+        self._lock = threading.Lock()
+        self._done = False
         self._error: BaseException | None = None
         self._value: Any = None
-        self._future: Future[Any] = Future()
+        self._future: Future[Any] | None = None  # made by get_future (most calls need none)
         self._worker: _Worker | None = None
 
     def _finish(self, value: Any, error: BaseException | None) -> None:
-        self._value, self._error = value, error
+        with self._lock:
+            self._value, self._error, self._done = value, error, True
+            fut = self._future
         try:
-            if error is None:
-                self._future.set_result(value)
-            else:
-                self._future.set_exception(error)
+            if fut is not None:
+                self._complete(fut)
         finally:
             self._event.set()
+
+    def _complete(self, fut: Future[Any]) -> None:
+        if self._error is None:
+            fut.set_result(self._value)
+        else:
+            fut.set_exception(self._error)
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
         if not self._event.is_set() and self._worker is not None:
@@ -211,7 +219,16 @@ class BitcollWork(_C10dWork):
         return self._value
 
     def get_future(self) -> Future[Any]:
-        return self._future
+        with self._lock:
+            fut = self._future
+            if fut is None:
+                fut = self._future = Future()
+                done = self._done
+            else:
+                done = False
+        if done:  # finished before anyone asked: complete the new future now
+            self._complete(fut)
+        return fut
 
     def __repr__(self) -> str:
         state = "completed" if self._event.is_set() else "pending"
@@ -273,7 +290,8 @@ class _Worker:
         finally:
             with self._cond:
                 self._busy = False
-                self._cond.notify_all()
+                if self._pending:  # the thread has work (a wake-up otherwise is wasted)
+                    self._cond.notify()
         work._finish(value, error)
 
     def _loop(self) -> None:
