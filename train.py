@@ -645,6 +645,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "soon as its gradients are final (lioncub's overlap=True; the "
                         "optimizer gets a communicator of its own); not with --dtype fp16 "
                         "(the gradients are unscaled only after backward)")
+    g.add_argument("--stale", action="store_true",
+                   help="one-step-stale updates for slow or far links: each step's exchange "
+                        "runs during the next step's forward and backward pass, its update is "
+                        "applied one step late (lioncub's stale=True; float32 on the CPU, not "
+                        "with --overlap or --backend)")
     g = p.add_argument_group("DistributedDataParallel")
     g.add_argument("--backend", choices=("bitcoll", "gloo"), default=None,
                    help="wrap the model in torch's DistributedDataParallel over a process "
@@ -770,6 +775,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.overlap and args.device == "cuda" and not OPTIMIZER_TAKES_DEVICE_PARAMS:
         parser.error("--overlap with --device cuda needs a lioncub whose DistributedLion "
                      "takes device parameters")
+    if args.stale:
+        for flag, bad in (("--overlap", args.overlap), ("--backend", args.backend is not None),
+                          ("--device cuda", args.device != "cpu"),
+                          ("--dtype other than fp32", args.dtype != "fp32"),
+                          ("--momentum-dtype bf16", args.momentum_dtype != "fp32"),
+                          ("--native", args.native)):
+            if bad:
+                parser.error(f"--stale cannot be used with {flag} (lioncub's stale mode "
+                             "runs on its numpy core: float32 parameters on the CPU)")
     if args.hook is not None and args.backend is None:
         parser.error("--hook needs --backend bitcoll or gloo (DistributedDataParallel)")
     if args.backend is not None:
@@ -978,14 +992,17 @@ def evaluate(model: nn.Module, comm: bitcoll.Communicator, val: npt.NDArray[np.u
     return float(acc[0] / acc[1])
 
 
-def _optimizer_figures(opt: Any) -> tuple[float, int, int, int, float | None]:
+def _optimizer_figures(opt: Any, stale: bool = False
+                       ) -> tuple[float, int, int, int, float | None]:
     """(comm s, bytes sent, bytes received, tensors whose momentum was synced, mean vote
     agreement or None) of the last ``opt.step()`` on this rank (a :class:`DDPOptimizer`
     without lioncub statistics: zeros; in the hook modes the communication time is part of
-    the backward pass: 0)."""
+    the backward pass: 0). ``stale``: the statistics are those of the step before, whose
+    update this step applied (its communication time: the wait that was not hidden); zeros
+    after the first step."""
     stats = opt.last_stats
     if stats is None:
-        if isinstance(opt, DDPOptimizer):
+        if isinstance(opt, DDPOptimizer) or stale:
             return 0.0, 0, 0, 0, None
         raise RuntimeError("the optimizer reported no statistics after its step")
     agreement = None
@@ -1277,9 +1294,14 @@ def run(args: argparse.Namespace, comm: bitcoll.Communicator,
     # --no-comm: each rank its own one-rank communicator (the compute floor). --overlap: the
     # optimizer's collectives start inside backward(), so it gets a communicator of its own
     # (train.py's own all-reduces then never interleave with them).
-    opt_comm = comm.split(rank) if args.no_comm else comm.split(0) if args.overlap else comm
+    # --stale: the exchange runs on while train.py's own all-reduces go on: a communicator of
+    # its own as well (a synchronous call would otherwise wait for it).
+    opt_comm = comm.split(rank) if args.no_comm else \
+        comm.split(0) if args.overlap or args.stale else comm
     if args.overlap:
         kwargs["overlap"] = True
+    if args.stale:
+        kwargs["stale"] = True
     assert opt_comm is not None
     try:
         if args.backend is not None:
@@ -1387,6 +1409,8 @@ def _train(args: argparse.Namespace, comm: bitcoll.Communicator,
 
     def do_eval(step: int) -> None:
         nonlocal target
+        if args.stale:
+            opt.flush()  # the update in flight, before the parameters are read
         val_loss = evaluate(model, comm, corpus.val, args.batch_size, args.seq_len,
                             args.eval_batches, device, dtype)
         if not math.isfinite(val_loss):
@@ -1405,6 +1429,8 @@ def _train(args: argparse.Namespace, comm: bitcoll.Communicator,
                               "elapsed")
 
     def checkpoint(step: int) -> None:
+        if args.stale:
+            opt.flush()
         save_checkpoint(args.save, comm, {
             "format": CHECKPOINT_FORMAT, "rank": rank, "world_size": size, "step": step,
             "trajectory": {k: getattr(args, k) for k in TRAJECTORY_KEYS},
@@ -1439,7 +1465,7 @@ def _train(args: argparse.Namespace, comm: bitcoll.Communicator,
         comm_s, sent, received, synced, agreement = 0.0, 0, 0, 0, None
         if applied:
             opt.step()
-            comm_s, sent, received, synced, agreement = _optimizer_figures(opt)
+            comm_s, sent, received, synced, agreement = _optimizer_figures(opt, args.stale)
         if host is not None:
             host.push_params()
         if cuda:

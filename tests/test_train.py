@@ -156,7 +156,10 @@ def test_bad_options_exit_2(train: ModuleType, capsys: pytest.CaptureFixture[str
                          (["--backend", "gloo", "--overlap"], "--overlap cannot be used with "
                                                               "--backend"),
                          (["--backend", "mpi"], "invalid choice"),
-                         (["--check-every", "-1"], "must be >= 0")):
+                         (["--check-every", "-1"], "must be >= 0"),
+                         (["--stale", "--overlap"], "--stale cannot be used with --overlap"),
+                         (["--stale", "--backend", "gloo"], "--stale cannot be used with "
+                                                            "--backend")):
         with pytest.raises(SystemExit) as exc:
             train.parse_args(argv)
         assert exc.value.code == 2
@@ -351,6 +354,24 @@ def test_overlap_gives_the_same_run(
     assert [e["val_loss"] for e in a["evals"]] == [e["val_loss"] for e in b["evals"]]
     assert [s["synced_tensors"] for s in a["steps"]] == [s["synced_tensors"]
                                                          for s in b["steps"]]
+    assert b["summary"]["replicas_identical"] is True
+
+
+def test_stale_run_applies_updates_a_step_late(
+        two_rank_run: tuple[subprocess.CompletedProcess[str], dict[str, Any]],
+        tmp_path: Path) -> None:
+    """The two-rank run with --stale: the first step (on the same starting weights) has the
+    same loss, the second does not (its weights miss the first update), and the run ends
+    with identical replicas and every evaluation made."""
+    a = two_rank_run[1]
+    log = tmp_path / "stale.json"
+    proc = _launch([*TWO_RANKS, "--stale", "--json-log", str(log)])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    b = json.loads(log.read_text())
+    assert b["config"]["stale"] is True
+    assert a["steps"][0]["loss"] == b["steps"][0]["loss"]
+    assert a["steps"][1]["loss"] != b["steps"][1]["loss"]
+    assert [e["step"] for e in a["evals"]] == [e["step"] for e in b["evals"]]
     assert b["summary"]["replicas_identical"] is True
 
 
