@@ -306,6 +306,7 @@ class Communicator:
         self._plans_on = transport.size > 1
         self._plans: dict[tuple[object, ...], _Plan | None] = {}
         self._mpi_plans: dict[tuple[object, ...], _Plan | None] = {}
+        self._packed_plans: dict[tuple[object, ...], str] = {}  # _packed_choice's answers
         self.cost_model = cost_model
 
     # ------------------------------------------------------------------ properties
@@ -358,9 +359,7 @@ class Communicator:
         if self._topology is None:
             keys = self.allgather(np.array([digest(host_key())], dtype=np.int64))
             self._topology = Topology.from_digests([int(k) for k in keys], self.rank)
-            self._group = None  # the planner now knows the hosts
-            self._plans.clear()
-            self._mpi_plans.clear()
+            self._forget_plans()  # the planner now knows the hosts
         return self._topology
 
     @property
@@ -491,9 +490,14 @@ class Communicator:
         if not isinstance(model, CostModel):
             raise UsageError(f"cost_model must be a bitcoll.plan.CostModel, got {model!r}")
         self._model = model
+        self._forget_plans()
+
+    def _forget_plans(self) -> None:
+        """Empty every cached choice (after the model or the topology changed)."""
         self._group = None
         self._plans.clear()
         self._mpi_plans.clear()
+        self._packed_plans.clear()
 
     @property
     def plan_group(self) -> Group:
@@ -1267,9 +1271,7 @@ class Communicator:
         w_in = field_width(levels) if kind == "sum" else 1
         w_out = field_width(levels * self.size) if kind == "sum" else 1
         auto = "" if algorithm not in (None, "auto") else \
-            choose("packed", self._model, self.plan_group,
-                   Call(count=count, w_in=w_in, w_out=w_out, gather=gather,
-                        packed_io=packed_io, segment_bytes=self._packed_segment_bytes))
+            self._packed_choice(count, w_in, w_out, gather, packed_io)
         algo = self._algorithm("packed", algorithm, auto)
         tie_call = 0
         if kind == "majority":
@@ -1279,6 +1281,21 @@ class Communicator:
         codec = VoteCodec(kind, source, levels, self.size, TIES[tie], tie_call,
                           packed_in=packed_io, packed_out=packed_io)
         return codec, algo
+
+    def _packed_choice(self, count: int, w_in: int, w_out: int, gather: bool,
+                       packed_io: bool) -> str:
+        """The planner's algorithm for a packed collective (:func:`bitcoll.plan.choose`),
+        cached per arguments (the cache is emptied when the model or the topology changes)."""
+        key = (count, w_in, w_out, gather, packed_io, self._packed_segment_bytes)
+        algo = self._packed_plans.get(key)
+        if algo is None:
+            algo = choose("packed", self._model, self.plan_group,
+                          Call(count=count, w_in=w_in, w_out=w_out, gather=gather,
+                               packed_io=packed_io, segment_bytes=self._packed_segment_bytes))
+            if len(self._packed_plans) >= _PLANS_MAX:
+                self._packed_plans.clear()
+            self._packed_plans[key] = algo
+        return algo
 
     def _run_packed(self, name: str, fields: tuple[object, ...], codec: VoteCodec, algo: str,
                     vec: Array, flat: Array, res: Any, n: int, gather: bool,
