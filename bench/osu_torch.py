@@ -168,6 +168,10 @@ def main(argv: list[str] | None = None) -> int:
         cmd = cmd.replace("python ", f"torchrun --nproc-per-node {local} ", 1)
     elif local:
         cmd = cmd.replace("python ", f"python -m launch -n {local} ", 1)
+    settings = [f"{k}={os.environ[k]}" for k in ("NUMBA_NUM_THREADS", "THP_MEM_ALLOC_ENABLE",
+                                                 "BITCOLL_SHM", "BITCOLL_TORCH_TRANSPORT")
+                if k in os.environ]
+    cmd = " ".join([*settings, cmd])
     emit("# OSU-style torch.distributed benchmark: bitcoll backend against gloo")
     emit(f"# command: {cmd}")
     emit(f"# ranks: {p}, host {platform.node()}, torch {torch.__version__}, bitcoll "
