@@ -583,3 +583,34 @@ def _main() -> None:
 
 if __name__ == "__main__":
     _main()
+
+
+def test_store_secret_across_hosts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without BITCOLL_SECRET the ranks of one host leave the secret to rank 0's private file
+    (None); ranks on several hosts agree on a fresh per-group secret through the store."""
+    import socket
+    import threading
+
+    import bitcoll.torch as bt
+
+    monkeypatch.delenv("BITCOLL_SECRET", raising=False)
+    monkeypatch.delenv("BITCOLL_INSECURE", raising=False)
+    for hosts, shared in ((["a", "a", "a"], False), (["a", "b", "a"], True)):
+        monkeypatch.setattr(socket, "gethostname",
+                            lambda hosts=hosts: hosts[int(threading.current_thread().name)])
+        store = dist.HashStore()
+        got: dict[int, Any] = {}
+
+        def rank(r: int, store: Any = store, got: dict[int, Any] = got) -> None:
+            got[r] = bt._store_secret(store, r, 3)
+
+        threads = [threading.Thread(target=rank, args=(r,), name=str(r)) for r in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        assert len(got) == 3
+        if shared:
+            assert got[0] is not None and len(got[0]) == 64 and got[0] == got[1] == got[2]
+        else:
+            assert got == {0: None, 1: None, 2: None}
