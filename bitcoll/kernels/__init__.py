@@ -38,6 +38,7 @@ Common rules
 from __future__ import annotations
 
 import contextlib
+import functools
 import operator
 import os
 import threading
@@ -182,8 +183,11 @@ def parallel_slot(n: int, min_elements: int | None = None) -> Iterator[bool]:
     reserved until the ``with`` block ends. For other packages' numba kernels too (lioncub).
     """
     limit = PARALLEL_MIN_ELEMENTS if min_elements is None else min_elements
+    if n < limit:  # (asking numba for its thread count costs more than a small kernel)
+        yield False
+        return
     threads = _process_threads if _process_threads is not None else _nb_get_num_threads()
-    if n >= limit and threads > 1 and _pool_lock.acquire(blocking=False):
+    if threads > 1 and _pool_lock.acquire(blocking=False):
         try:
             if _process_threads is not None and _nb_get_num_threads() != _process_threads:
                 _nb_set_num_threads(_process_threads)  # numba's count is per thread
@@ -198,6 +202,8 @@ def _dispatch(n: int, serial: Callable[..., int], parallel: Callable[..., int],
               args: tuple[Any, ...], chunk: int) -> int:
     """Run ``serial(*args)`` or, for large inputs with a free thread pool,
     ``parallel(*args, chunk)``."""
+    if n < PARALLEL_MIN_ELEMENTS:
+        return int(serial(*args))
     with parallel_slot(n) as par:
         return int(parallel(*args, max(1, chunk)) if par else serial(*args))
 
@@ -208,6 +214,8 @@ def _dispatch(n: int, serial: Callable[..., int], parallel: Callable[..., int],
 
 
 def _as_int(v: object, name: str) -> int:
+    if type(v) is int:
+        return v
     if isinstance(v, (bool, np.bool_)):
         raise UsageError(f"{name} must be an integer, got {v!r}")
     try:
@@ -302,6 +310,8 @@ def packed_nbytes(n: int, width: int = 1) -> int:
     ``n >= 0`` and ``width >= 1`` (any width: this is also used to size wider fields),
     else :class:`UsageError`.
     """
+    if type(n) is int and type(width) is int and n >= 0 and width >= 1:
+        return (n * width + 7) // 8  # the common case, checked without calls
     k = _length(n)
     w = _as_int(width, "width")
     if w < 1:
@@ -367,7 +377,21 @@ def unpack_signs(bits: npt.NDArray[np.uint8], n: int, out: npt.NDArray[Any] | No
 
 
 def _sign_values(dt: np.dtype[Any], scale: object) -> tuple[int, int]:
-    """The raw bits of ``+scale`` and ``-scale`` in ``dt``."""
+    """The raw bits of ``+scale`` and ``-scale`` in ``dt`` (cached for the common scales)."""
+    if type(scale) in (int, float):  # (1 and 1.0 give the same bits)
+        try:
+            return _sign_values_cached(dt, scale)
+        except TypeError:  # an unhashable dtype: never, but be safe
+            pass
+    return _sign_values_of(dt, scale)
+
+
+@functools.lru_cache(maxsize=256)
+def _sign_values_cached(dt: np.dtype[Any], scale: float) -> tuple[int, int]:
+    return _sign_values_of(dt, scale)
+
+
+def _sign_values_of(dt: np.dtype[Any], scale: object) -> tuple[int, int]:
     if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.number)):
         raise UsageError(f"scale must be a real number, got {scale!r}")
     ut = _UNSIGNED_OF_SIZE[dt.itemsize]
