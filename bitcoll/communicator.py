@@ -29,7 +29,6 @@ import itertools
 import math
 import threading
 import time
-import weakref
 import zlib
 from collections.abc import Callable, Collection
 from typing import Any, Literal, NamedTuple, NoReturn, TypeVar, overload
@@ -37,6 +36,7 @@ from typing import Any, Literal, NamedTuple, NoReturn, TypeVar, overload
 import numpy as np
 import numpy.typing as npt
 
+from . import argcheck
 from .algorithms.allgather_ring import allgather_ring
 from .algorithms.allreduce_gathered import GatheredReduce
 from .algorithms.allreduce_recursive_doubling import allreduce_recursive_doubling
@@ -54,6 +54,7 @@ from .algorithms.sign_allreduce_allgather import packed_allgather
 from .algorithms.sign_allreduce_direct import packed_direct
 from .algorithms.sign_allreduce_ring import packed_ring
 from .algorithms.votes import TIES, VoteCodec, field_width
+from .argcheck import AGREED
 from .arrays import BFLOAT16, HostArray, bf16_tensor, to_numpy, type_name
 from .config import DEFAULT_TIMEOUT, MAX_SUM_RANGE
 from .errors import BitcollError, CommError, PeerLostError, ProtocolError, UsageError
@@ -289,7 +290,7 @@ class Communicator:
         self._call_lock = threading.Lock()  # held by the thread inside a collective call
         self._call_owner: threading.Thread | None = None  # the thread inside a collective
         self._splits = 0  # split() calls so far: names the sub-groups' namespaces
-        self._agreed_failure: CommError | None = None  # see _AGREED
+        self._agreed_failure: CommError | None = None  # see AGREED
         self._topology: Topology | None = topology
         self._two_level_on = two_level
         self._model = DEFAULT_MODEL
@@ -620,10 +621,10 @@ class Communicator:
     def _failed(self, exc: BaseException, name: str, seq: int) -> NoReturn:
         """Re-raise ``exc``, which ended collective ``name`` #``seq``, after the bookkeeping
         every failed collective gets: context filled in, and the communicator aborted (every
-        peer fails fast) unless every rank found the same problem (see ``_AGREED``)."""
+        peer fails fast) unless every rank found the same problem (see ``AGREED``)."""
         if isinstance(exc, CommError):
             exc.add_context(rank=self.rank, collective=name, sequence=seq)
-        if isinstance(exc, CommError) and exc in _AGREED:
+        if isinstance(exc, CommError) and exc in AGREED:
             # Every rank found the same problem from the same data and raises it itself: no
             # abort notice (it could overtake a peer's last frame).
             self._agreed_failure = exc
@@ -635,44 +636,16 @@ class Communicator:
 
     def _exchange(self, seq: int, sig: int, payload: memoryview | None, deadline: float,
                   name: str, fields: tuple[object, ...]) -> Array:
-        """Over MPI, before (or as) every collective: the argument check. One fixed-size MPI
-        all-gather of every rank's record (``MPITransport.exchange_records``: sequence number,
-        signature, ``payload``) that cannot itself mismatch; ProtocolError on every rank
-        unless every rank called the same collective, as the same number in its sequence,
-        with the same arguments (``fields``: dtype, count, op, algorithm, ...). MPI's own
-        collectives carry no frame headers, and ranks whose arguments differ may choose
-        different algorithms (lengths on both sides of an automatic threshold, a forced
-        algorithm, another collective altogether): without the check they would wait for each
-        other until the deadline instead of failing at once. Returns the records' payloads
-        (row r: rank r's), valid until the next collective."""
-        agree, payloads = self._native_t().exchange_records(seq, sig, payload, deadline)
-        if not agree:
-            self._mismatch(seq, deadline, name, fields)
-        return payloads
+        """Over MPI: the argument check of collective ``name`` #``seq`` (:mod:`bitcoll.argcheck`),
+        carrying ``payload``; returns the records' payloads."""
+        return argcheck.check(self._native_t(), self.rank, seq, sig, payload, deadline, name,
+                              fields)
 
     def _mismatch(self, seq: int, deadline: float, name: str,
                   fields: tuple[object, ...]) -> NoReturn:
-        """After records that disagree (every rank sees that): find out what differs with one
-        more fixed-size MPI collective (``native_extremes`` of the sequence number, the name
-        and each field) and raise the same ProtocolError on every rank, naming it."""
-        lanes = (seq, _digest_of(name), *(_digest_of(f) for f in fields[:14]))
-        hi, lo = self._native_t().native_extremes(lanes, deadline)
-        if (hi == lo).all():
-            what = f"different arguments (this rank: {fields})"
-        elif hi[0] != lo[0] or hi[1] != lo[1]:
-            what = f"different collectives or a different order of them (this rank: {name} " \
-                   f"#{seq})"
-        else:
-            names = _FIELD_NAMES.get(name, ())
-            differ = [names[i] if i < len(names) else f"argument {i + 1}"
-                      for i in range(len(fields[:14])) if hi[2 + i] != lo[2 + i]]
-            mine = ", ".join(f"{names[i] if i < len(names) else f'argument {i + 1}'} "
-                             f"{fields[i]}" for i in range(len(fields)))
-            what = f"different {' and '.join(differ)} (this rank: {mine})"
-        exc = ProtocolError(f"{name} #{seq}: the ranks called it with {what}",
-                            rank=self.rank, sequence=seq)
-        _AGREED.add(exc)
-        raise exc
+        """Over MPI, after records that disagree: the agreed ProtocolError
+        (:func:`bitcoll.argcheck.mismatch`)."""
+        argcheck.mismatch(self._native_t(), self.rank, seq, deadline, name, fields)
 
     # ------------------------------------------------------------------ dense collectives
     @overload
@@ -1662,35 +1635,6 @@ _PLANS_MAX = 256
 _FAST_OPS: dict[object, ReduceOp] = {**{o: o for o in ReduceOp}, **{o.value: o for o in ReduceOp}}
 
 
-#: What the fields of each dense collective's signature are, for mismatch messages.
-_FIELD_NAMES: dict[str, tuple[str, ...]] = {
-    "allreduce": ("op", "element type", "element count", "algorithm"),
-    "reduce_scatter": ("op", "element type", "element count", "algorithm"),
-    "allgather": ("element type", "element count", "algorithm"),
-    "broadcast": ("element type", "element count", "algorithm", "root"),
-    "alltoall": ("element type", "element count", "algorithm"),
-    "barrier": ("algorithm",),
-}
-
-
-def _digest_of(field: object) -> int:
-    """A signature field as one int64 lane of the argument check, the same in every process:
-    an integer itself (when it fits), anything else a CRC-32 of its text."""
-    if type(field) is int and -(1 << 62) < field < 1 << 62:
-        return field
-    return _text_digest(field if type(field) is str else repr(field))
-
-
-@functools.lru_cache(maxsize=256)
-def _text_digest(text: str) -> int:
-    return zlib.crc32(text.encode())
-
-
-#: Errors every rank detects from the same exchanged data (so every rank raises its own);
-#: the communicator is then unusable on every rank without an abort notice.
-_AGREED: weakref.WeakSet[BaseException] = weakref.WeakSet()
-
-
 def _check_same_root(ctx: OpContext, root: int) -> None:
     """ProtocolError on every rank unless every rank passed ``root`` (a max all-reduce of
     ``(root, -root)``: every rank sees the same extremes)."""
@@ -1702,7 +1646,7 @@ def _check_same_root(ctx: OpContext, root: int) -> None:
     if hi != lo:
         exc = ProtocolError(f"broadcast called with different roots across ranks (from {lo} "
                             f"to {hi}; this rank passed {root})")
-        _AGREED.add(exc)
+        AGREED.add(exc)
         raise exc
 
 

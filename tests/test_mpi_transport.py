@@ -20,7 +20,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -37,7 +37,7 @@ from bitcoll.errors import (
 )
 from bitcoll.kernels.stream import MODE_FOLD, MODE_FOLD_DIVIDE, MODE_LAND
 from bitcoll.partition import partition
-from bitcoll.transport.base import HEADER_SIZE, FrameHeader, Request, StreamPlan, wait_all
+from bitcoll.transport.base import HEADER_SIZE, FrameHeader, Request, StreamPlan
 from bitcoll.transport.mpi import (
     DATA_TAG,
     INLINE_MAX,
@@ -55,6 +55,12 @@ LENGTHS = [0, 1, 7, INLINE_MAX, INLINE_MAX + 1, MIB]
 
 mpi = pytest.mark.mpi(min_size=2)
 mpi3 = pytest.mark.mpi(min_size=3)  # splits by parity: at least one group of two
+
+
+def _wait_all(requests: Iterable[Request], deadline: float) -> None:
+    """Wait for every request; the first failure is raised."""
+    for req in requests:
+        req.wait(deadline)
 
 
 def _deadline(seconds: float = TIMEOUT) -> float:
@@ -160,7 +166,7 @@ def _ring_rounds(t: MPITransport, rounds: int, salt: int,
         out = np.empty(n, np.uint8)
         reqs = [t.irecv(left, out.data, _header(n, step=i)),
                 t.isend(right, data.data, _header(n, step=i))]
-        wait_all(reqs, _deadline())
+        _wait_all(reqs, _deadline())
         np.testing.assert_array_equal(out, _payload(who(left), me, n, salt=salt * 1000 + i))
 
 
@@ -268,7 +274,7 @@ def test_create_uses_a_private_duplicate(transport: MPITransport) -> None:
     out = np.empty(3, dtype=np.uint8)
     reqs = [transport.irecv(peer_from, out.data, _header(3)),
             transport.isend(peer_to, data.data, _header(3))]
-    wait_all(reqs, _deadline())
+    _wait_all(reqs, _deadline())
     np.testing.assert_array_equal(out, _payload(peer_from, transport.rank, 3))
     junk = np.empty(HEADER_SIZE, np.uint8)
     world.Recv([junk, MPI.BYTE], peer_from, DATA_TAG)
@@ -356,7 +362,7 @@ def test_ring_exchange(transport: MPITransport, length: int) -> None:
     else:
         reqs = [t.isend(right, data.data, _header(length)), t.irecv(left, out.data,
                                                                     _header(length))]
-    wait_all(reqs, _deadline())
+    _wait_all(reqs, _deadline())
     assert all(r.done() for r in reqs)
     np.testing.assert_array_equal(out, _payload(left, t.rank, length))
     assert t.stats.snapshot() == {
@@ -391,7 +397,7 @@ def test_all_pairs_exchange(transport: MPITransport, length: int) -> None:
         data = _payload(t.rank, peer, size_of(t.rank, peer))
         sends.append(data)
         reqs.append(t.isend(peer, data.data, _header(data.nbytes)))
-    wait_all(reqs, _deadline())
+    _wait_all(reqs, _deadline())
     for peer, out in outs.items():
         np.testing.assert_array_equal(out, _payload(peer, t.rank, size_of(peer, t.rank)))
     peers = [p for p in range(t.size) if p != t.rank]
@@ -425,7 +431,7 @@ def test_many_frames_in_flight_keep_their_order(transport: MPITransport) -> None
             data = _payload(t.rank, p, int(n), salt=i)
             keep.append(data)
             reqs.append(t.isend(p, data.data, _header(int(n), step=i)))
-    wait_all(reversed(reqs), _deadline(30.0))  # completion order does not matter
+    _wait_all(reversed(reqs), _deadline(30.0))  # completion order does not matter
     for p in neighbours:
         for i, n in enumerate(sizes):
             np.testing.assert_array_equal(outs[p][i], _payload(p, t.rank, int(n), salt=i))
@@ -448,7 +454,7 @@ def test_payloads_of_any_buffer_type(transport: MPITransport) -> None:
     out = np.zeros((3, 4), dtype=np.float64)
     reqs = [t.irecv(left, out.data, _header(out.nbytes)),
             t.isend(right, data.data, _header(data.nbytes))]
-    wait_all(reqs, _deadline())
+    _wait_all(reqs, _deadline())
     np.testing.assert_array_equal(out, np.arange(12).reshape(3, 4) + left)
 
 
@@ -728,7 +734,7 @@ def _frame_by_frame(t: MPITransport, plan: StreamPlan, right: int, left: int) ->
         sends.append(t.isend(right, (src if from_src else work)[a:z].data, h))
     for j in range(done, len(recvs)):
         finish(j)
-    wait_all(sends, _deadline())
+    _wait_all(sends, _deadline())
 
 
 @mpi
@@ -1086,7 +1092,7 @@ def test_wait_does_not_burn_a_core(transport: MPITransport) -> None:
     req = t.irecv(left, out.data, _header(1))
     if t.rank == 0:
         time.sleep(0.6)
-        wait_all([t.isend(right, token.data, _header(1)), req], _deadline())
+        _wait_all([t.isend(right, token.data, _header(1)), req], _deadline())
         return
     cpu0, wall0 = time.process_time(), time.monotonic()
     req.wait(_deadline())
