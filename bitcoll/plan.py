@@ -40,9 +40,9 @@ packed ``hierarchical``                  votes counted inside each host (shared 
 for a reduce-scatter.)
 
 The parameters: :data:`DEFAULT_MODEL` holds figures measured on the project's reference
-machine; ``python -m bitcoll.plan probe`` (run under a launcher: ``python -m launch -n 2
--m bitcoll.plan probe``) measures this machine's rates, and with several hosts its links, and
-caches them in ``$BITCOLL_COST_MODEL`` (default ``~/.cache/bitcoll/cost_model.json``);
+machine; ``python -m bitcoll.probe`` (:mod:`bitcoll.probe`; under a launcher, ``python -m
+launch -n 2 -m bitcoll.probe``, also the links between ranks) measures this machine and
+caches the model in ``$BITCOLL_COST_MODEL`` (default ``~/.cache/bitcoll/cost_model.json``);
 ``bitcoll.init`` loads that file on rank 0 and gives rank 0's model to every rank, so the
 ranks always agree on the choice. Every field can be overridden in that file or by
 ``BITCOLL_COST_<FIELD>`` in the environment (e.g. ``BITCOLL_COST_REMOTE_BANDWIDTH=1.25e8``
