@@ -1021,7 +1021,7 @@ CHECKPOINT_FORMAT = "lioncub-train-checkpoint/1"
 TRAJECTORY_KEYS = ("optimizer", "lr", "weight_decay", "schedule", "warmup", "levels",
                    "momentum_sync", "steps", "seed", "batch_size", "seq_len", "corpus_mb",
                    "d_model", "layers", "heads", "dtype", "native", "momentum_dtype", "device",
-                   "no_comm")
+                   "no_comm", "backend", "hook")
 
 
 def checkpoint_file(directory: Path, rank: int) -> Path:
