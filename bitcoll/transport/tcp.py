@@ -21,9 +21,12 @@ Set-up (:meth:`TCPTransport.create`, the steps live in :mod:`bitcoll.transport.t
 3. The lower rank of each pair connects to the higher one and the two run the authenticated
    hello of :mod:`bitcoll.transport.handshake` (nonces from both sides, proofs of the secret
    bound to the job, both ranks, the direction and the address dialed). The acceptor drops, and
-   logs at debug level (logger ``bitcoll.tcp``), every connection that is not a lower rank of
-   this job or fails the proof, and goes on waiting for the real one; for the connector a
-   failed answer is a :class:`~bitcoll.errors.ProtocolError`. Every socket gets
+   logs at debug level with its address (logger ``bitcoll.tcp``), every connection that is not
+   a lower rank of this job, fails the proof, takes longer than ``HANDSHAKE_SECONDS`` (5 s) to
+   prove itself, or is the oldest unproven one when ``MAX_PENDING_HANDSHAKES`` (256) wait,
+   and goes on waiting for the real one; a connector whose connection was dropped before the
+   hello completed dials again. For the connector a failed answer is a
+   :class:`~bitcoll.errors.ProtocolError`. Every socket gets
    ``TCP_NODELAY``, a send buffer of :data:`SEND_BUFFER_BYTES` (``BITCOLL_SEND_BUFFER``) and a
    receive buffer of at least :data:`RECEIVE_BUFFER_BYTES`. Rank 0 then removes
    its secret file (every rank has proven it read it).
@@ -109,7 +112,10 @@ Failure
   the store the message is ``"rank <p> aborted: <reason>"``. A connection closed cleanly
   between frames while nothing is posted from that peer moves it to ``PEER_CLOSED`` only.
 * :meth:`TCPTransport.abort` (also run on every internal failure) records the error, sends an
-  ABORT frame to every peer whose connection is between frames, writes the reason under
+  ABORT frame (tagged with frame integrity on: :mod:`bitcoll.transport.wire`; an ABORT frame
+  whose tag does not verify is a ProtocolError naming the link and its text is not shown) to
+  every peer whose connection is between frames, writes the reason (with integrity on, with a
+  proof of the job's secret) under
   ``bitcoll/abort/<rank>`` in the store (for the peers whose connection was in the middle of a
   frame), then shuts down the sending side of every connection (a send blocked in the kernel
   fails at once). Peers fail within milliseconds with ``PeerLostError("rank <r> aborted:
