@@ -236,7 +236,7 @@ def _state(pid: int) -> str:
 
 
 def run_job(size: int, steps: int, faults: dict[Any, Any], restarts: int, timeout: float = 3.0,
-            deadline_s: float = 100.0) -> dict[str, Any]:
+            deadline_s: float = 100.0, worker: Any = None) -> dict[str, Any]:
     """Serve the store, start ``size`` ranks, restart dead ones (at most ``restarts``), send
     SIGCONT to stopped ones once the others formed a newer epoch; return what every process
     reported."""
@@ -246,7 +246,8 @@ def run_job(size: int, steps: int, faults: dict[Any, Any], restarts: int, timeou
     faults_dir = tempfile.mkdtemp(prefix="elastic-faults-")
     reports_dir = tempfile.mkdtemp(prefix="elastic-reports-")
     args = (size, port, steps, faults, faults_dir, reports_dir, timeout)
-    procs = [start(_worker, r, *args) for r in range(size)]
+    worker = _worker if worker is None else worker
+    procs = [start(worker, r, *args) for r in range(size)]
     stopped: dict[int, int] = {}  # pid -> the newest epoch when it was seen stopped
     restarted = 0
     replaced: set[int] = set()
@@ -270,7 +271,7 @@ def run_job(size: int, steps: int, faults: dict[Any, Any], restarts: int, timeou
                         and i not in replaced:
                     replaced.add(i)
                     restarted += 1
-                    procs.append(start(_worker, -1, *args))
+                    procs.append(start(worker, -1, *args))
             if all(p.exitcode is not None for p in procs) and not stopped:
                 break
     finally:

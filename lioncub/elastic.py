@@ -1,0 +1,197 @@
+"""Fault-tolerant training with :class:`~lioncub.distributed.DistributedLion`.
+
+:class:`ElasticLion` runs an optimizer over the current epoch of a
+:class:`bitcoll.elastic.ElasticGroup` and keeps going when ranks die or join::
+
+    group = bitcoll.elastic.ElasticGroup.from_env(timeout=30)
+    opt = ElasticLion(group, params, lambda comm, **kw: DistributedLion(params, comm, **kw))
+    while opt.step_count < steps:
+        opt.step(grads_of(batch(opt.step_count, group)))   # False: the step was lost
+    group.finish(); group.close()
+
+How a step runs (:meth:`ElasticLion.step`):
+
+1. The parameters and this rank's optimizer state are copied (the *snapshot*: the state of
+   the last committed step).
+2. The optimizer's step runs (its collectives, then the update, in place).
+3. :meth:`bitcoll.elastic.ElasticGroup.commit`: the step is committed once every rank has
+   reached this point; the snapshot is dropped.
+4. On a :class:`~bitcoll.errors.CommError` in 2 or 3 the group moves to a new epoch
+   (:meth:`~bitcoll.elastic.ElasticGroup.recover`): this rank keeps its updated state when
+   the step was committed elsewhere (it finished the step's exchange, so its update is the
+   same), otherwise it restores the snapshot. A new optimizer is built over the new
+   communicator (``make_optimizer(comm, broadcast_parameters=False)``: its construction
+   checks that every rank holds bitwise the same parameters) and this rank's state is
+   loaded into it. Only the step in flight is lost.
+5. When processes joined (a restarted rank), they receive the state from the others over
+   the epoch's authenticated connections: the parameters by
+   :func:`bitcoll.elastic.share_state` (each holder sends one slice), the momenta as their
+   average over the holders (one float32 all-reduce, so every replica ends with the same
+   momentum), and the step, tie and sync counters. ``check_replicas`` then holds.
+
+Costs: a copy of the parameters and momenta per step (memory bandwidth, no communication)
+and one all-reduce of 24 bytes per step.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from bitcoll.elastic import ElasticGroup, Epoch, EvictedError, NoQuorumError, share_state
+from bitcoll.errors import CommError
+
+from .distributed import DistributedLion
+
+__all__ = ["ElasticLion", "MakeOptimizer"]
+
+#: Builds the optimizer over a communicator; receives ``broadcast_parameters`` as a keyword.
+MakeOptimizer = Callable[..., DistributedLion]
+
+
+class ElasticLion:
+    """A :class:`DistributedLion` that survives lost ranks and takes new ones in.
+
+    ``group``: a started :class:`bitcoll.elastic.ElasticGroup`; ``params``: the float32
+    arrays the optimizer updates in place (the same objects ``make_optimizer`` uses);
+    ``make_optimizer(comm, broadcast_parameters=...)``: builds the optimizer over a
+    communicator (called once per epoch, collectively). A process that joins (its group's
+    epoch says "receive") gets the job's state during construction.
+
+    Attributes: ``opt`` (the current optimizer), ``step_count`` (committed steps),
+    ``lost_steps`` (steps lost to failures on this rank), ``epochs`` (the epochs seen).
+    """
+
+    def __init__(self, group: ElasticGroup, params: Sequence[npt.NDArray[np.float32]],
+                 make_optimizer: MakeOptimizer) -> None:
+        self.group = group
+        self.params = list(params)
+        self.make_optimizer = make_optimizer
+        self.committed = -1  # the last committed step (step_count - 1)
+        self.lost_steps = 0
+        self.epochs: list[Epoch] = []
+        self._state: dict[str, Any] | None = None  # this rank's committed optimizer state
+        self.opt: DistributedLion
+        self._settle(group.epoch, has_state=group.epoch.action != "receive")
+
+    @property
+    def step_count(self) -> int:
+        return self.committed + 1
+
+    # ------------------------------------------------------------------ steps
+    def step(self, grads: Sequence[npt.NDArray[np.float32] | None]) -> bool:
+        """One fault-tolerant step (collective over the current epoch). Returns True when
+        it was committed, False when a failure cost it (the state is then that of the last
+        committed step, or that step's result when it was committed elsewhere: check
+        :attr:`step_count`). Raises :class:`bitcoll.elastic.NoQuorumError` and
+        :class:`bitcoll.elastic.EvictedError` (see :mod:`bitcoll.elastic`)."""
+        saved = [p.copy() for p in self.params]
+        state = self.opt.state_dict()
+        pending = False
+        try:
+            self.opt.step(grads)
+            pending = True
+            grow = self.group.commit(self.committed + 1)
+        except (EvictedError, NoQuorumError):
+            raise
+        except CommError:
+            epoch = self.group.recover(self.committed, pending)
+            if epoch.action == "apply":
+                self.committed += 1
+                self._state = self.opt.state_dict()
+                done = True
+            else:
+                for p, s in zip(self.params, saved, strict=True):
+                    p[...] = s
+                self._state = state
+                self.lost_steps += 1
+                done = False
+            self._settle(epoch, has_state=True)
+            return done
+        self.committed += 1
+        self._state = self.opt.state_dict()
+        if grow:
+            self._settle(self.group.recover(self.committed), has_state=True)
+        return True
+
+    # ------------------------------------------------------------------ epochs
+    def _settle(self, epoch: Epoch, has_state: bool) -> None:
+        """Build the epoch's optimizer and give joiners the state; on a failure, move on to
+        the next epoch and try again."""
+        while True:
+            self.epochs.append(epoch)
+            try:
+                self._adopt(epoch, has_state)
+                return
+            except (EvictedError, NoQuorumError):
+                raise
+            except CommError:
+                epoch = self.group.recover(self.committed, False, has_state=has_state)
+                if epoch.action == "receive":
+                    has_state = False
+
+    def _adopt(self, epoch: Epoch, has_state: bool) -> None:
+        comm = self.group.comm
+        receiving = not has_state or epoch.rank in epoch.joined
+        if epoch.joined:
+            flat = np.concatenate([p.reshape(-1) for p in self.params]) if self.params \
+                else np.zeros(0, np.float32)
+            share_state(comm, flat, epoch.holders)
+            pos = 0
+            for p in self.params:
+                p.reshape(-1)[...] = flat[pos:pos + p.size]
+                pos += p.size
+        # epoch 0: rank 0's starting weights everywhere; later: every rank must hold the same
+        opt = self.make_optimizer(comm, broadcast_parameters=epoch.number == 0)
+        if epoch.joined:
+            self._share_optimizer_state(opt, epoch, receiving)
+        elif self._state is not None:
+            opt.load_state_dict(self._fit(self._state, opt))
+        self.opt = opt
+        self._state = opt.state_dict()
+
+    @staticmethod
+    def _fit(state: dict[str, Any], opt: DistributedLion) -> dict[str, Any]:
+        """``state`` made loadable into ``opt`` (another world size and levels)."""
+        out = dict(state)
+        out.update(world_size=opt.world_size, levels=opt.levels, rank=opt.rank)
+        return out
+
+    def _share_optimizer_state(self, opt: DistributedLion, epoch: Epoch,
+                               receiving: bool) -> None:
+        """The holders' counters to every rank, and the holders' average momenta."""
+        comm = self.group.comm
+        holder = not receiving and epoch.rank in epoch.holders
+        mine = opt.state_dict() if self._state is None or not holder else \
+            self._fit(self._state, opt)
+        scalars = {"step": mine["step"], "tie_counter": mine["tie_counter"],
+                   "sync": mine["sync"], "param_groups": mine["param_groups"],
+                   "committed": self.committed}
+        raw = json.dumps(scalars).encode() if holder else b""
+        n = np.array([len(raw)], np.int64)
+        comm.allreduce(n, op="max", out=n)
+        buf = np.zeros(int(n[0]), np.uint8)
+        buf[:len(raw)] = np.frombuffer(raw, np.uint8)
+        share_state(comm, buf, epoch.holders)
+        got = json.loads(buf.tobytes().decode())
+        momenta = [np.asarray(m, np.float32) for m in mine["momentum"]]
+        flat = np.concatenate([m.reshape(-1) for m in momenta]) if momenta \
+            else np.zeros(0, np.float32)
+        if not holder:
+            flat[:] = 0
+        comm.allreduce(flat, op="sum", out=flat)
+        flat /= np.float32(len(epoch.holders))
+        pos = 0
+        shaped = []
+        for m in momenta:
+            shaped.append(flat[pos:pos + m.size].reshape(m.shape).copy())
+            pos += m.size
+        state = dict(mine)
+        state.update(momentum=shaped, step=got["step"], tie_counter=got["tie_counter"],
+                     sync=got["sync"], param_groups=got["param_groups"])
+        opt.load_state_dict(state)
+        self.committed = int(got["committed"])
