@@ -35,6 +35,10 @@ Options
     the first argument after the options is a module to run as ``python -m`` does.
 ``--no-prefix``
     copy the ranks' output lines without the ``[rank R]`` prefix.
+``--max-restarts N``
+    an elastic job (:mod:`launch.store_host`): the launcher serves the rendezvous store, a
+    rank that dies does not stop the others, and dead ranks are started again (at most N
+    times in all) to rejoin through :class:`bitcoll.elastic.ElasticGroup`.
 ``--output-ranks RANKS``
     show only these global ranks' output: a comma list of ranks and ranges, e.g. ``0`` or
     ``0,2`` or ``0-3,8``. The other ranks' stdout and stderr go to ``/dev/null``, so they never
@@ -587,7 +591,12 @@ class Launcher:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m launch`` and ``bitcoll-run``; returns the exit status."""
-    cfg = parse_args(sys.argv[1:] if argv is None else argv)
+    from .store_host import pop_max_restarts, run_elastic
+
+    restarts, args = pop_max_restarts(sys.argv[1:] if argv is None else argv)
+    cfg = parse_args(args)
+    if restarts is not None:  # elastic: the launcher serves the store (launch.store_host)
+        return run_elastic(cfg, restarts)
     launcher = Launcher(cfg)
     with launcher.supervisor.handle_signals():
         try:
