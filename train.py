@@ -1201,8 +1201,10 @@ class DDPOptimizer:
 
     def state_dict(self) -> dict[str, Any]:
         state = {"optimizer": self.opt.state_dict()}
-        if self.hook_state is not None:
-            state["hook"] = self.hook_state.state_dict()
+        if self.hook_state is not None:  # momenta as tensors (checkpoints load weights only)
+            hook = self.hook_state.state_dict()
+            hook["momentum"] = [torch.from_numpy(m) for m in hook["momentum"]]
+            state["hook"] = hook
         if self.sign_state is not None:
             errors = self.sign_state.errors
             state["errors"] = [errors.get(p) for _, p in self.named]
@@ -1211,7 +1213,9 @@ class DDPOptimizer:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.opt.load_state_dict(state["optimizer"])
         if self.hook_state is not None:
-            self.hook_state.load_state_dict(state["hook"])
+            hook = dict(state["hook"])
+            hook["momentum"] = [m.numpy() for m in hook["momentum"]]
+            self.hook_state.load_state_dict(hook)
         if self.sign_state is not None:
             for (_, p), e in zip(self.named, state["errors"], strict=True):
                 if e is not None:

@@ -380,16 +380,20 @@ def test_ddp_hook_gives_the_same_run(
         two_rank_run: tuple[subprocess.CompletedProcess[str], dict[str, Any]],
         tmp_path: Path) -> None:
     """The two-rank run again through DistributedDataParallel over gloo with the votes
-    inside backward (--hook: lioncub_hook + LionCubStep): bit-identical losses, the same
-    momentum averaging, replicas checked every 7 steps."""
+    inside backward (--hook: lioncub_hook + LionCubStep), stopped after step 10 with a
+    checkpoint and resumed (the hook's momenta and counters travel in it): bit-identical
+    losses, the same momentum averaging, replicas checked every 7 steps."""
     a = two_rank_run[1]
-    path = tmp_path / "hook.json"
-    proc = _launch([*TWO_RANKS, "--backend", "gloo", "--hook", "--check-every", "7",
-                    "--json-log", str(path)])
+    path, ckpt = tmp_path / "hook.json", tmp_path / "ckpt"
+    hook = ["--backend", "gloo", "--hook", "--check-every", "7"]
+    proc = _launch([*TWO_RANKS, *hook, "--stop-after", "10", "--save", str(ckpt)])
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "DDP over gloo with the lioncub hook" in proc.stdout
     assert "compiling kernels (first step only)" in proc.stdout
+    proc = _launch([*TWO_RANKS, *hook, "--resume", str(ckpt), "--json-log", str(path)])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
     b = json.loads(path.read_text())
+    assert b["run"]["resumed_at"] == 10
     assert b["config"]["hook"] == "lioncub" and b["config"]["backend"] == "gloo"
     assert [s["loss"] for s in a["steps"]] == [s["loss"] for s in b["steps"]]
     assert [e["val_loss"] for e in a["evals"]] == [e["val_loss"] for e in b["evals"]]
