@@ -4,7 +4,14 @@ moment of a running job, many times, and measure the recovery.
 Usage::
 
     python bench/chaos.py --size 4 --trials 20 --signal KILL --out results/elastic/chaos_kill.md
-    python bench/chaos.py --size 4 --trials 5 --signal STOP --timeout 2
+    python bench/chaos.py --size 4 --trials 5 --signal STOP --timeout 3
+    BITCOLL_MAX_RESTARTS=1 python bench/netbed.py --hosts 4 --rate 1gbit \
+        bench/chaos.py --join-bench --elements 10750000
+
+The last form measures a joiner's state transfer (:func:`join_bench`): every host's launcher
+runs an elastic job (``BITCOLL_MAX_RESTARTS``, see :mod:`launch.store_host`), rank 1 dies at
+step 2, its host's launcher starts it again and the replacement prints how long it took to
+receive the state.
 
 Each trial starts a store (this process: the launcher's role) and ``--size`` ranks (separate
 processes) that run a loop of steps: a float32 all-reduce of ``--elements`` (max of a seeded
@@ -93,6 +100,61 @@ def rank_main(rank: int, size: int, port: int, folder: str, n: int, timeout: flo
         group.close()
 
 
+def join_bench(elements: int, steps: int) -> None:
+    """A rank of ``python -m launch --max-restarts 1 bench/chaos.py --join-bench``: a
+    DistributedLion (lioncub-l1) over ``elements`` float32 parameters in ElasticLion; the
+    first incarnation of rank 1 dies at step 2; its replacement times its state transfer
+    (parameters spread over the holders, averaged momenta, counters) and prints it."""
+    from bitcoll.elastic import ElasticGroup, JobFinished
+    from lioncub.distributed import DistributedLion
+    from lioncub.elastic import ElasticLion
+
+    try:
+        group = ElasticGroup.from_env(timeout=60.0, join_check=0.05)
+    except JobFinished:
+        return
+    sizes = [elements // 4] * 3 + [elements - 3 * (elements // 4)]
+    params = [np.full(n, 0.01, np.float32) for n in sizes]
+
+    def make(comm, **kw):  # type: ignore[no-untyped-def]
+        return DistributedLion(params, comm, variant="lioncub-l1", lr=1e-3, **kw)
+
+    joiner = group.epoch.action == "receive"
+    before = group.comm.stats.snapshot()
+    t0 = time.monotonic()
+    opt = ElasticLion(group, params, make)
+    if joiner:
+        took = time.monotonic() - t0
+        got = group.comm.stats.snapshot()["bytes_received"] - before["bytes_received"]
+        state = 2 * 4 * elements
+        print(f"join: {elements} parameters, state (parameters + momenta) {state / 1e6:.1f} MB,"
+              f" received {got / 1e6:.1f} MB in {took:.3f} s, world {group.epoch.size}",
+              flush=True)
+    full = int(os.environ["WORLD_SIZE"])
+    victim = os.environ.get("RANK") == "1" and os.environ.get("BITCOLL_RESTART_COUNT") == "0"
+    rng = np.random.default_rng(int(os.environ.get("RANK", "0")))
+    grads = [rng.standard_normal(n).astype(np.float32) for n in sizes]
+    while True:
+        want = np.array([1 if opt.step_count >= steps and group.epoch.size == full else 0],
+                        np.int64)
+        try:
+            group.comm.allreduce(want, op="min", out=want)
+        except Exception:
+            opt._settle(group.recover(opt.committed), True)
+            continue
+        if want[0]:
+            break
+        if victim and opt.step_count == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+        opt.step(grads)
+    opt.opt.check_replicas()
+    group.finish()
+    if group.epoch.rank == 0:
+        print(f"done: {opt.step_count} steps, world {group.epoch.size}, replicas identical",
+              flush=True)
+    group.close()
+
+
 def trial(seed: int, size: int, position: int, sig: int, n: int, timeout: float,
           steps: int) -> dict[str, object]:
     from bitcoll.transport.store import StoreServer
@@ -172,10 +234,15 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=5.0)
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--join-bench", action="store_true",
+                    help="run as the ranks' script of a join measurement (see join_bench)")
     ap.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--folder", default="", help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.join_bench:
+        join_bench(a.elements, a.steps)
+        return
     if a.rank is not None:
         rank_main(a.rank, a.size, a.port, a.folder, a.elements, a.timeout, a.steps)
         return

@@ -48,6 +48,9 @@ __all__ = ["pop_max_restarts", "run_elastic", "ENV_ELASTIC_STORE", "ENV_RESTART_
 
 ENV_ELASTIC_STORE = "BITCOLL_ELASTIC_STORE"
 ENV_RESTART_COUNT = "BITCOLL_RESTART_COUNT"
+#: ``--max-restarts`` from the environment when the option is not given (for wrappers that
+#: start the launcher themselves, e.g. bench/netbed.py).
+ENV_MAX_RESTARTS = "BITCOLL_MAX_RESTARTS"
 #: Launcher options that take a value (the scan for --max-restarts skips their values).
 _VALUED = ("-n", "--nproc-per-node", "--nnodes", "--node-rank", "--master-addr",
            "--master-port", "--grace-period", "--output-ranks")
@@ -55,7 +58,8 @@ _VALUED = ("-n", "--nproc-per-node", "--nnodes", "--node-rank", "--master-addr",
 
 def pop_max_restarts(argv: Sequence[str]) -> tuple[int | None, list[str]]:
     """Take ``--max-restarts N`` (or ``--max-restarts=N``) out of the launcher's own options
-    (before the script); return ``(N or None, the other arguments)``. Exits with status 2
+    (before the script), else ``BITCOLL_MAX_RESTARTS`` from the environment; return ``(N or
+    None, the other arguments)``. Exits with status 2
     for a value that is not an integer >= 0."""
     args = list(argv)
     i = 0
@@ -77,6 +81,11 @@ def pop_max_restarts(argv: Sequence[str]) -> tuple[int | None, list[str]]:
                 _usage(f"--max-restarts must be an integer >= 0, got {value!r}")
             return int(value), args
         i += 2 if a in _VALUED else 1
+    env = os.environ.get(ENV_MAX_RESTARTS, "")
+    if env:
+        if not env.isdigit():
+            _usage(f"{ENV_MAX_RESTARTS} must be an integer >= 0, got {env!r}")
+        return int(env), args
     return None, args
 
 
