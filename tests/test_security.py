@@ -42,9 +42,9 @@ def _exchange(t: TCPTransport, seq: int) -> None:
     """Every rank sends its rank to every other rank and checks what it receives."""
     out = np.array([t.rank], np.int64)
     bufs = {p: np.zeros(1, np.int64) for p in range(t.size) if p != t.rank}
-    reqs = [t.irecv(p, memoryview(b).cast("B"), FrameHeader(seq, 0, SIG, 8))
+    reqs = [t.irecv(p, b.data.cast("B"), FrameHeader(seq, 0, SIG, 8))
             for p, b in bufs.items()]
-    reqs += [t.isend(p, memoryview(out).cast("B"), FrameHeader(seq, 0, SIG, 8))
+    reqs += [t.isend(p, out.data.cast("B"), FrameHeader(seq, 0, SIG, 8))
              for p in bufs]
     deadline = time.monotonic() + 60.0
     for r in reqs:
@@ -207,7 +207,7 @@ def _abort_rank(q: Any, rank: int, size: int, port: int, integrity: bool,
             os._exit(3)
         if rank == 0 and scenario != "store":
             for seq in (1, 2):
-                t.isend(victim, memoryview(buf).cast("B"),
+                t.isend(victim, buf.data.cast("B"),
                         FrameHeader(seq, 0, SIG, 8)).wait(deadline)
             if scenario == "genuine":
                 t.abort("genuine reason")
@@ -218,15 +218,15 @@ def _abort_rank(q: Any, rank: int, size: int, port: int, integrity: bool,
                     frame += b"\x5a" * FRAME_TAG_BYTES  # a tag made up without the key
                 sock.sendall(frame)
             # Wait for the victim's verdict (its own abort notice, or its end).
-            t.irecv(victim, memoryview(buf).cast("B"), FrameHeader(9, 0, SIG, 8)).wait(deadline)
+            t.irecv(victim, buf.data.cast("B"), FrameHeader(9, 0, SIG, 8)).wait(deadline)
         elif rank == victim:
             frm = 1 if scenario == "store" else 0
             seqs = (3,) if scenario == "store" else (1, 2, 3)
             for seq in seqs:
-                t.irecv(frm, memoryview(buf).cast("B"), FrameHeader(seq, 0, SIG, 8)).wait(
+                t.irecv(frm, buf.data.cast("B"), FrameHeader(seq, 0, SIG, 8)).wait(
                     deadline)
         else:  # rank 0 of the store scenario: wait for the victim's verdict
-            t.irecv(victim, memoryview(buf).cast("B"), FrameHeader(9, 0, SIG, 8)).wait(deadline)
+            t.irecv(victim, buf.data.cast("B"), FrameHeader(9, 0, SIG, 8)).wait(deadline)
         q.put((rank, None, ""))
     except BaseException as exc:
         q.put((rank, type(exc).__name__, str(exc)))
