@@ -4,6 +4,7 @@
     python3 dev.py train [train.py options]   # the main job: a 4-rank Lion Cub training run
     python3 dev.py test                        # the whole suite: lint, types, docs, tests, MPI
     python3 dev.py docs                        # build the documentation site into site/ (strict)
+    python3 dev.py bench [bench/gate.py options] # the performance regression gate
     python3 dev.py setup                       # only create or update .venv, run nothing
 
 Each command creates (or reuses) the virtual environment ``.venv`` next to this file and
@@ -88,6 +89,9 @@ def cmd_test() -> int:
                   "tests", "examples", "docs/hooks.py", "train.py", "dev.py"], 300),
         # the files mypy checks (bench/ included) are pyproject.toml's [tool.mypy] files
         ("mypy", [str(PY), "-m", "mypy"], 900),
+        # the library on the oldest Python it supports (pyproject: requires-python >= 3.10)
+        ("mypy (Python 3.10)", [str(PY), "-m", "mypy", "--python-version", "3.10", "-p",
+                                "bitcoll", "-p", "lioncub", "-p", "launch"], 900),
         ("docs (mkdocs build --strict)", _docs_cmd(), 600),
         ("pytest (single-process and TCP multi-process)",
          [str(PY), "-m", "pytest", "-q", "--color=no", "-m", "not mpi", "tests"], 2400),
@@ -115,13 +119,18 @@ def cmd_docs() -> int:
     return rc
 
 
+def cmd_bench(args: list[str]) -> int:
+    """The regression gate (bench/gate.py): the headline ratios against the stored ones."""
+    return _run([str(PY), "bench/gate.py", *args], env=_env())
+
+
 def cmd_train(args: list[str]) -> int:
     env = _env()
     return _run([str(PY), "-m", "launch", "-n", "4", "train.py", *args], env=env)
 
 
 def main() -> int:
-    if len(sys.argv) < 2 or sys.argv[1] not in ("test", "train", "docs", "setup"):
+    if len(sys.argv) < 2 or sys.argv[1] not in ("test", "train", "docs", "bench", "setup"):
         print(__doc__)
         return 2
     ensure_venv()
@@ -129,6 +138,8 @@ def main() -> int:
         return cmd_test()
     if sys.argv[1] == "train":
         return cmd_train(sys.argv[2:])
+    if sys.argv[1] == "bench":
+        return cmd_bench(sys.argv[2:])
     if sys.argv[1] == "docs":
         return cmd_docs()
     return 0  # setup: the environment is ready
