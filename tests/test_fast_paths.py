@@ -132,12 +132,15 @@ def test_mpi_native_fast_path_in_place_and_shaped() -> None:
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(120)
 def test_mpi_default_ring_fast_and_general_paths_agree() -> None:
-    """Over MPI above NATIVE_ALLREDUCE_MAX_BYTES the default is bitcoll's ring (streamed):
-    the fast path (a contiguous vector, even ranks) and the general path (a strided view, odd
-    ranks) pair up, as do a forced "ring", a given ``out`` and an in-place call; integers are
-    exactly the seeded reduction, floats the same bits on every rank and path."""
+    """Over MPI above NATIVE_ALLREDUCE_MAX_BYTES the default is bitcoll's algorithm the
+    planner picks (the ring, streamed, or recursive doubling): the fast path (a contiguous
+    vector, even ranks) and the general path (a strided view, odd ranks) pair up, as do that
+    algorithm forced, a given ``out`` and an in-place call; integers are exactly the seeded
+    reduction, floats the same bits on every rank and path."""
     with bitcoll.init("mpi", timeout=60) as comm:
         n = NATIVE_ALLREDUCE_MAX_BYTES // 4 + 9
+        algo = choose("allreduce", comm.cost_model, comm.plan_group, Call(nbytes=4 * n))
+        assert algo in ("ring", "recursive_doubling")
         for dtype in ("int32", "float32"):
             rows = [_mpi_ranks_data(r, n, dtype) for r in range(comm.size)]
             for op in ("sum", "max", "avg"):
@@ -148,7 +151,7 @@ def test_mpi_default_ring_fast_and_general_paths_agree() -> None:
                 comm.stats.reset()
                 y = comm.allreduce(x, op=op)
                 assert comm.stats.snapshot()["messages_sent"] > 0  # bitcoll's frames
-                forced = comm.allreduce(mine.copy(), op=op, algorithm="ring")
+                forced = comm.allreduce(mine.copy(), op=op, algorithm=algo)
                 out = np.empty((1, n), dtype)
                 assert comm.allreduce(mine.reshape(n, 1), op=op, out=out) is out
                 inplace = mine.copy()
