@@ -444,16 +444,38 @@ class DistributedLion:
             per_group.append(Hyper.of(group["lr"], b1, b2, group["weight_decay"]))
         return [per_group[g] for g in self._group_of]
 
-    def _tie_for(self, bucket: int) -> str:
+    # ------------------------------------------------------------------ the strategies' view
+    # (lioncub.step_view.StepView: what a strategy, or a front end driving one, reads of the
+    # core during a step)
+    def tie_for(self, bucket: int) -> str:
+        """The tie rule bitcoll's majority uses for bucket ``bucket`` at this step:
+        "positive" / "negative" (``tie="alternate"``: alternating with the tie counter and
+        the bucket index; or the fixed rule), "alternate" for ``tie="elementwise"``."""
         if self.tie == "alternate":
             return "positive" if (self._tie_counter + bucket) % 2 == 0 else "negative"
         if self.tie == "elementwise":
             return "alternate"
         return self.tie
 
-    def _non_finite(self, i: int) -> UsageError:
-        return UsageError(f"non-finite value in the gradient (or momentum) of parameter {i} "
-                          f"({self.names[i]}) on rank {self.rank}")
+    def non_finite(self, index: int) -> UsageError:
+        """The UsageError for a non-finite gradient (or momentum) of parameter ``index`` on
+        this rank (names the parameter and the rank)."""
+        return UsageError(f"non-finite value in the gradient (or momentum) of parameter "
+                          f"{index} ({self.names[index]}) on rank {self.rank}")
+
+    def flat_param(self, index: int) -> F32:
+        """Parameter ``index`` as a flat float32 view of its memory."""
+        return self._flat[index]
+
+    def flat_momentum(self, index: int) -> F32:
+        """This rank's momentum of parameter ``index``, a flat float32 view of its bucket's
+        momentum buffer."""
+        return self._mom[index]
+
+    def slot_of(self, index: int) -> tuple[int, Slot] | None:
+        """Where parameter ``index`` lies: ``(bucket index, its slot)``, None for an empty
+        parameter (in no bucket)."""
+        return self._place[index]
 
     def _prepare(self, bucket: Bucket, buf: Buffers, grads: list[F32 | None],
                  hypers: list[Hyper]) -> None:
@@ -631,12 +653,15 @@ class DistributedLion:
         return hypers, before, time.perf_counter()
 
     def end_step(self, sums: Mapping[int, int], before: Mapping[str, int],
-                 start: float) -> None:
+                 start: float, comm_seconds: float | None = None) -> None:
         """The end of a step, the same for every variant (collective when the momentum
         schedule selects tensors): count the step, advance the tie counter, average the
         momenta the schedule selects and set :attr:`last_stats`. ``sums``: the exact vote
         sums ``sum |total|`` per parameter index (variants that yield sums); ``before`` and
-        ``start``: from :meth:`begin_step`."""
+        ``start``: from :meth:`begin_step`; ``comm_seconds``: the seconds the step waited
+        for its collectives, when a front end ran them (None: the core's own count)."""
+        if comm_seconds is not None:
+            self._comm_seconds = comm_seconds
         self._step += 1
         if self.strategy.breaks_ties:
             self._tie_counter += 1

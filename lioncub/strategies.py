@@ -50,8 +50,10 @@ Adding a variant: subclass :class:`VariantStrategy` (usually reusing :meth:`dire
 rank before constructing the optimizer. The torch engine runs a variant only if its class also
 has a torch counterpart (:mod:`lioncub.torch_strategies`).
 
-Strategies hold no per-step state; the core passes itself (its communicator, momenta, flat
-parameter views, levels and tie rule) to every hook. This module does not import torch.
+Strategies hold no per-step state; the core passes itself to every hook, as the narrow
+:class:`lioncub.step_view.StepView` (its communicator, world size, levels, flat parameter
+views, momenta, tie rule and non-finite error): a strategy needs nothing else of the core and
+can be driven by any object that has those members. This module does not import torch.
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 import numpy.typing as npt
@@ -72,10 +74,7 @@ from .buckets import Bucket, Slot
 from .comm import WorkLike
 from .lion import Hyper
 from .quantize import METHODS, multiplier, tensor_scale
-
-if TYPE_CHECKING:
-    from .distributed import DistributedLion
-    from .variants import VariantSpec
+from .step_view import SpecView, StepView
 
 __all__ = ["Buffers", "VariantStrategy", "GlobalAverage", "MajorityVote", "ExactSum",
            "SignSum", "SignMean", "QuantizedSum"]
@@ -123,7 +122,7 @@ class VariantStrategy(ABC):
     #: dtype of :attr:`Buffers.s`.
     result_dtype: ClassVar[type[np.integer[Any]]] = np.int16
 
-    def __init__(self, spec: VariantSpec) -> None:
+    def __init__(self, spec: SpecView) -> None:
         self.spec = spec
 
     # ------------------------------------------------------------------ hooks
@@ -133,25 +132,25 @@ class VariantStrategy(ABC):
         return Buffers(np.zeros(size, np.float32), None, np.zeros(size, self.result_dtype))
 
     @abstractmethod
-    def prepare(self, core: DistributedLion, bucket: Bucket, buf: Buffers,
+    def prepare(self, core: StepView, bucket: Bucket, buf: Buffers,
                 grads: Sequence[F32 | None], hypers: Sequence[Hyper]) -> None:
         """This rank's contribution of ``bucket`` into ``buf`` (``grads`` and ``hypers``:
         one entry per parameter, flat float32 gradients or None for a zero gradient).
-        Raises the core's non-finite UsageError (:meth:`DistributedLion._non_finite`) for a
-        non-finite value."""
+        Raises the core's non-finite UsageError
+        (:meth:`~lioncub.step_view.StepView.non_finite`) for a non-finite value."""
 
     @abstractmethod
-    def start(self, core: DistributedLion, bucket: Bucket, buf: Buffers) -> WorkLike:
+    def start(self, core: StepView, bucket: Bucket, buf: Buffers) -> WorkLike:
         """Start the bucket's collective on ``core.comm`` (``async_op=True``) over the first
         ``bucket.size`` elements of ``buf``; return its Work."""
 
     @abstractmethod
-    def finish(self, core: DistributedLion, bucket: Bucket, buf: Buffers,
+    def finish(self, core: StepView, bucket: Bucket, buf: Buffers,
                hypers: Sequence[Hyper], sums: dict[int, int]) -> None:
         """Apply the completed collective's result in ``buf`` to the bucket's parameters;
         with :attr:`yields_sums`, set ``sums[index]`` of every parameter of the bucket."""
 
-    def update(self, core: DistributedLion, bucket: Bucket, buf: Buffers,
+    def update(self, core: StepView, bucket: Bucket, buf: Buffers,
                hypers: Sequence[Hyper], out: F32, sums: dict[int, int]) -> None:
         """Like :meth:`finish`, but write the update direction ``u`` of the bucket's
         elements into ``out`` (float32, bucket coordinates) instead of changing the
@@ -163,23 +162,23 @@ class VariantStrategy(ABC):
 
     # ------------------------------------------------------------------ helpers
     @staticmethod
-    def direction(core: DistributedLion, s: Slot, out: F32, grads: Sequence[F32 | None],
+    def direction(core: StepView, s: Slot, out: F32, grads: Sequence[F32 | None],
                   hypers: Sequence[Hyper]) -> tuple[float, float]:
         """``out = beta1 m + (1 - beta1) g`` for slot ``s`` (``out``: its part of a flat
         buffer) with this rank's momentum ``m``, advanced to ``beta2 m + (1 - beta2) g``;
         returns ``(sum |out|, max |out|)``. UsageError for a non-finite value."""
         h = hypers[s.index]
-        total, amax = kernels.direction_with_max(core._mom[s.index], grads[s.index], out,
-                                                 h.b1, h.a1, h.b2, h.a2)
+        total, amax = kernels.direction_with_max(core.flat_momentum(s.index), grads[s.index],
+                                                 out, h.b1, h.a1, h.b2, h.a2)
         if not math.isfinite(total):
-            raise core._non_finite(s.index)
+            raise core.non_finite(s.index)
         return total, amax
 
     @staticmethod
-    def apply_signs(core: DistributedLion, s: Slot, votes: Array, h: Hyper) -> int:
+    def apply_signs(core: StepView, s: Slot, votes: Array, h: Hyper) -> int:
         """``p = p * decay - lr * sign(votes)`` for slot ``s`` (``votes``: its part of an
         integer result); returns ``sum |votes|``."""
-        return kernels.apply_sign(core._flat[s.index], votes, h.lr, h.decay)
+        return kernels.apply_sign(core.flat_param(s.index), votes, h.lr, h.decay)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.spec.name}>"
@@ -191,7 +190,7 @@ class GlobalAverage(VariantStrategy):
     kind = "global"
     local_momentum = False
 
-    def prepare(self, core: DistributedLion, bucket: Bucket, buf: Buffers,
+    def prepare(self, core: StepView, bucket: Bucket, buf: Buffers,
                 grads: Sequence[F32 | None], hypers: Sequence[Hyper]) -> None:
         for s in bucket.slots:
             g = grads[s.index]
@@ -199,36 +198,36 @@ class GlobalAverage(VariantStrategy):
             if g is None:
                 f.fill(0.0)
             elif not kernels.copy_checked(g, f):
-                raise core._non_finite(s.index)
+                raise core.non_finite(s.index)
 
-    def start(self, core: DistributedLion, bucket: Bucket, buf: Buffers) -> WorkLike:
+    def start(self, core: StepView, bucket: Bucket, buf: Buffers) -> WorkLike:
         n = bucket.size
         return core.comm.allreduce(buf.f[:n], op="avg", out=buf.f[:n], async_op=True)
 
-    def finish(self, core: DistributedLion, bucket: Bucket, buf: Buffers,
+    def finish(self, core: StepView, bucket: Bucket, buf: Buffers,
                hypers: Sequence[Hyper], sums: dict[int, int]) -> None:
         for s in bucket.slots:
             i = s.index
             h = hypers[i]
-            kernels.lion_step(core._flat[i], buf.f[s.offset:s.stop], core._mom[i], h.lr,
-                              h.decay, h.b1, h.a1, h.b2, h.a2)
+            kernels.lion_step(core.flat_param(i), buf.f[s.offset:s.stop],
+                              core.flat_momentum(i), h.lr, h.decay, h.b1, h.a1, h.b2, h.a2)
 
-    def update(self, core: DistributedLion, bucket: Bucket, buf: Buffers,
+    def update(self, core: StepView, bucket: Bucket, buf: Buffers,
                hypers: Sequence[Hyper], out: F32, sums: dict[int, int]) -> None:
         """``u = sign(beta1 m + (1 - beta1) mean_g)``, the shared momentum advanced (the
         arithmetic of :func:`lioncub.kernels.lion_step`)."""
         for s in bucket.slots:
             h = hypers[s.index]
             u = out[s.offset:s.stop]
-            kernels.direction(core._mom[s.index], buf.f[s.offset:s.stop], u, h.b1, h.a1,
-                              h.b2, h.a2)
+            kernels.direction(core.flat_momentum(s.index), buf.f[s.offset:s.stop], u, h.b1,
+                              h.a1, h.b2, h.a2)
             np.sign(u, out=u)
 
 
 class _LocalDirections(VariantStrategy):
     """The local-momentum variants' :meth:`prepare`: ``c`` of every slot into ``buf.f``."""
 
-    def prepare(self, core: DistributedLion, bucket: Bucket, buf: Buffers,
+    def prepare(self, core: StepView, bucket: Bucket, buf: Buffers,
                 grads: Sequence[F32 | None], hypers: Sequence[Hyper]) -> None:
         for s in bucket.slots:
             self.direction(core, s, buf.f[s.offset:s.stop], grads, hypers)
@@ -242,18 +241,18 @@ class MajorityVote(_LocalDirections):
     breaks_ties = True
     result_dtype = np.int8
 
-    def start(self, core: DistributedLion, bucket: Bucket, buf: Buffers) -> WorkLike:
+    def start(self, core: StepView, bucket: Bucket, buf: Buffers) -> WorkLike:
         n = bucket.size
         return core.comm.sign_allreduce(buf.f[:n], op="majority",
-                                        tie=core._tie_for(bucket.index), out=buf.s[:n],
+                                        tie=core.tie_for(bucket.index), out=buf.s[:n],
                                         async_op=True, algorithm=self.spec.algorithm)
 
-    def finish(self, core: DistributedLion, bucket: Bucket, buf: Buffers,
+    def finish(self, core: StepView, bucket: Bucket, buf: Buffers,
                hypers: Sequence[Hyper], sums: dict[int, int]) -> None:
         for s in bucket.slots:
             self.apply_signs(core, s, buf.s[s.offset:s.stop], hypers[s.index])
 
-    def update(self, core: DistributedLion, bucket: Bucket, buf: Buffers,
+    def update(self, core: StepView, bucket: Bucket, buf: Buffers,
                hypers: Sequence[Hyper], out: F32, sums: dict[int, int]) -> None:
         """``u = majority`` (+-1)."""
         n = bucket.size
@@ -266,12 +265,12 @@ class ExactSum(_LocalDirections):
 
     yields_sums = True
 
-    def finish(self, core: DistributedLion, bucket: Bucket, buf: Buffers,
+    def finish(self, core: StepView, bucket: Bucket, buf: Buffers,
                hypers: Sequence[Hyper], sums: dict[int, int]) -> None:
         for s in bucket.slots:
             sums[s.index] = self.apply_signs(core, s, buf.s[s.offset:s.stop], hypers[s.index])
 
-    def update(self, core: DistributedLion, bucket: Bucket, buf: Buffers,
+    def update(self, core: StepView, bucket: Bucket, buf: Buffers,
                hypers: Sequence[Hyper], out: F32, sums: dict[int, int]) -> None:
         """``u = sign(sum)``."""
         for s in bucket.slots:
@@ -285,7 +284,7 @@ class SignSum(ExactSum):
 
     kind = "sign-sum"
 
-    def start(self, core: DistributedLion, bucket: Bucket, buf: Buffers) -> WorkLike:
+    def start(self, core: StepView, bucket: Bucket, buf: Buffers) -> WorkLike:
         n = bucket.size
         return core.comm.sign_allreduce(buf.f[:n], op="sum", out=buf.s[:n], async_op=True,
                                         algorithm=self.spec.algorithm)
@@ -296,15 +295,15 @@ class SignMean(SignSum):
 
     kind = "mean"
 
-    def finish(self, core: DistributedLion, bucket: Bucket, buf: Buffers,
+    def finish(self, core: StepView, bucket: Bucket, buf: Buffers,
                hypers: Sequence[Hyper], sums: dict[int, int]) -> None:
         p = kernels.f32(core.world_size)
         for s in bucket.slots:
             h = hypers[s.index]
-            sums[s.index] = kernels.apply_mean(core._flat[s.index], buf.s[s.offset:s.stop],
-                                               h.lr, h.decay, p)
+            sums[s.index] = kernels.apply_mean(core.flat_param(s.index),
+                                               buf.s[s.offset:s.stop], h.lr, h.decay, p)
 
-    def update(self, core: DistributedLion, bucket: Bucket, buf: Buffers,
+    def update(self, core: StepView, bucket: Bucket, buf: Buffers,
                hypers: Sequence[Hyper], out: F32, sums: dict[int, int]) -> None:
         """``u = sum / p`` (float32, correctly rounded, as :func:`kernels.apply_mean`)."""
         p = kernels.f32(core.world_size)
@@ -324,7 +323,7 @@ class QuantizedSum(ExactSum):
     kind = "quantized"
     uses_levels = True
 
-    def __init__(self, spec: VariantSpec) -> None:
+    def __init__(self, spec: SpecView) -> None:
         super().__init__(spec)
         if spec.method not in METHODS or spec.method == "sign":
             raise UsageError(f"variant {spec.name!r}: method must be one of "
@@ -336,7 +335,7 @@ class QuantizedSum(ExactSum):
         return Buffers(np.zeros(size, np.float32), np.zeros(size, np.int8),
                        np.zeros(size, np.int16))
 
-    def prepare(self, core: DistributedLion, bucket: Bucket, buf: Buffers,
+    def prepare(self, core: StepView, bucket: Bucket, buf: Buffers,
                 grads: Sequence[F32 | None], hypers: Sequence[Hyper]) -> None:
         assert buf.q is not None
         for s in bucket.slots:
@@ -350,7 +349,7 @@ class QuantizedSum(ExactSum):
             else:
                 kernels.quantize_scaled(f, mult, core.levels, q)
 
-    def start(self, core: DistributedLion, bucket: Bucket, buf: Buffers) -> WorkLike:
+    def start(self, core: StepView, bucket: Bucket, buf: Buffers) -> WorkLike:
         n = bucket.size
         assert buf.q is not None
         return core.comm.quantized_allreduce(buf.q[:n], core.levels, out=buf.s[:n],

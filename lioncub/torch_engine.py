@@ -277,7 +277,7 @@ class TorchEngine(DistributedLion):
                                                        device=dev)))
         return self._stages[k]
 
-    def _scratch64(self, n: int) -> torch.Tensor:
+    def scratch64(self, n: int) -> torch.Tensor:
         if self._f64 is None or self._f64.numel() < n:
             size = max((b.size for b in self.buckets), default=0)
             self._f64 = torch.zeros(size, dtype=torch.float64, device=self.device)
@@ -313,13 +313,13 @@ class TorchEngine(DistributedLion):
             raise UsageError(f"got {len(grads)} gradients for {len(self.params)} parameters")
         return [self._check_grad(i, g) for i, g in enumerate(grads)]
 
-    def _tiles(self, size: int) -> list[tuple[int, int]]:
+    def tiles(self, size: int) -> list[tuple[int, int]]:
         """``[start, stop)`` ranges of at most :attr:`tile` elements covering ``[0, size)``
         in order (one range on a GPU, where a pass covers the whole tensor)."""
         step = self.tile if self.tile > 0 else max(size, 1)
         return [(a, min(size, a + step)) for a in range(0, size, step)]
 
-    def _direction(self, s: Slot, c: torch.Tensor, t: torch.Tensor,
+    def direction(self, s: Slot, c: torch.Tensor, t: torch.Tensor,
                    g: torch.Tensor | None, h: Hyper,
                    each: Callable[[int, torch.Tensor, torch.Tensor | None,
                                    torch.Tensor | None], None] | None = None,
@@ -338,7 +338,7 @@ class TorchEngine(DistributedLion):
         low = m.dtype != torch.float32
         if g is not None and g.dtype != torch.float32:
             g = g.float()  # products in float32, not rounded to the gradient's dtype first
-        for a, b in self._tiles(s.size):
+        for a, b in self.tiles(s.size):
             mt, ct, tt = m[a:b], c[a:b] if keep else c[:b - a], t[:b - a]
             mf = mt.float() if low else mt
             torch.mul(mf, b1, out=ct)
@@ -361,17 +361,21 @@ class TorchEngine(DistributedLion):
             if each is not None:
                 each(a, ct, lo, hi)
 
-    def _sync(self) -> None:
+    def flat_tensor(self, index: int) -> torch.Tensor:
+        """Parameter ``index`` as a flat view of its tensor (its own dtype and device)."""
+        return self._tflat[index]
+
+    def sync_device(self) -> None:
         """Wait for the work queued on the device (CUDA: its current stream)."""
         if self.device is not None and self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
 
-    def _first_bad(self, bucket: Bucket, c: torch.Tensor) -> UsageError:
+    def first_bad(self, bucket: Bucket, c: torch.Tensor) -> UsageError:
         """The error naming the first parameter of ``bucket`` whose ``c`` is not finite."""
         for s in bucket.slots:
             if not bool(torch.isfinite(c[s.offset:s.stop]).all()):
-                return self._non_finite(s.index)
-        return self._non_finite(bucket.slots[0].index)
+                return self.non_finite(s.index)
+        return self.non_finite(bucket.slots[0].index)
 
     def _prepare(self, bucket: Bucket, buf: Stage, grads: list[Any],  # type: ignore[override]
                  hypers: list[Hyper]) -> None:
@@ -384,7 +388,7 @@ class TorchEngine(DistributedLion):
         if strategy.checks_finite():
             strategy.contribute(self, bucket, buf, grads, hypers)
             self._device_to_host += strategy.encode(self, bucket, buf, None, None)
-            self._sync()
+            self.sync_device()
             return
         self._extrema, self._extrema_of, self._covered = [], [], 0
         tiles: torch.Tensor | None = None  # the tiles' extrema when they cover the bucket
@@ -400,15 +404,15 @@ class TorchEngine(DistributedLion):
         finally:
             self._extrema = None
         nb = strategy.encode(self, bucket, buf, lo, hi)
-        self._sync()
+        self.sync_device()
         self._device_to_host += nb
         if not (math.isfinite(float(lo)) and math.isfinite(float(hi))):
             if tiles is None:
-                raise self._first_bad(bucket, c)
+                raise self.first_bad(bucket, c)
             for index, a, b in zip(owners, *tiles.tolist(), strict=True):
                 if not (math.isfinite(a) and math.isfinite(b)):
-                    raise self._non_finite(index)
-            raise self._non_finite(bucket.slots[0].index)
+                    raise self.non_finite(index)
+            raise self.non_finite(bucket.slots[0].index)
 
     def _start(self, bucket: Bucket, buf: Stage) -> Any:  # type: ignore[override]
         """Start the bucket's collective on the host buffers (the device strategy's, async);
@@ -428,7 +432,7 @@ class TorchEngine(DistributedLion):
         self._host_to_device += self.device_strategy.fetch(self, bucket, buf)
         self.device_strategy.apply(self, bucket, buf, hypers, sums)
 
-    def _apply(self, s: Slot, u: torch.Tensor, h: Hyper, start: int = 0) -> None:
+    def apply_update(self, s: Slot, u: torch.Tensor, h: Hyper, start: int = 0) -> None:
         """``p = p*decay - lr*u`` for ``u`` in {-1, 0, 1} (any real dtype; ``lr*u`` is
         exact; ``p*1`` is ``p``, so a decay of 1 skips the product), tile by tile; ``u``
         holds elements ``[start, start + u.numel())`` of the parameter. A ``u`` other than
@@ -437,16 +441,16 @@ class TorchEngine(DistributedLion):
         p = self._tflat[s.index][start:start + u.numel()]
         decay, lr = float(h.decay), float(h.lr)
         wide = u.dtype != torch.float32
-        for a, b in self._tiles(u.numel()):
+        for a, b in self.tiles(u.numel()):
             pt, ut = p[a:b], u[a:b]
             if wide:
-                ut = self._scratch32(b - a).copy_(ut)
+                ut = self.scratch32(b - a).copy_(ut)
             if decay != 1.0:
                 pt.mul_(decay)
             pt.sub_(ut, alpha=lr)
 
-    def _scratch32(self, n: int) -> torch.Tensor:
-        """Float32 scratch of ``n`` elements (grown when asked for more), for :meth:`_apply`
+    def scratch32(self, n: int) -> torch.Tensor:
+        """Float32 scratch of ``n`` elements (grown when asked for more), for :meth:`apply_update`
         and the strategies' updates."""
         if self._f32 is None or self._f32.numel() < n:
             self._f32 = torch.zeros(max(n, self.tile), dtype=torch.float32, device=self.device)

@@ -23,13 +23,14 @@ bucket, in this order:
 
 The variants' flags (``local_momentum``, ``yields_sums``, ...) stay the numpy strategy's
 (:attr:`TorchStrategy.base`). Arithmetic matches the numpy strategies bit for bit (see
-:mod:`lioncub.torch_engine`). Besides ``engine.comm``, ``engine.levels`` and
-``engine.world_size``, a counterpart uses the engine's device helpers: ``_direction`` (Lion's
-``c`` and momentum step of one slot, tile by tile, with ``each=`` called on every tile while
-it is in the cache), ``_apply`` (``p = p * decay - lr * u`` of one slot or part of one),
-``_tiles`` and ``tile`` (the tiles of the element-wise passes),
-``_tie_for`` (the tie rule of a bucket), ``_tflat`` (flat parameter views), ``_scratch64``,
-``_sync`` and ``_first_bad``.
+:mod:`lioncub.torch_engine`). A counterpart sees the engine as the narrow
+:class:`lioncub.step_view.TorchStepView`: ``comm``, ``levels``, ``world_size``, ``packing``
+and ``tile``, and the engine's device helpers ``direction`` (Lion's ``c`` and momentum step of
+one slot, tile by tile, with ``each=`` called on every tile while it is in the cache),
+``apply_update`` (``p = p * decay - lr * u`` of one slot or part of one), ``tiles`` (the tiles
+of the element-wise passes), ``tie_for`` (the tie rule of a bucket), ``flat_tensor`` (a flat
+parameter view), ``scratch32``, ``scratch64``, ``sync_device``, ``non_finite`` and
+``first_bad``.
 
 Adding the torch side of a new variant: subclass :class:`TorchStrategy` and add one line,
 ``TORCH_STRATEGIES[MyStrategy] = MyTorchStrategy``, on every rank.
@@ -42,7 +43,7 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -55,6 +56,7 @@ from .buckets import Bucket, Slot
 from .comm import WorkLike
 from .lion import Hyper
 from .quantize import multiplier
+from .step_view import TorchStepView
 from .strategies import (
     GlobalAverage,
     MajorityVote,
@@ -63,9 +65,6 @@ from .strategies import (
     SignSum,
     VariantStrategy,
 )
-
-if TYPE_CHECKING:
-    from .torch_engine import TorchEngine
 
 __all__ = ["Stage", "StageSizes", "TorchStrategy", "TorchGlobalAverage", "TorchMajorityVote",
            "TorchExactSum", "TorchSignSum", "TorchSignMean", "TorchQuantizedSum",
@@ -179,30 +178,30 @@ class TorchStrategy(ABC):
         self.base = base
 
     @abstractmethod
-    def stage_sizes(self, engine: TorchEngine, size: int) -> StageSizes:
+    def stage_sizes(self, engine: TorchStepView, size: int) -> StageSizes:
         """The buffer sizes of a stage for buckets of at most ``size`` elements."""
 
-    def contribute(self, engine: TorchEngine, bucket: Bucket, buf: Stage,
+    def contribute(self, engine: TorchStepView, bucket: Bucket, buf: Stage,
                    grads: Sequence[torch.Tensor | None], hypers: Sequence[Hyper]) -> None:
         """``buf.c[s.offset:s.stop] = beta1 m + (1 - beta1) g`` of every slot, this rank's
         momentum advanced (``grads``: flat tensors or None, one per parameter)."""
         for s in bucket.slots:
-            engine._direction(s, buf.c[s.offset:s.stop], buf.t[s.offset:s.stop],
+            engine.direction(s, buf.c[s.offset:s.stop], buf.t[s.offset:s.stop],
                               grads[s.index], hypers[s.index])
 
-    def contribution(self, engine: TorchEngine, buf: Stage) -> torch.Tensor:
+    def contribution(self, engine: TorchStepView, buf: Stage) -> torch.Tensor:
         """Where :meth:`contribute` leaves ``c`` (float32, bucket coordinates; the engine's
         finiteness check reads it): ``buf.c`` by default."""
         return buf.c
 
     def checks_finite(self) -> bool:
-        """Whether :meth:`encode` itself raises the engine's ``_non_finite`` error for the
+        """Whether :meth:`encode` itself raises the engine's ``non_finite`` error for the
         first parameter whose ``c`` is not finite (before anything is sent); then the engine
         records no extrema (one pass less per tile) and passes None as ``lo`` and ``hi``."""
         return False
 
     @abstractmethod
-    def encode(self, engine: TorchEngine, bucket: Bucket, buf: Stage,
+    def encode(self, engine: TorchStepView, bucket: Bucket, buf: Stage,
                lo: torch.Tensor | None, hi: torch.Tensor | None) -> int:
         """Encode ``buf.c[:bucket.size]`` (its minimum ``lo`` and maximum ``hi``, 0-d device
         tensors, or None when :meth:`checks_finite`) into ``buf.host_in`` (the copy may be
@@ -210,15 +209,15 @@ class TorchStrategy(ABC):
         the host."""
 
     @abstractmethod
-    def start(self, engine: TorchEngine, bucket: Bucket, buf: Stage) -> WorkLike:
+    def start(self, engine: TorchStepView, bucket: Bucket, buf: Stage) -> WorkLike:
         """Start the bucket's collective on the host buffers (``async_op=True``)."""
 
     @abstractmethod
-    def fetch(self, engine: TorchEngine, bucket: Bucket, buf: Stage) -> int:
+    def fetch(self, engine: TorchStepView, bucket: Bucket, buf: Stage) -> int:
         """Copy the completed collective's result to the device; return its bytes."""
 
     @abstractmethod
-    def apply(self, engine: TorchEngine, bucket: Bucket, buf: Stage,
+    def apply(self, engine: TorchStepView, bucket: Bucket, buf: Stage,
               hypers: Sequence[Hyper], sums: dict[int, int]) -> None:
         """Update the bucket's parameters from the fetched result (set ``sums`` of every
         parameter of the bucket when ``base.yields_sums``)."""
@@ -233,14 +232,14 @@ class TorchGlobalAverage(TorchStrategy):
     (``engine.packing == "host"``) the gradients are copied straight into the stage's host
     buffer and the average is used where it lies (nothing crosses, no copies back)."""
 
-    def stage_sizes(self, engine: TorchEngine, size: int) -> StageSizes:
+    def stage_sizes(self, engine: TorchStepView, size: int) -> StageSizes:
         padded = tl.padded(size)
         return StageSizes(4 * padded, 0, 0, 0, padded)
 
-    def contribution(self, engine: TorchEngine, buf: Stage) -> torch.Tensor:
+    def contribution(self, engine: TorchStepView, buf: Stage) -> torch.Tensor:
         return buf.host_in.view(torch.float32) if engine.packing == "host" else buf.c
 
-    def contribute(self, engine: TorchEngine, bucket: Bucket, buf: Stage,
+    def contribute(self, engine: TorchStepView, bucket: Bucket, buf: Stage,
                    grads: Sequence[torch.Tensor | None], hypers: Sequence[Hyper]) -> None:
         c = self.contribution(engine, buf)
         for s in bucket.slots:
@@ -250,7 +249,7 @@ class TorchGlobalAverage(TorchStrategy):
             else:
                 c[s.offset:s.stop].copy_(g)
 
-    def encode(self, engine: TorchEngine, bucket: Bucket, buf: Stage,
+    def encode(self, engine: TorchStepView, bucket: Bucket, buf: Stage,
                lo: torch.Tensor | None, hi: torch.Tensor | None) -> int:
         if engine.packing == "host":
             return 0
@@ -258,25 +257,25 @@ class TorchGlobalAverage(TorchStrategy):
         buf.host_in[:nb].view(torch.float32).copy_(buf.c[:bucket.size], non_blocking=True)
         return nb
 
-    def start(self, engine: TorchEngine, bucket: Bucket, buf: Stage) -> WorkLike:
+    def start(self, engine: TorchStepView, bucket: Bucket, buf: Stage) -> WorkLike:
         host = buf.host_in[:4 * bucket.size].view(torch.float32).numpy()
         return engine.comm.allreduce(host, op="avg", out=host, async_op=True)
 
-    def fetch(self, engine: TorchEngine, bucket: Bucket, buf: Stage) -> int:
+    def fetch(self, engine: TorchStepView, bucket: Bucket, buf: Stage) -> int:
         if engine.packing == "host":
             return 0
         n = bucket.size
         buf.c[:n].copy_(buf.host_in[:4 * n].view(torch.float32), non_blocking=True)
         return 4 * n
 
-    def apply(self, engine: TorchEngine, bucket: Bucket, buf: Stage,
+    def apply(self, engine: TorchStepView, bucket: Bucket, buf: Stage,
               hypers: Sequence[Hyper], sums: dict[int, int]) -> None:
         c = self.contribution(engine, buf)
         for s in bucket.slots:
             h = hypers[s.index]
             u = buf.t[s.offset:s.stop]
-            engine._direction(s, u, buf.t2[s.offset:s.stop], c[s.offset:s.stop], h)
-            engine._apply(s, u.sign_(), h)
+            engine.direction(s, u, buf.t2[s.offset:s.stop], c[s.offset:s.stop], h)
+            engine.apply_update(s, u.sign_(), h)
 
 
 class _Packed(TorchStrategy):
@@ -297,34 +296,34 @@ class _Packed(TorchStrategy):
     """
 
     @abstractmethod
-    def widths(self, engine: TorchEngine) -> tuple[int, int]:
+    def widths(self, engine: TorchStepView) -> tuple[int, int]:
         """Bits per element of the packed votes and of the packed result."""
 
     @abstractmethod
-    def fields(self, engine: TorchEngine, bucket: Bucket, buf: Stage,
+    def fields(self, engine: TorchStepView, bucket: Bucket, buf: Stage,
                lo: torch.Tensor | None, hi: torch.Tensor | None) -> None:
         """This rank's votes into ``buf.fields[:bucket.size]``, one unsigned field value per
         byte ("device" packing); "host" packing: whatever :meth:`start_host` reads into
         ``buf.host_in``."""
 
     @abstractmethod
-    def start_packed(self, engine: TorchEngine, bucket: Bucket, votes: np.ndarray[Any, Any],
+    def start_packed(self, engine: TorchStepView, bucket: Bucket, votes: np.ndarray[Any, Any],
                      result: np.ndarray[Any, Any]) -> WorkLike:
         """bitcoll's packed collective from the packed ``votes`` into the packed ``result``
         (host arrays, ``async_op=True``)."""
 
     @abstractmethod
-    def start_host(self, engine: TorchEngine, bucket: Bucket, buf: Stage,
+    def start_host(self, engine: TorchStepView, bucket: Bucket, buf: Stage,
                    result: np.ndarray[Any, Any]) -> WorkLike:
         """"host" packing: bitcoll's collective from ``buf.host_in`` into ``result`` (one
         integer of :meth:`result_dtype` per element; ``async_op=True``)."""
 
-    def result_dtype(self, engine: TorchEngine) -> torch.dtype:
+    def result_dtype(self, engine: TorchStepView) -> torch.dtype:
         """"host" packing: the dtype of one result element (int8 when the widest result
         field has at most 8 bits, else int16)."""
         return torch.int8 if self.widths(engine)[1] <= 8 else torch.int16
 
-    def host_in_bytes(self, engine: TorchEngine, size: int) -> int:
+    def host_in_bytes(self, engine: TorchStepView, size: int) -> int:
         """"host" packing: bytes of ``host_in`` for buckets of at most ``size`` elements
         (default: ``c`` in float32)."""
         return 4 * tl.padded(size)
@@ -334,7 +333,7 @@ class _Packed(TorchStrategy):
         variants hand it to bitcoll, which takes the signs)."""
         return buf.host_in.view(torch.float32)
 
-    def stage_sizes(self, engine: TorchEngine, size: int) -> StageSizes:
+    def stage_sizes(self, engine: TorchStepView, size: int) -> StageSizes:
         if engine.packing == "host":
             item = torch.empty(0, dtype=self.result_dtype(engine)).element_size()
             return StageSizes(self.host_in_bytes(engine, size), item * tl.padded(size), 0, 0,
@@ -343,7 +342,7 @@ class _Packed(TorchStrategy):
         n_in, n_out = tl.nbytes(size, w_in), tl.nbytes(size, w_out)
         return StageSizes(n_in, n_out, n_in, n_out, 0)
 
-    def encode(self, engine: TorchEngine, bucket: Bucket, buf: Stage,
+    def encode(self, engine: TorchStepView, bucket: Bucket, buf: Stage,
                lo: torch.Tensor | None, hi: torch.Tensor | None) -> int:
         n = bucket.size
         self.fields(engine, bucket, buf, lo, hi)
@@ -357,7 +356,7 @@ class _Packed(TorchStrategy):
         buf.host_in[:nb].copy_(buf.dev_in[:nb], non_blocking=True)
         return nb
 
-    def start(self, engine: TorchEngine, bucket: Bucket, buf: Stage) -> WorkLike:
+    def start(self, engine: TorchStepView, bucket: Bucket, buf: Stage) -> WorkLike:
         if engine.packing == "host":
             return self.start_host(engine, bucket, buf, self.host_result(engine, bucket,
                                                                          buf).numpy())
@@ -366,11 +365,11 @@ class _Packed(TorchStrategy):
         return self.start_packed(engine, bucket, buf.host_in[:tl.nbytes(n, w_in)].numpy(),
                                  buf.host_out[:tl.nbytes(n, w_out)].numpy())
 
-    def host_result(self, engine: TorchEngine, bucket: Bucket, buf: Stage) -> torch.Tensor:
+    def host_result(self, engine: TorchStepView, bucket: Bucket, buf: Stage) -> torch.Tensor:
         """"host" packing: the bucket's result, one integer per element, in ``host_out``."""
         return buf.host_out.view(self.result_dtype(engine))[:bucket.size]
 
-    def fetch(self, engine: TorchEngine, bucket: Bucket, buf: Stage) -> int:
+    def fetch(self, engine: TorchStepView, bucket: Bucket, buf: Stage) -> int:
         if engine.packing == "host":
             return 0  # applied where it lies
         nb = tl.nbytes(bucket.size, self.widths(engine)[1])
@@ -383,10 +382,10 @@ class TorchMajorityVote(_Packed):
     ``packed_sign_allreduce`` ("host" packing: ``sign_allreduce`` of ``c``), the majority
     applied as +-1."""
 
-    def widths(self, engine: TorchEngine) -> tuple[int, int]:
+    def widths(self, engine: TorchStepView) -> tuple[int, int]:
         return 1, 1
 
-    def contribute(self, engine: TorchEngine, bucket: Bucket, buf: Stage,
+    def contribute(self, engine: TorchStepView, bucket: Bucket, buf: Stage,
                    grads: Sequence[torch.Tensor | None], hypers: Sequence[Hyper]) -> None:
         """Lion's ``c``: "device" packing turns its tiles into votes while they are in the
         cache and does not keep it (:meth:`fields` has nothing left to do); "host" packing
@@ -394,15 +393,15 @@ class TorchMajorityVote(_Packed):
         if engine.packing == "host":
             c = self.contribution(engine, buf)
             for s in bucket.slots:
-                engine._direction(s, c[s.offset:s.stop], buf.t[s.offset:s.stop],
+                engine.direction(s, c[s.offset:s.stop], buf.t[s.offset:s.stop],
                                   grads[s.index], hypers[s.index])
             return
         for s in bucket.slots:
-            engine._direction(s, buf.c[s.offset:s.stop], buf.t[s.offset:s.stop],
+            engine.direction(s, buf.c[s.offset:s.stop], buf.t[s.offset:s.stop],
                               grads[s.index], hypers[s.index],
                               each=functools.partial(self.votes, buf, s.offset), keep=False)
 
-    def contribution(self, engine: TorchEngine, buf: Stage) -> torch.Tensor:
+    def contribution(self, engine: TorchStepView, buf: Stage) -> torch.Tensor:
         return self.host_c(buf) if engine.packing == "host" else buf.c
 
     def votes(self, buf: Stage, offset: int, start: int, c: torch.Tensor,
@@ -412,40 +411,40 @@ class TorchMajorityVote(_Packed):
         a = offset + start
         torch.ge(c, 0, out=buf.fields[a:a + c.numel()].view(torch.int8))  # int8: vectorized
 
-    def fields(self, engine: TorchEngine, bucket: Bucket, buf: Stage,
+    def fields(self, engine: TorchStepView, bucket: Bucket, buf: Stage,
                lo: torch.Tensor | None, hi: torch.Tensor | None) -> None:
         pass  # written by contribute
 
-    def start_packed(self, engine: TorchEngine, bucket: Bucket, votes: np.ndarray[Any, Any],
+    def start_packed(self, engine: TorchStepView, bucket: Bucket, votes: np.ndarray[Any, Any],
                      result: np.ndarray[Any, Any]) -> WorkLike:
         comm: Any = engine.comm
         work: WorkLike = comm.packed_sign_allreduce(
-            votes, bucket.size, tie=engine._tie_for(bucket.index), out=result, async_op=True,
+            votes, bucket.size, tie=engine.tie_for(bucket.index), out=result, async_op=True,
             algorithm=self.base.spec.algorithm)
         return work
 
-    def start_host(self, engine: TorchEngine, bucket: Bucket, buf: Stage,
+    def start_host(self, engine: TorchStepView, bucket: Bucket, buf: Stage,
                    result: np.ndarray[Any, Any]) -> WorkLike:
         comm: Any = engine.comm
         work: WorkLike = comm.sign_allreduce(
             self.host_c(buf)[:bucket.size].numpy(), op="majority",
-            tie=engine._tie_for(bucket.index), out=result, async_op=True,
+            tie=engine.tie_for(bucket.index), out=result, async_op=True,
             algorithm=self.base.spec.algorithm)
         return work
 
-    def apply(self, engine: TorchEngine, bucket: Bucket, buf: Stage,
+    def apply(self, engine: TorchStepView, bucket: Bucket, buf: Stage,
               hypers: Sequence[Hyper], sums: dict[int, int]) -> None:
         if engine.packing == "host":
             signs = self.host_result(engine, bucket, buf)  # +-1
             for s in bucket.slots:
-                engine._apply(s, signs[s.offset:s.stop], hypers[s.index])
+                engine.apply_update(s, signs[s.offset:s.stop], hypers[s.index])
             return
         for a, b in tl.ranges(bucket.size, engine.tile):  # unpacked and applied per tile
             bits = buf.fields[a:a + tl.padded(b - a)]
             tl.unpack(buf.dev_out[a // 8:tl.nbytes(b, 1)], b - a, 1, bits, buf.words)
             sgn = bits[:b - a].mul_(2).sub_(1).view(torch.int8)  # 1 -> +1, 0 -> -1
             for s, lo, hi in _pieces(bucket, a, b):
-                engine._apply(s, sgn[lo - a:hi - a], hypers[s.index], lo - s.offset)
+                engine.apply_update(s, sgn[lo - a:hi - a], hypers[s.index], lo - s.offset)
 
 
 class TorchExactSum(_Packed):
@@ -453,15 +452,15 @@ class TorchExactSum(_Packed):
     ``packed_quantized_allreduce`` with ``L`` = :meth:`vote_levels`, the sums applied by
     :meth:`apply_sums` (default ``lr * sign(sum)``) and ``sum |sum|`` recorded per tensor."""
 
-    def vote_levels(self, engine: TorchEngine) -> int:
+    def vote_levels(self, engine: TorchStepView) -> int:
         """``L``: the largest vote magnitude (1: ternary signs)."""
         return 1
 
-    def widths(self, engine: TorchEngine) -> tuple[int, int]:
+    def widths(self, engine: TorchStepView) -> tuple[int, int]:
         levels = self.vote_levels(engine)
         return field_width(levels), field_width(levels * engine.world_size)
 
-    def start_packed(self, engine: TorchEngine, bucket: Bucket, votes: np.ndarray[Any, Any],
+    def start_packed(self, engine: TorchStepView, bucket: Bucket, votes: np.ndarray[Any, Any],
                      result: np.ndarray[Any, Any]) -> WorkLike:
         comm: Any = engine.comm
         work: WorkLike = comm.packed_quantized_allreduce(
@@ -469,11 +468,11 @@ class TorchExactSum(_Packed):
             algorithm=self.base.spec.algorithm)
         return work
 
-    def result_dtype(self, engine: TorchEngine) -> torch.dtype:
+    def result_dtype(self, engine: TorchStepView) -> torch.dtype:
         return torch.int8 if self.vote_levels(engine) * engine.world_size <= 127 \
             else torch.int16
 
-    def apply(self, engine: TorchEngine, bucket: Bucket, buf: Stage,
+    def apply(self, engine: TorchStepView, bucket: Bucket, buf: Stage,
               hypers: Sequence[Hyper], sums: dict[int, int]) -> None:
         n = bucket.size
         w_out = self.widths(engine)[1]
@@ -505,18 +504,18 @@ class TorchExactSum(_Packed):
         for i, v in zip(owner, torch.stack(parts).tolist(), strict=True):
             sums[i] += int(v)
 
-    def apply_sums(self, engine: TorchEngine, bucket: Bucket, buf: Stage, start: int,
+    def apply_sums(self, engine: TorchStepView, bucket: Bucket, buf: Stage, start: int,
                    total: torch.Tensor, hypers: Sequence[Hyper]) -> None:
         """``p = p * decay - lr * sign(total)`` for the bucket's elements ``[start, start +
         total.numel())`` (``total``: their sums, int8 or wider; it may be overwritten
         afterwards)."""
         n = total.numel()
-        if total.dtype == torch.int8:  # the signs as bytes; _apply widens them per tile
+        if total.dtype == torch.int8:  # the signs as bytes; apply_update widens them per tile
             sgn = torch.sign(total, out=buf.aux[start:start + n])
         else:
-            sgn = engine._scratch32(n).copy_(total).sign_()
+            sgn = engine.scratch32(n).copy_(total).sign_()
         for s, lo, hi in _pieces(bucket, start, start + n):
-            engine._apply(s, sgn[lo - start:hi - start], hypers[s.index], lo - s.offset)
+            engine.apply_update(s, sgn[lo - start:hi - start], hypers[s.index], lo - s.offset)
 
 
 class TorchSignSum(TorchExactSum):
@@ -536,11 +535,11 @@ class TorchSignSum(TorchExactSum):
         torch.ge(c, 0, out=ge)
         f.add_(ge.view(torch.uint8))
 
-    def fields(self, engine: TorchEngine, bucket: Bucket, buf: Stage,
+    def fields(self, engine: TorchStepView, bucket: Bucket, buf: Stage,
                lo: torch.Tensor | None, hi: torch.Tensor | None) -> None:
         pass  # written by contribute
 
-    def start_host(self, engine: TorchEngine, bucket: Bucket, buf: Stage,
+    def start_host(self, engine: TorchStepView, bucket: Bucket, buf: Stage,
                    result: np.ndarray[Any, Any]) -> WorkLike:
         comm: Any = engine.comm
         work: WorkLike = comm.sign_allreduce(
@@ -552,7 +551,7 @@ class TorchSignSum(TorchExactSum):
 class TorchSignMean(TorchSignSum):
     """:class:`lioncub.strategies.SignMean`: the sums applied as ``lr * sum / p``."""
 
-    def apply_sums(self, engine: TorchEngine, bucket: Bucket, buf: Stage, start: int,
+    def apply_sums(self, engine: TorchStepView, bucket: Bucket, buf: Stage, start: int,
                    total: torch.Tensor, hypers: Sequence[Hyper]) -> None:
         # As the numpy kernel: u = sum / p correctly rounded (a true division: torch's CUDA
         # kernels divide by a scalar through its reciprocal, which rounds differently for
@@ -560,12 +559,12 @@ class TorchSignMean(TorchSignSum):
         # p * decay - lr * u; vectorized, in the engine's float32 scratch (a table lookup per
         # element was 3x slower on a CPU)
         n = total.numel()
-        u = engine._scratch32(n).copy_(total)
+        u = engine.scratch32(n).copy_(total)
         torch.div(u, torch.full((), float(engine.world_size), device=u.device).expand(n),
                   out=u)
         for s, lo, hi in _pieces(bucket, start, start + n):
             h = hypers[s.index]
-            p = engine._tflat[s.index][lo - s.offset:hi - s.offset]
+            p = engine.flat_tensor(s.index)[lo - s.offset:hi - s.offset]
             step = u[lo - start:hi - start].mul_(float(h.lr))
             if float(h.decay) != 1.0:
                 p.mul_(float(h.decay))
@@ -577,10 +576,10 @@ class TorchQuantizedSum(TorchExactSum):
     per tensor, with the numpy core's scales (:func:`lioncub.quantize.tensor_scale`) and
     multipliers."""
 
-    def vote_levels(self, engine: TorchEngine) -> int:
+    def vote_levels(self, engine: TorchStepView) -> int:
         return engine.levels
 
-    def contribute(self, engine: TorchEngine, bucket: Bucket, buf: Stage,
+    def contribute(self, engine: TorchStepView, bucket: Bucket, buf: Stage,
                    grads: Sequence[torch.Tensor | None], hypers: Sequence[Hyper]) -> None:
         """Lion's ``c`` (the default), and the partial scales of its tiles while they are in
         the cache: ``max|c|`` ("linf"), ``sum|c|`` ("l1"), the nonzero count and
@@ -590,7 +589,7 @@ class TorchQuantizedSum(TorchExactSum):
         n = bucket.size
         parts: list[torch.Tensor] = []
         owner: list[int] = []
-        d = engine._scratch64(min(n, engine.tile) if engine.tile > 0 else n)
+        d = engine.scratch64(min(n, engine.tile) if engine.tile > 0 else n)
 
         tiles: list[tuple[int, int]] = []  # (first element, count) in the bucket per part
         ints: list[torch.Tensor] = []  # l0: normal count, top exponent, exponent sum
@@ -604,7 +603,7 @@ class TorchQuantizedSum(TorchExactSum):
                 parts.append(torch.maximum(lo.neg(), hi).double())
                 return
             if method == "l0":
-                found, logs = _log_abs_sum(ct, d, engine._scratch32(ct.numel()))
+                found, logs = _log_abs_sum(ct, d, engine.scratch32(ct.numel()))
                 ints.append(found)
                 parts.append(logs)
                 return
@@ -613,7 +612,7 @@ class TorchQuantizedSum(TorchExactSum):
             parts.append(dt.sum())
 
         for j, s in enumerate(bucket.slots):
-            engine._direction(s, buf.c[s.offset:s.stop], buf.t[s.offset:s.stop],
+            engine.direction(s, buf.c[s.offset:s.stop], buf.t[s.offset:s.stop],
                               grads[s.index], hypers[s.index],
                               each=functools.partial(partial, j, s))
         self._parts, self._ints, self._owner, self._tiles = parts, ints, owner, tiles
@@ -622,7 +621,7 @@ class TorchQuantizedSum(TorchExactSum):
         assert isinstance(self.base, QuantizedSum)
         return self.base.method != "linf"  # l1 and l0 from their partial sums (fields)
 
-    def fields(self, engine: TorchEngine, bucket: Bucket, buf: Stage,
+    def fields(self, engine: TorchStepView, bucket: Bucket, buf: Stage,
                lo: torch.Tensor | None, hi: torch.Tensor | None) -> None:
         assert isinstance(self.base, QuantizedSum)
         method = self.base.method
@@ -642,8 +641,8 @@ class TorchQuantizedSum(TorchExactSum):
         else:
             values = floats.tolist()  # one synchronization per bucket
         if extrema and not (math.isfinite(values[0]) and math.isfinite(values[1])):
-            engine._sync()
-            raise engine._first_bad(bucket, c)
+            engine.sync_device()
+            raise engine.first_bad(bucket, c)
         first = len(extrema)
         k = len(bucket.slots)
         totals = [0.0] * k  # linf: maxima; l1: sums of |c|; l0: sums of log|c|
@@ -653,18 +652,18 @@ class TorchQuantizedSum(TorchExactSum):
             if method == "l0":
                 normal, top, esum = ints[3 * i:3 * i + 3]
                 if top >= 255:  # an infinity or a NaN
-                    raise engine._non_finite(bucket.slots[j].index)
+                    raise engine.non_finite(bucket.slots[j].index)
                 a, length = self._tiles[i]
                 count = normal if normal == length else \
                     int(torch.count_nonzero(c[a:a + length]))  # zeros, or subnormals too
                 if count != normal:  # subnormals: logarithm by logarithm
-                    dt = engine._scratch64(length).copy_(c[a:a + length]).abs_()
+                    dt = engine.scratch64(length).copy_(c[a:a + length]).abs_()
                     v = float(dt.masked_fill_(dt == 0, 1.0).log_().sum())
                 else:
                     v = v + (esum - 127 * count) * _LN2
                 counts[j] += count
             if not math.isfinite(v):
-                raise engine._non_finite(bucket.slots[j].index)  # l1 / l0: the first one
+                raise engine.non_finite(bucket.slots[j].index)  # l1 / l0: the first one
             totals[j] = max(totals[j], v) if method == "linf" else totals[j] + v
         t = buf.t
         host = engine.packing == "host"  # the values themselves, else value + levels
@@ -677,7 +676,7 @@ class TorchQuantizedSum(TorchExactSum):
             else:
                 scale = 0.0 if counts[j] == 0 else math.exp(totals[j] / counts[j])
             mult = multiplier(method, levels, scale)
-            for a, b in engine._tiles(s.size):
+            for a, b in engine.tiles(s.size):
                 ft = fields[s.offset + a:s.offset + b]
                 if mult is None:
                     ft.fill_(0 if host else levels)
@@ -692,10 +691,10 @@ class TorchQuantizedSum(TorchExactSum):
                 q.copy_(tt)
                 torch.add(q.view(torch.uint8), levels, out=ft)  # value + levels (mod 256)
 
-    def host_in_bytes(self, engine: TorchEngine, size: int) -> int:
+    def host_in_bytes(self, engine: TorchStepView, size: int) -> int:
         return tl.padded(size)  # int8 values
 
-    def start_host(self, engine: TorchEngine, bucket: Bucket, buf: Stage,
+    def start_host(self, engine: TorchStepView, bucket: Bucket, buf: Stage,
                    result: np.ndarray[Any, Any]) -> WorkLike:
         comm: Any = engine.comm
         work: WorkLike = comm.quantized_allreduce(

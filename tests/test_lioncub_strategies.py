@@ -212,7 +212,7 @@ def test_toy_variant_with_a_torch_counterpart(toy: VariantSpec) -> None:
                   sums: dict[int, int]) -> None:
             u = torch.where(buf.t[:bucket.size] >= 0, 1.0, -1.0)
             for s in bucket.slots:
-                engine._apply(s, u[s.offset:s.stop], hypers[s.index])
+                engine.apply_update(s, u[s.offset:s.stop], hypers[s.index])
 
     def train(comm: Any, backend: str) -> list[Any]:
         gen = torch.Generator().manual_seed(5)
