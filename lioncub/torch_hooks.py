@@ -367,9 +367,9 @@ class LionCubHookState:
             return [slots]
 
         def rule(s: Slot) -> str:
-            place = core._place[s.index]
+            place = core.slot_of(s.index)
             assert place is not None
-            return core._tie_for(place[0])
+            return core.tie_for(place[0])
 
         runs = [[slots[0]]]
         for s in slots[1:]:
@@ -398,7 +398,7 @@ class LionCubHookState:
         try:
             for run in self._runs(slots):
                 a = run[0].offset
-                place = core._place[run[0].index]
+                place = core.slot_of(run[0].index)
                 assert place is not None
                 sub = Bucket(place[0], tuple(Slot(s.index, s.offset - a, s.size) for s in run),
                              run[-1].stop - a)
@@ -422,8 +422,7 @@ class LionCubHookState:
                     core.strategy.update(core, sub, view, step.hypers, flat[a:a + sub.size],
                                          step.sums)
                 if last:
-                    core._comm_seconds = step.waited
-                    core.end_step(step.sums, step.before, step.start)
+                    core.end_step(step.sums, step.before, step.start, comm_seconds=step.waited)
             except BaseException as exc:
                 step.error = exc
                 fut.set_exception(exc)  # type: ignore[arg-type]  # torch stubs it as T
