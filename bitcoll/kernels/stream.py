@@ -16,6 +16,17 @@ error, the transport's wake pipe, another connection with data, or a poll that t
 keeps its progress in ``state``, so the caller can look at its deadline and failure record and
 call it again. The transport that calls it is :class:`bitcoll.transport.tcp.TCPTransport`.
 
+Checksum
+--------
+With ``checksum`` on, every frame is followed by the little-endian CRC32C
+(:mod:`bitcoll.kernels.checksum`, :data:`~bitcoll.kernels.checksum.CHECKSUM_BYTES` bytes) of
+its header and payload, the layout of the transport's frame path. The kernel checksums the
+bytes as they pass, while they are in the cache: a send checksums at most one piece (the bounce
+buffer's size) ahead of what the socket has taken, a fold checksums each piece of the bounce
+buffer just before folding it, and a landing receive the bytes each ``recv`` has just written.
+A receive whose checksum differs ends the call with CHECKSUM (the frame stays ``state[2]``).
+There is no second pass over the memory.
+
 System calls are bound as external C functions (``send``, ``recv``, ``poll`` of the C library
 the interpreter runs on), so the kernel is cached on disk like every other kernel.
 Descriptors must be non-blocking or the calls must be made with ``MSG_DONTWAIT`` (they are).
@@ -31,9 +42,11 @@ import numpy as np
 from numba import types
 
 from .bits import _inline_ir, _kernel
+from .checksum import CHECKSUM_BYTES, crc32c_update
 
-__all__ = ["run_stream", "STREAM_DTYPES", "Status", "MODE_LAND", "MODE_FOLD",
-           "MODE_FOLD_DIVIDE", "OP_SUM", "OP_MAX", "OP_MIN", "STATE_SIZE"]
+__all__ = ["run_stream", "run_stream_checked", "STREAM_DTYPES", "Status", "MODE_LAND", "MODE_FOLD",
+           "MODE_FOLD_DIVIDE", "OP_SUM", "OP_MAX", "OP_MIN", "STATE_SIZE", "TRAILER_SIZE",
+           "S_CRC", "S_CRC_POS", "R_CRC"]
 
 #: Element types :func:`run_stream` folds (float16 has no native arithmetic in numba).
 STREAM_DTYPES: Final = frozenset(np.dtype(t) for t in (
@@ -51,9 +64,18 @@ OP_MAX: Final = 1
 OP_MIN: Final = 2
 
 #: Length of the ``state`` array: sends done, bytes of the current send, receives done, bytes
-#: of the current receive folded or landed (header included), bytes waiting in the bounce
-#: buffer.
-STATE_SIZE: Final = 5
+#: of the current receive folded or landed (header and checksum included), bytes waiting in
+#: the bounce buffer; with the checksum on, the current send's CRC32C so far (:data:`S_CRC`),
+#: how many of its bytes it covers (:data:`S_CRC_POS`, header included; 0: none yet) and the
+#: current receive's CRC32C so far (:data:`R_CRC`: of its header once the header is in; a
+#: caller that hands over a header read ahead, ``state[3] = header size``, sets it to the
+#: header's CRC32C).
+STATE_SIZE: Final = 8
+S_CRC: Final = 5
+S_CRC_POS: Final = 6
+R_CRC: Final = 7
+#: Length of the ``tbuf`` array: the checksum being sent, then the one being received.
+TRAILER_SIZE: Final = 2 * CHECKSUM_BYTES
 
 
 class Status(enum.IntEnum):
@@ -67,6 +89,7 @@ class Status(enum.IntEnum):
     EOF = 5  # the receiving connection reached end of file
     RECV_ERROR = 6  # the receiving connection reported an error
     SEND_ERROR = 7  # the sending connection reported an error or hung up
+    CHECKSUM = 8  # receive ``state[2]`` arrived complete but its checksum differs
 
 
 _DONTWAIT: Final = 0x40
@@ -121,15 +144,16 @@ def _fold(work: Any, src: Any, bounce: Any, start: int, count: int, op: int, mod
 
 
 @_kernel()
-def _sendable(after: int, ri: int, rdone: int, hsz: int, total: int) -> int:
-    """How many bytes of a send frame (``total`` with its header) may be written: all once
-    receive ``after`` is complete; while it is the one arriving (``rdone`` bytes of it,
-    header included, folded or landed), as much of the forwarded segment as is final (cut
-    through: a piece leaves while it is still in the cache); nothing before."""
+def _sendable(after: int, ri: int, rdone: int, hsz: int, pend: int, total: int) -> int:
+    """How many bytes of a send frame (``total`` with its header and checksum, its payload
+    ending at ``pend``) may be written: all once receive ``after`` is complete or its payload
+    is in; while it is the one arriving (``rdone`` bytes of it, header included, folded or
+    landed), as much of the forwarded segment as is final (cut through: a piece leaves while
+    it is still in the cache); nothing before."""
     if after < ri:
         return total
     if after == ri and rdone > hsz:
-        return rdone
+        return total if rdone >= pend else rdone
     return 0
 
 
@@ -138,6 +162,19 @@ def run_stream(work: Any, src: Any, op: int, divisor: Any, out_fd: int, in_fd: i
                wake_fd: int, watch: Any, s_head: Any, s_off: Any, s_len: Any, s_src: Any,
                s_after: Any, r_head: Any, r_off: Any, r_len: Any, r_mode: Any, bounce: Any,
                hbuf: Any, pfd: Any, state: Any, timeout_ms: int) -> int:
+    """:func:`run_stream_checked` without checksums (the same arguments, less the last two)."""
+    return run_stream_checked(work, src, op, divisor, out_fd, in_fd, wake_fd, watch, s_head,
+                              s_off, s_len, s_src, s_after, r_head, r_off, r_len, r_mode,
+                              bounce, hbuf, pfd, state, timeout_ms, False,
+                              np.zeros(TRAILER_SIZE, np.uint8))
+
+
+@_kernel()
+def run_stream_checked(work: Any, src: Any, op: int, divisor: Any, out_fd: int, in_fd: int,
+                       wake_fd: int, watch: Any, s_head: Any, s_off: Any, s_len: Any,
+                       s_src: Any, s_after: Any, r_head: Any, r_off: Any, r_len: Any,
+                       r_mode: Any, bounce: Any, hbuf: Any, pfd: Any, state: Any,
+                       timeout_ms: int, checksum: bool, tbuf: Any) -> int:
     """Advance the stream; return a :class:`Status` code (progress is kept in ``state``).
 
     Arrays: ``work`` and ``src`` (1-D, one dtype of :data:`STREAM_DTYPES`; the same array when in
@@ -150,7 +187,9 @@ def run_stream(work: Any, src: Any, op: int, divisor: Any, out_fd: int, in_fd: i
     folded at ``r_off[j]`` by ``r_mode[j]``; folds go through ``bounce`` (same dtype, its size sets
     the piece). ``watch``: int32 descriptors whose readability ends the call (WATCH); ``pfd``: int32
     scratch of ``2 * (3 + len(watch))``. ``timeout_ms``: how long one poll may block (IDLE when it
-    passes without an event).
+    passes without an event). ``checksum``: every frame sent and received carries its CRC32C
+    after the payload (see the module docstring; ``tbuf``: uint8 scratch of
+    :data:`TRAILER_SIZE`), a received one that differs ends the call with CHECKSUM.
     """
     isz = work.itemsize
     hsz = s_head.shape[1] if s_head.shape[0] > 0 else r_head.shape[1]
@@ -168,6 +207,11 @@ def run_stream(work: Any, src: Any, op: int, divisor: Any, out_fd: int, in_fd: i
     ri = state[2]
     rdone = state[3]
     fill = state[4]
+    tsz = CHECKSUM_BYTES if checksum else 0
+    tbase = tbuf.ctypes.data
+    scrc = np.uint64(state[S_CRC])
+    spos = state[S_CRC_POS]
+    rcrc = np.uint64(state[R_CRC])
     status = -1
     # Whether a call may move bytes now: cleared when one moves fewer than asked (the socket
     # buffer is full, or empty), set again when poll says the socket is ready: no call is
@@ -180,17 +224,34 @@ def run_stream(work: Any, src: Any, op: int, divisor: Any, out_fd: int, in_fd: i
             moved = False
             # The send side: the current frame, header then payload.
             if send_ready and si < ns:
-                limit = _sendable(s_after[si], ri, rdone, hsz, hsz + s_len[si] * isz)
+                pend = hsz + s_len[si] * isz
+                total = pend + tsz
+                limit = _sendable(s_after[si], ri, rdone, hsz, pend, total)
                 if sdone < limit:
-                    total = hsz + s_len[si] * isz
+                    if checksum and spos == 0:
+                        scrc = crc32c_update(0, shead + si * hsz, hsz)
+                        spos = hsz
                     if sdone < hsz:
                         want = hsz - sdone
                         k = _c_send(out_fd, shead + si * hsz + sdone, want,
-                                    _DONTWAIT | _NOSIGNAL | (_MORE if s_len[si] > 0 else 0))
-                    else:
-                        base = sbase if s_src[si] else wbase
-                        want = limit - sdone
-                        k = _c_send(out_fd, base + s_off[si] * isz + (sdone - hsz), want,
+                                    _DONTWAIT | _NOSIGNAL | (_MORE if total > hsz else 0))
+                    elif sdone < pend:
+                        base = sbase + s_off[si] * isz - hsz if s_src[si] else \
+                            wbase + s_off[si] * isz - hsz  # frame offset -> address
+                        want = min(limit, pend) - sdone
+                        if checksum:
+                            # At most a piece ahead of the socket, still in the cache when
+                            # the kernel copies it.
+                            want = min(want, piece)
+                            if spos < sdone + want:
+                                scrc = crc32c_update(scrc, base + spos, sdone + want - spos)
+                                spos = sdone + want
+                        k = _c_send(out_fd, base + sdone, want, _DONTWAIT | _NOSIGNAL)
+                    else:  # the checksum
+                        for b in range(CHECKSUM_BYTES):
+                            tbuf[b] = (scrc >> np.uint64(8 * b)) & np.uint64(0xFF)
+                        want = total - sdone
+                        k = _c_send(out_fd, tbase + (sdone - pend), want,
                                     _DONTWAIT | _NOSIGNAL)
                     if k < want:
                         send_ready = False
@@ -200,14 +261,18 @@ def run_stream(work: Any, src: Any, op: int, divisor: Any, out_fd: int, in_fd: i
                         if sdone == total:
                             si += 1
                             sdone = 0
+                            spos = 0
             # The receive side: the current frame's header, then its payload.
             if recv_ready and ri < nr:
-                total = hsz + r_len[ri] * isz
-                want = min(piece, total - rdone)  # a fold's piece
+                pend = hsz + r_len[ri] * isz
+                total = pend + tsz
+                want = min(piece, pend - rdone)  # a fold's piece
                 if rdone < hsz:  # where the next bytes go, and how many are wanted
                     addr, n = hbase + rdone, hsz - rdone
+                elif rdone >= pend:
+                    addr, n = tbase + CHECKSUM_BYTES + (rdone - pend), total - rdone
                 elif r_mode[ri] == MODE_LAND:
-                    addr, n = wbase + r_off[ri] * isz + (rdone - hsz), total - rdone
+                    addr, n = wbase + r_off[ri] * isz + (rdone - hsz), pend - rdone
                 else:
                     addr, n = bbase + fill, want - fill
                 if rdone < total:
@@ -227,16 +292,31 @@ def run_stream(work: Any, src: Any, op: int, divisor: Any, out_fd: int, in_fd: i
                                         status = Status.MISMATCH
                                 if status >= 0:
                                     break
+                                if checksum:
+                                    rcrc = crc32c_update(0, hbase, hsz)
+                        elif rdone >= pend:
+                            rdone += k
                         elif r_mode[ri] == MODE_LAND:
+                            if checksum:
+                                rcrc = crc32c_update(rcrc, addr, k)
                             rdone += k
                         else:
                             fill += k
                             if fill == want:
+                                if checksum:
+                                    rcrc = crc32c_update(rcrc, bbase, want)
                                 _fold(work, src, bounce, r_off[ri] + (rdone - hsz) // isz,
                                       want // isz, op, r_mode[ri], divisor, inplace)
                                 rdone += want
                                 fill = 0
                 if rdone == total:
+                    if checksum:
+                        got = np.uint64(0)
+                        for b in range(CHECKSUM_BYTES):
+                            got |= np.uint64(tbuf[CHECKSUM_BYTES + b]) << np.uint64(8 * b)
+                        if got != rcrc:
+                            status = Status.CHECKSUM
+                            break
                     moved = True
                     ri += 1
                     rdone = 0
@@ -252,8 +332,8 @@ def run_stream(work: Any, src: Any, op: int, divisor: Any, out_fd: int, in_fd: i
         n += 1
         send_slot = -1
         recv_slot = -1
-        if si < ns and sdone < _sendable(s_after[si], ri, rdone, hsz,
-                                         hsz + s_len[si] * isz):
+        if si < ns and sdone < _sendable(s_after[si], ri, rdone, hsz, hsz + s_len[si] * isz,
+                                         hsz + s_len[si] * isz + tsz):
             send_slot = n
             pfd[2 * n] = out_fd
             pfd[2 * n + 1] = _POLLOUT
@@ -302,4 +382,7 @@ def run_stream(work: Any, src: Any, op: int, divisor: Any, out_fd: int, in_fd: i
     state[2] = ri
     state[3] = rdone
     state[4] = fill
+    state[S_CRC] = np.int64(scrc)
+    state[S_CRC_POS] = spos
+    state[R_CRC] = np.int64(rcrc)
     return status
