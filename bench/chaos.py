@@ -58,7 +58,7 @@ def rank_main(rank: int, size: int, port: int, folder: str, n: int, timeout: flo
     """One rank: steps until ``steps`` are committed, stamping every commit."""
     from bitcoll.elastic import ElasticGroup, EvictedError
     from bitcoll.errors import CommError
-    from bitcoll.transport.store import StoreClient
+    from bitcoll.transport.rendezvous.store import StoreClient
 
     def connect():  # type: ignore[no-untyped-def]
         return StoreClient.connect("127.0.0.1", port, time.monotonic() + timeout,
@@ -157,7 +157,7 @@ def join_bench(elements: int, steps: int) -> None:
 
 def trial(seed: int, size: int, position: int, sig: int, n: int, timeout: float,
           steps: int) -> dict[str, object]:
-    from bitcoll.transport.store import StoreServer
+    from bitcoll.transport.rendezvous.store import StoreServer
     from launch.__main__ import free_ports
 
     rng = random.Random(seed)

@@ -24,8 +24,8 @@ Where the TCP backend meets (the *rendezvous store*), first match wins:
   run in one script in either order. Under Slurm without ``MASTER_PORT``: port
   ``20000 + SLURM_JOB_ID % 20000``.
 
-Authentication: see :mod:`bitcoll.transport.auth` (``BITCOLL_SECRET``; without it, a private
-file of rank 0's user, which works when every rank runs on one host).
+Authentication: see :mod:`bitcoll.transport.rendezvous.auth` (``BITCOLL_SECRET``; without it,
+a private file of rank 0's user, which works when every rank runs on one host).
 """
 
 from __future__ import annotations
@@ -190,7 +190,7 @@ def tcp_environment(environ: dict[str, str] | None = None,
 
 def _tcp_transport(timeout: float, store: object | None, integrity: bool,
                    send_buffer: int | None, place: tuple[int, int] | None = None) -> Transport:
-    from .transport.external_store import check_store, torchrun_store
+    from .transport.rendezvous.external_store import check_store, torchrun_store
     from .transport.tcp import TCPTransport
 
     if store is not None:
@@ -246,7 +246,7 @@ def init(backend: str = "auto", timeout: float = DEFAULT_TIMEOUT,
     wrong result (every rank must use the same setting; costs a hash pass over the bytes on
     each side, see the README). ``shm`` (TCP backend; default: ``BITCOLL_SHM`` in the
     environment, ``0`` or ``1``, else on): ranks that share a host exchange frames through
-    shared memory instead of TCP (:mod:`bitcoll.transport.hybrid`); ignored by the other
+    shared memory instead of TCP (:mod:`bitcoll.transport.shm.hybrid`); ignored by the other
     backends. ``two_level`` (default: ``BITCOLL_TWO_LEVEL`` in the environment, ``0`` or
     ``1``, else on): whether the two-level algorithms are the default when the ranks run on
     several hosts and some host runs several (:attr:`Communicator.two_level`); every rank
@@ -299,7 +299,7 @@ def init(backend: str = "auto", timeout: float = DEFAULT_TIMEOUT,
         place = (rank, size)
     check = switch(integrity, "integrity", ENV_INTEGRITY, False)
     layered = switch(two_level, "two_level", ENV_TWO_LEVEL, True)
-    from .transport.hybrid import shm_enabled
+    from .transport.shm.hybrid import shm_enabled
 
     use_shm = shm_enabled(shm)
     if backend == "auto":
@@ -332,9 +332,9 @@ def init(backend: str = "auto", timeout: float = DEFAULT_TIMEOUT,
     from . import kernels
 
     kernels.fit_threads_to_host(comm.local_size)  # the host's cores shared by its ranks
-    # -- shared memory between the ranks of one host (bitcoll.transport.hybrid) ----------------
+    # -- shared memory between the ranks of one host (bitcoll.transport.shm.hybrid) ----------------
     if backend == "tcp" and comm.topology.num_hosts < comm.size:
-        from .transport.hybrid import share_hosts
+        from .transport.shm.hybrid import share_hosts
 
         comm = share_hosts(comm, use_shm, timeout)  # closes comm when it raises
     # -- end of shared memory ----------------------------------------------------------------

@@ -25,7 +25,7 @@ ENV_TWO_LEVEL: Final = "BITCOLL_TWO_LEVEL"
 
 #: Environment variable that sets the send buffer of the TCP backend's data connections, in
 #: bytes (0: the kernel's own sizing; default
-#: :data:`bitcoll.transport.tcp_bootstrap.SEND_BUFFER_BYTES`).
+#: :data:`bitcoll.transport.rendezvous.tcp_bootstrap.SEND_BUFFER_BYTES`).
 ENV_SEND_BUFFER: Final = "BITCOLL_SEND_BUFFER"
 
 #: Largest ``levels * size`` of the exact-sum collectives (their results travel in at most

@@ -32,7 +32,7 @@ Keys (under ``prefix``, default ``"elastic/"``)::
     e/<e>/t/<a>/decider     the decider's id
     e/<e>/t/<a>/decision    the decision (JSON): members of epoch e+1, who left, who joined,
                             the committed step, or "no quorum"
-    e/<e>/t/<a>/mesh/...    the connection set-up of epoch e+1 (bitcoll.transport.tcp_bootstrap)
+    e/<e>/t/<a>/mesh/...    the connection set-up of epoch e+1 (transport.rendezvous.tcp_bootstrap)
 
 Leaving epoch ``e`` (:meth:`ElasticGroup.recover`)
 -------------------------------------------------
@@ -109,8 +109,13 @@ import numpy.typing as npt
 from .communicator import Communicator
 from .errors import BitcollError, CommError, CommTimeoutError, ProtocolError, UsageError
 from .topology import digest, host_key
-from .transport import auth
-from .transport.tcp_bootstrap import RendezvousStore, _Rendezvous, build_mesh, send_buffer_bytes
+from .transport.rendezvous import auth
+from .transport.rendezvous.tcp_bootstrap import (
+    RendezvousStore,
+    _Rendezvous,
+    build_mesh,
+    send_buffer_bytes,
+)
 
 __all__ = ["ElasticGroup", "Epoch", "EvictedError", "JobFinished", "NoQuorumError", "StoreFactory",
            "epoch_secret", "share_state", "ENV_ELASTIC_STORE", "DEFAULT_HEARTBEAT",
@@ -345,12 +350,12 @@ class ElasticGroup:
             key = secret
 
             def connect() -> RendezvousStore:
-                from .transport.store import StoreClient
+                from .transport.rendezvous.store import StoreClient
 
                 return StoreClient.connect(host, int(port), time.monotonic() + timeout,
                                            secret=key)
         elif os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "") == "True":
-            from .transport.external_store import ExternalStore, torchrun_store
+            from .transport.rendezvous.external_store import ExternalStore, torchrun_store
 
             if secret is None:
                 raise UsageError(f"an elastic job under torchrun needs {auth.SECRET_ENV} set "
@@ -696,7 +701,7 @@ class ElasticGroup:
 
     def _establish(self, epoch: Epoch, attempt: int, ns: str) -> None:
         """Build the epoch's communicator (connections bound to the epoch's key)."""
-        from .transport.hybrid import share_hosts, shm_enabled
+        from .transport.shm.hybrid import share_hosts, shm_enabled
         from .transport.tcp import TCPTransport
 
         self._epoch = epoch

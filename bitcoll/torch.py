@@ -17,7 +17,7 @@ whose data moves over bitcoll's authenticated TCP connections and, between the r
 host, shared memory.
 
 **The job's secret.** bitcoll's peers prove a shared secret to each other
-(:mod:`bitcoll.transport.auth`). ``BITCOLL_SECRET`` (set by ``python -m launch``) or
+(:mod:`bitcoll.transport.rendezvous.auth`). ``BITCOLL_SECRET`` (set by ``python -m launch``) or
 ``BITCOLL_INSECURE=1`` in the environment win. Without them: when every rank of the group runs
 on one host (the ranks compare their host names through the store), rank 0's private secret
 file, as in :func:`bitcoll.init`; when they span hosts, rank 0 draws a fresh random secret per
@@ -433,7 +433,7 @@ _ENV_LOCK = threading.Lock()
 @contextlib.contextmanager
 def _secret_env(secret: str | None) -> Any:
     """``BITCOLL_SECRET`` = ``secret`` while bitcoll connects (None: leave it alone)."""
-    from .transport.auth import SECRET_ENV
+    from .transport.rendezvous.auth import SECRET_ENV
 
     if secret is None:
         yield
@@ -453,7 +453,7 @@ def _secret_env(secret: str | None) -> Any:
 def _store_secret(store: Any, rank: int, size: int) -> str | None:
     """The secret this group's ranks agree on through ``store`` when the environment gives
     none and they span several hosts (see the module docstring); None otherwise."""
-    from .transport.auth import env_secret
+    from .transport.rendezvous.auth import env_secret
 
     if size == 1 or env_secret() is not None:
         return None

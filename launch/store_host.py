@@ -3,7 +3,7 @@
 With ``--max-restarts N`` (N >= 0) the launcher does three things differently:
 
 * **It serves the rendezvous store** (bitcoll's authenticated store,
-  :class:`bitcoll.transport.store.StoreServer`) itself, on ``--master-addr`` and the port
+  :class:`bitcoll.transport.rendezvous.store.StoreServer`) itself, on ``--master-addr`` and the port
   bitcoll's store would use (``BITCOLL_MASTER_PORT``), and tells the ranks where it is in
   ``BITCOLL_ELASTIC_STORE=host:port``. No rank hosts anything, so any rank, rank 0 included,
   may die: :class:`bitcoll.elastic.ElasticGroup` (``from_env``) connects to it.
@@ -97,7 +97,7 @@ def _usage(msg: str) -> None:
 def run_elastic(cfg: LaunchConfig, max_restarts: int) -> int:
     """Run the ranks of this node as an elastic job (see the module docstring); return the
     exit status."""
-    from bitcoll.transport.store import StoreServer
+    from bitcoll.transport.rendezvous.store import StoreServer
 
     from .__main__ import SECRET_ENV, _Output, child_env, job_env
 

@@ -29,8 +29,8 @@ from multiproc import free_port, start
 
 from bitcoll import elastic
 from bitcoll.errors import BitcollError, CommError
-from bitcoll.transport.store import StoreClient, StoreServer
-from bitcoll.transport.tcp_bootstrap import RendezvousStore, _Rendezvous, build_mesh
+from bitcoll.transport.rendezvous.store import StoreClient, StoreServer
+from bitcoll.transport.rendezvous.tcp_bootstrap import RendezvousStore, _Rendezvous, build_mesh
 
 SECRET = b"elastic-test-secret"
 N = 1 << 15  # elements of the exchanged vector: several frames per collective

@@ -16,8 +16,8 @@ from test_elastic import SECRET, _fire, _Reports, run_job
 
 from bitcoll import elastic
 from bitcoll.errors import CommError
-from bitcoll.transport.store import StoreClient
-from bitcoll.transport.tcp_bootstrap import RendezvousStore
+from bitcoll.transport.rendezvous.store import StoreClient
+from bitcoll.transport.rendezvous.tcp_bootstrap import RendezvousStore
 
 
 def _grads(step: int, rank: int) -> list[np.ndarray]:

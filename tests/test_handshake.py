@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bitcoll.errors import ProtocolError
-from bitcoll.transport import auth, handshake
-from bitcoll.transport.tcp import _Mesh
+from bitcoll.transport.rendezvous import auth, handshake
+from bitcoll.transport.rendezvous.tcp_bootstrap import _Mesh
 
 SECRET = b"s" * 32
 JOB = 0x1234

@@ -15,7 +15,7 @@ from sweeps import dense_sweep, packed_sweep
 from bitcoll.communicator import Communicator
 from bitcoll.errors import CommError, PeerLostError, ProtocolError, UsageError
 from bitcoll.transport.base import HEADER_SIZE, FrameHeader
-from bitcoll.transport.tcp import FRAME_TAG_BYTES, TCPTransport, _Rendezvous
+from bitcoll.transport.tcp.transport import FRAME_TAG_BYTES, TCPTransport, _Rendezvous
 
 
 class _DictStore:

@@ -27,7 +27,9 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-import bitcoll.transport.mpi as mpi_module
+import bitcoll.transport.mpi.lifecycle as mpi_lifecycle
+import bitcoll.transport.mpi.requests as mpi_requests
+import bitcoll.transport.mpi.transport as mpi_module
 from bitcoll.errors import (
     CommError,
     CommTimeoutError,
@@ -42,10 +44,10 @@ from bitcoll.transport.mpi import (
     DATA_TAG,
     INLINE_MAX,
     MPITransport,
-    _MPIRequest,
     launched_by_mpi,
     mpi_available,
 )
+from bitcoll.transport.mpi.requests import _MPIRequest
 
 TIMEOUT = 10.0  # seconds: bitcoll deadlines in these tests
 PROMPT = 3.0  # seconds: an abort must reach every rank well within this
@@ -106,7 +108,7 @@ def _mark_when_waiting(path: str) -> threading.Thread:
             frame = sys._current_frames().get(ident)
             while frame is not None:
                 if frame.f_code.co_name == "pause" and \
-                        frame.f_code.co_filename == mpi_module.__file__:
+                        frame.f_code.co_filename == mpi_requests.__file__:
                     with open(path, "w"):
                         return
                 frame = frame.f_back
@@ -259,7 +261,7 @@ def test_create_uses_a_private_duplicate(transport: MPITransport) -> None:
     assert transport.name == "mpi"
     assert transport.failure is None
     assert transport.finalize_risk is None
-    assert mpi_module._hook_installed  # the exit rules are in place (test_mpi_failures.py)
+    assert mpi_lifecycle._hook_installed  # the exit rules are in place (test_mpi_failures.py)
     assert MPI.Comm.Compare(transport.comm, world) == MPI.CONGRUENT  # same group, new context
     node = world.Split_type(MPI.COMM_TYPE_SHARED)
     try:
@@ -599,7 +601,7 @@ def test_unmatched_receive_times_out_near_its_deadline(transport: MPITransport) 
     assert t.failure is None  # a timeout alone does not abort the transport
     # ... but it bounds MPI_Finalize at exit (the peer might be stopped).
     assert t.finalize_risk is not None and "did not answer in time" in t.finalize_risk
-    assert t.finalize_risk in mpi_module._FINALIZE_RISKS
+    assert t.finalize_risk in mpi_lifecycle._FINALIZE_RISKS
     t.close()
     with pytest.raises(CommError):
         req.wait(_deadline())
@@ -1288,20 +1290,20 @@ def test_excepthook_prints_tells_the_peers_then_aborts(transport: MPITransport,
     an abort notice naming the exception over every open transport (here: this one only),
     then asks for MPI_Abort(1), or 130 for KeyboardInterrupt."""
     t = transport
-    assert mpi_module._hook_installed
+    assert mpi_lifecycle._hook_installed
     aborts: list[int] = []
     printed: list[tuple[object, ...]] = []
-    monkeypatch.setattr(mpi_module, "_LIVE", {t})
-    monkeypatch.setattr(mpi_module, "_abort_world", aborts.append)
-    monkeypatch.setattr(mpi_module, "_previous_excepthook", lambda *a: printed.append(a))
+    monkeypatch.setattr(mpi_lifecycle, "_LIVE", {t})
+    monkeypatch.setattr(mpi_lifecycle, "_abort_world", aborts.append)
+    monkeypatch.setattr(mpi_lifecycle, "_previous_excepthook", lambda *a: printed.append(a))
     if t.rank == 0:
         exc = ValueError("bad value")
         _world_barrier()
-        mpi_module._excepthook(ValueError, exc, None)
+        mpi_lifecycle._excepthook(ValueError, exc, None)
         assert printed == [(ValueError, exc, None)]
         assert aborts == [1]
         assert str(t.failure) == "rank 0 aborted: uncaught ValueError: bad value"
-        mpi_module._excepthook(KeyboardInterrupt, KeyboardInterrupt(), None)
+        mpi_lifecycle._excepthook(KeyboardInterrupt, KeyboardInterrupt(), None)
         assert aborts == [1, 130]
         assert t.finalize_risk is None
     else:
@@ -1337,8 +1339,8 @@ def test_record_exchange_contract_and_clean_close() -> None:
     with pytest.raises(UsageError, match="at most"):
         t.exchange_records(100, SIG, np.zeros(room + 1, np.uint8).data, _deadline())
     persistent = t._rec_req
-    leaked = len(mpi_module._LEAKED)
+    leaked = len(mpi_lifecycle._LEAKED)
     t.close()
-    assert len(mpi_module._LEAKED) == leaked
+    assert len(mpi_lifecycle._LEAKED) == leaked
     if persistent is not None:  # MPI has persistent collectives: the request was freed
         assert persistent == MPI.REQUEST_NULL

@@ -65,7 +65,7 @@ def test_a_stopped_rank_is_named_by_every_survivor() -> None:
 
 
 def _stranger(port: int, secret: bytes | None) -> str:
-    from bitcoll.transport.store import StoreClient
+    from bitcoll.transport.rendezvous.store import StoreClient
 
     try:
         client = StoreClient.connect("127.0.0.1", port, time.monotonic() + 2.0,

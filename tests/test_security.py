@@ -21,8 +21,8 @@ from multiproc import context, start
 from tcp_world import free_port
 
 from bitcoll.transport.base import FrameHeader
+from bitcoll.transport.rendezvous.tcp_bootstrap import MAX_PENDING_HANDSHAKES
 from bitcoll.transport.tcp import TCPTransport
-from bitcoll.transport.tcp_bootstrap import MAX_PENDING_HANDSHAKES
 
 SIG = 0x5EC
 
@@ -392,7 +392,7 @@ def _squatted_dir_rank(q: Any, rank: int, size: int, port: int, shared: str, tmp
     that name): rank 0 falls back to a fresh directory under ``tmp``."""
     import tempfile
 
-    from bitcoll.transport import auth
+    from bitcoll.transport.rendezvous import auth
 
     os.environ.pop("BITCOLL_SECRET", None)
     os.environ.pop("BITCOLL_INSECURE", None)

@@ -25,12 +25,12 @@ from sweeps import dense_sweep, inplace_and_async, packed_bandwidth, packed_swee
 import bitcoll
 from bitcoll.communicator import Communicator
 from bitcoll.errors import CommError, CommTimeoutError, PeerLostError, ProtocolError, UsageError
-from bitcoll.transport import hybrid as hybrid_mod
 from bitcoll.transport import peer as peer_mod
-from bitcoll.transport import shm
 from bitcoll.transport.base import HEADER_SIZE, FrameHeader, Transport
-from bitcoll.transport.hybrid import HybridTransport, shm_enabled
 from bitcoll.transport.peer import FrameRequest, PeerState
+from bitcoll.transport.shm import channel as shm
+from bitcoll.transport.shm import hybrid as hybrid_mod
+from bitcoll.transport.shm.hybrid import HybridTransport, shm_enabled
 from bitcoll.transport.tcp import TCPTransport
 
 pytestmark = pytest.mark.skipif(not shm.supported(), reason="no shared memory rings here")

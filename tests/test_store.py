@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 
 from bitcoll.errors import CommError, CommTimeoutError, PeerLostError, UsageError
-from bitcoll.transport import auth, store
-from bitcoll.transport.store import StoreClient, StoreServer
+from bitcoll.transport.rendezvous import auth, store
+from bitcoll.transport.rendezvous.store import StoreClient, StoreServer
 
 pytestmark = pytest.mark.timeout(60)
 

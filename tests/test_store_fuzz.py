@@ -23,8 +23,8 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from bitcoll.transport import auth, store
-from bitcoll.transport.store import StoreClient, StoreServer
+from bitcoll.transport.rendezvous import auth, store
+from bitcoll.transport.rendezvous.store import StoreClient, StoreServer
 
 pytestmark = pytest.mark.timeout(240)
 

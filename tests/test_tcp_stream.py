@@ -29,7 +29,7 @@ from test_tcp_transport import (
 from bitcoll.errors import CommTimeoutError, PeerLostError, ProtocolError
 from bitcoll.kernels import stream as stream_kernel
 from bitcoll.transport.base import HEADER_SIZE, FrameHeader, StreamPlan
-from bitcoll.transport.tcp import KEY_ABORT, PeerState, RxPhase, TCPTransport
+from bitcoll.transport.tcp.transport import KEY_ABORT, PeerState, RxPhase, TCPTransport
 
 pytestmark = [pytest.mark.tcp, pytest.mark.skipif(not stream_kernel.AVAILABLE,
                                                   reason="streams need Linux, little-endian")]
@@ -129,7 +129,7 @@ def test_stream_folds_lands_and_forwards(monkeypatch: pytest.MonkeyPatch, dtype:
 
 def stream_kernel_piece(dt: np.dtype[Any]) -> int:
     """Elements of one fold piece (the per-peer bounce buffer)."""
-    from bitcoll.transport.tcp import CONSUME_CHUNK_BYTES
+    from bitcoll.transport.tcp.transport import CONSUME_CHUNK_BYTES
     return CONSUME_CHUNK_BYTES // dt.itemsize
 
 

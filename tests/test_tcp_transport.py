@@ -24,10 +24,12 @@ import bitcoll
 from bitcoll.communicator import Communicator
 from bitcoll.config import ENV_SEND_BUFFER
 from bitcoll.errors import CommError, CommTimeoutError, PeerLostError, ProtocolError, UsageError
-from bitcoll.transport import auth, handshake, netio
+from bitcoll.transport import netio
 from bitcoll.transport.base import HEADER_SIZE, MAGIC, PROTOCOL_VERSION, FrameHeader
-from bitcoll.transport.store import StoreClient, StoreServer
-from bitcoll.transport.tcp import (
+from bitcoll.transport.rendezvous import auth, handshake
+from bitcoll.transport.rendezvous.store import StoreClient, StoreServer
+from bitcoll.transport.rendezvous.tcp_bootstrap import send_buffer_bytes
+from bitcoll.transport.tcp.transport import (
     CONSUME_CHUNK_BYTES,
     KEY_ABORT,
     KEY_ADDR,
@@ -40,7 +42,6 @@ from bitcoll.transport.tcp import (
     RxPhase,
     TCPTransport,
 )
-from bitcoll.transport.tcp_bootstrap import send_buffer_bytes
 
 pytestmark = pytest.mark.tcp
 

@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 
-from bitcoll.transport.store import StoreServer
+from bitcoll.transport.rendezvous.store import StoreServer
 
 _out_lock = threading.Lock()
 

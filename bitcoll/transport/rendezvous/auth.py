@@ -42,7 +42,7 @@ import struct
 import tempfile
 from typing import Final
 
-from ..errors import UsageError
+from ...errors import UsageError
 
 __all__ = [
     "SECRET_ENV",

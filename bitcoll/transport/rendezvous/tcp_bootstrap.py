@@ -21,8 +21,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Final, Protocol
 
-from ..config import ENV_SEND_BUFFER
-from ..errors import (
+from ...config import ENV_SEND_BUFFER
+from ...errors import (
     BitcollError,
     CommError,
     CommTimeoutError,
@@ -30,9 +30,9 @@ from ..errors import (
     ProtocolError,
     UsageError,
 )
+from ..netio import NOSIGNAL, Backoff
 from . import auth, handshake
 from .external_store import ExternalStore
-from .netio import NOSIGNAL, Backoff
 from .store import StoreClient, StoreServer
 
 __all__ = ["SEND_BUFFER_BYTES", "RECEIVE_BUFFER_BYTES", "send_buffer_bytes", "RendezvousStore",

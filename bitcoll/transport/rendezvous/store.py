@@ -136,9 +136,9 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Final
 
-from ..errors import CommError, CommTimeoutError, PeerLostError, UsageError
+from ...errors import CommError, CommTimeoutError, PeerLostError, UsageError
+from ..netio import Backoff, recv_bytes
 from . import auth
-from .netio import Backoff, recv_bytes
 
 __all__ = [
     "StoreServer",

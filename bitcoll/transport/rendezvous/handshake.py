@@ -32,8 +32,8 @@ import struct
 from dataclasses import dataclass
 from typing import Final
 
+from ..wire import MAGIC, PROTOCOL_VERSION
 from . import auth
-from .wire import MAGIC, PROTOCOL_VERSION
 
 __all__ = ["HELLO_SIZE", "ACCEPT_SIZE", "CONFIRM_SIZE", "DONE_SIZE", "Hello", "proof", "verify"]
 

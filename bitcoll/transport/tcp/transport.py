@@ -148,8 +148,8 @@ from typing import Any, Final, NamedTuple
 
 import numpy as np
 
-from ..config import DEFAULT_TIMEOUT
-from ..errors import (
+from ...config import DEFAULT_TIMEOUT
+from ...errors import (
     BitcollError,
     CommError,
     CommTimeoutError,
@@ -157,10 +157,9 @@ from ..errors import (
     ProtocolError,
     UsageError,
 )
-from ..kernels import stream as stream_kernel
-from ..kernels.stream import Status as StreamStatus
-from . import auth
-from .base import (
+from ...kernels import stream as stream_kernel
+from ...kernels.stream import Status as StreamStatus
+from ..base import (
     HEADER_SIZE,
     Consumer,
     FrameHeader,
@@ -170,11 +169,10 @@ from .base import (
     TrafficStats,
     byte_view,
 )
-from .external_store import check_store
-from .netio import DONTWAIT, NOSIGNAL, WAITALL, recv_exact, send_all_parts, send_some
-from .peer import HELPER_RECEIVE_BYTES as HELPER_RECEIVE_BYTES
-from .peer import SPIN_SECONDS as SPIN_SECONDS
-from .peer import (
+from ..netio import DONTWAIT, NOSIGNAL, WAITALL, recv_exact, send_all_parts, send_some
+from ..peer import HELPER_RECEIVE_BYTES as HELPER_RECEIVE_BYTES
+from ..peer import SPIN_SECONDS as SPIN_SECONDS
+from ..peer import (
     ConsumerFailed,
     FrameRequest,
     LinkTransport,
@@ -183,21 +181,23 @@ from .peer import (
     Want,
     timeout_error,
 )
-from .tcp_bootstrap import KEY_ABORT as KEY_ABORT
-from .tcp_bootstrap import KEY_ADDR as KEY_ADDR
-from .tcp_bootstrap import KEY_INTEGRITY as KEY_INTEGRITY
-from .tcp_bootstrap import KEY_JOB as KEY_JOB
-from .tcp_bootstrap import KEY_SIZE as KEY_SIZE
-from .tcp_bootstrap import KEY_STALL as KEY_STALL
-from .tcp_bootstrap import RECEIVE_BUFFER_BYTES as RECEIVE_BUFFER_BYTES
-from .tcp_bootstrap import SEND_BUFFER_BYTES as SEND_BUFFER_BYTES
-from .tcp_bootstrap import RendezvousStore as RendezvousStore
-from .tcp_bootstrap import _Mesh as _Mesh
-from .tcp_bootstrap import _Rendezvous as _Rendezvous
-from .tcp_bootstrap import build_mesh, send_buffer_bytes
-from .wire import FRAME_TAG_BYTES as FRAME_TAG_BYTES
-from .wire import MAX_REASON_BYTES as MAX_REASON_BYTES
-from .wire import abort_frame, blake3_module, decode_reason, frame_tag, tag_hasher
+from ..rendezvous import auth
+from ..rendezvous.external_store import check_store
+from ..rendezvous.tcp_bootstrap import KEY_ABORT as KEY_ABORT
+from ..rendezvous.tcp_bootstrap import KEY_ADDR as KEY_ADDR
+from ..rendezvous.tcp_bootstrap import KEY_INTEGRITY as KEY_INTEGRITY
+from ..rendezvous.tcp_bootstrap import KEY_JOB as KEY_JOB
+from ..rendezvous.tcp_bootstrap import KEY_SIZE as KEY_SIZE
+from ..rendezvous.tcp_bootstrap import KEY_STALL as KEY_STALL
+from ..rendezvous.tcp_bootstrap import RECEIVE_BUFFER_BYTES as RECEIVE_BUFFER_BYTES
+from ..rendezvous.tcp_bootstrap import SEND_BUFFER_BYTES as SEND_BUFFER_BYTES
+from ..rendezvous.tcp_bootstrap import RendezvousStore as RendezvousStore
+from ..rendezvous.tcp_bootstrap import _Mesh as _Mesh
+from ..rendezvous.tcp_bootstrap import _Rendezvous as _Rendezvous
+from ..rendezvous.tcp_bootstrap import build_mesh, send_buffer_bytes
+from ..wire import FRAME_TAG_BYTES as FRAME_TAG_BYTES
+from ..wire import MAX_REASON_BYTES as MAX_REASON_BYTES
+from ..wire import abort_frame, blake3_module, decode_reason, frame_tag, tag_hasher
 
 __all__ = ["TCPTransport", "SEND_BUFFER_BYTES", "RECEIVE_BUFFER_BYTES", "PeerState", "RxPhase"]
 

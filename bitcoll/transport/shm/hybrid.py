@@ -110,8 +110,8 @@ from typing import TYPE_CHECKING, Any, Final, TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from ..config import switch
-from ..errors import (
+from ...config import switch
+from ...errors import (
     BitcollError,
     CommError,
     CommTimeoutError,
@@ -119,9 +119,8 @@ from ..errors import (
     ProtocolError,
     UsageError,
 )
-from ..topology import usable_cores
-from . import shm
-from .base import (
+from ...topology import usable_cores
+from ..base import (
     HEADER_SIZE,
     Consumer,
     FrameHeader,
@@ -131,7 +130,7 @@ from .base import (
     Transport,
     byte_view,
 )
-from .peer import (
+from ..peer import (
     HELPER_RECEIVE_BYTES,
     OVERSUBSCRIBED_SPIN_SECONDS,
     SPIN_SECONDS,
@@ -143,10 +142,11 @@ from .peer import (
     Want,
     timeout_error,
 )
+from . import channel as shm
 
 if TYPE_CHECKING:
-    from ..communicator import Communicator
-    from .tcp import TCPTransport
+    from ...communicator import Communicator
+    from ..tcp import TCPTransport
 
 __all__ = ["HybridTransport", "CombinedStats", "ENV_SHM", "DEFAULT_SHM", "shm_enabled",
            "share_hosts", "SETUP_SEQ"]
@@ -178,8 +178,8 @@ def share_hosts(comm: Communicator, use_shm: bool, timeout: float) -> Communicat
     (same settings, topology known; over the plain TCP transport on ranks that map no
     segment, so that every rank returns a new communicator at collective #0).
     Collective over ``comm``; ``comm`` is closed when this raises."""
-    from ..communicator import Communicator
-    from .tcp import TCPTransport
+    from ...communicator import Communicator
+    from ..tcp import TCPTransport
 
     try:
         topo = comm.topology

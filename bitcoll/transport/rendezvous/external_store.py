@@ -26,7 +26,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from ..errors import CommError, CommTimeoutError, PeerLostError, UsageError
+from ...errors import CommError, CommTimeoutError, PeerLostError, UsageError
 
 __all__ = ["ExternalStore", "torchrun_store", "check_store", "STORE_METHODS"]
 
