@@ -292,7 +292,7 @@ def crc32c_sw(crc: int, addr: int, n: int) -> Any:
 
 #: The update kernels use (``crc32c_update(crc, addr, n)``, callable from other kernels): the
 #: hardware one where the CPU has it.
-crc32c_update: Callable[[int, int, int], Any] = crc32c_hw if HARDWARE else crc32c_sw
+crc32c_update: Callable[[Any, Any, Any], Any] = crc32c_hw if HARDWARE else crc32c_sw
 
 
 @_kernel()
