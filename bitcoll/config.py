@@ -7,7 +7,8 @@ from typing import Final
 
 from .errors import UsageError
 
-__all__ = ["DEFAULT_TIMEOUT", "ENV_MASTER_PORT", "ENV_INTEGRITY", "ENV_TWO_LEVEL",
+__all__ = ["DEFAULT_TIMEOUT", "ENV_MASTER_PORT", "ENV_INTEGRITY", "ENV_CHECKSUM",
+           "ENV_TWO_LEVEL",
            "ENV_SEND_BUFFER", "MAX_SUM_RANGE", "switch"]
 
 #: Default deadline, in seconds, of every blocking operation (set-up included).
@@ -18,6 +19,10 @@ ENV_MASTER_PORT: Final = "BITCOLL_MASTER_PORT"
 
 #: Environment variable that turns on the TCP backend's per-frame integrity tags ("1").
 ENV_INTEGRITY: Final = "BITCOLL_INTEGRITY"
+
+#: Environment variable that turns the TCP backend's per-frame CRC32C checksum off ("0"; on by
+#: default, and left out where integrity tags are on).
+ENV_CHECKSUM: Final = "BITCOLL_CHECKSUM"
 
 #: Environment variable that sets whether the two-level algorithms are the default on hosts
 #: with several ranks ("0": flat, "1": two-level, the default).
