@@ -22,6 +22,8 @@ from typing import Any
 import pytest
 from svg_check import svg_text
 
+from lioncub.recipe import data, loop, models
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--d-model", "32", "--layers", "1", "--heads", "2", "--seq-len", "32",
         "--batch-size", "8", "--corpus-mb", "0.3", "--eval-every", "10", "--eval-batches", "2",
@@ -171,24 +173,24 @@ def test_bad_options_exit_2(train: ModuleType, capsys: pytest.CaptureFixture[str
 
 
 def test_corpus_and_schedule(train: ModuleType) -> None:
-    a = train.load_corpus(0.3)
-    b = train.load_corpus(0.3)
+    a = data.load_corpus(0.3)
+    b = data.load_corpus(0.3)
     assert a.digest == b.digest and a.val_files >= 1 and a.train_files >= 9
     assert a.train.size + a.val.size >= 0.3e6
-    assert int(max(a.train.max(), a.val.max())) < train.VOCAB_SIZE
+    assert int(max(a.train.max(), a.val.max())) < data.VOCAB_SIZE
     text = "def f(x):\n    return x + 1\n"
-    assert train.decode(train.encode(text.encode())) == text
-    assert train.decode(train.encode("é".encode())) == "\ufffd\ufffd"
+    assert data.decode(data.encode(text.encode())) == text
+    assert data.decode(data.encode("é".encode())) == "\ufffd\ufffd"
     # Different ranks draw different windows, the same rank the same ones.
-    s0 = train.BatchSampler(a.train, 4, 16, seed=1, rank=0).next()[0]
-    s0b = train.BatchSampler(a.train, 4, 16, seed=1, rank=0).next()[0]
-    s1 = train.BatchSampler(a.train, 4, 16, seed=1, rank=1).next()[0]
+    s0 = data.BatchSampler(a.train, 4, 16, seed=1, rank=0).next()[0]
+    s0b = data.BatchSampler(a.train, 4, 16, seed=1, rank=0).next()[0]
+    s1 = data.BatchSampler(a.train, 4, 16, seed=1, rank=1).next()[0]
     assert bool((s0 == s0b).all()) and not bool((s0 == s1).all())
-    assert train.lr_at(1, 100, 1.0, 10, "cosine") == pytest.approx(0.1)
-    assert train.lr_at(10, 100, 1.0, 10, "cosine") == pytest.approx(1.0)
-    assert train.lr_at(100, 100, 1.0, 10, "cosine") == pytest.approx(0.1)
-    assert train.lr_at(55, 100, 1.0, 10, "cosine") == pytest.approx(0.55)
-    assert train.lr_at(100, 100, 1.0, 10, "constant") == 1.0
+    assert loop.lr_at(1, 100, 1.0, 10, "cosine") == pytest.approx(0.1)
+    assert loop.lr_at(10, 100, 1.0, 10, "cosine") == pytest.approx(1.0)
+    assert loop.lr_at(100, 100, 1.0, 10, "cosine") == pytest.approx(0.1)
+    assert loop.lr_at(55, 100, 1.0, 10, "cosine") == pytest.approx(0.55)
+    assert loop.lr_at(100, 100, 1.0, 10, "constant") == 1.0
 
 
 @pytest.mark.timeout(150)
@@ -249,8 +251,8 @@ def test_presets_dtype_and_device_options(train: ModuleType, monkeypatch: pytest
     args = train.parse_args([])
     assert (args.dtype, args.device, args.model, args.d_model) == ("fp32", "cpu", "tiny", 128)
     # The presets' sizes are those their help text states.
-    for name, shape in train.PRESETS.items():
-        model = train.CharTransformer(train.VOCAB_SIZE, shape.d_model, shape.layers,
+    for name, shape in models.PRESETS.items():
+        model = models.CharTransformer(data.VOCAB_SIZE, shape.d_model, shape.layers,
                                       shape.heads, 128)
         n = sum(p.numel() for p in model.parameters()) / 1e6
         assert n == pytest.approx(float(shape.approx_params.rstrip("M")), rel=0.01), name
@@ -284,13 +286,13 @@ def test_loss_scale_skips_overflow_on_every_rank(train: ModuleType) -> None:
 
     import bitcoll
     comm = bitcoll.init()
-    scaler = train.LossScale(True)
+    scaler = loop.LossScale(True)
     p = torch.zeros(3, requires_grad=True)
     p.grad = torch.tensor([2.0, -4.0, 8.0]) * scaler.scale
     assert scaler.unscale([p], comm) and p.grad.tolist() == [2.0, -4.0, 8.0]
     p.grad = torch.tensor([1.0, math.inf, 0.0])
-    assert not scaler.unscale([p], comm) and scaler.scale == train.LossScale.INITIAL / 2
-    off = train.LossScale(False)
+    assert not scaler.unscale([p], comm) and scaler.scale == loop.LossScale.INITIAL / 2
+    off = loop.LossScale(False)
     p.grad = torch.tensor([math.nan, 0.0, 0.0])
     assert off.unscale([p], comm) and off.scale == 1.0
     comm.close()
