@@ -21,7 +21,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Final, Protocol
 
-from ...config import ENV_SEND_BUFFER
+from ...config import ENV_CHECKSUM, ENV_SEND_BUFFER, switch
 from ...errors import (
     BitcollError,
     CommError,
@@ -111,12 +111,16 @@ def _ranks(ranks: list[int] | set[int]) -> str:
 
 def build_mesh(rank: int, size: int, rdv: _Rendezvous, deadline: float, timeout: float,
                listen_addr: str | None, integrity: bool, send_buffer: int,
-               refusal: str | None = None) -> tuple[dict[int, socket.socket], int]:
+               refusal: str | None = None, *,
+               checksum: bool | None = None) -> tuple[dict[int, socket.socket], int]:
     """Steps 2-4 of the set-up: job id, join, publish the listener, connect the mesh;
     return ``({peer: connected socket}, job id)``. ``send_buffer``: the SO_SNDBUF of the
     connections (0: the kernel's). ``refusal``: why this rank cannot join (a bad setting of
     its own); it is published in place of an address, so the others fail at once, and raised
-    here as a UsageError."""
+    here as a UsageError. ``checksum``: whether the data frames carry a checksum (None:
+    ``BITCOLL_CHECKSUM``, else on; never with ``integrity``): every rank must agree, like
+    on ``integrity``."""
+    checksum = switch(checksum, "checksum", ENV_CHECKSUM, True) and not integrity
     store, key = rdv.store, rdv.key
     where = rdv.where
     listener: socket.socket | None = None
@@ -124,19 +128,25 @@ def build_mesh(rank: int, size: int, rdv: _Rendezvous, deadline: float, timeout:
         if rank == 0:
             job_id = int.from_bytes(os.urandom(8), "little")
             store.set(key(KEY_SIZE), str(size).encode(), deadline)
-            store.set(key(KEY_INTEGRITY), b"1" if integrity else b"0", deadline)
+            store.set(key(KEY_INTEGRITY), (b"1" if integrity else b"0")
+                      + (b"c" if checksum else b""), deadline)
             store.set(key(KEY_JOB), str(job_id).encode(), deadline)
             size0 = size
         else:
             job_id = int(store.get(key(KEY_JOB), deadline))
             size0 = int(store.get(key(KEY_SIZE), deadline))
-            integrity0 = store.get(key(KEY_INTEGRITY), deadline) == b"1"
+            frames0 = store.get(key(KEY_INTEGRITY), deadline)
+            integrity0, checksum0 = frames0[:1] == b"1", frames0[1:] == b"c"
             if refusal is None and size0 != size:
                 refusal = (f"rank {rank} was started with world size {size} but rank 0 with "
                            f"{size0}")
             elif refusal is None and integrity0 != integrity:
                 refusal = (f"rank {rank} was started with integrity={integrity} but rank 0 "
                            f"with integrity={integrity0}")
+            elif refusal is None and checksum0 != checksum:
+                refusal = (f"rank {rank} was started with checksum={checksum} but rank 0 "
+                           f"with checksum={checksum0} (pass the same checksum= to "
+                           f"bitcoll.init, or set {ENV_CHECKSUM} alike, on every rank)")
         if refusal is not None:
             # Tell the others (they wait for this rank's address) instead of leaving them to
             # their deadline.

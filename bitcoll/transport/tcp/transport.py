@@ -59,8 +59,9 @@ advanced only by whoever holds the peer's *reader token* (``rx``, a lock) in
       │                                                                         │          │
       ▲─────────────────────────── frame complete: request finished ◄───────────┴──────────┘
 
-(TAG only with frame integrity on.) An ABORT header, a mismatched header, end of file or a
-socket error leaves the machine through the failure path instead.
+(TAG only with a trailer: the frame integrity tag, or else the checksum.) An ABORT header, a
+mismatched header, end of file or a socket error leaves the machine through the failure path
+instead.
 
 Progress
 --------
@@ -94,12 +95,27 @@ by one. Every way a stream ends early fails the transport through the one failur
 also a timeout (half-done frames cannot be resumed). While it runs, the other connections are
 watched: data arriving on one (an abort notice) hands control back to read it.
 
+Checksum
+--------
+Unless frame integrity is on (its keyed tag covers this and more), every data frame carries
+the CRC32C of its header and payload after the payload (:mod:`bitcoll.kernels.checksum`,
+:data:`~bitcoll.kernels.checksum.CHECKSUM_BYTES` bytes, little-endian), checked on arrival: a
+frame altered on the way (a faulty NIC, switch, cable or memory: TCP's own 16-bit checksum
+lets some through) is a :class:`~bitcoll.errors.ProtocolError` naming the link, on the
+receiving rank and, through the failure path, on every rank; no result is delivered. On by
+default; ``checksum=False`` (``BITCOLL_CHECKSUM=0``) leaves it out, and an altered frame is
+then delivered as it arrived. Every rank must use the same setting (a rank that differs
+refuses to join). Streams checksum the bytes as they pass (:mod:`bitcoll.kernels.stream`); the
+frame path checksums a send's payload when it is submitted and a receive's when it is
+complete (consumed receives piece by piece). Abort notices carry no checksum.
+
 Traffic counters
 ----------------
 :attr:`TCPTransport.stats` counts frames: one message and ``HEADER_SIZE + payload length``
-bytes per frame (plus the integrity tag when on), exactly the bytes written to / read from
-the socket for it. A send is counted when the kernel has taken all of it, a receive when it
-is complete. The handshake, abort notices and the rendezvous store's traffic are not counted.
+bytes per frame (plus the integrity tag or the checksum when on), exactly the bytes written to
+/ read from the socket for it. A send is counted when the kernel has taken all of it, a
+receive when it is complete. The handshake, abort notices and the rendezvous store's traffic
+are not counted.
 
 Failure
 -------
@@ -148,7 +164,7 @@ from typing import Any, Final, NamedTuple
 
 import numpy as np
 
-from ...config import DEFAULT_TIMEOUT
+from ...config import DEFAULT_TIMEOUT, ENV_CHECKSUM, switch
 from ...errors import (
     BitcollError,
     CommError,
@@ -158,6 +174,7 @@ from ...errors import (
     UsageError,
 )
 from ...kernels import stream as stream_kernel
+from ...kernels.checksum import CHECKSUM_BYTES, Crc32c, crc32c
 from ...kernels.stream import Status as StreamStatus
 from ..base import (
     HEADER_SIZE,
@@ -199,7 +216,8 @@ from ..wire import FRAME_TAG_BYTES as FRAME_TAG_BYTES
 from ..wire import MAX_REASON_BYTES as MAX_REASON_BYTES
 from ..wire import abort_frame, blake3_module, decode_reason, frame_tag, tag_hasher
 
-__all__ = ["TCPTransport", "SEND_BUFFER_BYTES", "RECEIVE_BUFFER_BYTES", "PeerState", "RxPhase"]
+__all__ = ["TCPTransport", "SEND_BUFFER_BYTES", "RECEIVE_BUFFER_BYTES", "PeerState", "RxPhase",
+           "checksum_setting"]
 
 #: Piece size of :meth:`TCPTransport.irecv_consume`: small enough to stay in a core's L2
 #: cache between the kernel's copy and the consumer's read.
@@ -234,13 +252,19 @@ _log = logging.getLogger("bitcoll.tcp")
 _POLL_IN: Final = select.POLLIN | select.POLLPRI | select.POLLERR | select.POLLHUP
 
 
+def checksum_setting(value: bool | None = None) -> bool:
+    """Whether data frames carry a checksum: ``value`` when True or False, else
+    ``BITCOLL_CHECKSUM`` ("0" or "1"; unset: on). UsageError for anything else."""
+    return switch(value, "checksum", ENV_CHECKSUM, True)
+
+
 class RxPhase(enum.Enum):
     """Where the receiving side of an open connection is within the byte stream."""
 
     HEADER = "header"  # reading a frame header (``rx_got`` bytes of it so far)
     HELD = "held"  # a data header was read; no receive is posted for it yet
     BODY = "body"  # reading the payload into the oldest posted receive
-    TAG = "tag"  # reading the frame's integrity tag
+    TAG = "tag"  # reading the frame's trailer: integrity tag or checksum
 
 
 class _StreamEnd(NamedTuple):
@@ -264,7 +288,7 @@ class _TCPRequest(FrameRequest):
                  is_send: bool) -> None:
         super().__init__(owner, peer, header, view, is_send)
         self.head = header.pack() if is_send else b""
-        self.tail = b""  # the frame's integrity tag (sends, with frame integrity on)
+        self.tail = b""  # the frame's trailer (sends): integrity tag or checksum
         self.sent = 0  # bytes of a send already written by isend itself
 
     def parts(self) -> list[bytes | memoryview]:
@@ -323,14 +347,20 @@ class TCPTransport(LinkTransport):
     def __init__(self, rank: int, size: int, socks: dict[int, socket.socket],
                  rendezvous: _Rendezvous | None, job_id: int,
                  close_timeout: float = CLOSE_TIMEOUT, integrity: bool = False,
-                 send_buffer: int = SEND_BUFFER_BYTES) -> None:
-        """Wrap established connections (use :meth:`create` instead)."""
+                 send_buffer: int = SEND_BUFFER_BYTES, checksum: bool | None = None) -> None:
+        """Wrap established connections (use :meth:`create` instead). ``checksum``: see
+        :meth:`create` (None: :func:`checksum_setting`)."""
         self.rank = rank
         self.send_buffer = send_buffer  # the connections' SO_SNDBUF (sub-groups' too)
         self.size = size
         self.stats = TrafficStats()
         self.job_id = job_id
         self.integrity = integrity
+        #: Whether data frames carry a CRC32C (never with integrity: its tag covers it).
+        self.checksum = checksum_setting(checksum) and not integrity
+        # Bytes after each data frame's payload: the tag, the checksum or nothing.
+        self._trailer = FRAME_TAG_BYTES if integrity else \
+            CHECKSUM_BYTES if self.checksum else 0
         self.close_timeout = close_timeout
         self._rdv = rendezvous
         self._store: RendezvousStore | None = None if rendezvous is None else rendezvous.store
@@ -358,7 +388,8 @@ class TCPTransport(LinkTransport):
                timeout: float = DEFAULT_TIMEOUT, listen_addr: str | None = None, *,
                store: object | None = None, integrity: bool = False,
                close_timeout: float = CLOSE_TIMEOUT,
-               send_buffer: int | None = None) -> TCPTransport:
+               send_buffer: int | None = None,
+               checksum: bool | None = None) -> TCPTransport:
         """Connect the ``size`` ranks of a job; see the module docstring for the steps.
 
         ``rank`` in ``[0, size)``. Without ``store``, rank 0 serves bitcoll's authenticated
@@ -372,6 +403,10 @@ class TCPTransport(LinkTransport):
         payload (:data:`FRAME_TAG_BYTES` bytes), checked on arrival: a frame altered or
         injected on the way is a ProtocolError (every rank must pass the same value; needs
         the ``blake3`` package).
+        ``checksum`` (default: ``BITCOLL_CHECKSUM``, else on; off where ``integrity`` is on,
+        whose tag covers it): every data frame carries the CRC32C of its header and payload,
+        checked on arrival: a frame altered on the way is a ProtocolError naming the link
+        (every rank must pass the same value; a rank that differs refuses to join).
         ``close_timeout``: see :meth:`close`. ``send_buffer``: the SO_SNDBUF of the data
         connections in bytes, 0 for the kernel's sizing (default: ``BITCOLL_SEND_BUFFER``,
         else :data:`SEND_BUFFER_BYTES`); a rank whose value (or variable) is bad refuses to
@@ -398,6 +433,7 @@ class TCPTransport(LinkTransport):
         if integrity:
             blake3_module()
             auth.check_secret(auth.env_secret(), False, True)  # not with BITCOLL_INSECURE=1
+        checked = checksum_setting(checksum)
         refusal = None
         try:
             send = send_buffer_bytes(send_buffer)
@@ -406,7 +442,7 @@ class TCPTransport(LinkTransport):
                 raise
             refusal, send = f"rank {rank}: {exc}", 0  # told to the others at the rendezvous
         if size == 1:
-            return cls(0, 1, {}, None, 0, close_timeout)
+            return cls(0, 1, {}, None, 0, close_timeout, checksum=checked)
         if store is None and not 0 < master_port < 65536:
             raise UsageError(f"master_port must be in 1..65535, got {master_port}")
         deadline = time.monotonic() + timeout
@@ -424,8 +460,9 @@ class TCPTransport(LinkTransport):
             raise UsageError(refusal) from exc  # the store was not there to be told
         try:
             socks, job_id = build_mesh(rank, size, rdv, deadline, timeout, listen_addr,
-                                       integrity, send, refusal)
-            return cls(rank, size, socks, rdv, job_id, close_timeout, integrity, send)
+                                       integrity, send, refusal,
+                                       checksum=checked and not integrity)
+            return cls(rank, size, socks, rdv, job_id, close_timeout, integrity, send, checked)
         except BaseException as exc:
             rdv.close(min(deadline, time.monotonic()) + FAILED_CLOSE_SECONDS)
             if refusal is not None and isinstance(exc, CommError):
@@ -443,13 +480,15 @@ class TCPTransport(LinkTransport):
         if self.rank not in members:
             raise UsageError(f"rank {self.rank} is not among the members {members}")
         if self._rdv is None or len(members) == 1:
-            return TCPTransport(0, 1, {}, None, 0, self.close_timeout)
+            return TCPTransport(0, 1, {}, None, 0, self.close_timeout, checksum=self.checksum)
         deadline = time.monotonic() + timeout
         rdv = self._rdv.child(f"group/{tag}/")
         socks, job_id = build_mesh(members.index(self.rank), len(members), rdv, deadline,
-                                   timeout, None, self.integrity, self.send_buffer)
+                                   timeout, None, self.integrity, self.send_buffer,
+                                   checksum=self.checksum)
         return TCPTransport(members.index(self.rank), len(members), socks, rdv, job_id,
-                            self.close_timeout, self.integrity, self.send_buffer)
+                            self.close_timeout, self.integrity, self.send_buffer,
+                            self.checksum)
 
     # ---------------------------------------------------------------- state
 
@@ -503,6 +542,8 @@ class TCPTransport(LinkTransport):
                              f"{mv.nbytes} bytes")
         req = _TCPRequest(self, peer, header, mv, True)
         if p.key_out is None:
+            if self.checksum:
+                req.tail = crc32c(mv, crc32c(req.head)).to_bytes(CHECKSUM_BYTES, "little")
             self._submit(p, req)
         else:
             with p.mac_lock:  # counters in submission order
@@ -817,8 +858,10 @@ class TCPTransport(LinkTransport):
             if not nr or bytes(in_p.hbuf) != r_head[0].tobytes():
                 return None  # the frame path reports it
             state[3] = HEADER_SIZE
+            state[stream_kernel.R_CRC] = crc32c(in_p.hbuf)
             in_p.rx_phase = RxPhase.HEADER
         bounce = np.frombuffer(in_p.bounce, work.dtype)
+        tbuf = np.zeros(stream_kernel.TRAILER_SIZE, np.uint8)
         op = _STREAM_OPS[plan.op]
         divisor = work.dtype.type(plan.divisor)
         started = time.monotonic()
@@ -836,20 +879,20 @@ class TCPTransport(LinkTransport):
                                   if p is not in_p and p.state is PeerState.OPEN
                                   and p.rx_phase is RxPhase.HEADER and not p.rx.locked()],
                                  np.int32)
-                status = stream_kernel.run_stream(
+                status = stream_kernel.run_stream_checked(
                     work, src, op, divisor, out_p.fd, in_p.fd, self._wake_r, watch,
                     s_head, s_off, s_len, s_src, s_after, r_head, r_off, r_len, r_mode,
                     bounce, hbuf, np.zeros(2 * (3 + watch.size), np.int32), state,
-                    max(1, int(min(left, IDLE_LOOK_SECONDS) * 1000)))
+                    max(1, int(min(left, IDLE_LOOK_SECONDS) * 1000)), self.checksum, tbuf)
                 if status == StreamStatus.WATCH:
                     self.progress()  # an abort notice or a lost peer fails the transport
                 elif status != StreamStatus.IDLE:
                     break
-        finally:  # the frames done: one message and header + payload bytes each
+        finally:  # the frames done: one message and header + payload (+ checksum) bytes each
             sent, received = int(state[0]), int(state[2])
-            self.stats.add_sent(sent * HEADER_SIZE + int(s_len[:sent].sum()) * work.itemsize,
-                                sent)
-            self.stats.add_received(received * HEADER_SIZE
+            frame = HEADER_SIZE + self._trailer
+            self.stats.add_sent(sent * frame + int(s_len[:sent].sum()) * work.itemsize, sent)
+            self.stats.add_received(received * frame
                                     + int(r_len[:received].sum()) * work.itemsize, received)
         return _StreamEnd(int(status), int(state[0]), int(state[1]), int(state[2]), started)
 
@@ -882,6 +925,8 @@ class TCPTransport(LinkTransport):
                     self._abort_notice(in_p, header, None, 0)
                 else:
                     self._mismatch(in_p, header, plan.recvs[end.received][0])
+        elif status == StreamStatus.CHECKSUM:
+            self._fail(self._checksum_error(in_p.rank, plan.recvs[end.received][0]))
         elif status == StreamStatus.EOF:
             self._eof(in_p, between_frames=False)
         elif status in (StreamStatus.RECV_ERROR, StreamStatus.SEND_ERROR):
@@ -995,12 +1040,12 @@ class TCPTransport(LinkTransport):
                 else:  # TAG
                     assert req is not None
                     got = p.rx_got
-                    n = sock.recv_into(memoryview(p.tag)[got:], FRAME_TAG_BYTES - got, flags)
+                    n = sock.recv_into(memoryview(p.tag)[got:], self._trailer - got, flags)
                     if n == 0:
                         self._eof(p, between_frames=False)
                         return Want.IDLE
                     p.rx_got = got + n
-                    if p.rx_got == FRAME_TAG_BYTES:
+                    if p.rx_got == self._trailer:
                         self._check_tag(p, req)
             return Want.IDLE
         except (BlockingIOError, InterruptedError):
@@ -1023,6 +1068,8 @@ class TCPTransport(LinkTransport):
         p.rx_got = early
         if p.key_in is not None and req.consume is not None:
             p.rx_mac = tag_hasher(p.key_in, p.count_in, bytes(p.hbuf))
+        elif self.checksum and req.consume is not None:
+            p.rx_mac = Crc32c(p.hbuf)
         if early == header.length and req.consume is None:
             self._payload_done(p, req)
 
@@ -1041,8 +1088,9 @@ class TCPTransport(LinkTransport):
         return True
 
     def _payload_done(self, p: _Peer, req: _TCPRequest) -> None:
-        """The payload is in: BODY -> TAG (integrity on) or complete the frame."""
-        if p.key_in is not None:
+        """The payload is in: BODY -> TAG (integrity or checksum on) or complete the
+        frame."""
+        if self._trailer:
             p.rx_phase = RxPhase.TAG
             p.rx_got = 0
             return
@@ -1085,9 +1133,11 @@ class TCPTransport(LinkTransport):
         self._consume_piece(p.rank, req.consume, pos, chunk)
 
     def _check_tag(self, p: _Peer, req: _TCPRequest) -> None:
-        """The integrity tag of ``req``'s frame is in ``p.tag``: verify it (TAG -> HEADER),
-        or fail the transport."""
-        assert p.key_in is not None
+        """The trailer of ``req``'s frame is in ``p.tag``: verify it (TAG -> HEADER), or fail
+        the transport."""
+        if p.key_in is None:
+            self._check_sum(p, req)
+            return
         if req.consume is not None:
             want = p.rx_mac.digest(FRAME_TAG_BYTES)
             p.rx_mac = None
@@ -1100,6 +1150,27 @@ class TCPTransport(LinkTransport):
                                      rank=self.rank, peer=p.rank))
             return
         self._complete(p, req, FRAME_TAG_BYTES)
+
+    def _check_sum(self, p: _Peer, req: _TCPRequest) -> None:
+        """The checksum of ``req``'s frame is in ``p.tag``: verify it (TAG -> HEADER), or fail
+        the transport with ProtocolError naming the link."""
+        if req.consume is not None:
+            want = p.rx_mac.digest()
+            p.rx_mac = None
+        else:
+            want = crc32c(req.view, crc32c(p.hbuf)).to_bytes(CHECKSUM_BYTES, "little")
+        if want != bytes(p.tag[:CHECKSUM_BYTES]):
+            self._fail(self._checksum_error(p.rank, req.header))
+            return
+        self._complete(p, req, CHECKSUM_BYTES)
+
+    def _checksum_error(self, peer: int, header: FrameHeader) -> ProtocolError:
+        return ProtocolError(
+            f"rank {self.rank}: a frame from rank {peer} failed its checksum (collective "
+            f"#{header.seq}, step {header.step}, {header.length} bytes): it was altered on the "
+            f"link from rank {peer} to rank {self.rank} (a faulty NIC, switch, cable or "
+            "memory); no result was delivered", rank=self.rank, peer=peer,
+            sequence=header.seq)
 
     def _abort_notice(self, p: _Peer, header: FrameHeader, req: _TCPRequest | None,
                       early: int) -> None:
