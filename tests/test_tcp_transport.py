@@ -526,6 +526,7 @@ def _rank1(monkeypatch: pytest.MonkeyPatch, port: int, size: int,
     BITCOLL_SECRET set to :data:`SECRET`. At the end the thread is joined and the store
     closed."""
     monkeypatch.setenv("BITCOLL_SECRET", SECRET)
+    monkeypatch.setenv("BITCOLL_CHECKSUM", "0")  # the raw rank 0 writes frames without one
     server = StoreServer("127.0.0.1", port, secret=SECRET.encode())
     client = StoreClient.connect("127.0.0.1", port, time.monotonic() + 5,
                                  secret=SECRET.encode())
