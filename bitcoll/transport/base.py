@@ -160,6 +160,10 @@ class Transport(ABC):
     rank: int
     size: int
     stats: TrafficStats
+    #: Bytes one frame adds to its payload in :attr:`stats` (its header, and on the TCP
+    #: transport the checksum or integrity tag after the payload): a frame of ``n`` payload
+    #: bytes counts ``n + frame_overhead``.
+    frame_overhead: int = HEADER_SIZE
 
     @abstractmethod
     def isend(self, peer: int, payload: memoryview, header: FrameHeader) -> Request:

@@ -361,6 +361,7 @@ class TCPTransport(LinkTransport):
         # Bytes after each data frame's payload: the tag, the checksum or nothing.
         self._trailer = FRAME_TAG_BYTES if integrity else \
             CHECKSUM_BYTES if self.checksum else 0
+        self.frame_overhead = HEADER_SIZE + self._trailer
         self.close_timeout = close_timeout
         self._rdv = rendezvous
         self._store: RendezvousStore | None = None if rendezvous is None else rendezvous.store
