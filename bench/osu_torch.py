@@ -138,6 +138,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument("--out", default=None, help="also write the tables to this file")
+    parser.add_argument("--testbed", default=None, metavar="OPTIONS",
+                        help="the bench/netbed.py options this job runs under, e.g. "
+                             "'--hosts 4 --rate 1gbit' (only recorded: the header's command "
+                             "then starts with python bench/netbed.py OPTIONS)")
+    parser.add_argument("--no-direct", action="store_true",
+                        help="leave out the bitcoll-direct column (saves a third of the time "
+                             "on slow links; the column then shows nan)")
     args = parser.parse_args(argv)
     ops = [o for o in args.ops.split(",") if o]
     bad = [o for o in ops if o not in OPS]
@@ -164,7 +171,9 @@ def main(argv: list[str] | None = None) -> int:
 
     cmd = " ".join(display_command([sys.executable, *sys.argv]))
     local = os.environ.get("LOCAL_WORLD_SIZE")
-    if local and os.environ.get("TORCHELASTIC_RUN_ID"):
+    if args.testbed:
+        cmd = cmd.replace("python ", f"python bench/netbed.py {args.testbed} ", 1)
+    elif local and os.environ.get("TORCHELASTIC_RUN_ID"):
         cmd = cmd.replace("python ", f"torchrun --nproc-per-node {local} ", 1)
     elif local:
         cmd = cmd.replace("python ", f"python -m launch -n {local} ", 1)
@@ -184,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
         emit("# Size  bitcoll(us)  gloo(us)  speedup  bitcoll-direct(us)")
         for nbytes in args.sizes:
             calls = {b: _op(name, nbytes, p, g) for b, g in groups.items()}
-            calls["direct"] = _raw_op(name, nbytes, p)
+            if not args.no_direct:
+                calls["direct"] = _raw_op(name, nbytes, p)
             if any(c is None for c in calls.values()):
                 continue
             iters, warm = schedule.for_bytes(nbytes)
@@ -197,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
                     best[b] = min(best[b], _round(op, groups.get(b, dist.group.WORLD), iters,
                                                   warm))
             us = {b: best[b] * 1e6 for b in calls}
+            us.setdefault("direct", float("nan"))
             emit(f"{nbytes:<12d}{us['bitcoll']:>14.2f}{us['gloo']:>14.2f}"
                  f"{us['gloo'] / us['bitcoll']:>10.2f}{us['direct']:>14.2f}")
             del calls

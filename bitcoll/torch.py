@@ -168,9 +168,13 @@ class BitcollWork(_C10dWork):
     def __init__(self, name: str) -> None:
         super().__init__()
         self._name = name
-        self._event = threading.Event()
+        # Held until the collective finished: a waiter acquires and releases it (cheaper
+        # than a threading.Event, which costs a Condition per collective).
+        self._gate = threading.Lock()
+        self._gate.acquire()
         self._lock = threading.Lock()
-        self._done = False
+        self._done = False  # the outcome is recorded (under _lock)
+        self._finished = False  # ... and the future completed: waiters may go
         self._error: BaseException | None = None
         self._value: Any = None
         self._future: Future[Any] | None = None  # made by get_future (most calls need none)
@@ -184,7 +188,8 @@ class BitcollWork(_C10dWork):
             if fut is not None:
                 self._complete(fut)
         finally:
-            self._event.set()
+            self._finished = True
+            self._gate.release()
 
     def _complete(self, fut: Future[Any]) -> None:
         if self._error is None:
@@ -193,23 +198,25 @@ class BitcollWork(_C10dWork):
             fut.set_exception(self._error)
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
-        if not self._event.is_set() and self._worker is not None:
+        if not self._finished and self._worker is not None:
             self._worker.try_run(self)  # next in line: run it here (no thread hand-off)
-        limit = None
-        if timeout is not None and timeout.total_seconds() > 0:
-            limit = timeout.total_seconds()
-        if not self._event.wait(limit):
-            raise dist.DistBackendError(f"{self._name} did not complete within the "
-                                        f"{limit} s wait")
+        if not self._finished:
+            limit = -1.0
+            if timeout is not None and timeout.total_seconds() > 0:
+                limit = timeout.total_seconds()
+            if not self._gate.acquire(timeout=limit):
+                raise dist.DistBackendError(f"{self._name} did not complete within the "
+                                            f"{limit} s wait")
+            self._gate.release()  # for the next waiter
         if self._error is not None:
             raise self._error
         return True
 
     def is_completed(self) -> bool:
-        return self._event.is_set()
+        return self._finished
 
     def is_success(self) -> bool:
-        return self._event.is_set() and self._error is None
+        return self._finished and self._error is None
 
     def exception(self) -> BaseException | None:
         return self._error
@@ -231,7 +238,7 @@ class BitcollWork(_C10dWork):
         return fut
 
     def __repr__(self) -> str:
-        state = "completed" if self._event.is_set() else "pending"
+        state = "completed" if self._finished else "pending"
         return f"<BitcollWork {self._name} {state}>"
 
 
@@ -384,9 +391,22 @@ class _Reduction:
     factor: Any = None
 
 
+_PLANS: dict[tuple[Any, torch.dtype], _Reduction] = {}
+
+
 def _reduction(op: Any, dtype: torch.dtype) -> _Reduction:
-    """The plan of ReduceOp ``op`` on ``dtype``; UsageError where torch's op is undefined."""
+    """The plan of ReduceOp ``op`` on ``dtype``; UsageError where torch's op is undefined.
+    Plans without a factor are cached per (op, dtype)."""
     kind = _op_type(op)
+    plan = _PLANS.get((kind, dtype))
+    if plan is None:
+        plan = _plan(op, kind, dtype)
+        if plan.factor is None:
+            _PLANS[(kind, dtype)] = plan
+    return plan
+
+
+def _plan(op: Any, kind: Any, dtype: torch.dtype) -> _Reduction:
     name = str(getattr(kind, "name", kind))
     if dtype == torch.bool:
         table: dict[Any, str] = {_R.SUM: "max", _R.MAX: "max", _R.BOR: "max", _R.MIN: "min",
