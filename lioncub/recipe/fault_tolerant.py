@@ -251,6 +251,7 @@ def _loop(args: argparse.Namespace, group: ElasticGroup, opt: ElasticLion, model
             rec = step_record(step, lr, loss_value, (t0, t1, t2), figures, warmup=warm,
                               applied=True, comm=None)
             rec["world_size"] = epoch.size
+            rec["epoch"] = group.epoch.number  # after the step (joiners are taken in there)
             steps.append(rec)
             warm = False
             if lead():

@@ -12,7 +12,8 @@ averaged over ranks), ``forward_backward`` and ``optimizer`` (seconds, the parts
 overflowed), ``synced_tensors`` (how many tensors had their momentum averaged after the step)
 and, for the variants whose collective returns exact vote sums, ``agreement`` (the mean over
 tensors of the optimizer's vote-agreement figure, in [0, 1]); in a fault-tolerant run also
-``world_size`` (the ranks of the step's epoch). ``evals[i]`` has ``step`` (0 = before
+``world_size`` (the ranks of the step's epoch) and ``epoch`` (the membership epoch after
+the step). ``evals[i]`` has ``step`` (0 = before
 training), ``val_loss``, ``elapsed`` (seconds since the start of training) and
 ``step_seconds`` (sum of the step times so far, warm-up steps left out).
 ``summary["target_reached"]`` is the first evaluation at or below ``--target-loss`` (None
