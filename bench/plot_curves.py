@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from lioncub.recipe.logs import LOG_FORMAT
+
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
@@ -41,7 +43,6 @@ if TYPE_CHECKING:
 __all__ = ["Run", "FORMATS", "load_log", "run_label", "group_runs", "subtitle_of", "ema",
            "figure", "save_figure", "image_format", "main"]
 
-LOG_FORMAT = "lioncub-train-log/1"
 #: Image formats :func:`save_figure` writes; the first is the default.
 FORMATS = ("png", "svg")
 PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2",
