@@ -18,7 +18,12 @@ secret, :mod:`launch.store_host`), or torchrun's agent store. Rank 0's own store
 ``bitcoll.init``) would die with rank 0, so :meth:`ElasticGroup.from_env` refuses to run
 without one of the two. Each member keeps two store connections: one for the protocol, one
 for its *heartbeat* thread, which writes a counter under ``hb/<id>`` every
-``heartbeat`` seconds.
+``heartbeat`` seconds and reads the counters of the epoch's other members: when one has not
+moved for ``dead_after`` seconds (a stopped or hung process, a host cut off), the thread
+aborts the epoch's communicator, so every member's collective fails at once and the
+transition starts then, not at the collective's deadline (``timeout``, the backstop). A
+false alarm (a member starved of CPU) costs the step in flight, not the member: it is still
+waited for while its heartbeat moves.
 
 Keys (under ``prefix``, default ``"elastic/"``)::
 
@@ -32,7 +37,7 @@ Keys (under ``prefix``, default ``"elastic/"``)::
     e/<e>/t/<a>/decider     the decider's id
     e/<e>/t/<a>/decision    the decision (JSON): members of epoch e+1, who left, who joined,
                             the committed step, or "no quorum"
-    e/<e>/t/<a>/mesh/...    the connection set-up of epoch e+1 (transport.rendezvous.tcp_bootstrap)
+    e/<e>/t/<a>/mesh/...    the connection set-up of epoch e+1 (transport.tcp_bootstrap)
 
 Leaving epoch ``e`` (:meth:`ElasticGroup.recover`)
 -------------------------------------------------
@@ -42,9 +47,12 @@ Leaving epoch ``e`` (:meth:`ElasticGroup.recover`)
    adds 1 to ``claim``; the one that gets 1 is the *decider* of attempt ``a``.
 2. The decider waits until every member of epoch ``e`` has reported, or is *gone*: its
    process is seen dead on this host (``/proc``), or its heartbeat did not move for
-   ``dead_after`` seconds; it never waits longer than ``timeout``. The survivors are the
-   members that reported, in their old rank order; the joiners whose heartbeat is present
-   follow them.
+   ``dead_after`` seconds (timed from when this process's heartbeat thread first saw it
+   still). A member whose heartbeat moves is waited for: the verdicts depend on liveness,
+   not on which survivor reports first; only a member alive but silent in the protocol for
+   twice the collective deadline (``2 * timeout``) is left out as hung. The survivors are
+   the members that reported, in their old rank order; the joiners whose heartbeat is
+   present follow them.
 3. **Quorum.** The survivors must be more than half of epoch ``e``'s members and at least
    ``min_size``; otherwise the decision is "no quorum" and every survivor raises
    :class:`NoQuorumError`. Two disjoint sets cannot both hold a majority, so there is never
@@ -53,7 +61,8 @@ Leaving epoch ``e`` (:meth:`ElasticGroup.recover`)
 4. The decision (written once, by the decider) names epoch ``e + 1``'s members, the old
    ranks that left, the joiners and the *committed step* ``C``: the largest ``committed``
    reported. The others wait for it while watching the decider's heartbeat; a decider that
-   dies (or stalls ``dead_after``) before deciding sends them to attempt ``a + 1``.
+   dies (or stalls ``dead_after``, or names itself not within ``timeout`` of its claim)
+   before deciding sends them to attempt ``a + 1``.
 5. A process that is not in the decision (it reported too late, or it is a stale rank of an
    old epoch) raises :class:`EvictedError`: it must not touch the job's state again; it
    may come back as a joiner (:meth:`ElasticGroup.rejoin`).
@@ -84,7 +93,9 @@ takes it in. Rank 0 of the epoch looks for joiners at most every ``join_check`` 
 sets a flag in the next :meth:`commit`; every member then sees the flag at the same step and
 calls :meth:`recover` with nothing failed (a planned transition). The joiner gets the
 job's state from the members over the new epoch's authenticated connections
-(:func:`share_state`: each member sends one slice).
+(:func:`share_state`: each holder sends one slice straight into the joiner's arrays, and
+the holders' average of a float32 state, e.g. momenta, is computed slice by slice by its
+owner and sent from there, in the same call).
 
 Not covered: a lost store (the launcher's host) ends the job; MPI jobs fail fast as before
 (ULFM is not in the MPICH wheel); see ``docs/elastic.md``.
@@ -93,6 +104,7 @@ Not covered: a lost store (the launcher's host) ends the job; MPI jobs fail fast
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import logging
 import os
@@ -108,6 +120,7 @@ import numpy.typing as npt
 
 from .communicator import Communicator
 from .errors import BitcollError, CommError, CommTimeoutError, ProtocolError, UsageError
+from .partition import block_bounds
 from .topology import digest, host_key
 from .transport.rendezvous import auth
 from .transport.rendezvous.tcp_bootstrap import (
@@ -234,16 +247,42 @@ def _gone_here(member: str) -> bool:
 
 
 @dataclass
+class _Watch:
+    """What a heartbeat thread watches: the other members of an epoch (their heartbeat
+    keys) and what to call, once, when one of them falls silent."""
+
+    keys: dict[str, int]  # heartbeat key -> the member's rank in the epoch
+    on_silent: Callable[[list[int]], None]
+    since: float  # when the watch began (a member not seen to beat is silent from here)
+
+
+@dataclass
 class _Heartbeat:
+    """A member's heartbeat thread: every ``every`` seconds it writes its counter under
+    ``key`` and looks at the counters of the members of the current epoch (the *watch*).
+    A member whose counter did not move for ``dead_after`` is *silent*: the thread calls the
+    watch's ``on_silent`` once (the group aborts the epoch's communicator, so every member's
+    collective fails at once instead of at its deadline). ``seen`` holds, per heartbeat
+    key, the last counter read and since when it has not moved: the decider of a transition
+    starts from it, so a silence is not timed twice."""
+
     store: RendezvousStore
     key: str
     every: float
+    dead_after: float = DEFAULT_DEAD_AFTER
     stop: threading.Event = field(default_factory=threading.Event)
     thread: threading.Thread | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    watch: _Watch | None = None
+    seen: dict[str, tuple[bytes | None, float]] = field(default_factory=dict)
 
     def start(self) -> None:
         self.thread = threading.Thread(target=self._run, daemon=True, name="bitcoll-heartbeat")
         self.thread.start()
+
+    def set_watch(self, watch: _Watch | None) -> None:
+        with self.lock:
+            self.watch = watch
 
     def _run(self) -> None:
         n = 0
@@ -251,9 +290,39 @@ class _Heartbeat:
             n += 1
             try:
                 self.store.set(self.key, str(n).encode(), time.monotonic() + 10.0)
+                self._look()
             except Exception:  # the store is gone: the protocol sees it too
                 return
             self.stop.wait(self.every)
+
+    def _look(self) -> None:
+        """One look at the watched members' counters (one store round trip each)."""
+        with self.lock:
+            watch = self.watch
+        if watch is None:
+            return
+        silent: list[int] = []
+        for k, rank in watch.keys.items():
+            value = self.store.try_get(k, time.monotonic() + 10.0)
+            now = time.monotonic()
+            with self.lock:
+                prev = self.seen.get(k)
+                if prev is None or prev[0] != value:
+                    self.seen[k] = (value, now if prev is not None else watch.since)
+                elif now - max(prev[1], watch.since) >= self.dead_after:
+                    silent.append(rank)
+        if silent:
+            with self.lock:
+                if self.watch is not watch:
+                    return
+                self.watch = None
+            watch.on_silent(silent)
+
+    def still_since(self, key: str, value: bytes | None) -> float | None:
+        """Since when the counter under ``key`` has shown ``value`` (None: not seen so)."""
+        with self.lock:
+            prev = self.seen.get(key)
+        return prev[1] if prev is not None and prev[0] == value else None
 
     def close(self) -> None:
         self.stop.set()
@@ -396,7 +465,7 @@ class ElasticGroup:
         ``timeout`` or no transition takes the joiner within ``join_timeout``."""
         self._store = self._connect()
         self._beat = _Heartbeat(self._connect(), self._k(f"hb/{self.member_id}"),
-                                self.heartbeat)
+                                self.heartbeat, self.dead_after)
         self._beat.start()
         if self.store.try_get(self._k("current")) is not None:
             return self.rejoin()
@@ -431,7 +500,7 @@ class ElasticGroup:
         if self._beat is not None:
             self._beat.close()
         self._beat = _Heartbeat(self._connect(), self._k(f"hb/{self.member_id}"),
-                                self.heartbeat)
+                                self.heartbeat, self.dead_after)
         self._beat.start()
         deadline = time.monotonic() + self.join_timeout
         # the heartbeat must be visible before a decider can see the registration
@@ -540,6 +609,8 @@ class ElasticGroup:
     def _recover(self, committed: int, pending: bool, has_state: bool
                  ) -> tuple[Epoch, str | None]:
         old = self.epoch
+        if self._beat is not None:
+            self._beat.set_watch(None)
         if self._comm is not None:
             with contextlib.suppress(Exception):
                 if self._comm.transport.failure is None and self._comm.size > 1:
@@ -564,7 +635,7 @@ class ElasticGroup:
             else:
                 try:
                     decision = json.loads(self._poll(
-                        t + "decision", time.monotonic() + 2 * self.timeout + self.dead_after,
+                        t + "decision", end,
                         f"no decision in attempt {attempt}", self._decider_alive(t)))
                 except CommTimeoutError:
                     attempt += 1
@@ -590,7 +661,8 @@ class ElasticGroup:
     def _decider_alive(self, t: str) -> Callable[[], bool]:
         """A check for :meth:`_poll`: False once attempt ``t``'s decider is gone (dead on
         this host, or its heartbeat still for ``dead_after``; no decider named within
-        ``dead_after`` of the first look counts as gone too)."""
+        ``timeout`` of the first look counts as gone too: the claimant names itself right
+        after its claim, so only a claimant that died in between is not named)."""
         decider: list[str] = []
         last: list[bytes | None] = [None]
         since = [time.monotonic()]
@@ -599,8 +671,8 @@ class ElasticGroup:
             now = time.monotonic()
             if not decider:
                 d = self.store.try_get(t + "decider")
-                if d is None:
-                    return now - since[0] < self.dead_after
+                if d is None:  # the claimant names itself right after its claim
+                    return now - since[0] < self.timeout
                 decider.append(d.decode())
                 since[0] = now
             if _gone_here(decider[0]):
@@ -623,7 +695,7 @@ class ElasticGroup:
         while True:
             now = time.monotonic()
             missing = [here[k] for k in st.missing(list(here))]
-            if not missing or now - start > self.timeout:
+            if not missing or now - start > 2 * self.timeout:
                 break
             waiting = False
             for m in missing:
@@ -632,7 +704,12 @@ class ElasticGroup:
                 hb = st.try_get(self._k(f"hb/{m}"))
                 prev = last_hb.get(m)
                 if prev is None or prev[0] != hb:
-                    last_hb[m] = (hb, now if prev is not None else start)
+                    if prev is not None:
+                        last_hb[m] = (hb, now)
+                    else:  # still since the heartbeat thread saw it so, or from now
+                        seen = None if self._beat is None else \
+                            self._beat.still_since(self._k(f"hb/{m}"), hb)
+                        last_hb[m] = (hb, start if seen is None else min(seen, start))
                 if now - last_hb[m][1] < self.dead_after:
                     waiting = True
             if not waiting:
@@ -701,7 +778,8 @@ class ElasticGroup:
 
     def _establish(self, epoch: Epoch, attempt: int, ns: str) -> None:
         """Build the epoch's communicator (connections bound to the epoch's key)."""
-        from .transport.shm.hybrid import share_hosts, shm_enabled
+        from .bootstrap import share_hosts
+        from .transport.shm import shm_enabled
         from .transport.tcp import TCPTransport
 
         self._epoch = epoch
@@ -726,8 +804,31 @@ class ElasticGroup:
         if comm.num_hosts < comm.size:
             comm = share_hosts(comm, use_shm, self.timeout)
         self._comm = comm
+        self._watch(epoch, comm)
         if epoch.rank == 0:
             self.store.set(self._k("current"), str(epoch.number).encode())
+
+    def _watch(self, epoch: Epoch, comm: Communicator) -> None:
+        """Let the heartbeat thread watch the epoch's other members: when one is silent for
+        ``dead_after`` seconds (stopped, hung, cut off), the communicator is aborted, so
+        every member's collective fails now and the transition starts (the decider then
+        leaves out the silent member unless it reports)."""
+        if self._beat is None or epoch.size == 1:
+            return
+        number = epoch.number
+
+        def on_silent(ranks: list[int]) -> None:
+            _log.debug("%s: ranks %s of epoch %d are silent", self.member_id, ranks, number)
+            with contextlib.suppress(Exception):
+                if comm.transport.failure is None:
+                    comm.transport.abort(
+                        f"elastic: rank{'s' if len(ranks) > 1 else ''} "
+                        f"{', '.join(map(str, ranks))} of epoch {number} sent no heartbeat "
+                        f"for {self.dead_after:g} s")
+
+        keys = {self._k(f"hb/{m}"): r for r, m in enumerate(epoch.members)
+                if m != self.member_id}
+        self._beat.set_watch(_Watch(keys, on_silent, time.monotonic()))
 
     # ------------------------------------------------------------------ end
     def finish(self) -> None:
@@ -742,6 +843,8 @@ class ElasticGroup:
         if self._closed:
             return
         self._closed = True
+        if self._beat is not None:
+            self._beat.set_watch(None)
         if self._comm is not None:
             with contextlib.suppress(Exception):
                 self._comm.close()
@@ -770,35 +873,119 @@ def _action(step: int, committed: int, pending: bool) -> str:
     raise ProtocolError(f"elastic: this rank is at step {committed}, the survivors at {step}")
 
 
-def share_state(comm: Communicator, state: npt.NDArray[Any], holders: Sequence[int]) -> None:
-    """Make ``state`` (a 1-D array, the same length and dtype on every rank) bitwise equal
-    to the holders' copy on every rank (collective). ``holders``: the ranks whose ``state``
-    is the job's (identical on all of them); the others' is overwritten.
+#: An array, or several (each 1-D and C-contiguous), taken as their concatenation.
+Arrays = npt.NDArray[Any] | Sequence[npt.NDArray[Any]]
 
-    Each holder sends one slice (``numpy.array_split`` order over the holders) to every
-    other rank: one all-to-all, so a joiner receives ``state.nbytes`` in total, spread over
-    the holders' links. UsageError for a bad ``holders`` list or array."""
+
+def _flat_views(arrays: Arrays | None, what: str, dtype: Any = None
+                ) -> list[npt.NDArray[Any]]:
+    """``arrays`` as a list of writable C-contiguous 1-D arrays (UsageError otherwise)."""
+    if arrays is None:
+        return []
+    items = [arrays] if isinstance(arrays, np.ndarray) else list(arrays)
+    for a in items:
+        if not isinstance(a, np.ndarray) or a.ndim != 1 or not a.flags.c_contiguous \
+                or not a.flags.writeable:
+            raise UsageError(f"{what} must be writable C-contiguous 1-D arrays")
+        if dtype is not None and a.dtype != dtype:
+            raise UsageError(f"{what} must be {np.dtype(dtype).name} arrays, got {a.dtype}")
+    return items
+
+
+def _pieces(arrays: Sequence[npt.NDArray[Any]], start: int, stop: int
+            ) -> list[npt.NDArray[Any]]:
+    """Views of elements ``[start, stop)`` of the concatenation of ``arrays`` (same dtype),
+    one per array they touch, in order; empty views are left out."""
+    out = []
+    pos = 0
+    for a in arrays:
+        lo, hi = max(start, pos), min(stop, pos + a.size)
+        if lo < hi:
+            out.append(a[lo - pos:hi - pos])
+        pos += a.size
+    return out
+
+
+def share_state(comm: Communicator, state: Arrays, holders: Sequence[int], *,
+                average: Arrays | None = None) -> None:
+    """The job's state to every rank (collective; the arrays have the same sizes and dtypes
+    on every rank).
+
+    ``holders``: the ranks that hold the job's state (``Epoch.holders``). ``state`` (an
+    array or a list of arrays, 1-D, C-contiguous, any dtype, taken byte by byte as their
+    concatenation) ends bitwise equal to the holders' copy on every rank: the holders' copies
+    must be identical; the others' are overwritten. ``average`` (float32 arrays, or None)
+    ends, on every rank, as the holders' mean (summed in holder order, divided by the number
+    of holders), bitwise the same everywhere; the non-holders' values are not read.
+
+    The holders split both into ``len(holders)`` slices (``numpy.array_split`` order, see
+    :mod:`bitcoll.partition`); holder ``i`` *owns* slice ``i``. In one call, without a
+    barrier in between:
+
+    1. owner ``i`` sends its slice of ``state`` straight into every non-holder's arrays,
+       and every holder sends its slice ``j`` of ``average`` to owner ``j``;
+    2. each owner sums the contributions to its slice (in holder order), divides, and sends
+       the mean slice into every other rank's ``average``.
+
+    So a rank that holds nothing receives ``state`` once and ``average`` once, spread over the
+    holders' links (no staging copies on either side); a holder sends ``1/h`` of ``state`` to
+    each joiner and ``(h - 1)/h + (size - 1)/h`` of ``average``. UsageError for a bad
+    ``holders`` list or arrays."""
     hs = sorted(set(int(h) for h in holders))
     if not hs or hs[0] < 0 or hs[-1] >= comm.size:
         raise UsageError(f"holders must be ranks of the communicator, got {list(holders)}")
-    if state.ndim != 1 or not state.flags.c_contiguous or not state.flags.writeable:
-        raise UsageError("state must be a writable C-contiguous 1-D array")
-    if len(hs) == comm.size:
+    raw = [a.view(np.uint8) for a in _flat_views(state, "state")]
+    avg = _flat_views(average, "average", np.float32)
+    h = len(hs)
+    others = [r for r in range(comm.size) if r not in hs]
+    if not others and not avg:
         return
-    raw = state.view(np.uint8)
-    slices = np.array_split(np.arange(raw.size), len(hs))
-    block = max(len(s) for s in slices)
-    send = np.zeros(comm.size * block, np.uint8)
-    if comm.rank in hs:
-        mine = slices[hs.index(comm.rank)]
-        if len(mine):
-            part = raw[mine[0]:mine[-1] + 1]
-            for r in range(comm.size):
-                if r not in hs:
-                    send[r * block:r * block + part.size] = part
-    out = comm.alltoall(send)
-    if comm.rank not in hs:
-        for i, h in enumerate(hs):
-            s = slices[i]
-            if len(s):
-                raw[s[0]:s[-1] + 1] = out[h * block:h * block + len(s)]
+    nbytes = sum(a.size for a in raw)
+    nav = sum(a.size for a in avg)
+    sb = block_bounds(nbytes, h)
+    ab = block_bounds(nav, h)
+    me = hs.index(comm.rank) if comm.rank in hs else -1
+
+    def body(ctx: Any) -> None:
+        reqs = []
+        if me < 0:  # a rank without state: everything comes from the owners
+            for i, o in enumerate(hs):
+                reqs += [ctx.irecv(o, v) for v in _pieces(raw, sb[i], sb[i + 1])]
+                reqs += [ctx.irecv(o, v) for v in _pieces(avg, ab[i], ab[i + 1])]
+            ctx.wait(*reqs)
+            return
+        lo, hi = ab[me], ab[me + 1]
+        parts: dict[int, npt.NDArray[np.float32]] = {}
+        early = []
+        cuts = np.cumsum([0] + [v.size for v in _pieces(avg, lo, hi)])
+        for i, o in enumerate(hs):  # 1. the contributions to my slice (framed as sent)
+            if o != comm.rank:
+                parts[i] = np.empty(hi - lo, np.float32)
+                early += [ctx.irecv(o, parts[i][a:b]) for a, b in itertools.pairwise(cuts)]
+        for i, o in enumerate(hs):  # 2. (posted now) the other owners' means
+            if o != comm.rank:
+                reqs += [ctx.irecv(o, v) for v in _pieces(avg, ab[i], ab[i + 1])]
+        for r in others:  # 1. my slice of the state
+            reqs += [ctx.isend(r, v) for v in _pieces(raw, sb[me], sb[me + 1])]
+        for i, o in enumerate(hs):  # 1. my contributions to the other slices
+            if o != comm.rank:
+                reqs += [ctx.isend(o, v) for v in _pieces(avg, ab[i], ab[i + 1])]
+        if avg:
+            ctx.wait(*early)
+            mine = np.concatenate(_pieces(avg, lo, hi)) if hi > lo else \
+                np.zeros(0, np.float32)
+            parts[me] = mine
+            total = parts[0].copy()
+            for i in range(1, h):
+                total += parts[i]
+            total /= np.float32(h)
+            pos = 0
+            for v in _pieces(avg, lo, hi):
+                v[...] = total[pos:pos + v.size]
+                pos += v.size
+            for r in range(comm.size):  # 2. my mean slice to every other rank
+                if r != comm.rank:
+                    reqs += [ctx.isend(r, v) for v in _pieces(avg, lo, hi)]
+        ctx.wait(*reqs)
+
+    comm.run("share_state", (nbytes, nav, tuple(hs)), body, False, None)

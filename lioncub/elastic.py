@@ -43,7 +43,7 @@ import numpy as np
 import numpy.typing as npt
 
 from bitcoll.elastic import ElasticGroup, Epoch, EvictedError, NoQuorumError, share_state
-from bitcoll.errors import CommError
+from bitcoll.errors import CommError, UsageError
 
 from .distributed import DistributedLion
 
@@ -70,11 +70,17 @@ class ElasticLion:
                  make_optimizer: MakeOptimizer) -> None:
         self.group = group
         self.params = list(params)
+        for i, p in enumerate(self.params):
+            if not isinstance(p, np.ndarray) or not p.flags.c_contiguous:
+                raise UsageError(f"parameter {i} must be a C-contiguous numpy array (a CPU "
+                                 "torch tensor: tensor.detach().numpy())")
         self.make_optimizer = make_optimizer
         self.committed = -1  # the last committed step (step_count - 1)
         self.lost_steps = 0
         self.epochs: list[Epoch] = []
-        self._state: dict[str, Any] | None = None  # this rank's committed optimizer state
+        # this rank's committed optimizer state when the optimizer does not hold it (after a
+        # lost step); None: the optimizer's own state is the committed one
+        self._state: dict[str, Any] | None = None
         self.opt: DistributedLion
         self._settle(group.epoch, has_state=group.epoch.action != "receive")
 
@@ -102,7 +108,7 @@ class ElasticLion:
             epoch = self.group.recover(self.committed, pending)
             if epoch.action == "apply":
                 self.committed += 1
-                self._state = self.opt.state_dict()
+                self._state = None  # the optimizer holds the step's result
                 done = True
             else:
                 for p, s in zip(self.params, saved, strict=True):
@@ -113,7 +119,7 @@ class ElasticLion:
             self._settle(epoch, has_state=True)
             return done
         self.committed += 1
-        self._state = self.opt.state_dict()
+        self._state = None
         if grow:
             self._settle(self.group.recover(self.committed), has_state=True)
         return True
@@ -137,22 +143,37 @@ class ElasticLion:
     def _adopt(self, epoch: Epoch, has_state: bool) -> None:
         comm = self.group.comm
         receiving = not has_state or epoch.rank in epoch.joined
+        got: dict[str, Any] | None = None
+        momenta: list[npt.NDArray[np.float32]] = []
         if epoch.joined:
-            flat = np.concatenate([p.reshape(-1) for p in self.params]) if self.params \
-                else np.zeros(0, np.float32)
-            share_state(comm, flat, epoch.holders)
-            pos = 0
-            for p in self.params:
-                p.reshape(-1)[...] = flat[pos:pos + p.size]
-                pos += p.size
+            got, momenta = self._share(epoch, receiving)
         # epoch 0: rank 0's starting weights everywhere; later: every rank must hold the same
         opt = self.make_optimizer(comm, broadcast_parameters=epoch.number == 0)
+        state = self._committed_state(copy=False)
         if epoch.joined:
-            self._share_optimizer_state(opt, epoch, receiving)
-        elif self._state is not None:
-            opt.load_state_dict(self._fit(self._state, opt))
+            fresh = opt.state_dict()
+            merged = dict(fresh)
+            merged["momentum"] = [m.reshape(f.shape) for m, f in
+                                  zip(momenta, fresh["momentum"], strict=True)]
+            if got is not None and got["scalars"] is not None:
+                merged.update(got["scalars"])
+                self.committed = int(got["committed"])
+            opt.load_state_dict(merged)
+        elif state is not None:
+            opt.load_state_dict(self._fit(state, opt))
         self.opt = opt
-        self._state = opt.state_dict()
+        self._state = None  # the optimizer's own state is the committed one
+
+    def _committed_state(self, copy: bool) -> dict[str, Any] | None:
+        """This rank's committed optimizer state (None before it has an optimizer);
+        ``copy``: its momenta are this call's own arrays (they may be overwritten)."""
+        if self._state is None:
+            return self.opt.state_dict() if hasattr(self, "opt") else None
+        if not copy:
+            return self._state
+        out = dict(self._state)
+        out["momentum"] = [np.array(m, np.float32) for m in self._state["momentum"]]
+        return out
 
     @staticmethod
     def _fit(state: dict[str, Any], opt: DistributedLion) -> dict[str, Any]:
@@ -161,37 +182,32 @@ class ElasticLion:
         out.update(world_size=opt.world_size, levels=opt.levels, rank=opt.rank)
         return out
 
-    def _share_optimizer_state(self, opt: DistributedLion, epoch: Epoch,
-                               receiving: bool) -> None:
-        """The holders' counters to every rank, and the holders' average momenta."""
+    def _share(self, epoch: Epoch, receiving: bool
+               ) -> tuple[dict[str, Any] | None, list[npt.NDArray[np.float32]]]:
+        """The job's state to the ranks that joined, in one :func:`share_state`: the
+        parameters (each holder sends one slice), the holders' counters (a small JSON
+        record) and the holders' average momenta (float32). Returns the record and the
+        momenta (flat)."""
         comm = self.group.comm
         holder = not receiving and epoch.rank in epoch.holders
-        mine = opt.state_dict() if self._state is None or not holder else \
-            self._fit(self._state, opt)
-        scalars = {"step": mine["step"], "tie_counter": mine["tie_counter"],
-                   "sync": mine["sync"], "param_groups": mine["param_groups"],
-                   "committed": self.committed}
-        raw = json.dumps(scalars).encode() if holder else b""
+        state = None
+        if holder:
+            state = self._committed_state(copy=True)
+        scalars = None if state is None else {
+            "step": state["step"], "tie_counter": state["tie_counter"], "sync": state["sync"],
+            "param_groups": state["param_groups"]}
+        raw = json.dumps({"scalars": scalars, "committed": self.committed}).encode() \
+            if holder else b""
         n = np.array([len(raw)], np.int64)
         comm.allreduce(n, op="max", out=n)
         buf = np.zeros(int(n[0]), np.uint8)
         buf[:len(raw)] = np.frombuffer(raw, np.uint8)
-        share_state(comm, buf, epoch.holders)
-        got = json.loads(buf.tobytes().decode())
-        momenta = [np.asarray(m, np.float32) for m in mine["momentum"]]
-        flat = np.concatenate([m.reshape(-1) for m in momenta]) if momenta \
-            else np.zeros(0, np.float32)
-        if not holder:
-            flat[:] = 0
-        comm.allreduce(flat, op="sum", out=flat)
-        flat /= np.float32(len(epoch.holders))
-        pos = 0
-        shaped = []
-        for m in momenta:
-            shaped.append(flat[pos:pos + m.size].reshape(m.shape).copy())
-            pos += m.size
-        state = dict(mine)
-        state.update(momentum=shaped, step=got["step"], tie_counter=got["tie_counter"],
-                     sync=got["sync"], param_groups=got["param_groups"])
-        opt.load_state_dict(state)
-        self.committed = int(got["committed"])
+        if state is not None:
+            momenta = [np.ascontiguousarray(m, np.float32).reshape(-1)
+                       for m in state["momentum"]]
+        else:
+            momenta = [np.zeros(p.size, np.float32) for p in self.params]
+        flat = [p.reshape(-1) for p in self.params]
+        share_state(comm, [*flat, buf], epoch.holders, average=momenta)
+        got: dict[str, Any] = json.loads(buf.tobytes().decode())
+        return got, momenta
