@@ -34,6 +34,8 @@ import os
 import re
 from dataclasses import dataclass
 
+import numpy as np
+
 from .communicator import (
     DEFAULT_PACKED_SEGMENT_BYTES,
     DEFAULT_SEGMENT_BYTES,
@@ -332,12 +334,49 @@ def init(backend: str = "auto", timeout: float = DEFAULT_TIMEOUT,
     from . import kernels
 
     kernels.fit_threads_to_host(comm.local_size)  # the host's cores shared by its ranks
-    # -- shared memory between the ranks of one host (bitcoll.transport.shm.hybrid) ----------------
+    # -- shared memory between the ranks of one host (bitcoll.transport.shm) ------------------
     if backend == "tcp" and comm.topology.num_hosts < comm.size:
-        from .transport.shm.hybrid import share_hosts
-
         comm = share_hosts(comm, use_shm, timeout)  # closes comm when it raises
     # -- end of shared memory ----------------------------------------------------------------
     if segment_bytes is None and comm.num_hosts > 1:
         comm.segment_bytes = REMOTE_SEGMENT_BYTES  # across links: smaller pieces stream better
     return comm
+
+
+def share_hosts(comm: Communicator, use_shm: bool, timeout: float) -> Communicator:
+    """``bitcoll.init``'s step for a TCP world where some host runs several ranks: agree on
+    the ``shm`` setting (one all-gather of a byte; a host whose ranks disagree is a UsageError
+    on every rank), then, when it is on, a new Communicator over a
+    :class:`~bitcoll.transport.shm.HybridTransport` (same settings, topology known; over the
+    plain TCP transport on ranks that map no segment, so that every rank returns a new
+    communicator at collective #0). A step of :func:`init` (and of the elastic group's
+    epochs), not of the transport: no transport module imports the communicator.
+    Collective over ``comm``; ``comm`` is closed when this raises."""
+    from .transport.shm.hybrid import ENV_SHM, HybridTransport
+    from .transport.tcp import TCPTransport
+
+    try:
+        topo = comm.topology
+        flags = comm.allgather(np.array([1 if use_shm else 0], np.uint8), timeout=timeout)
+        split = sorted({h for h in set(topo.hosts)
+                        if len({int(flags[r]) for r in range(comm.size) if topo.hosts[r] == h})
+                        > 1})
+        if split:
+            bad = [r for r in range(comm.size) if topo.hosts[r] in split]
+            on = [r for r in bad if flags[r]]
+            raise UsageError(
+                f"rank {comm.rank}: ranks {bad} share a host but disagree on shared memory "
+                f"(on for ranks {on}, off for the others); pass the same shm= to "
+                f"bitcoll.init, or set {ENV_SHM} alike, on every rank")
+        tcp = comm.transport
+        if not use_shm or not isinstance(tcp, TCPTransport):
+            return comm
+        wrapped = HybridTransport.create(tcp, topo.hosts, timeout)
+    except BaseException:
+        comm.close()
+        raise
+    # A new Communicator on every rank, also where no segment was mapped (a host of one rank,
+    # or a failed probe): every rank must restart at collective #0 together.
+    return Communicator(wrapped, timeout=comm.timeout, segment_bytes=comm.segment_bytes,
+                        packed_segment_bytes=comm.packed_segment_bytes, topology=topo,
+                        two_level=comm.two_level, cost_model=comm.cost_model)

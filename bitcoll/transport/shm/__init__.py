@@ -29,7 +29,6 @@ from .hybrid import (
     SETUP_SEQ,
     CombinedStats,
     HybridTransport,
-    share_hosts,
     shm_enabled,
 )
 
@@ -55,6 +54,5 @@ __all__ = [
     "ENV_SHM",
     "DEFAULT_SHM",
     "shm_enabled",
-    "share_hosts",
     "SETUP_SEQ",
 ]

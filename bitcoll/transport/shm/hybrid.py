@@ -2,11 +2,11 @@
 
 :class:`HybridTransport` wraps a connected :class:`~bitcoll.transport.tcp.TCPTransport`:
 frames to a peer on this rank's host go through a shared-memory ring
-(:mod:`bitcoll.transport.shm`), frames to every other peer through the TCP transport
-unchanged. ``bitcoll.init`` builds it (:func:`share_hosts`) when some rank shares this rank's
-host (the host keys of :mod:`bitcoll.topology`) unless ``shm=False`` or ``BITCOLL_SHM=0``
-(the ranks of a host must agree); the algorithms do not change. Its ``name`` stays ``"tcp"``
-(``comm.backend``); ``comm.split`` gives sub-communicators the same treatment.
+(:mod:`bitcoll.transport.shm.channel`), frames to every other peer through the TCP transport
+unchanged. ``bitcoll.init`` builds it (:func:`bitcoll.bootstrap.share_hosts`) when some rank
+shares this rank's host (the host keys of :mod:`bitcoll.topology`) unless ``shm=False`` or
+``BITCOLL_SHM=0`` (the ranks of a host must agree); the algorithms do not change. Its ``name``
+stays ``"tcp"`` (``comm.backend``); ``comm.split`` gives sub-communicators the same treatment.
 
 Contract (that of :class:`~bitcoll.transport.base.Transport`, kept per peer)
 --------------------------------------------------------------------------
@@ -145,11 +145,10 @@ from ..peer import (
 from . import channel as shm
 
 if TYPE_CHECKING:
-    from ...communicator import Communicator
     from ..tcp import TCPTransport
 
 __all__ = ["HybridTransport", "CombinedStats", "ENV_SHM", "DEFAULT_SHM", "shm_enabled",
-           "share_hosts", "SETUP_SEQ"]
+           "SETUP_SEQ"]
 
 #: Environment variable: "0" turns shared memory off, "1" on (default :data:`DEFAULT_SHM`).
 ENV_SHM: Final = "BITCOLL_SHM"
@@ -169,43 +168,6 @@ def shm_enabled(value: bool | None) -> bool:
     """The ``shm`` setting of ``bitcoll.init``: ``value`` when given, else ``BITCOLL_SHM``
     ("0" or "1"), else :data:`DEFAULT_SHM`. UsageError for anything else."""
     return switch(value, "shm", ENV_SHM, DEFAULT_SHM)
-
-
-def share_hosts(comm: Communicator, use_shm: bool, timeout: float) -> Communicator:
-    """``bitcoll.init``'s step for a TCP world where some host runs several ranks: agree on
-    the ``shm`` setting (one all-gather of a byte; a host whose ranks disagree is a UsageError
-    on every rank), then, when it is on, a new Communicator over a :class:`HybridTransport`
-    (same settings, topology known; over the plain TCP transport on ranks that map no
-    segment, so that every rank returns a new communicator at collective #0).
-    Collective over ``comm``; ``comm`` is closed when this raises."""
-    from ...communicator import Communicator
-    from ..tcp import TCPTransport
-
-    try:
-        topo = comm.topology
-        flags = comm.allgather(np.array([1 if use_shm else 0], np.uint8), timeout=timeout)
-        split = sorted({h for h in set(topo.hosts)
-                        if len({int(flags[r]) for r in range(comm.size) if topo.hosts[r] == h})
-                        > 1})
-        if split:
-            bad = [r for r in range(comm.size) if topo.hosts[r] in split]
-            on = [r for r in bad if flags[r]]
-            raise UsageError(
-                f"rank {comm.rank}: ranks {bad} share a host but disagree on shared memory "
-                f"(on for ranks {on}, off for the others); pass the same shm= to "
-                f"bitcoll.init, or set {ENV_SHM} alike, on every rank")
-        tcp = comm.transport
-        if not use_shm or not isinstance(tcp, TCPTransport):
-            return comm
-        wrapped = HybridTransport.create(tcp, topo.hosts, timeout)
-    except BaseException:
-        comm.close()
-        raise
-    # A new Communicator on every rank, also where no segment was mapped (a host of one rank,
-    # or a failed probe): every rank must restart at collective #0 together.
-    return Communicator(wrapped, timeout=comm.timeout, segment_bytes=comm.segment_bytes,
-                        packed_segment_bytes=comm.packed_segment_bytes, topology=topo,
-                        two_level=comm.two_level, cost_model=comm.cost_model)
 
 
 def _summed(key: str) -> Any:
@@ -762,7 +724,9 @@ class HybridTransport(LinkTransport):
             # A peer that aborted left the frames of the collective it abandoned here: its
             # reason explains the mismatch better than the headers do.
             reason = self._abort_reason(p, poller)
-            self._fail(ProtocolError(msg) if reason is None
+            self._fail(ProtocolError(msg, rank=self.rank, peer=p.rank,
+                                     sequence=req.header.seq,
+                                     slots=header.differing(req.header)) if reason is None
                        else self._aborted(p, reason))
             raise _Stop
         n = header.length
