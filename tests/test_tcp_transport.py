@@ -78,14 +78,14 @@ class _Checker:
         a = _data(self.t.rank, peer, tag, n)
         self.keep.append(a)
         self.reqs.append(self.t.isend(peer, _view(a), self._hdr("s", seq, peer, n)))
-        self.sent += HEADER_SIZE + n
+        self.sent += self.t.frame_overhead + n
         self.msent += 1
 
     def recv(self, seq: int, peer: int, tag: int, n: int) -> None:
         b = np.full(n, 0xAA, dtype=np.uint8)
         self.reqs.append(self.t.irecv(peer, _view(b), self._hdr("r", seq, peer, n)))
         self.checks.append((peer, tag, b))
-        self.received += HEADER_SIZE + n
+        self.received += self.t.frame_overhead + n
         self.mreceived += 1
 
     def finish(self, deadline: float) -> list[str]:
