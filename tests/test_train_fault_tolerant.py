@@ -81,6 +81,25 @@ def test_a_killed_rank_is_replaced_and_training_finishes(tmp_path: Path) -> None
 
 
 @pytest.mark.timeout(300)
+def test_without_restarts_the_survivors_finish(tmp_path: Path) -> None:
+    """3 ranks, no restart: rank 2 is SIGKILLed as it starts step 4 and the other two train
+    to the end; the launcher's status reports the lost rank (the last process of rank 2
+    was killed), the log is complete."""
+    log = tmp_path / "log.json"
+    proc = _launch(3, 0, ["--steps", "8", "--check-every", "3", "--comm-timeout", "60",
+                          "--fault-tolerant", "--json-log", str(log)], {"FT_KILL": "2:4"})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 128 + signal.SIGKILL, out
+    assert "membership: epoch 1 after 3 committed steps: rank 2 left; 2 ranks now (was 3)" \
+        in proc.stdout, out
+    rec: dict[str, Any] = json.loads(log.read_text())
+    assert [s["step"] for s in rec["steps"]] == list(range(1, 9))
+    assert [s["world_size"] for s in rec["steps"]] == [3] * 3 + [2] * 5
+    assert rec["summary"]["world_size"] == 2 and rec["summary"]["replicas_identical"] is True
+    assert rec["summary"]["lost_steps"] == 1
+
+
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("mode", ["fault-tolerant", "hook"])
 def test_periodic_check_names_the_diverged_rank(mode: str) -> None:
     """--check-every 3 after rank 1 changed a parameter at step 2: every rank stops at the
