@@ -16,10 +16,12 @@ CASES = [
     ("numpy_logistic.py", "mpiexec", 2, "2 ranks: loss 0.693 -> averaged gradients"),
     ("jax_training.py", "launch", 2, "2 ranks: loss"),
     ("torch_ddp.py", "launch", 2, "rank 1: loss"),
+    ("char_transformer.py", "launch", 2, "2 ranks: validation loss 4.5"),
     ("mpi4py_embedding.py", "mpiexec", 3, "3 ranks in 2 groups: bitcoll's sums match"),
 ]
 
-NEEDS = {"jax_training.py": "jax", "torch_ddp.py": "torch", "mpi4py_embedding.py": "mpi4py"}
+NEEDS = {"jax_training.py": "jax", "torch_ddp.py": "torch", "char_transformer.py": "torch",
+         "mpi4py_embedding.py": "mpi4py"}
 
 
 def test_every_example_is_run() -> None:
