@@ -110,7 +110,7 @@ from .communicator import Communicator
 from .errors import CommError, PeerLostError, UsageError
 
 __all__ = ["BACKEND_NAME", "ENV_TRANSPORT", "Options", "BitcollProcessGroup", "BitcollWork",
-           "register", "communicator_of", "submit"]
+           "register", "communicator_of", "submit", "monitored_barrier"]
 
 BACKEND_NAME = "bitcoll"
 #: Environment variable choosing the data transport of new groups: "tcp" (default) or "mpi".
@@ -524,6 +524,19 @@ def _connect(store: Any, rank: int, size: int, timeout: float, options: Any,
 
 
 # --------------------------------------------------------------------------- the group
+def _store_wait(store: Any, key: str, seconds: float) -> bool:
+    """Whether ``key`` is in ``store`` now or appears within ``seconds``."""
+    if store.check([key]):
+        return True
+    if seconds <= 0:
+        return False
+    try:
+        store.wait([key], datetime.timedelta(seconds=seconds))
+    except (dist.DistError, RuntimeError):
+        return bool(store.check([key]))
+    return True
+
+
 def _own_client(store: Any) -> Any:
     """``store.clone()`` (a new connection to the same store) where the store has it."""
     clone = getattr(store, "clone", None)
@@ -577,6 +590,9 @@ class BitcollProcessGroup(dist.ProcessGroup):
         self._channels: dict[tuple[int, int, bool], _Channel] = {}
         self._channels_lock = threading.Lock()
         self._closed = False
+        self._mb_store: Any = None  # monitored_barrier's own store client (made on use)
+        self._mb_seq = 0
+        self._mb_clean = False  # the last monitored_barrier passed
 
     # -------------------------------------------------------------- identity
     def getBackendName(self) -> str:
@@ -1071,15 +1087,73 @@ class BitcollProcessGroup(dist.ProcessGroup):
 
     def monitored_barrier(self, timeout: datetime.timedelta | None = None,
                           wait_all_ranks: bool = False) -> None:
-        """A barrier with its own deadline (``timeout``, default the group's): raises
-        ``DistBackendError`` naming the rank when the others did not all arrive."""
+        """gloo's ``monitored_barrier`` (:func:`monitored_barrier`): every rank reports its
+        arrival to rank 0 through the group's store, rank 0 waits for them (ranks 1, 2, ...
+        in order) until ``timeout`` (default the group's) and publishes its verdict; every
+        rank returns once the verdict is "all arrived", or raises ``DistBackendError``
+        naming the ranks that did not arrive (the first one, or with ``wait_all_ranks`` all
+        of them; a rank that arrives after the verdict raises it too). A rank other than 0
+        raises after twice ``timeout`` without a verdict (rank 0 did not arrive). Runs behind
+        the group's collectives issued before it."""
         limit = self._timeout if timeout is None else timeout.total_seconds()
+        if limit <= 0:
+            raise _dist_error(UsageError(f"monitored_barrier timeout must be > 0, got "
+                                         f"{limit} s"), self.rank(), self._group_name,
+                              "monitored_barrier")
 
         def job() -> list[torch.Tensor]:
-            self._comm.barrier(timeout=limit)
+            self._monitored(limit, bool(wait_all_ranks))
             return []
 
         self._submit("monitored_barrier", job).wait()
+
+    def _monitored(self, limit: float, wait_all: bool) -> None:
+        """The body of :meth:`monitored_barrier` (group worker)."""
+        import time
+
+        if self._mb_store is None:
+            self._mb_store = PrefixStore("bitcoll/monitored_barrier/",
+                                         _own_client(self._store))
+        store, seq, me, p = self._mb_store, self._mb_seq, self.rank(), self.size()
+        self._mb_seq += 1
+        verdict = f"{seq}/verdict"
+        if me != 0:
+            store.set(f"{seq}/arrived/{me}", "1")
+            # rank 0 gives its verdict at most ``limit`` after it arrived: wait twice that,
+            # so that a verdict naming others is not mistaken for rank 0's absence
+            if not _store_wait(store, verdict, 2 * limit):
+                raise dist.DistBackendError(
+                    f"bitcoll rank {me} (group {self._group_name!r}), monitored_barrier: "
+                    f"rank 0 gave no verdict within {2 * limit} s (rank 0 did not arrive)")
+            said = bytes(store.get(verdict)).decode()
+            if said != "ok":
+                raise dist.DistBackendError(f"bitcoll rank {me} (group "
+                                            f"{self._group_name!r}), monitored_barrier: "
+                                            f"{said}")
+            return
+        deadline = time.monotonic() + limit
+        missing: list[int] = []
+        for r in range(1, p):
+            if not _store_wait(store, f"{seq}/arrived/{r}", deadline - time.monotonic()):
+                missing.append(r)
+                if not wait_all:
+                    break
+        if not missing:
+            store.set(verdict, "ok")
+            for r in range(1, p):
+                store.delete_key(f"{seq}/arrived/{r}")
+            if seq and self._mb_clean:  # everyone is past the previous (passed) barrier
+                store.delete_key(f"{seq - 1}/verdict")
+            self._mb_clean = True
+            return
+        self._mb_clean = False
+        names = ", ".join(str(r) for r in missing)
+        said = (f"rank{'s' if len(missing) > 1 else ''} {names} of {p} did not arrive within "
+                f"{limit} s" + ("" if wait_all else " (the first rank missing; "
+                                "wait_all_ranks=True names every one)"))
+        store.set(verdict, said)
+        raise dist.DistBackendError(f"bitcoll rank 0 (group {self._group_name!r}), "
+                                    f"monitored_barrier: {said}")
 
     # -------------------------------------------------------------- point to point
     def _channel(self, peer: int, tag: int, sending: bool) -> _Channel:
@@ -1197,6 +1271,19 @@ def communicator_of(group: dist.ProcessGroup | None = None) -> Communicator:
     group may be in flight (they run on the group's worker thread), call it through
     :func:`submit`."""
     return _group(group)._comm
+
+
+def monitored_barrier(group: dist.ProcessGroup | None = None,
+                      timeout: datetime.timedelta | None = None,
+                      wait_all_ranks: bool = False) -> None:
+    """``torch.distributed.monitored_barrier`` for a bitcoll group (None: the default group):
+    torch's own function accepts only gloo groups (``distributed_c10d.monitored_barrier``
+    raises ValueError for any other backend). Same arguments and semantics as torch's: the
+    ranks that did not arrive within ``timeout`` (default the group's) are named in the
+    ``DistBackendError`` raised on rank 0, and here on every rank that arrived
+    (:meth:`BitcollProcessGroup.monitored_barrier`). UsageError if ``group`` is not a
+    bitcoll group."""
+    _group(group).monitored_barrier(timeout, wait_all_ranks)
 
 
 def submit(fn: Callable[[Communicator], Any],

@@ -380,9 +380,43 @@ def _scenario_full(fails: list[str]) -> None:
         fails.append("new_subgroups of one rank")
 
 
+def _monitored(fails: list[str]) -> None:
+    """bitcoll.torch.monitored_barrier: passes when all arrive; names the ranks that stayed
+    out (the first, or all with wait_all_ranks) on every rank, the late ones included."""
+    import bitcoll.torch as bt
+
+    p, me = dist.get_world_size(), dist.get_rank()
+    try:
+        dist.monitored_barrier()
+        fails.append("torch's monitored_barrier accepted a bitcoll group")
+    except ValueError:
+        pass  # torch serves it for gloo only
+    bt.monitored_barrier()
+    out = [r for r in range(p) if r >= 2]
+    limit = datetime.timedelta(seconds=2)
+    for wait_all, named in ((True, ", ".join(map(str, out))), (False, str(out[0]))):
+        if me not in out:  # the others stay out until the verdict is given
+            try:
+                bt.monitored_barrier(timeout=limit, wait_all_ranks=wait_all)
+                fails.append("monitored_barrier passed with ranks missing")
+            except dist.DistBackendError as exc:
+                if f"{named} of {p} did not arrive" not in str(exc):
+                    fails.append(f"monitored_barrier does not name ranks {named}: {exc}")
+        dist.barrier()
+        if me in out:  # late: the verdict is there, naming this rank
+            try:
+                bt.monitored_barrier(timeout=limit, wait_all_ranks=wait_all)
+                fails.append("a late rank passed monitored_barrier")
+            except dist.DistBackendError as exc:
+                if "did not arrive" not in str(exc):
+                    fails.append(f"late rank: {exc}")
+        bt.monitored_barrier(timeout=datetime.timedelta(seconds=TIMEOUT))  # in step again
+
+
 def _scenario_small(fails: list[str]) -> None:
     _sweep(None, SMALL_DTYPES, [0, 1, 9, 1001], fails)
     _p2p_and_objects(fails)
+    _monitored(fails)
 
 
 def _scenario_training(fails: list[str]) -> None:
