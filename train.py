@@ -365,7 +365,7 @@ def _train(args: argparse.Namespace, comm: bitcoll.Communicator,
 def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry point; returns the exit status (see the module docstring)."""
     args = parse_args(argv)
-    rank: int | str = "?"
+    rank: int | str = os.environ.get("RANK", "?")  # until the communicator says
     try:
         if args.fault_tolerant:
             from lioncub.recipe.fault_tolerant import run_fault_tolerant

@@ -175,8 +175,10 @@ def _loop(args: argparse.Namespace, group: ElasticGroup, opt: ElasticLion, model
     info = run_info(args, group.epoch.size, group.comm.backend, threads, n_params, corpus,
                     opt.step_count)
     describe(args, group.epoch.size, group.comm.backend, threads, n_params, corpus, say)
-    if first.action == "receive":
-        say(f"joined the running job at step {opt.step_count} as rank {group.epoch.rank}")
+    if first.action == "receive":  # a restarted process: never rank 0, so it says so itself
+        stream.write(f"train.py: joined the running job after {opt.step_count} committed steps "
+                     f"as rank {group.epoch.rank} of {group.epoch.size}\n")
+        stream.flush()
     seen = len(opt.epochs)
     train_start = time.perf_counter()
     target: dict[str, Any] | None = None
@@ -233,6 +235,8 @@ def _loop(args: argparse.Namespace, group: ElasticGroup, opt: ElasticLion, model
         for g in opt.opt.param_groups:
             g["lr"] = lr
         epoch = group.epoch
+        if warm:
+            say("compiling kernels (first step only) ...")
         t0 = time.perf_counter()
         x, y = sharded_windows(corpus.train, args.batch_size, args.seq_len, args.seed, step,
                                epoch.rank, epoch.size)
