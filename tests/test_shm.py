@@ -44,16 +44,18 @@ def _leftovers(job_id: int) -> list[str]:
 
 
 def _thread_world(size: int, hosts: Sequence[int] | None = None,
-                  ring_bytes: int | None = None) -> list[Transport]:
+                  ring_bytes: int | None = None, single_copy: bool = True,
+                  single_copy_min_bytes: int = shm.SINGLE_COPY_MIN_BYTES) -> list[Transport]:
     """``size`` transports built in threads of this process (TCP, then the shared memory
-    set-up, both collective)."""
+    set-up, both collective; the single-copy settings are HybridTransport.create's)."""
     port = free_port()
     out: dict[int, Transport | BaseException] = {}
 
     def rank(r: int) -> None:
         try:
             t = TCPTransport.create(r, size, "127.0.0.1", port, timeout=20, close_timeout=5)
-            out[r] = HybridTransport.create(t, hosts or [0] * size, 20, ring_bytes)
+            out[r] = HybridTransport.create(t, hosts or [0] * size, 20, ring_bytes,
+                                            single_copy, single_copy_min_bytes)
         except BaseException as exc:
             out[r] = exc
 
@@ -85,14 +87,12 @@ SIZES = (0, 1, 7, 8, 31, 4096, 8191, 100_000, (1 << 20) + 3)
 
 
 @pytest.mark.parametrize("single_copy", [False, True])
-def test_frames_wrap_the_ring_and_counters_are_exact(single_copy: bool,
-                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_frames_wrap_the_ring_and_counters_are_exact(single_copy: bool) -> None:
     """Frames smaller and larger than an 8 KiB ring, both directions, irecv and
     irecv_consume, through the ring or by single copy from 4 KiB up; payloads exact,
     consumer pieces aligned, byte counters exact."""
-    monkeypatch.setattr(shm, "SINGLE_COPY", single_copy)
-    monkeypatch.setattr(shm, "SINGLE_COPY_MIN_BYTES", 4096)
-    t0, t1 = _thread_world(2, ring_bytes=8192)
+    t0, t1 = _thread_world(2, ring_bytes=8192, single_copy=single_copy,
+                           single_copy_min_bytes=4096)
     try:
         assert isinstance(t0, HybridTransport) and isinstance(t1, HybridTransport)
         assert t0.shm_peers == [1] and t1.shm_peers == [0] and t0.name == "tcp"
@@ -347,14 +347,12 @@ def test_a_wait_on_tcp_hands_the_shared_memory_receives_to_their_thread() -> Non
 
 
 @pytest.mark.parametrize("single_copy", [False, True])
-def test_abort_fails_a_blocked_receive_and_a_blocked_send_at_once(
-        single_copy: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_abort_fails_a_blocked_receive_and_a_blocked_send_at_once(single_copy: bool) -> None:
     """Rank 1 waits in a receive and in a send larger than the ring (or one that waits to be
     copied) that rank 0 never reads; rank 0 aborts: both fail within a fraction of a
     second, naming rank 0's reason."""
-    monkeypatch.setattr(shm, "SINGLE_COPY", single_copy)
-    monkeypatch.setattr(shm, "SINGLE_COPY_MIN_BYTES", 4096)
-    t0, t1 = _thread_world(2, ring_bytes=8192)
+    t0, t1 = _thread_world(2, ring_bytes=8192, single_copy=single_copy,
+                           single_copy_min_bytes=4096)
     try:
         assert isinstance(t1, HybridTransport)
         assert t1.single_copy_peers == ([0] if single_copy else [])
@@ -406,8 +404,7 @@ def _killed_mid_frame(t: TCPTransport, single_copy: bool) -> tuple[str, str, flo
     """Rank 2 dies with SIGKILL while its 8 MiB frame to rank 0 is in the ring (or waits to
     be copied); rank 0 posts the receive only once rank 2 is dead, so the frame is always
     cut; rank 1 waits for rank 0 and learns about the loss through rank 0's abort."""
-    shm.SINGLE_COPY = single_copy
-    h = HybridTransport.create(t, [0, 0, 0], 20)
+    h = HybridTransport.create(t, [0, 0, 0], 20, single_copy=single_copy)
     assert isinstance(h, HybridTransport)
     deadline = time.monotonic() + 30.0
     big = 8 << 20

@@ -133,8 +133,6 @@ WATCH_SECONDS: Final = 0.05
 #: (two thread wake-ups per frame), which costs more than the second copy below this size
 #: (``results/shm_small``).
 SINGLE_COPY_MIN_BYTES: Final = 2 << 20
-#: Whether single-copy frames are used at all (tests turn it off to exercise the rings).
-SINGLE_COPY = True
 #: Bytes a single-copy receive reads per call into the receive buffer (the transport checks
 #: for failures between calls), and per call into the bounce buffer of a consumer.
 SINGLE_COPY_PIECE_BYTES: Final = 4 << 20
@@ -442,7 +440,7 @@ class Probe:
 def probe_peer(pid: int, address: int, expect: bytes) -> bool:
     """Whether this process can read ``expect`` at ``address`` of process ``pid`` (same
     user, ptrace access allowed, same PID namespace)."""
-    if not SINGLE_COPY or pid <= 0 or address == 0:
+    if pid <= 0 or address == 0:
         return False
     got = ctypes.create_string_buffer(16)
     try:
@@ -542,12 +540,14 @@ def _answer(ok: bool, why: str = "", probe: Probe | None = None, can: bool = Fal
                         int(can)).ljust(ANSWER_BYTES, b"\0")
 
 
-def accept(peer: int, message: bytes,
-           probe: Probe | None = None) -> tuple[ShmChannel | None, bytes, str]:
+def accept(peer: int, message: bytes, probe: Probe | None = None,
+           single_copy: bool = True) -> tuple[ShmChannel | None, bytes, str]:
     """Side 1: open the pair offered in ``message`` (checked as the module docstring says),
-    unlink its names, and find out whether it can read side 0's memory. Returns the channel
-    (None when the pair uses TCP), the answer to send (it carries ``probe``, which must stay
-    alive until :func:`confirm` is called) and why (empty on success)."""
+    unlink its names, and find out whether it can read side 0's memory (never when
+    ``single_copy`` is False: this side then neither reads side 0's buffers nor offers its
+    own). Returns the channel (None when the pair uses TCP), the answer to send (it carries
+    ``probe``, which must stay alive until :func:`confirm` is called) and why (empty on
+    success)."""
     status, version, ring_bytes, nonce, raw, pid, paddr, pdata = _OFFER.unpack_from(message)
     if status != 1:
         why = raw.rstrip(b"\0").decode("utf-8", errors="replace")
@@ -592,15 +592,16 @@ def accept(peer: int, message: bytes,
         return None, _answer(False, why), why
     _unlink_all(base)
     ch = ShmChannel(peer, 1, mm, ring_bytes, fds)
-    can_read = probe_peer(pid, paddr, pdata)
+    can_read = single_copy and probe_peer(pid, paddr, pdata)
     ch.peer_pid = pid if can_read else 0
-    return ch, _answer(True, "", probe or Probe(), can_read), ""
+    return ch, _answer(True, "", probe if single_copy else None, can_read), ""
 
 
-def finish_offer(made: Offer, peer: int,
-                 answer: bytes) -> tuple[ShmChannel | None, bytes, str]:
+def finish_offer(made: Offer, peer: int, answer: bytes,
+                 single_copy: bool = True) -> tuple[ShmChannel | None, bytes, str]:
     """Side 0: the answer arrived; unlink the names (side 1 did already) and return the
-    channel (or None and why when side 1 refused) and the confirmation to send."""
+    channel (or None and why when side 1 refused) and the confirmation to send. With
+    ``single_copy`` False this side neither reads side 1's buffers nor lets it read its own."""
     _unlink_all(made.base)
     status, raw, pid, paddr, pdata, can1 = _ANSWER.unpack_from(answer)
     if status != 1 or made.mm is None:
@@ -608,9 +609,9 @@ def finish_offer(made: Offer, peer: int,
         return None, _CONFIRM.pack(0, 0), raw.rstrip(b"\0").decode("utf-8", errors="replace")
     ch = ShmChannel(peer, 0, made.mm, made.ring_bytes, made.fds)
     made.mm, made.fds = None, {}
-    can_read = probe_peer(pid, paddr, pdata)
+    can_read = single_copy and probe_peer(pid, paddr, pdata)
     ch.peer_pid = pid if can_read else 0
-    ch.single_copy = bool(can1)  # side 1 reads this side's buffers
+    ch.single_copy = single_copy and bool(can1)  # side 1 reads this side's buffers
     return ch, _CONFIRM.pack(int(can_read), 0), ""
 
 

@@ -317,13 +317,18 @@ class HybridTransport(LinkTransport):
 
     def __init__(self, tcp: TCPTransport, hosts: Sequence[int],
                  channels: dict[int, shm.ShmChannel], ring_bytes: int,
-                 fallbacks: dict[int, str] | None = None) -> None:
+                 fallbacks: dict[int, str] | None = None, single_copy: bool = True,
+                 single_copy_min_bytes: int = shm.SINGLE_COPY_MIN_BYTES) -> None:
         self.rank = tcp.rank
         self.size = tcp.size
         self.job_id = tcp.job_id
         self.close_timeout = tcp.close_timeout
         self.hosts = tuple(hosts)
         self.ring_bytes = ring_bytes
+        #: Whether large frames may go by single copy (see :meth:`create`).
+        self.single_copy = single_copy
+        #: Smallest payload (bytes, at least 1) sent by single copy where it is possible.
+        self.single_copy_min_bytes = max(1, single_copy_min_bytes)
         #: Peers on this host that use TCP after all, and why (set-up refused shared memory).
         self.fallbacks = dict(fallbacks or {})
         self._tcp = tcp
@@ -350,7 +355,8 @@ class HybridTransport(LinkTransport):
 
     @classmethod
     def create(cls, tcp: TCPTransport, hosts: Sequence[int], timeout: float,
-               ring_bytes: int | None = None) -> Transport:
+               ring_bytes: int | None = None, single_copy: bool = True,
+               single_copy_min_bytes: int = shm.SINGLE_COPY_MIN_BYTES) -> Transport:
         """Give the peers of ``tcp`` on this rank's host (``hosts[r]``: rank ``r``'s host,
         the same list on every rank) shared-memory channels; return the hybrid transport,
         or ``tcp`` itself when no peer shares this host or none could map a segment.
@@ -360,13 +366,22 @@ class HybridTransport(LinkTransport):
         :mod:`bitcoll.transport.shm`). On an error (a peer lost during set-up, the deadline)
         the TCP transport is aborted, nothing is left in ``/dev/shm``, and the error is
         raised. ``ring_bytes``: bytes of each direction's ring (default
-        :data:`~bitcoll.transport.shm.DEFAULT_RING_BYTES`)."""
+        :data:`~bitcoll.transport.shm.DEFAULT_RING_BYTES`). ``single_copy``: whether frames
+        of at least ``single_copy_min_bytes`` payload bytes (default
+        :data:`~bitcoll.transport.shm.SINGLE_COPY_MIN_BYTES`) go by single copy to the peers
+        that can read this process's memory; a pair uses single copy only when both of its
+        ranks allow it (False: every frame goes through the rings). Sub-groups
+        (:meth:`subgroup`) keep these settings."""
         if ring_bytes is None:
             ring_bytes = shm.DEFAULT_RING_BYTES
         if len(hosts) != tcp.size:
             raise UsageError(f"hosts has {len(hosts)} entries for {tcp.size} ranks")
         if ring_bytes < 4096 or ring_bytes % 4096:
             raise UsageError(f"ring_bytes must be a multiple of 4096, got {ring_bytes}")
+        if isinstance(single_copy_min_bytes, bool) or \
+                not isinstance(single_copy_min_bytes, int) or single_copy_min_bytes < 0:
+            raise UsageError("single_copy_min_bytes must be an integer >= 0, got "
+                             f"{single_copy_min_bytes!r}")
         rank = tcp.rank
         local = [p for p in range(tcp.size) if p != rank and hosts[p] == hosts[rank]]
         if not local or not shm.supported():  # the same answer on every rank of a host
@@ -417,11 +432,12 @@ class HybridTransport(LinkTransport):
                 if p < rank:
                     probe = shm.Probe()  # read by side 0 before it confirms
                     keep.append(probe)
-                    ch, answer, why = shm.accept(p, take(p, 0), probe)
+                    ch, answer, why = shm.accept(p, take(p, 0), probe, single_copy)
                     settle(p, ch, why, 1, answer)
             for p in local:
                 if rank < p:
-                    ch, confirmation, why = shm.finish_offer(offers.pop(p), p, take(p, 1))
+                    ch, confirmation, why = shm.finish_offer(offers.pop(p), p, take(p, 1),
+                                                             single_copy)
                     settle(p, ch, why, 2, confirmation)
             for p in local:
                 if p < rank:
@@ -440,7 +456,8 @@ class HybridTransport(LinkTransport):
             _log.warning("rank %d: rank %d shares this host but uses TCP: %s", rank, p, why)
         if not channels:
             return tcp
-        return cls(tcp, hosts, channels, ring_bytes, fallbacks)
+        return cls(tcp, hosts, channels, ring_bytes, fallbacks, single_copy,
+                   single_copy_min_bytes)
 
     def subgroup(self, members: list[int], tag: str, timeout: float) -> Transport:
         """A new transport over ``members`` (see :meth:`Transport.subgroup`): the TCP
@@ -450,7 +467,8 @@ class HybridTransport(LinkTransport):
         if sub.size == 1:
             return sub
         return HybridTransport.create(sub, [self.hosts[m] for m in members],
-                                      max(0.001, deadline - time.monotonic()), self.ring_bytes)
+                                      max(0.001, deadline - time.monotonic()), self.ring_bytes,
+                                      self.single_copy, self.single_copy_min_bytes)
 
     # ---------------------------------------------------------------- state
 
@@ -506,8 +524,7 @@ class HybridTransport(LinkTransport):
         if header.length != mv.nbytes:
             raise UsageError(f"header.length is {header.length} but the payload has "
                              f"{mv.nbytes} bytes")
-        single = p.ch.single_copy and header.length >= max(1, shm.SINGLE_COPY_MIN_BYTES) and \
-            shm.SINGLE_COPY
+        single = p.ch.single_copy and header.length >= self.single_copy_min_bytes
         req = _ShmRequest(self, peer, header, mv, True, single)
         with p.lock:
             # Nothing queued for this peer: copy what fits right here (order is kept, no
