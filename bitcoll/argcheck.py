@@ -10,7 +10,9 @@ optional payload, :meth:`~bitcoll.transport.base.NativeCollectives.exchange_reco
 cannot itself mismatch. When the records disagree, every rank sees it; one more fixed-size
 collective (the extremes of the sequence number, the collective's name and each field) finds
 what differs, and every rank raises the same :class:`~bitcoll.errors.ProtocolError` naming
-the collective, its number and the differing fields.
+the collective, its number and the differing fields (its ``fields``, ``collective`` and
+``sequence``; the message has the form of every backend's,
+:func:`bitcoll.arguments.mismatch_text`).
 
 Errors that every rank detects from the same exchanged data are registered in
 :data:`AGREED`: each rank raises its own, so no abort notice is sent.
@@ -26,30 +28,11 @@ from typing import Any, NoReturn
 import numpy as np
 import numpy.typing as npt
 
+from .arguments import FIELD_NAMES, field_names, mismatch_text
 from .errors import ProtocolError
 from .transport.base import NativeCollectives
 
 __all__ = ["AGREED", "FIELD_NAMES", "check", "digest_of", "mismatch"]
-
-_PACKED_VALUES = ("op", "vote source", "levels", "tie rule", "element type", "element count",
-                  "algorithm", "all-reduce")
-_PACKED_STREAMS = ("op", "levels", "tie rule", "input", "element count", "algorithm",
-                   "all-reduce")
-
-#: What the fields of each collective's signature are, for mismatch messages.
-FIELD_NAMES: dict[str, tuple[str, ...]] = {
-    "allreduce": ("op", "element type", "element count", "algorithm"),
-    "reduce_scatter": ("op", "element type", "element count", "algorithm"),
-    "allgather": ("element type", "element count", "algorithm"),
-    "broadcast": ("element type", "element count", "algorithm", "root"),
-    "alltoall": ("element type", "element count", "algorithm"),
-    "barrier": ("algorithm",),
-    **{name: _PACKED_VALUES for name in ("sign_allreduce", "sign_reduce_scatter",
-                                         "quantized_allreduce", "quantized_reduce_scatter")},
-    **{name: _PACKED_STREAMS for name in ("packed_sign_allreduce", "packed_sign_reduce_scatter",
-                                          "packed_quantized_allreduce",
-                                          "packed_quantized_reduce_scatter")},
-}
 
 #: Most fields compared one by one (the lanes of the second collective).
 MAX_FIELDS = 14
@@ -85,23 +68,22 @@ def check(nt: NativeCollectives, rank: int, seq: int, sig: int, payload: memoryv
 
 
 def describe(name: str, seq: int, fields: tuple[object, ...], hi: npt.NDArray[np.int64],
-             lo: npt.NDArray[np.int64]) -> str:
-    """The message of a mismatch, from the extremes over the ranks of the lanes ``(seq,
-    digest of name, digest of each field)``."""
-    names = FIELD_NAMES.get(name, ())
-
-    def label(i: int) -> str:
-        return names[i] if i < len(names) else f"argument {i + 1}"
-
+             lo: npt.NDArray[np.int64]) -> tuple[str, tuple[str, ...]]:
+    """The message of a mismatch and what differs (:attr:`ProtocolError.fields`), from the
+    extremes over the ranks of the lanes ``(seq, digest of name, digest of each field)``."""
+    labels = field_names(name, len(fields))
     if (hi == lo).all():
-        what = f"different arguments (this rank: {fields})"
+        differ: tuple[str, ...] = ()
+        detail = f" (this rank: {fields})"
     elif hi[0] != lo[0] or hi[1] != lo[1]:
-        what = f"different collectives or a different order of them (this rank: {name} #{seq})"
+        differ = ("collective",)
+        detail = f" (this rank: {name} #{seq})"
     else:
-        differ = [label(i) for i in range(len(fields[:MAX_FIELDS])) if hi[2 + i] != lo[2 + i]]
-        mine = ", ".join(f"{label(i)} {fields[i]}" for i in range(len(fields)))
-        what = f"different {' and '.join(differ)} (this rank: {mine})"
-    return f"{name} #{seq}: the ranks called it with {what}"
+        differ = tuple(labels[i] for i in range(len(fields[:MAX_FIELDS]))
+                       if hi[2 + i] != lo[2 + i])
+        mine = ", ".join(f"{labels[i]} {fields[i]}" for i in range(len(fields)))
+        detail = f" (this rank: {mine})"
+    return mismatch_text(name, seq, differ, detail), differ
 
 
 def mismatch(nt: NativeCollectives, rank: int, seq: int, deadline: float, name: str,
@@ -111,6 +93,7 @@ def mismatch(nt: NativeCollectives, rank: int, seq: int, deadline: float, name: 
     each field) and raise the same ProtocolError on every rank, naming it."""
     lanes = (seq, digest_of(name), *(digest_of(f) for f in fields[:MAX_FIELDS]))
     hi, lo = nt.native_extremes(lanes, deadline)
-    exc = ProtocolError(describe(name, seq, fields, hi, lo), rank=rank, sequence=seq)
+    text, differ = describe(name, seq, fields, hi, lo)
+    exc = ProtocolError(text, rank=rank, sequence=seq, collective=name, fields=differ)
     AGREED.add(exc)
     raise exc

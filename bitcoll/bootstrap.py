@@ -340,6 +340,7 @@ def init(backend: str = "auto", timeout: float = DEFAULT_TIMEOUT,
     # -- end of shared memory ----------------------------------------------------------------
     if segment_bytes is None and comm.num_hosts > 1:
         comm.segment_bytes = REMOTE_SEGMENT_BYTES  # across links: smaller pieces stream better
+    comm._number_from_here()  # the program's first collective is #0 on every backend
     return comm
 
 

@@ -29,7 +29,6 @@ import itertools
 import math
 import threading
 import time
-import zlib
 from collections.abc import Callable, Collection
 from typing import Any, Literal, NamedTuple, NoReturn, TypeVar, overload
 
@@ -55,6 +54,7 @@ from .algorithms.sign_allreduce_direct import packed_direct
 from .algorithms.sign_allreduce_ring import packed_ring
 from .algorithms.votes import TIES, VoteCodec, field_width
 from .argcheck import AGREED
+from .arguments import call_signature
 from .arrays import BFLOAT16, HostArray, bf16_tensor, to_numpy, type_name
 from .config import DEFAULT_TIMEOUT, MAX_SUM_RANGE
 from .errors import BitcollError, CommError, PeerLostError, ProtocolError, UsageError
@@ -210,17 +210,10 @@ def _count(count: object) -> int:
 
 
 def signature(*fields: object) -> int:
-    """32-bit digest of a collective's name and arguments, carried in every frame header."""
-    try:
-        # The types are part of the key: 1, 1.0 and True are equal keys with different reprs.
-        return _signature(fields, tuple(map(type, fields)))
-    except TypeError:  # an unhashable field
-        return zlib.crc32(repr(fields).encode())
-
-
-@functools.lru_cache(maxsize=1024)
-def _signature(fields: tuple[object, ...], types: tuple[type, ...]) -> int:
-    return zlib.crc32(repr(fields).encode())
+    """A collective's name and arguments as the ranks compare them: its 32-bit signature and
+    its argument map (:func:`bitcoll.arguments.call_signature`), carried in every frame
+    header."""
+    return call_signature(str(fields[0]), fields[1:])
 
 
 class _Validating:
@@ -592,6 +585,14 @@ class Communicator:
             return Work(fut, f"{name} #{seq}")
         self._drain()
         return self._execute(name, fields, seq, sig, body, limit, packed, checked)
+
+    def _number_from_here(self) -> None:
+        """Set-up is over (:func:`bitcoll.init`): the next collective is #0, so that a
+        program's first call has the same number on every backend (init's own collectives,
+        which differ between backends, are not counted). Every rank calls it at the same
+        point, with no collective in flight; frames of earlier calls are all consumed by then
+        (a call completes only after every frame to this rank arrived)."""
+        self._seq = 0
 
     def _turn(self) -> int:
         """The calling thread, holding the call lock, takes the next collective: it becomes

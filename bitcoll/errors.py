@@ -19,6 +19,10 @@ stays usable after a ``UsageError``.
 
 from __future__ import annotations
 
+from typing import Any
+
+from .arguments import mismatch_text, slot_fields
+
 __all__ = ["BitcollError", "UsageError", "CommError", "CommTimeoutError", "PeerLostError",
            "ProtocolError"]
 
@@ -80,4 +84,38 @@ class ProtocolError(CommError):
 
     This is how mismatched collectives are reported: a rank that called ``allreduce`` with a
     different length, dtype, op or algorithm than its peers, or another collective altogether.
+
+    ``fields``: for such a mismatch, what differs: the names of the arguments (e.g.
+    ``("element count",)``, :data:`bitcoll.arguments.FIELD_NAMES`), ``("collective",)`` when
+    the ranks called different collectives (or a different number of them), ``()`` when it
+    is not known which arguments; None for any other protocol error. With ``sequence`` (the
+    collective's number) and ``collective`` it is the whole finding, and the message has one
+    form on every backend (:func:`bitcoll.arguments.mismatch_text`): ``"allreduce #3: the
+    ranks called it with different element count (...)"``. Over MPI every rank finds it;
+    over TCP and shared memory the ranks that received a frame of the other call do, and
+    their peers see a PeerLostError quoting it.
+
+    ``slots`` (transports): the differing slots of the frames' argument maps
+    (:func:`bitcoll.arguments.differing_slots`), turned into ``fields`` once the collective
+    is known (:meth:`add_context`).
     """
+
+    def __init__(self, *args: object, fields: tuple[str, ...] | None = None,
+                 slots: tuple[int, ...] | None = None, **context: Any) -> None:
+        super().__init__(*args, **context)
+        self.fields = fields
+        self.slots = slots
+        if slots is not None and fields is None and self.collective is not None:
+            self.fields = slot_fields(self.collective, slots)
+
+    def add_context(self, *, rank: int, collective: str, sequence: int) -> None:
+        super().add_context(rank=rank, collective=collective, sequence=sequence)
+        if self.slots is not None and self.fields is None:
+            self.fields = slot_fields(self.collective, self.slots)
+
+    def __str__(self) -> str:
+        if self.slots is not None and self.fields is not None and self.collective is not None \
+                and self.sequence is not None:
+            return mismatch_text(self.collective, self.sequence, self.fields,
+                                 f" (rank {self.peer} and rank {self.rank})")
+        return super().__str__()

@@ -147,3 +147,30 @@ def test_collectives_on_split_transports() -> None:
         parent.native_barrier(time.monotonic() + 60)
     finally:
         parent.close()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("case,fields", [("length", ("element count",)), ("op", ("op",)),
+                                         ("collective", ("collective",))])
+def test_mismatch_names_the_field_and_the_collective_number(case: str,
+                                                            fields: tuple[str, ...]) -> None:
+    """Every rank raises the same finding as over TCP (test_collectives_tcp): ProtocolError
+    with ``fields`` naming what differs, the program's first collective numbered #0 (init's
+    own collectives not counted) and the message "<collective> #0: the ranks called ..."."""
+    from mpi4py import MPI
+
+    last = MPI.COMM_WORLD.rank == MPI.COMM_WORLD.size - 1
+    with _fresh() as c, pytest.raises(ProtocolError) as info:
+        if case == "length":
+            c.allreduce(np.ones(10 + last, np.float32))
+        elif case == "op":
+            c.sign_allreduce(np.ones(10, np.float32), op="sum" if last else "majority")
+        elif last:
+            c.allgather(np.ones(4, np.float32))
+        else:
+            c.allreduce(np.ones(4, np.float32))
+    exc = info.value
+    assert exc.fields == fields
+    assert exc.sequence == 0 and exc.rank == MPI.COMM_WORLD.rank
+    assert str(exc).startswith(f"{exc.collective} #0: the ranks called ")

@@ -99,3 +99,52 @@ def test_killed_rank_makes_survivors_fail_fast() -> None:
     for _, kind, elapsed in got:
         assert kind in ("PeerLostError", "CommTimeoutError"), got
         assert elapsed < 30, got  # far below the 60 s deadline
+
+
+MISMATCHES = {  # case -> what differs (ProtocolError.fields)
+    "length": ("element count",),
+    "op": ("op",),
+    "collective": ("collective",),
+}
+
+
+def _mismatch(comm: Communicator, case: str) -> tuple[Any, ...]:
+    """The program's first collective, called differently by the last rank: what this rank
+    raises (kind, fields, sequence, collective, message)."""
+    last = comm.rank == comm.size - 1
+    try:
+        if case == "length":
+            comm.allreduce(np.ones(10 + last, np.float32))
+        elif case == "op":
+            comm.sign_allreduce(np.ones(10, np.float32), op="sum" if last else "majority")
+        elif last:
+            comm.allgather(np.ones(4, np.float32))
+        else:
+            comm.allreduce(np.ones(4, np.float32))
+    except bitcoll.CommError as exc:
+        return (type(exc).__name__, getattr(exc, "fields", None), exc.sequence,
+                exc.collective, str(exc))
+    return ("no error",)
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("shm", [False, True], ids=["tcp", "shm"])
+@pytest.mark.parametrize("case", sorted(MISMATCHES))
+def test_mismatch_names_the_field_and_the_collective_number(case: str, shm: bool) -> None:
+    """Over TCP and shared memory, as over MPI (test_collectives_mpi): the ranks that receive
+    a frame of the other call raise ProtocolError with ``fields`` naming what differs, the
+    collective number counted from #0 at the program's first call (init's own collectives
+    not counted) and the message "<collective> #0: the ranks called ..."; the others fail at
+    once with PeerLostError quoting the finding (the transport's words: "collective #0: rank
+    r called ...", sent before the collective's name is known)."""
+    got = run_world(3, _mismatch, case, timeout=150, comm_timeout=60, shm=shm)
+    protocol = [g for g in got if g[0] == "ProtocolError"]
+    assert protocol, got
+    assert all(g[0] in ("ProtocolError", "PeerLostError") for g in got), got
+    for _, fields, sequence, collective, text in protocol:
+        assert fields == MISMATCHES[case], got
+        assert sequence == 0, got
+        assert text.startswith(f"{collective} #0: the ranks called "), got
+    for kind, _, _, _, text in got:
+        if kind == "PeerLostError":
+            assert "collective #0: " in text or " #0: the ranks called " in text, got

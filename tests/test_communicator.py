@@ -14,6 +14,7 @@ from sweeps import dense_sweep, inplace_and_async
 import bitcoll
 from bitcoll.communicator import Communicator
 from bitcoll.errors import CommError, CommTimeoutError, PeerLostError, ProtocolError, UsageError
+from bitcoll.transport.base import HEADER_SIZE
 from bitcoll.work import Work
 
 SMALL = (0, 1, 7, 8, 9, 1000)
@@ -242,5 +243,5 @@ def test_stats_count_headers_and_payload() -> None:
         for snap in run_threads(p, body):
             # two ring passes of p - 1 frames each; blocks of 8 float32 split p ways
             assert snap["messages_sent"] == snap["messages_received"] == 2 * (p - 1)
-            assert snap["bytes_sent"] >= 2 * (p - 1) * 32
-            assert snap["bytes_sent"] <= 2 * (p - 1) * (32 + 4 * (-(-8 // p)))
+            assert snap["bytes_sent"] >= 2 * (p - 1) * HEADER_SIZE
+            assert snap["bytes_sent"] <= 2 * (p - 1) * (HEADER_SIZE + 4 * (-(-8 // p)))

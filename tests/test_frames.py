@@ -2,6 +2,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from bitcoll import arguments
 from bitcoll.errors import ProtocolError, UsageError
 from bitcoll.transport import base, wire
 from bitcoll.transport.base import HEADER_SIZE, MAGIC, FrameHeader, FrameKind, TrafficStats
@@ -13,9 +14,9 @@ from bitcoll.transport.local import LocalTransport
 def test_header_round_trip(seq: int, step: int, sig: int, length: int, kind: int) -> None:
     h = FrameHeader(seq=seq, step=step, signature=sig, length=length, kind=kind)
     raw = h.pack()
-    assert len(raw) == HEADER_SIZE == 32
+    assert len(raw) == HEADER_SIZE == 40
     assert FrameHeader.unpack(raw) == h
-    buf = bytearray(40)
+    buf = bytearray(HEADER_SIZE + 8)
     h.pack_into(buf, 8)
     assert FrameHeader.unpack(bytes(buf[8:])) == h
 
@@ -26,17 +27,44 @@ def test_header_rejects_bad_magic_version_size() -> None:
         FrameHeader.unpack(FrameHeader(1, 2, 3, 4, magic=MAGIC ^ 1).pack())
     with pytest.raises(ProtocolError, match="version"):
         FrameHeader.unpack(FrameHeader(1, 2, 3, 4, version=99).pack())
-    with pytest.raises(ProtocolError, match="32"):
-        FrameHeader.unpack(good.pack()[:31])
+    with pytest.raises(ProtocolError, match=f"{HEADER_SIZE - 1} bytes, expected {HEADER_SIZE}"):
+        FrameHeader.unpack(good.pack()[:-1])
 
 
 def test_header_mismatch_messages() -> None:
     want = FrameHeader(seq=5, step=0, signature=77, length=16)
     assert want.mismatch(want, 1) is None
     assert "collective #6" in str(FrameHeader(6, 0, 77, 16).mismatch(want, 1))
-    assert "different collective" in str(FrameHeader(5, 0, 78, 16).mismatch(want, 1))
+    assert "different arguments" in str(FrameHeader(5, 0, 78, 16).mismatch(want, 1))
+    assert FrameHeader(5, 0, 78, 16).differing(want) == ()  # argument maps both 0
+    assert FrameHeader(6, 0, 78, 16).differing(want) is None  # another call, not other args
+    assert FrameHeader(5, 1, 77, 16).differing(want) is None  # the same call
     assert "step" in str(FrameHeader(5, 1, 77, 16).mismatch(want, 1))
     assert "8 payload bytes" in str(FrameHeader(5, 0, 77, 8).mismatch(want, 2))
+
+
+def test_argument_maps_name_what_differs() -> None:
+    """The argument map in every header names the fields of a different call."""
+    def header(name: str, *fields: object) -> FrameHeader:
+        sig, argmap = arguments.split(arguments.call_signature(name, fields))
+        return FrameHeader(seq=3, step=0, signature=sig, length=8, argmap=argmap)
+
+    mine = header("allreduce", "sum", "<f4", 10, "ring")
+    assert header("allreduce", "sum", "<f4", 11, "ring").differing(mine) == (3,)
+    assert header("allreduce", "max", "<f4", 10, "ring").differing(mine) == (1,)
+    assert 0 in (header("allgather", "<f4", 10, "ring").differing(mine) or ())
+    assert arguments.slot_fields("allreduce", (3,)) == ("element count",)
+    assert arguments.slot_fields("allreduce", (1, 4)) == ("op", "algorithm")
+    assert arguments.slot_fields("allreduce", (0, 3)) == ("collective",)
+    # a header round trip keeps the map; the map never changes whether calls match
+    h = header("sign_allreduce", "majority", "sign", 1, "alternate", "<f4", 7, None, True)
+    assert FrameHeader.unpack(h.pack()) == h and h.argmap != 0
+    err = ProtocolError("raw", rank=1, peer=0, sequence=3, slots=(3,))
+    before = err.fields  # None: which collective is not known yet
+    err.add_context(rank=1, collective="allreduce", sequence=3)
+    assert before is None and err.fields == ("element count",)
+    assert str(err) == ("allreduce #3: the ranks called it with different element count "
+                        "(rank 0 and rank 1)")
 
 
 def test_traffic_stats() -> None:

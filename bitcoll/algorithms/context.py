@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from ..arguments import split
 from ..ops import ReduceOp
 from ..transport.base import Consumer, FrameHeader, Request, StreamPlan, Transport
 
@@ -75,6 +76,7 @@ class OpContext:
         self.size = transport.size
         self.seq = seq
         self.signature = signature
+        self._sig, self._argmap = split(signature)  # the header's two words
         self.deadline = deadline
         self.segment_bytes = max(1, segment_bytes)
         self._scratch = {} if scratch is None else scratch
@@ -82,7 +84,8 @@ class OpContext:
         self._recv_step = [0] * transport.size
 
     def _header(self, step: int, length: int) -> FrameHeader:
-        return FrameHeader(seq=self.seq, step=step, signature=self.signature, length=length)
+        return FrameHeader(seq=self.seq, step=step, signature=self._sig, length=length,
+                           argmap=self._argmap)
 
     def isend(self, peer: int, arr: npt.NDArray[Any]) -> Request:
         """Start sending the C-contiguous array ``arr`` to ``peer`` (keep it unchanged until

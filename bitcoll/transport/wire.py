@@ -5,8 +5,9 @@ No sockets here: only how frames look on the wire (the peer hello of the TCP tra
 
 Frame
 -----
-A frame is a 32-byte header (:class:`FrameHeader`; little-endian ``u32 magic, u16 version,
-u16 kind, u64 seq, u32 step, u32 signature, u64 length``), then ``length`` payload bytes, then,
+A frame is a 40-byte header (:class:`FrameHeader`; little-endian ``u32 magic, u16 version,
+u16 kind, u64 seq, u32 step, u32 signature, u64 length, u64 argmap``), then ``length``
+payload bytes, then,
 on connections with frame integrity on, a :data:`FRAME_TAG_BYTES`-byte tag
 (:func:`frame_tag`).
 
@@ -25,6 +26,7 @@ from __future__ import annotations
 import struct
 from typing import Any, Final, NamedTuple
 
+from ..arguments import differing_slots
 from ..errors import ProtocolError, UsageError
 
 __all__ = [
@@ -43,9 +45,10 @@ __all__ = [
 ]
 
 MAGIC: Final = 0xB17C0110
-PROTOCOL_VERSION: Final = 2
-_HEADER: Final = struct.Struct("<IHHQIIQ")  # magic, version, kind, seq, step, signature, length
-HEADER_SIZE: Final = _HEADER.size  # 32 bytes
+PROTOCOL_VERSION: Final = 3
+# magic, version, kind, seq, step, signature, length, argmap
+_HEADER: Final = struct.Struct("<IHHQIIQQ")
+HEADER_SIZE: Final = _HEADER.size  # 40 bytes
 #: Bytes of a frame's integrity tag (``integrity=True``): keyed BLAKE3, 128 bits.
 FRAME_TAG_BYTES: Final = 16
 #: Longest abort reason carried by an ABORT frame or read from one.
@@ -65,7 +68,10 @@ class FrameHeader(NamedTuple):
     ``seq`` is the communicator's collective sequence number (identical on every rank for the
     same call), ``step`` counts the frames of this collective between one ordered pair of ranks,
     ``signature`` is a 32-bit digest of the collective's name and arguments (so a rank in a
-    different collective is detected), ``length`` is the payload size in bytes.
+    different collective is detected), ``length`` is the payload size in bytes, ``argmap`` the
+    call's argument map (:func:`bitcoll.arguments.argument_map`: a small digest per argument,
+    so that a rank that receives a different signature can name the arguments that differ; 0
+    in frames that are no collective's).
     """
 
     seq: int
@@ -75,21 +81,22 @@ class FrameHeader(NamedTuple):
     kind: int = FrameKind.DATA
     magic: int = MAGIC
     version: int = PROTOCOL_VERSION
+    argmap: int = 0
 
     def pack(self) -> bytes:
         return _HEADER.pack(self.magic, self.version, self.kind, self.seq, self.step,
-                            self.signature, self.length)
+                            self.signature, self.length, self.argmap)
 
     def pack_into(self, buf: bytearray | memoryview, offset: int = 0) -> None:
         _HEADER.pack_into(buf, offset, self.magic, self.version, self.kind, self.seq,
-                          self.step, self.signature, self.length)
+                          self.step, self.signature, self.length, self.argmap)
 
     @classmethod
     def unpack(cls, data: bytes | bytearray | memoryview) -> FrameHeader:
         """Decode a header; raise ProtocolError on a wrong size, magic or version."""
         if len(data) != HEADER_SIZE:
             raise ProtocolError(f"frame header has {len(data)} bytes, expected {HEADER_SIZE}")
-        magic, version, kind, seq, step, sig, length = _HEADER.unpack(data)
+        magic, version, kind, seq, step, sig, length, argmap = _HEADER.unpack(data)
         if magic != MAGIC:
             raise ProtocolError(f"bad frame magic 0x{magic:08x} (expected 0x{MAGIC:08x}): "
                                 "the peer is not a bitcoll rank or the stream is corrupt")
@@ -97,7 +104,16 @@ class FrameHeader(NamedTuple):
             raise ProtocolError(f"peer speaks bitcoll protocol version {version}, "
                                 f"this rank speaks {PROTOCOL_VERSION}")
         return cls(seq=seq, step=step, signature=sig, length=length, kind=kind, magic=magic,
-                   version=version)
+                   version=version, argmap=argmap)
+
+    def differing(self, expected: FrameHeader) -> tuple[int, ...] | None:
+        """When this (received) header is another call's than ``expected`` (same sequence
+        number, different signature): the slots of the two argument maps that differ (0: the
+        collective, ``i``: its argument ``i``; :func:`bitcoll.arguments.differing_slots`;
+        empty when the maps do not tell) for :attr:`ProtocolError.slots`; else None."""
+        if self.seq != expected.seq or self.signature == expected.signature:
+            return None
+        return differing_slots(self.argmap, expected.argmap)
 
     def mismatch(self, expected: FrameHeader, peer: int) -> str | None:
         """Describe how this (received) header differs from ``expected``, or None if equal."""
@@ -106,8 +122,12 @@ class FrameHeader(NamedTuple):
                     f"collective #{expected.seq}: the ranks called different numbers of "
                     "collectives")
         if self.signature != expected.signature:
-            return (f"rank {peer} called a different collective or passed different arguments "
-                    f"(op, dtype, length, algorithm) in collective #{expected.seq}")
+            slots = self.differing(expected) or ()
+            if 0 in slots:
+                return f"collective #{expected.seq}: rank {peer} called a different collective"
+            which = f" ({', '.join(f'argument {i}' for i in slots)})" if slots else ""
+            return (f"collective #{expected.seq}: rank {peer} called it with different "
+                    f"arguments{which}")
         if self.step != expected.step:
             return f"rank {peer} sent step {self.step}, expected step {expected.step}"
         if self.length != expected.length:

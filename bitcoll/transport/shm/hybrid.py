@@ -741,7 +741,9 @@ class HybridTransport(LinkTransport):
             # A peer that aborted left the frames of the collective it abandoned here: its
             # reason explains the mismatch better than the headers do.
             reason = self._abort_reason(p, poller)
-            self._fail(ProtocolError(msg) if reason is None
+            self._fail(ProtocolError(msg, rank=self.rank, peer=p.rank,
+                                     sequence=req.header.seq,
+                                     slots=header.differing(req.header)) if reason is None
                        else self._aborted(p, reason))
             raise _Stop
         n = header.length

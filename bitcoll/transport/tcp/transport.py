@@ -1083,7 +1083,8 @@ class TCPTransport(LinkTransport):
         # A peer that aborted in the middle of a frame left that frame's header here: its
         # reason explains the mismatch better than the headers do.
         aborted = self._abort_reason(p.rank)
-        self._fail(ProtocolError(msg, rank=self.rank, peer=p.rank, sequence=expected.seq)
+        self._fail(ProtocolError(msg, rank=self.rank, peer=p.rank, sequence=expected.seq,
+                                 slots=header.differing(expected))
                    if aborted is None else
                    PeerLostError(aborted, rank=self.rank, peer=p.rank))
         return True
