@@ -179,7 +179,7 @@ def run_stream_checked(work: Any, src: Any, op: int, divisor: Any, out_fd: int, 
 
     Arrays: ``work`` and ``src`` (1-D, one dtype of :data:`STREAM_DTYPES`; the same array when in
     place): sends read from ``src`` where ``s_src`` is 1, else from ``work``; receives land or fold
-    into ``work``. Send ``i`` writes header ``s_head[i]`` (uint8, 32 bytes a row) and elements
+    into ``work``. Send ``i`` writes header ``s_head[i]`` (uint8, one header a row) and elements
     ``[s_off[i], s_off[i] + s_len[i])`` to ``out_fd``: at once where ``s_after[i]`` is -1, else it
     forwards receive ``s_after[i]`` (the same elements) and its bytes leave as that receive makes
     them final (cut through). Receive ``j`` reads a header from ``in_fd``, which must equal

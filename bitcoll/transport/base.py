@@ -1,7 +1,7 @@
 """The transport interface: ordered, checked byte messages between ranks.
 
 Algorithms (``bitcoll.algorithms``) talk to this interface only; they never see sockets or MPI.
-A transport moves *frames*: a fixed 32-byte header followed by ``length`` payload bytes (the
+A transport moves *frames*: a fixed 40-byte header followed by ``length`` payload bytes (the
 byte layout is in :mod:`bitcoll.transport.wire`; its names are re-exported here).
 
 Contract every transport implements

@@ -37,7 +37,7 @@ INLINE_MAX: Final = 8192
 """Largest payload (bytes) that travels in the same MPI message as its header."""
 
 CONTROL_SIZE: Final = 512
-"""Size in bytes of an abort notice: a 32-byte header and up to 480 bytes of UTF-8 reason."""
+"""Size in bytes of an abort notice: a 40-byte header and up to 472 bytes of UTF-8 reason."""
 
 # SPIN_SECONDS: wait loops poll without pausing for this long (transport.peer's) ...
 

@@ -11,9 +11,9 @@ All bitcoll traffic runs on a private duplicate of the user's communicator, so i
 match the user's own messages. Two tags are used on it:
 
 * :data:`DATA_TAG` carries frames. A frame whose payload has at most :data:`INLINE_MAX` bytes
-  is **one** MPI message: the 32-byte header followed by the payload (the payload is copied
+  is **one** MPI message: the 40-byte header followed by the payload (the payload is copied
   into a small staging buffer; a copy of a few KiB costs less than a second message). A larger
-  frame is **two** consecutive MPI messages on the same tag: the 32-byte header, then the
+  frame is **two** consecutive MPI messages on the same tag: the 40-byte header, then the
   payload straight from (and into) the caller's buffer, with no copy. MPI's non-overtaking rule
   (messages between one pair of ranks on one communicator and tag are matched in the order they
   were sent and posted) gives the transport contract's ordering: frames to one peer are

@@ -20,7 +20,7 @@ One file per pair, created by the lower rank (*side 0*), mapped by both::
       ring_bytes             the ring (default :data:`DEFAULT_RING_BYTES`)
 
 A ring is a single-producer single-consumer byte stream of *records*, each starting on an
-8-byte boundary: a record word (mode, 8 bytes), the frame's 32-byte header, then either the
+8-byte boundary: a record word (mode, 8 bytes), the frame's 40-byte header, then either the
 payload itself (*inline*) or, for a *single-copy* record, the payload's address in the
 sender (8 bytes), then padding to a multiple of 8. The sender copies at ``written %
 ring_bytes`` and advances ``written``; the receiver reads at ``read % ring_bytes`` and

@@ -12,7 +12,7 @@ Contract (that of :class:`~bitcoll.transport.base.Transport`, kept per peer)
 --------------------------------------------------------------------------
 * Each peer uses one path for the transport's whole life, so frames to one peer leave in
   ``isend`` order and receives from one peer match frames in posting order, whatever the path.
-* A shared-memory frame is the same 32-byte header and payload as on TCP (in the ring: plus
+* A shared-memory frame is the same 40-byte header and payload as on TCP (in the ring: plus
   an 8-byte record word and up to 7 bytes of padding, not counted); the receiver checks the
   header exactly like TCP: a mismatch is a :class:`~bitcoll.errors.ProtocolError` and aborts
   the transport (a :class:`~bitcoll.errors.PeerLostError` with the peer's reason when the
@@ -227,14 +227,14 @@ def _align8(n: int) -> int:
     return (n + 7) & ~7
 
 
-# Every frame in a ring is a record: mode and padding (8 bytes), the 32-byte header, then
+# Every frame in a ring is a record: mode and padding (8 bytes), the 40-byte header, then
 # the payload (inline) or the payload's address in the sender (single copy), then padding
 # to a multiple of 8 bytes.
 _RECORD: Final = struct.Struct("<II")
 _ADDRESS: Final = struct.Struct("<Q")
 _INLINE: Final = 1
 _SINGLE: Final = 2
-_PREFIX: Final = _RECORD.size + HEADER_SIZE  # 40 bytes before an inline payload
+_PREFIX: Final = _RECORD.size + HEADER_SIZE  # 48 bytes before an inline payload
 #: Copies of at least this many bytes use numpy (which releases the GIL), smaller ones a
 #: memoryview (less overhead).
 _NUMPY_COPY_BYTES: Final = 64 << 10
