@@ -78,8 +78,12 @@ class DDPOptimizer:
     DistributedLion's interface that the training loop uses: ``param_groups``,
     ``zero_grad``, ``step``, ``last_stats``, ``check_replicas``, ``state_dict`` and
     ``load_state_dict``. ``net`` is the DDP-wrapped model (for the training forward).
-    Collective construction (DDP's broadcast of rank 0's parameters, the hook's
-    communicator and agreement check)."""
+    ``args``: train.py's options (``hook``, ``backend``, ``optimizer``, ``lr``,
+    ``weight_decay``, ``levels``, ``momentum_sync``); ``named``: the model's named
+    parameters; ``opt_comm``: the optimizer's communicator (the hooks split theirs off it,
+    or off the bitcoll process group's). Collective construction (DDP's broadcast of rank
+    0's parameters, the hook's communicator and agreement check); call it after
+    :func:`init_process_group`."""
 
     def __init__(self, args: Any, model: nn.Module,
                  named: Sequence[tuple[str, torch.Tensor]], comm: bitcoll.Communicator,
