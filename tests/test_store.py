@@ -647,11 +647,10 @@ def test_oversized_values_and_messages(server: StoreServer) -> None:
     _works(server)
 
 
-def test_key_and_byte_caps_give_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_key_and_byte_caps_give_errors() -> None:
     assert (store.MAX_KEYS, store.MAX_STORED_BYTES) == (65536, 64 << 20)
-    monkeypatch.setattr(store, "MAX_KEYS", 10)
-    monkeypatch.setattr(store, "MAX_STORED_BYTES", 4096)
-    with StoreServer("127.0.0.1", 0, secret=SECRET) as srv, _client(srv) as c:
+    with StoreServer("127.0.0.1", 0, secret=SECRET, max_keys=10, max_stored_bytes=4096) as srv, \
+            _client(srv) as c:
         for i in range(10):
             c.set(f"k{i}", b"v")
         with pytest.raises(UsageError, match="full"):
@@ -711,10 +710,9 @@ def test_a_client_that_never_reads_is_dropped() -> None:
         _works(srv)
 
 
-def test_beyond_max_pending_auth_the_oldest_stranger_is_evicted(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(store, "MAX_PENDING_AUTH", 4)
-    with StoreServer("127.0.0.1", 0, secret=SECRET, auth_seconds=30) as srv:
+def test_beyond_max_pending_auth_the_oldest_stranger_is_evicted() -> None:
+    with StoreServer("127.0.0.1", 0, secret=SECRET, auth_seconds=30,
+                     max_pending_auth=4) as srv:
         strangers = [socket.create_connection(("127.0.0.1", srv.port), timeout=10)
                      for _ in range(4)]
         for s in strangers:

@@ -370,7 +370,9 @@ class StoreServer:
     clients and covered by the proofs; ``hint`` (at most :data:`MAX_HINT_BYTES` UTF-8 bytes) is
     announced to clients that were given no secret (the path of the job's secret file).
     ``auth_seconds`` and ``io_seconds`` override :data:`AUTH_SECONDS` and :data:`IO_SECONDS`
-    (tests use short ones). The other limits are the module constants, read at construction.
+    (tests use short ones); ``max_keys``, ``max_stored_bytes`` and ``max_pending_auth``
+    override :data:`MAX_KEYS`, :data:`MAX_STORED_BYTES` and :data:`MAX_PENDING_AUTH`
+    (integers >= 1). The other limits are the module constants.
 
     Raises :class:`~bitcoll.errors.CommError` when the address cannot be bound (for example the
     port is in use), UsageError for bad arguments. :meth:`close` stops the server; it is
@@ -379,7 +381,9 @@ class StoreServer:
 
     def __init__(self, host: str, port: int, *, secret: bytes, generation: int = 0,
                  hint: str = "", backlog: int = 128, auth_seconds: float = AUTH_SECONDS,
-                 io_seconds: float = IO_SECONDS) -> None:
+                 io_seconds: float = IO_SECONDS, max_keys: int = MAX_KEYS,
+                 max_stored_bytes: int = MAX_STORED_BYTES,
+                 max_pending_auth: int = MAX_PENDING_AUTH) -> None:
         self._secret = _check_secret(secret)
         self._generation = _check_generation(generation)
         if not isinstance(hint, str):
@@ -392,9 +396,13 @@ class StoreServer:
             raise UsageError("auth_seconds and io_seconds must be positive")
         self._auth_seconds = float(auth_seconds)
         self._io_seconds = float(io_seconds)
-        self._max_keys = MAX_KEYS
-        self._max_stored = MAX_STORED_BYTES
-        self._max_pending = MAX_PENDING_AUTH
+        for name, value in (("max_keys", max_keys), ("max_stored_bytes", max_stored_bytes),
+                            ("max_pending_auth", max_pending_auth)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise UsageError(f"{name} must be an integer >= 1, got {value!r}")
+        self._max_keys = max_keys
+        self._max_stored = max_stored_bytes
+        self._max_pending = max_pending_auth
 
         # Loop-thread state.
         self._data: dict[str, bytes] = {}
