@@ -31,6 +31,7 @@ import argparse
 import datetime
 import os
 import platform
+import shlex
 import sys
 import time
 from collections.abc import Callable
@@ -169,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
             print(line, flush=True)
             lines.append(line)
 
-    cmd = " ".join(display_command([sys.executable, *sys.argv]))
+    cmd = " ".join(shlex.quote(a) for a in display_command([sys.executable, *sys.argv]))
     local = os.environ.get("LOCAL_WORLD_SIZE")
     if args.testbed:
         cmd = cmd.replace("python ", f"python bench/netbed.py {args.testbed} ", 1)
