@@ -505,3 +505,13 @@ def test_native_bf16_parameters_resume_exactly(train: ModuleType, tmp_path: Path
     assert [e["val_loss"] for e in a["evals"]] == [e["val_loss"] for e in b["evals"]]
     state = train.torch.load(ckpt / "rank0.pt", weights_only=True)
     assert all(v.dtype == train.torch.bfloat16 for v in state["model"].values())
+
+
+def test_recipe_imports_torch_only_where_it_must() -> None:
+    """lioncub itself and the log reader's module (bench/plot_curves.py) load without torch;
+    train.py's own pieces are in lioncub.recipe."""
+    code = ("import sys, lioncub, lioncub.recipe, lioncub.recipe.logs; "
+            "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr

@@ -1,7 +1,8 @@
 """The pieces of ``train.py``, importable: a recipe for data-parallel training with lioncub.
 
 ``train.py`` is a short program built from these modules; examples and benchmarks reuse them.
-Every module here imports torch (the numpy-only parts of lioncub never import this package).
+The modules import torch, except :mod:`~lioncub.recipe.logs` (numpy only, for log readers such
+as ``bench/plot_curves.py``); the numpy-only parts of lioncub never import this package.
 
 * :mod:`lioncub.recipe.data`: the corpus (the Python standard library's sources as byte
   tokens), :class:`~lioncub.recipe.data.BatchSampler` and the windows it draws.
