@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,8 +43,16 @@ from .communicator import (
     REMOTE_SEGMENT_BYTES,
     Communicator,
 )
-from .config import DEFAULT_TIMEOUT, ENV_INTEGRITY, ENV_MASTER_PORT, ENV_TWO_LEVEL, switch
-from .errors import UsageError
+from .config import (
+    DEFAULT_TIMEOUT,
+    ENV_INTEGRITY,
+    ENV_MASTER_PORT,
+    ENV_RENDEZVOUS_TIMEOUT,
+    ENV_TWO_LEVEL,
+    rendezvous_timeout,
+    switch,
+)
+from .errors import CommTimeoutError, UsageError
 from .plan import CostModel, load_model
 from .topology import usable_cores
 from .transport.base import Transport
@@ -135,8 +144,10 @@ def expand_hostlist(nodelist: str) -> list[str]:
 class TcpEnvironment:
     """Where a TCP-backend rank stands, from the environment: ``rank``, ``size``,
     ``master_addr``, ``master_port`` (bitcoll's own store; None when an external store is
-    used), ``agent_store`` (True under torchrun's agent store) and ``source`` ("torchrun
-    contract" or "Slurm")."""
+    used), ``agent_store`` (True under torchrun's agent store), ``source`` ("torchrun
+    contract" or "Slurm"), ``size_from`` (the variable the world size came from, e.g.
+    ``"SLURM_NTASKS=4 (Slurm)"``) and ``warning`` (why the other ranks may never come, e.g.
+    Slurm's variables without ``srun``; empty when nothing looks wrong)."""
 
     rank: int
     size: int
@@ -144,6 +155,30 @@ class TcpEnvironment:
     master_port: int | None
     agent_store: bool
     source: str
+    size_from: str = ""
+    warning: str = ""
+
+
+#: Slurm's step ids from this one up are no ``srun`` step (the batch script's, the extern
+#: step's, the interactive step's, a pending step's).
+SLURM_SPECIAL_STEPS = 0xFFFFFFF0
+
+
+def slurm_without_srun(env: dict[str, str]) -> str:
+    """Why a process that has Slurm's ``SLURM_NTASKS`` (more than 1) was not started by
+    ``srun``, or "" when it was (or when it is one task anyway). ``srun`` sets
+    ``SLURM_STEP_ID`` to the number of its job step; a batch script (``sbatch``) runs once, on
+    the job's first node, outside any such step (``SLURM_STEP_ID`` unset, or one of Slurm's
+    special step ids), so its ranks 1 to N-1 never start."""
+    if not env.get("SLURM_NTASKS", "").isdigit() or int(env["SLURM_NTASKS"]) <= 1:
+        return ""
+    step = env.get("SLURM_STEP_ID") or env.get("SLURM_STEPID") or ""
+    if step.isdigit() and int(step) < SLURM_SPECIAL_STEPS:
+        return ""
+    why = "SLURM_STEP_ID is not set" if not step else f"SLURM_STEP_ID={step} is no srun step"
+    return (f"this process was not started by srun ({why}): an sbatch script runs once, so the "
+            f"other {int(env['SLURM_NTASKS']) - 1} tasks never start; run the program with "
+            "`srun python script.py` inside the batch script")
 
 
 def tcp_environment(environ: dict[str, str] | None = None,
@@ -153,14 +188,18 @@ def tcp_environment(environ: dict[str, str] | None = None,
     ``external_store``: a store was passed to ``init``, so no port is needed. UsageError
     naming what is missing or malformed."""
     env = dict(os.environ if environ is None else environ)
+    warning = ""
     if all(env.get(k) for k in ("RANK", "WORLD_SIZE")):
         source = "torchrun contract"
         rank, size = _int(env, "RANK"), _int(env, "WORLD_SIZE")
         addr = env.get("MASTER_ADDR", "")
+        size_from = f"WORLD_SIZE={size} ({source})"
     elif all(env.get(k) for k in SLURM_ENV):
         source = "Slurm"
         rank, size = _int(env, "SLURM_PROCID"), _int(env, "SLURM_NTASKS")
         addr = env.get("MASTER_ADDR") or expand_hostlist(env["SLURM_JOB_NODELIST"])[0]
+        size_from = f"SLURM_NTASKS={size} ({source})"
+        warning = slurm_without_srun(env)
     else:
         raise UsageError(
             "backend 'tcp' needs the environment variables " + ", ".join(TCP_ENV)
@@ -187,7 +226,8 @@ def tcp_environment(environ: dict[str, str] | None = None,
     if agent and not env.get("MASTER_PORT"):
         raise UsageError("TORCHELASTIC_USE_AGENT_STORE is set but MASTER_PORT is not: this "
                          "process was not started by torchrun")
-    return TcpEnvironment(rank, size, addr, port, agent and not external_store, source)
+    return TcpEnvironment(rank, size, addr, port, agent and not external_store, source,
+                          size_from, warning)
 
 
 def _tcp_transport(timeout: float, store: object | None, integrity: bool,
@@ -197,17 +237,29 @@ def _tcp_transport(timeout: float, store: object | None, integrity: bool,
 
     if store is not None:
         check_store(store)
+    setup = rendezvous_timeout(timeout)  # the ranks meet sooner than a collective's deadline
     if place is not None and store is not None:  # rank and size given with the store
         rank, size = place
-        return TCPTransport.create(rank, size, os.environ.get("MASTER_ADDR", ""), 0,
-                                   timeout=timeout, store=store, integrity=integrity,
+        te = TcpEnvironment(rank, size, os.environ.get("MASTER_ADDR", ""), 0, False,
+                            "init arguments", f"size={size} (bitcoll.init's argument)")
+    else:
+        te = tcp_environment(external_store=store is not None)
+        if te.size > 1 and te.agent_store:
+            store, _ = torchrun_store(setup)
+    if te.warning:  # say it now, not only at the deadline
+        warnings.warn(f"bitcoll.init: {te.warning} (waiting up to {setup:g} s for them)",
+                      RuntimeWarning, stacklevel=3)
+    try:
+        return TCPTransport.create(te.rank, te.size, te.master_addr, te.master_port or 0,
+                                   timeout=setup, store=store, integrity=integrity,
                                    send_buffer=send_buffer)
-    te = tcp_environment(external_store=store is not None)
-    if te.size > 1 and te.agent_store:
-        store, _ = torchrun_store(timeout)
-    return TCPTransport.create(te.rank, te.size, te.master_addr, te.master_port or 0,
-                               timeout=timeout, store=store, integrity=integrity,
-                               send_buffer=send_buffer)
+    except CommTimeoutError as exc:
+        # Name where the world size came from (and why the others may never come).
+        raise CommTimeoutError(
+            f"{exc}; the world size came from {te.size_from}"
+            + (f"; {te.warning}" if te.warning else "")
+            + f" (the rendezvous deadline is {setup:g} s: {ENV_RENDEZVOUS_TIMEOUT})",
+            rank=exc.rank, peer=exc.peer) from exc
 
 
 def _agreed_model(comm: Communicator) -> CostModel:

@@ -7,12 +7,21 @@ from typing import Final
 
 from .errors import UsageError
 
-__all__ = ["DEFAULT_TIMEOUT", "ENV_MASTER_PORT", "ENV_INTEGRITY", "ENV_CHECKSUM",
-           "ENV_TWO_LEVEL",
-           "ENV_SEND_BUFFER", "MAX_SUM_RANGE", "switch"]
+__all__ = ["DEFAULT_TIMEOUT", "DEFAULT_RENDEZVOUS_TIMEOUT", "ENV_RENDEZVOUS_TIMEOUT",
+           "ENV_MASTER_PORT", "ENV_INTEGRITY", "ENV_CHECKSUM", "ENV_TWO_LEVEL",
+           "ENV_SEND_BUFFER", "MAX_SUM_RANGE", "rendezvous_timeout", "switch"]
 
 #: Default deadline, in seconds, of every blocking operation (set-up included).
 DEFAULT_TIMEOUT: Final = 300.0
+
+#: Default deadline, in seconds, of the TCP backend's rendezvous (the ranks meeting at
+#: ``bitcoll.init``): shorter than :data:`DEFAULT_TIMEOUT`, so that a job whose other ranks
+#: never start (a batch script without ``srun``, a wrong ``WORLD_SIZE``) says so sooner.
+DEFAULT_RENDEZVOUS_TIMEOUT: Final = 120.0
+
+#: Environment variable that sets the rendezvous deadline in seconds (default
+#: :data:`DEFAULT_RENDEZVOUS_TIMEOUT`; never longer than ``init``'s ``timeout``).
+ENV_RENDEZVOUS_TIMEOUT: Final = "BITCOLL_RENDEZVOUS_TIMEOUT"
 
 #: Environment variable naming the port of bitcoll's own rendezvous store (TCP backend).
 ENV_MASTER_PORT: Final = "BITCOLL_MASTER_PORT"
@@ -36,6 +45,23 @@ ENV_SEND_BUFFER: Final = "BITCOLL_SEND_BUFFER"
 #: Largest ``levels * size`` of the exact-sum collectives (their results travel in at most
 #: 16-bit fields).
 MAX_SUM_RANGE: Final = (1 << 15) - 1
+
+
+def rendezvous_timeout(timeout: float) -> float:
+    """The deadline, in seconds, of the TCP backend's set-up under ``bitcoll.init(timeout=)``:
+    ``BITCOLL_RENDEZVOUS_TIMEOUT`` (a number > 0; unset or empty:
+    :data:`DEFAULT_RENDEZVOUS_TIMEOUT`), at most ``timeout``. UsageError for a bad value."""
+    text = os.environ.get(ENV_RENDEZVOUS_TIMEOUT, "").strip()
+    if not text:
+        return min(timeout, DEFAULT_RENDEZVOUS_TIMEOUT)
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise UsageError(f"{ENV_RENDEZVOUS_TIMEOUT} must be a number of seconds > 0, got "
+                         f"{text!r}")
+    return min(timeout, value)
 
 
 def switch(value: object, name: str, env: str, default: bool) -> bool:

@@ -23,7 +23,8 @@ MPIEXEC = BIN / "mpiexec"
 _LAUNCH_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK",
                 "LOCAL_WORLD_SIZE", "BITCOLL_MASTER_PORT", "BITCOLL_SECRET",
                 "BITCOLL_INSECURE", "TORCHELASTIC_USE_AGENT_STORE", "SLURM_PROCID",
-                "SLURM_NTASKS", "SLURM_JOB_NODELIST", "SLURM_JOB_ID", "PMI_RANK", "PMI_SIZE")
+                "SLURM_NTASKS", "SLURM_JOB_NODELIST", "SLURM_JOB_ID", "SLURM_STEP_ID",
+                "SLURM_STEPID", "BITCOLL_RENDEZVOUS_TIMEOUT", "PMI_RANK", "PMI_SIZE")
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -196,3 +197,63 @@ def test_stale_torchrun_variables_honour_the_deadline(monkeypatch: pytest.Monkey
     with pytest.raises(bitcoll.CommTimeoutError, match="agent store"):
         bitcoll.init(timeout=2.0)
     assert time.monotonic() - t0 < 30
+
+
+def test_slurm_without_srun_is_named() -> None:
+    """An sbatch script that forgot srun has Slurm's variables but no srun step: the
+    environment says so (and where the world size came from); a real srun step does not."""
+    from bitcoll.bootstrap import slurm_without_srun
+
+    env = {"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_JOB_NODELIST": "n[1-2]",
+           "SLURM_JOB_ID": "77"}
+    te = tcp_environment(env)
+    assert te.size_from == "SLURM_NTASKS=4 (Slurm)"
+    assert "not started by srun" in te.warning and "other 3 tasks" in te.warning
+    assert "SLURM_STEP_ID is not set" in slurm_without_srun(env)
+    batch = slurm_without_srun({**env, "SLURM_STEP_ID": str(0xFFFFFFFB)})  # the batch step
+    assert "is no srun step" in batch
+    for step in ({"SLURM_STEP_ID": "0"}, {"SLURM_STEPID": "12"}):
+        assert slurm_without_srun({**env, **step}) == ""
+        assert tcp_environment({**env, **step}).warning == ""
+    assert slurm_without_srun({**env, "SLURM_NTASKS": "1"}) == ""  # one task: nothing missing
+    te = tcp_environment({"RANK": "1", "WORLD_SIZE": "3", "MASTER_ADDR": "a",
+                          "MASTER_PORT": "100"})
+    assert te.size_from == "WORLD_SIZE=3 (torchrun contract)" and te.warning == ""
+
+
+def test_rendezvous_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    from bitcoll.config import DEFAULT_RENDEZVOUS_TIMEOUT, rendezvous_timeout
+
+    monkeypatch.delenv("BITCOLL_RENDEZVOUS_TIMEOUT", raising=False)
+    assert rendezvous_timeout(300.0) == DEFAULT_RENDEZVOUS_TIMEOUT < 300.0
+    assert rendezvous_timeout(10.0) == 10.0  # never longer than init's timeout
+    monkeypatch.setenv("BITCOLL_RENDEZVOUS_TIMEOUT", "2.5")
+    assert rendezvous_timeout(300.0) == 2.5
+    for bad in ("0", "-1", "soon", "inf", "nan"):
+        monkeypatch.setenv("BITCOLL_RENDEZVOUS_TIMEOUT", bad)
+        with pytest.raises(bitcoll.UsageError, match="BITCOLL_RENDEZVOUS_TIMEOUT"):
+            rendezvous_timeout(300.0)
+
+
+@pytest.mark.timeout(120)
+def test_sbatch_without_srun_fails_at_the_rendezvous_deadline_naming_why() -> None:
+    """``SLURM_PROCID=0 SLURM_NTASKS=4 python script.py`` (ranks 1-3 never start): a warning at
+    once, then, at the rendezvous deadline (BITCOLL_RENDEZVOUS_TIMEOUT, not the collective
+    deadline of init's timeout), CommTimeoutError naming the missing ranks, where the world
+    size came from and the missing srun."""
+    code = ("import bitcoll\n"
+            "try:\n"
+            "    bitcoll.init('tcp', timeout=600)\n"
+            "except bitcoll.CommTimeoutError as exc:\n"
+            "    print('RAISED', exc)\n")
+    env = _env(SLURM_PROCID="0", SLURM_NTASKS="4", SLURM_JOB_NODELIST="127.0.0.1",
+               MASTER_PORT=str(free_port() - 1), BITCOLL_RENDEZVOUS_TIMEOUT="2")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=100, env=env)
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text
+    assert "RuntimeWarning" in out.stderr and "not started by srun" in out.stderr, text
+    raised = out.stdout.split("RAISED", 1)[1]
+    assert "ranks 1, 2, 3 never showed up" in raised, text
+    assert "SLURM_NTASKS=4 (Slurm)" in raised and "not started by srun" in raised, text
+    assert "within 2 s" in raised and "BITCOLL_RENDEZVOUS_TIMEOUT" in raised, text
