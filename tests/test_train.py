@@ -161,14 +161,20 @@ def test_bad_options_exit_2(train: ModuleType, capsys: pytest.CaptureFixture[str
                          (["--check-every", "-1"], "must be >= 0"),
                          (["--stale", "--overlap"], "--stale cannot be used with --overlap"),
                          (["--stale", "--backend", "gloo"], "--stale cannot be used with "
-                                                            "--backend")):
+                                                            "--backend"),
+                         (["--fault-tolerant", "--backend", "gloo"],
+                          "--fault-tolerant cannot be used with --backend"),
+                         (["--fault-tolerant", "--resume", "x"],
+                          "--fault-tolerant cannot be used with --resume"),
+                         (["--fault-tolerant", "--dtype", "fp16"],
+                          "--fault-tolerant cannot be used with --dtype fp16")):
         with pytest.raises(SystemExit) as exc:
             train.parse_args(argv)
         assert exc.value.code == 2
         assert needle in capsys.readouterr().err
     usage = " ".join(train.build_parser().format_help().split())
     for text in ("torchrun --nproc-per-node 4 train.py", "srun -N 4", "--backend", "--hook",
-                 "--check-every"):
+                 "--check-every", "--max-restarts 2 train.py --fault-tolerant"):
         assert text in usage, text
 
 
@@ -515,3 +521,14 @@ def test_recipe_imports_torch_only_where_it_must() -> None:
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_fault_tolerant_needs_a_store_that_outlives_the_ranks(
+        train: ModuleType, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Started without `python -m launch --max-restarts N` (or torchrun), --fault-tolerant
+    stops with exit status 1 and says how to start it."""
+    monkeypatch.delenv("BITCOLL_ELASTIC_STORE", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    assert train.main([*TINY, "--steps", "2", "--fault-tolerant"]) == 1
+    assert "--max-restarts" in capsys.readouterr().err
