@@ -1,13 +1,22 @@
 """Fault-tolerant training with :class:`~lioncub.distributed.DistributedLion`.
 
 :class:`ElasticLion` runs an optimizer over the current epoch of a
-:class:`bitcoll.elastic.ElasticGroup` and keeps going when ranks die or join::
+:class:`bitcoll.elastic.ElasticGroup` and keeps going when ranks die or join. The loop::
 
-    group = bitcoll.elastic.ElasticGroup.from_env(timeout=30)
+    group = bitcoll.elastic.ElasticGroup.from_env(timeout=30)   # JobFinished: nothing to do
     opt = ElasticLion(group, params, lambda comm, **kw: DistributedLion(params, comm, **kw))
-    while opt.step_count < steps:
-        opt.step(grads_of(batch(opt.step_count, group)))   # False: the step was lost
-    group.finish(); group.close()
+    while opt.step_count < steps:                     # the same count on every rank
+        e = opt.epoch                                  # shard the data by e.rank / e.size
+        opt.step(grads_of(params, batch(opt.step_count, e.rank, e.size)))  # False: lost
+    opt.finish()                                       # replicas checked, joiners released
+    group.close()
+
+The public surface: :meth:`ElasticLion.step`, :attr:`~ElasticLion.step_count`,
+:attr:`~ElasticLion.epoch`, :meth:`~ElasticLion.recover` (after a CommError of a collective
+of the caller's own on ``group.comm``), :meth:`~ElasticLion.finish`, and the attributes
+``opt`` (the current epoch's DistributedLion: ``opt.opt.state_dict()``,
+``opt.opt.check_replicas()``), ``epochs`` (every epoch seen, in order), ``lost_steps`` and
+``group``. ``examples/elastic_numpy.py`` is a complete program.
 
 How a step runs (:meth:`ElasticLion.step`):
 
@@ -24,10 +33,11 @@ How a step runs (:meth:`ElasticLion.step`):
    checks that every rank holds bitwise the same parameters) and this rank's state is
    loaded into it. Only the step in flight is lost.
 5. When processes joined (a restarted rank), they receive the state from the others over
-   the epoch's authenticated connections: the parameters by
-   :func:`bitcoll.elastic.share_state` (each holder sends one slice), the momenta as their
-   average over the holders (one float32 all-reduce, so every replica ends with the same
-   momentum), and the step, tie and sync counters. ``check_replicas`` then holds.
+   the epoch's authenticated connections, in one :func:`bitcoll.elastic.share_state`: the
+   parameters and the step, tie and sync counters (each holder sends one slice straight
+   into the joiners' arrays) and the momenta as their average over the holders (each
+   holder averages one slice and sends it to every rank, so every replica ends with the
+   same momentum). ``check_replicas`` then holds.
 
 Costs: a copy of the parameters and momenta per step (memory bandwidth, no communication)
 and one all-reduce of 24 bytes per step.
@@ -86,7 +96,37 @@ class ElasticLion:
 
     @property
     def step_count(self) -> int:
+        """Steps committed so far (the same on every member of the epoch)."""
         return self.committed + 1
+
+    @property
+    def epoch(self) -> Epoch:
+        """The current epoch (its ``rank`` and ``size`` are this process's place in it)."""
+        return self.group.epoch
+
+    def recover(self) -> Epoch:
+        """Move to the next epoch after a :class:`~bitcoll.errors.CommError` of a collective
+        the caller ran itself on ``group.comm`` between steps (e.g. an evaluation's
+        all-reduce): the state stays that of the last committed step. Returns the new epoch.
+        Raises :class:`bitcoll.elastic.NoQuorumError` and :class:`bitcoll.elastic.EvictedError`."""
+        self._settle(self.group.recover(self.committed), has_state=True)
+        return self.group.epoch
+
+    def finish(self) -> None:
+        """End the job on this rank (collective): check that every replica holds the same
+        parameters (:meth:`DistributedLion.check_replicas`, moving to a new epoch and checking
+        again when a rank fails meanwhile), then :meth:`bitcoll.elastic.ElasticGroup.finish`
+        so that processes still waiting to join give up. Raises
+        :class:`lioncub.replicas.ReplicaMismatchError` when the replicas differ."""
+        while True:
+            try:
+                self.opt.check_replicas()
+                break
+            except (EvictedError, NoQuorumError):
+                raise
+            except CommError:
+                self.recover()
+        self.group.finish()
 
     # ------------------------------------------------------------------ steps
     def step(self, grads: Sequence[npt.NDArray[np.float32] | None]) -> bool:

@@ -321,9 +321,6 @@ def test_sigkill_every_position_then_rejoin() -> None:
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.xfail(strict=False, reason="its liveness verdicts still depend on heartbeat timing "
-                   "(dead_after 0.5 s): it failed once in a full-suite run (NoQuorumError) and "
-                   "passes alone; to be made deterministic (issue 31)")
 def test_two_at_once_stop_past_deadline_and_failure_in_recovery() -> None:
     """5 ranks: positions 1 and 3 die in the same exchange (3 of 5 is a quorum); a rank is
     stopped past the deadline (the others go on; resumed, it is refused as a stale member

@@ -60,7 +60,7 @@ def _lion_worker(rank: int, size: int, port: int, steps: int, faults: dict[Any, 
             try:
                 stop = group.comm.allreduce(np.array([want], np.int64), op="min")[0]
             except CommError:
-                opt._settle(group.recover(opt.committed), True)
+                opt.recover()
                 continue
             if stop:
                 break
