@@ -108,7 +108,7 @@ from .sync import MomentumSync
 from .torch import _betas, _check_group
 
 __all__ = ["LionCubStep", "LionCubHookState", "lioncub_hook", "SignHookState", "sign_hook",
-           "hook_communicator"]
+           "hook_communicator", "LionCubFSDPState", "LionCubReduceScatter"]
 
 F32 = npt.NDArray[np.float32]
 
@@ -305,7 +305,7 @@ class LionCubHookState:
             arrays = []
             for p in g["params"]:
                 if p.requires_grad:
-                    arrays.append(p.detach().numpy())
+                    arrays.append(self._host_array(p))
                     self._tensors.append(p)
                     core_names.append(all_names[position])
                 position += 1
@@ -318,12 +318,17 @@ class LionCubHookState:
             weight_decay=first["weight_decay"], levels=levels, tie=tie,
             momentum_sync=momentum_sync, bucket_size=bucket_size, names=core_names,
             broadcast_parameters=broadcast_parameters,
-            replicas=ReplicaSet([p.detach().numpy() for p in tensors], all_names))
+            replicas=ReplicaSet([self._host_array(p) for p in tensors], all_names))
         self._index = {id(p): i for i, p in enumerate(self._tensors)}
         self._sizes = [p.numel() for p in self._tensors]
         self._buffers: dict[int, Buffers] = {}
         self._open: _Open | None = None
         self._worker = _Worker("lioncub-hook")
+
+    def _host_array(self, p: torch.Tensor) -> F32:
+        """The numpy array the core holds for parameter ``p`` (its memory)."""
+        out: F32 = p.detach().numpy()
+        return out
 
     @property
     def last_stats(self) -> StepStats | None:
@@ -452,6 +457,182 @@ def lioncub_hook(state: LionCubHookState, bucket: Any) -> torch.futures.Future[t
     or the CommError of a failed collective. Non-finite values and bad buckets raise
     UsageError from the hook itself (so from ``backward()``)."""
     return state.run(bucket)
+
+
+# ---------------------------------------------------------------------- FSDP2
+class _FSDPBucket:
+    """The part of DDP's ``GradBucket`` that :meth:`LionCubHookState.run` reads, over the
+    full gradients of one FSDP module's parameters laid end to end."""
+
+    def __init__(self, flat: torch.Tensor, params: list[torch.Tensor], key: int,
+                 last: bool) -> None:
+        self._flat, self._params, self._key, self._last = flat, params, key, last
+
+    def buffer(self) -> torch.Tensor:
+        return self._flat
+
+    def parameters(self) -> list[torch.Tensor]:
+        return self._params
+
+    def index(self) -> int:
+        return self._key
+
+    def is_last(self) -> bool:
+        return self._last
+
+
+class LionCubFSDPState(LionCubHookState):
+    """Lion Cub's vote for FSDP2 (``torch.distributed.fsdp.fully_shard``): the state of
+    :class:`LionCubReduceScatter`, FSDP's custom reduce-scatter of every module (install
+    both with :meth:`install`).
+
+    FSDP2 reduce-scatters each module's gradients once backward has produced them; the
+    custom reduce-scatter receives the module's full local gradients (every rank's chunks
+    of every parameter, padded) and must return this rank's chunk of the result. Here it
+    runs the same steps as :func:`lioncub_hook` on the module's parameters, as one bucket:
+    Lion's interpolation with this rank's momentum, the variant's votes and collective on
+    the hook's bitcoll communicator, the update direction of every element; this rank's
+    chunk of it becomes the sharded ``.grad``, and :class:`LionCubStep` over the sharded
+    parameters applies ``p * (1 - lr * wd) - lr * u`` to the shards. The sharded parameters
+    after the step are bit for bit the corresponding elements of
+    :class:`lioncub.torch.DistributedLion`'s on the same local gradients.
+
+    The arguments are :class:`LionCubHookState`'s; ``optimizer`` is a :class:`LionCubStep`
+    over the FSDP model's (sharded) parameters, built after ``fully_shard``. What it costs:
+    Lion Cub keeps a momentum per rank fed by that rank's gradients, so each rank holds the
+    momentum of every parameter in full (not sharded, unlike FSDP's optimizer states), and
+    the vote is an all-reduce of the module's votes of which each rank keeps its chunk.
+    The collective runs when FSDP calls the reduce-scatter (on CPU FSDP waits for it before
+    it goes on with backward).
+
+    Limits (UsageError, from backward): float32 gradients (FSDP's ``reduce_dtype`` float32
+    or unset, with float32 parameters); parameters sharded on dim 0 (``fully_shard``'s
+    default); every parameter of a module gets a gradient in every step (the step ends when
+    every parameter was voted); one param group per FSDP module; FSDP's divide factors and
+    ``set_force_sum_reduction_for_comms`` left at their defaults (the output is an update
+    direction, not a gradient to scale). ``check_replicas`` is not available (a rank holds
+    only its shards). ``tie="elementwise"`` is refused as for DDP."""
+
+    def __init__(self, optimizer: LionCubStep, comm: Any = None, variant: str = "lioncub-l1",
+                 levels: int | None = None, tie: str = "alternate",
+                 momentum_sync: MomentumSync | str | None = None,
+                 bucket_size: int = DEFAULT_BUCKET_BYTES,
+                 names: Sequence[str] | None = None, *, private: bool | None = None) -> None:
+        super().__init__(optimizer, comm, variant, levels, tie, momentum_sync, bucket_size,
+                         names, broadcast_parameters=False, private=private)
+        self._left: set[int] = set()  # parameters not voted yet in this step
+        self._keys = 0
+
+    def _host_array(self, p: torch.Tensor) -> F32:
+        # The core keeps the momenta (full shape) and never reads the parameters' values in
+        # a hook's step: a zero array of the full shape stands in (untouched zero pages).
+        return np.zeros(tuple(p.shape), np.float32)
+
+    def check_replicas(self) -> None:
+        raise UsageError("check_replicas is not available under FSDP: a rank holds only its "
+                         "shards of the parameters")
+
+    def install(self, model: torch.nn.Module) -> int:
+        """``set_custom_reduce_scatter(LionCubReduceScatter(self, m))`` on every FSDP module
+        ``m`` of ``model`` (itself included); returns how many. UsageError if none is."""
+        from torch.distributed.fsdp import FSDPModule
+
+        count = 0
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                m.set_custom_reduce_scatter(LionCubReduceScatter(self, m))  # type: ignore[arg-type]
+                count += 1
+        if not count:
+            raise UsageError("the model has no FSDP module (call fully_shard first)")
+        return count
+
+    def new_key(self) -> int:
+        """A bucket key of its own for one FSDP module (negative: DDP's are >= 0)."""
+        self._keys += 1
+        return -self._keys
+
+    def closes_step(self, params: Iterable[torch.Tensor]) -> bool:
+        """Count ``params`` as voted in this step; whether they were the last ones."""
+        if not self._left:
+            self._left = set(range(len(self._tensors)))
+        self._left.difference_update(self._index[id(p)] for p in params
+                                     if id(p) in self._index)
+        return not self._left
+
+
+class LionCubReduceScatter:
+    """FSDP2's custom reduce-scatter (``FSDPModule.set_custom_reduce_scatter``) that votes
+    the gradients of one FSDP module with Lion Cub (:class:`LionCubFSDPState`, whose
+    :meth:`~LionCubFSDPState.install` makes these). Implements torch's
+    ``torch.distributed.fsdp._fully_shard._fsdp_api.ReduceScatter`` interface: ``allocate``
+    and ``__call__``."""
+
+    def __init__(self, state: LionCubFSDPState, module: Any) -> None:
+        self.state = state
+        self.module = module
+        self._key = state.new_key()
+        self._scratch: torch.Tensor | None = None
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype,
+                 device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def _layout(self, world: int) -> list[tuple[torch.Tensor, int, int, int]]:
+        """Per parameter of the module's FSDP group: (parameter, dim-0 rows, elements per
+        row, padded rows per rank's chunk)."""
+        # torch 2.13 exposes the order of a module's parameters in its reduce-scatter only
+        # through FSDP's private state (the FSDPParamGroup's fsdp_params)
+        state = self.module._get_fsdp_state()  # noqa: SLF001
+        out = []
+        for fp in state._fsdp_param_group.fsdp_params:  # noqa: SLF001
+            if fp.fsdp_placement.dim != 0:
+                raise UsageError("the FSDP Lion Cub vote needs parameters sharded on dim 0 "
+                                 f"(fully_shard's default), got Shard({fp.fsdp_placement.dim})")
+            size = tuple(fp.sharded_param.shape)  # a DTensor's shape is the full one
+            rows = size[0] if size else 1
+            per_row = int(np.prod(size[1:])) if len(size) > 1 else 1
+            out.append((fp.sharded_param, rows, per_row, -(-rows // world)))
+        return out
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
+                 group: Any, op: Any, async_op: bool = False) -> None:
+        """Vote the module's gradients (``input_tensor``: ``world`` rows, row ``r`` the
+        padded dim-0 chunks ``r`` of every parameter) and write this rank's chunk of the
+        update direction into ``output_tensor`` (padding zero). Synchronous; returns None."""
+        world, me = int(group.size()), int(group.rank())
+        if input_tensor.dtype != torch.float32 or output_tensor.dtype != torch.float32:
+            raise UsageError(f"the FSDP Lion Cub vote takes float32 gradients, got "
+                             f"{input_tensor.dtype} (set FSDP's reduce_dtype to float32)")
+        layout = self._layout(world)
+        cols = sum(chunk * per_row for _, _, per_row, chunk in layout)
+        if input_tensor.numel() != world * cols or output_tensor.numel() != cols:
+            raise UsageError("FSDP reduce-scattered a subset of the module's parameters: the "
+                             "Lion Cub vote needs a gradient for every parameter in every "
+                             "step")
+        rows_in = input_tensor.detach().reshape(world, cols).to("cpu")
+        total = sum(rows * per_row for _, rows, per_row, _ in layout)
+        if self._scratch is None or self._scratch.numel() != total:
+            self._scratch = torch.empty(total, dtype=torch.float32)
+        flat = self._scratch
+        spans = []  # (column in a row, position in flat, rows, per_row, chunk)
+        col = pos = 0
+        for _, rows, per_row, chunk in layout:
+            spans.append((col, pos, rows, per_row, chunk))
+            for r in range(world):
+                real = max(0, min(chunk, rows - r * chunk)) * per_row
+                at = pos + r * chunk * per_row
+                flat[at:at + real] = rows_in[r, col:col + real]
+            col += chunk * per_row
+            pos += rows * per_row
+        params = [p for p, _, _, _ in layout]
+        last = self.state.closes_step(params)
+        self.state.run(_FSDPBucket(flat, params, self._key, last)).wait()
+        out = torch.zeros(cols, dtype=torch.float32)
+        for col, pos, rows, per_row, chunk in spans:
+            real = max(0, min(chunk, rows - me * chunk)) * per_row
+            at = pos + me * chunk * per_row
+            out[col:col + real] = flat[at:at + real]
+        output_tensor.reshape(-1).copy_(out)
 
 
 # ---------------------------------------------------------------------- sign votes, any optimizer
