@@ -80,9 +80,13 @@ mismatch; the message names this rank, the group and the collective, and the ori
 bitcoll error is the ``__cause__``. Bad arguments raise ValueError (bitcoll's UsageError)
 naming the rank. After a failure every later collective of the group raises at once.
 
-Not served: ``monitored_barrier`` through ``torch.distributed.monitored_barrier`` (torch
-itself accepts only gloo there; ``group.monitored_barrier(timeout)`` works), ``split_group``
-(torch splits only groups bound to an accelerator), ``recv`` from any source.
+**Not served by torch's own functions.** ``torch.distributed.monitored_barrier`` accepts
+only gloo groups (it raises ValueError for any other backend before reaching the group):
+:func:`monitored_barrier` here takes the same arguments and names the ranks that did not
+arrive. ``torch.distributed.split_group`` needs the default group bound to an accelerator
+(``init_process_group(device_id=...)`` takes no CPU device) and splits the per-device C++
+backends of the parent, which a Python process group does not have: use ``new_group``
+(``docs/torch-backend.md`` quotes torch's checks). ``recv`` from any source is not served.
 """
 
 from __future__ import annotations

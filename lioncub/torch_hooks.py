@@ -61,6 +61,15 @@ majority vote with error feedback (EF-signSGD with a majority vote): per paramet
 the gradient keeps a mean gradient's magnitude for SGD, Adam, ...). 1 bit per element on the
 wire (plus one float64 per tensor), whatever the world size.
 
+FSDP2
+-----
+:class:`LionCubFSDPState` does the same vote for ``fully_shard`` models, as FSDP's custom
+reduce-scatter of each FSDP module (``state.install(model)``; :class:`LionCubStep` over the
+sharded parameters): each call gets the module's full local gradients and returns this
+rank's chunk of the update direction; the shards after the step are bit for bit the
+matching elements of DistributedLion's parameters. Each rank keeps every parameter's
+momentum in full (Lion Cub's momenta are per rank), see the class docstring for the limits.
+
 Communicators and threads
 -------------------------
 The hooks take a :class:`bitcoll.Communicator` (``bitcoll.init()``), or a torch process group
