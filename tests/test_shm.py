@@ -371,6 +371,58 @@ def test_abort_fails_a_blocked_receive_and_a_blocked_send_at_once(single_copy: b
         _close([t0, t1])
 
 
+@pytest.mark.parametrize("path", ["shm", "tcp"])
+def test_one_failure_record_whichever_side_fails_first(path: str) -> None:
+    """Ranks 0 and 1 share a host, rank 2 is on another. Rank 0 fails while consuming a
+    frame from rank 1 (shared memory) or from rank 2 (TCP): its error names rank 0 and that
+    peer, and is the one failure of both sides of its hybrid transport (the same object,
+    recorded once). Ranks 1 and 2, waiting on rank 0 over shared memory and over TCP, fail
+    with PeerLostError naming rank 0's abort and that same cause, recorded once on each
+    (possibly relayed by rank 1, which learns first)."""
+    h0, h1, t2 = _thread_world(3, hosts=[0, 0, 1])
+    src = 1 if path == "shm" else 2
+    try:
+        assert isinstance(h0, HybridTransport) and isinstance(h1, HybridTransport)
+        assert isinstance(t2, TCPTransport) and h0.shm_peers == [1]
+        deadline = time.monotonic() + 20
+
+        def refuse(pos: int, chunk: memoryview) -> None:
+            raise ValueError("this consumer refuses every piece")
+
+        got = h0.irecv_consume(src, 64, _h(0, 64), refuse)
+        (h1 if src == 1 else t2).isend(0, np.ones(64, np.uint8).data, _h(0, 64))
+        with pytest.raises(CommError) as caught:
+            got.wait(deadline)
+        cause = caught.value
+        assert type(cause) is CommError and (cause.rank, cause.peer) == (0, src)
+        assert f"consuming a frame from rank {src} failed" in str(cause)
+        assert h0.failure is cause and h0.tcp.failure is cause
+
+        errors: dict[int, BaseException] = {}
+
+        def wait_on_rank0(r: int, t: Transport) -> None:
+            try:
+                t.irecv(0, np.zeros(8, np.uint8).data, _h(1, 8)).wait(deadline)
+            except BaseException as exc:
+                errors[r] = exc
+
+        waiters = [threading.Thread(target=wait_on_rank0, args=(r, t))
+                   for r, t in ((1, h1), (2, t2))]
+        for w in waiters:
+            w.start()
+        for w in waiters:
+            w.join(30)
+        for r, t in ((1, h1), (2, t2)):
+            err = errors.get(r)
+            assert isinstance(err, PeerLostError), (r, err)
+            assert str(err).endswith(f"rank 0 aborted: {cause}"), (r, str(err))
+            assert err.rank == r and err.peer in (0, 1), (r, err.rank, err.peer)
+            assert t.failure is err
+        assert h1.tcp.failure is h1.failure
+    finally:
+        _close([h0, h1, t2])
+
+
 def test_receive_nobody_sends_times_out_and_leaves_the_transport_healthy() -> None:
     t0, t1 = _thread_world(2)
     try:
@@ -584,6 +636,7 @@ def _mixed(comm: Communicator) -> dict[str, Any]:
     host, cross = comm.host_comm(), comm.cross_host_comm()
     host_peers = getattr(host.transport, "shm_peers", None)
     out = {"peers": t.shm_peers, "local": local, "remote": remote,
+           "tcp_overhead": t.tcp.frame_overhead,
            "host": (type(host.transport).__name__, host_peers),
            "cross": type(cross.transport).__name__,
            "host_sum": int(host.allreduce(np.ones(3, np.int32))[0]),
@@ -603,9 +656,9 @@ def test_mixed_hosts_use_shared_memory_only_within_a_host() -> None:
         assert out["local"] == {"bytes_sent": HEADER_SIZE + 1000 + r,
                                 "bytes_received": HEADER_SIZE + 1000 + mate,
                                 "messages_sent": 1, "messages_received": 1}, out
-        assert out["remote"] == {"bytes_sent": 2 * (HEADER_SIZE + 1000 + r),
-                                 "bytes_received": sum(HEADER_SIZE + 1000 + p
-                                                       for p in others),
+        over = out["tcp_overhead"]  # header, and the checksum when TCP frames carry one
+        assert out["remote"] == {"bytes_sent": 2 * (over + 1000 + r),
+                                 "bytes_received": sum(over + 1000 + p for p in others),
                                  "messages_sent": 2, "messages_received": 2}, out
         assert out["host"] == ("HybridTransport", [1 - r // 2]), out
         assert out["cross"] == "TCPTransport" and out["host_sum"] == out["cross_sum"] == 2

@@ -1,7 +1,7 @@
 """The per-peer machinery every frame transport with its own connections shares.
 
 :class:`~bitcoll.transport.tcp.TCPTransport` (one socket per peer) and the shared-memory side
-of :class:`~bitcoll.transport.hybrid.HybridTransport` (one pair of rings per peer) keep each
+of :class:`~bitcoll.transport.shm.HybridTransport` (one pair of rings per peer) keep each
 peer in a :class:`PeerLink`: its lifecycle state, its send queue and its posted receives, with
 one routine that fails everything queued. Their requests are :class:`FrameRequest`.
 
@@ -31,6 +31,15 @@ something it does not drive itself (a send still being written, a receive a help
 first hands every posted receive to the helpers (``helper_q``), so that no two ranks can wait
 on each other's unread data. Sends that do not fit at once go to the link's sender thread
 through ``send_q``, in order.
+
+Failure
+-------
+A transport fails once, through its one failure path (``_fail``). Transports that fail
+together share one :class:`FailureRecord`: a :class:`~bitcoll.transport.shm.HybridTransport`
+and the TCP transport it wraps. The first error any of them records is the ``failure`` of
+each (the same object), and each tells its own peers (abort notices, links failed, threads
+woken): a failure that starts on one path reaches the peers of the other at once, and every
+rank reports the one cause.
 """
 
 from __future__ import annotations
@@ -50,7 +59,7 @@ from ..errors import BitcollError, CommError, CommTimeoutError, UsageError
 from .base import Consumer, FrameHeader, Request, Transport
 
 __all__ = ["PeerState", "ALLOWED", "Want", "FrameRequest", "PeerLink", "LinkTransport",
-           "ConsumerFailed",
+           "ConsumerFailed", "FailureRecord",
            "timeout_error", "HELPER_RECEIVE_BYTES", "SPIN_SECONDS",
            "OVERSUBSCRIBED_SPIN_SECONDS"]
 
@@ -258,17 +267,41 @@ class PeerLink(Generic[R]):
 _LT = TypeVar("_LT", bound="LinkTransport")
 
 
-class LinkTransport(Transport):
-    """Base of the transports that keep a :class:`PeerLink` per peer: the failure record,
-    the close flags, the wake-up pipe every waiting thread polls, and the calls a
-    :class:`FrameRequest` makes while it waits."""
+class FailureRecord:
+    """The one failure of the transports that fail together (module docstring, "Failure"):
+    a transport, and the transports built over it that share its fate.
 
-    def _init_links(self, pipe: bool) -> None:
-        """Set up the shared state (``pipe``: whether threads will poll the wake pipe)."""
-        self._lock = threading.Lock()  # guards _failure, _closed, _closing
-        self._failure: CommError | None = None
+    ``lock`` guards ``error`` and every member's ``_failure``, ``_closed`` and ``_closing``;
+    ``members`` are the transports in the order they joined (the wrapped one first)."""
+
+    __slots__ = ("error", "lock", "members")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.error: CommError | None = None
+        self.members: list[LinkTransport] = []
+
+
+class LinkTransport(Transport):
+    """Base of the transports that keep a :class:`PeerLink` per peer: the failure record
+    (shared with the transports that fail together with this one), the close flags, the
+    wake-up pipe every waiting thread polls, and the calls a :class:`FrameRequest` makes while
+    it waits."""
+
+    _failures: FailureRecord
+
+    def _init_links(self, pipe: bool, fails_with: LinkTransport | None = None) -> None:
+        """Set up the shared state (``pipe``: whether threads will poll the wake pipe).
+        ``fails_with``: a transport this one wraps; the two then share one
+        :class:`FailureRecord` (a failure already recorded there is this one's too)."""
+        record = FailureRecord() if fails_with is None else fails_with._failures
+        self._failures = record
+        self._lock = record.lock  # guards _failure, _closed, _closing (of every member)
         self._closed = False  # close() began: queued sends are flushed, nothing new starts
         self._closing = False  # the links are being shut down: their errors are expected
+        with record.lock:
+            self._failure: CommError | None = record.error
+            record.members.append(self)
         # A byte written here wakes every thread polling (failure, close); it stays, so that
         # every later poll returns at once too.
         self._wake_r, self._wake_w = (os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC) if pipe
@@ -279,14 +312,20 @@ class LinkTransport(Transport):
         """The error that aborted this transport, or None while it is healthy."""
         return self._failure
 
-    def _record_failure(self, error: CommError) -> bool:
-        """Record ``error`` as the failure unless one is recorded or the transport closed;
-        whether it was (the caller then runs the rest of its failure path)."""
-        with self._lock:
-            if self._failure is not None or self._closed:
-                return False
-            self._failure = error
-            return True
+    def _record_failure(self, error: CommError) -> list[LinkTransport]:
+        """Record ``error`` as the failure of every transport sharing this one's record and
+        not closed, unless a failure is recorded or this transport closed. Returns the
+        transports that failed now (the outermost first), which must tell their peers;
+        empty when nothing was recorded."""
+        record = self._failures
+        with record.lock:
+            if record.error is not None or self._closed:
+                return []
+            record.error = error
+            failed = [m for m in reversed(record.members) if not m._closed]
+            for m in failed:
+                m._failure = error
+        return failed
 
     def _begin_close(self, timeout: float | None, default: float) -> float | None:
         """Mark the transport closed; the close deadline (``timeout`` or ``default``
@@ -310,9 +349,23 @@ class LinkTransport(Transport):
                                  rank=self.rank, peer=peer))
             raise ConsumerFailed from exc
 
-    @abstractmethod
     def _fail(self, error: CommError, reason: str | None = None) -> None:
-        """The transport's one failure path (records ``error``, tells the peers)."""
+        """The one failure path: record ``error`` (the first failure wins, see
+        :class:`FailureRecord`), then every transport that failed with it tells its peers
+        ``reason`` (default: the error's text), fails its links and wakes its threads.
+        Never raises."""
+        failed = self._record_failure(error)
+        if not failed:
+            return
+        text = str(error) if reason is None else reason
+        for t in failed:
+            t._spread_failure(error, text)
+
+    @abstractmethod
+    def _spread_failure(self, error: CommError, reason: str) -> None:
+        """``error`` was just recorded (once): tell this transport's peers ``reason``, move
+        its links to FAILED (failing their requests with ``error``) and wake its waiting
+        threads. Never raises."""
 
     def abort(self, reason: str) -> None:
         """Fail every pending and future request here and make every peer fail promptly.

@@ -266,9 +266,9 @@ class _ShmRequest(FrameRequest):
 
 
 class _Routed(Request):
-    """A TCP request of the hybrid transport: a TCP failure fails the hybrid transport too
-    (so that shared-memory peers learn of it at once), and a failure that started on the
-    shared-memory side is reported as itself."""
+    """A TCP request of the hybrid transport. Its failure needs no translation (the two
+    share one failure record); before blocking on it, the posted shared-memory receives go
+    to their receiver threads."""
 
     __slots__ = ("_inner", "_owner")
 
@@ -280,20 +280,11 @@ class _Routed(Request):
         return self._inner.done()
 
     def wait(self, deadline: float) -> None:
-        try:
-            if not self._inner.done():
-                # The TCP transport drives only its own connections while it waits: the
-                # posted shared-memory receives go to their receiver threads.
-                self._owner.hand_over_shm()
-            self._inner.wait(deadline)
-        except CommTimeoutError:
-            raise
-        except CommError as exc:
-            own = self._owner._own_failure()
-            if own is not None and own is not exc:
-                raise own.with_traceback(None) from None
-            self._owner._fail(exc)
-            raise
+        if not self._inner.done():
+            # The TCP transport drives only its own connections while it waits: the
+            # posted shared-memory receives go to their receiver threads.
+            self._owner.hand_over_shm()
+        self._inner.wait(deadline)
 
 
 class _Peer(PeerLink[_ShmRequest]):
@@ -337,7 +328,7 @@ class HybridTransport(LinkTransport):
         #: Frames through TCP only (the TCP transport's own counters).
         self.stats_remote = tcp.stats
         self.stats = CombinedStats(self.stats_local, self.stats_remote)
-        self._init_links(pipe=True)
+        self._init_links(pipe=True, fails_with=tcp)  # one failure record with the TCP side
         #: More ranks on this host than this process has cores: waiters spin less and yield.
         self.oversubscribed = self.hosts.count(self.hosts[self.rank]) > usable_cores()
         self._spin = OVERSUBSCRIBED_SPIN_SECONDS if self.oversubscribed else SPIN_SECONDS
@@ -488,15 +479,6 @@ class HybridTransport(LinkTransport):
         rank's buffers with ``process_vm_readv``)."""
         return sorted(p for p, peer in self._peers.items() if peer.ch.single_copy)
 
-    @property
-    def failure(self) -> CommError | None:
-        """The error that aborted this transport (or its TCP side), or None."""
-        return self._failure or self._tcp.failure
-
-    def _own_failure(self) -> CommError | None:
-        """The failure recorded by this transport itself (not its TCP side's)."""
-        return self._failure
-
     def silent_origin(self, peer: int) -> int:
         """See ``TCPTransport.silent_origin``."""
         return self._tcp.silent_origin(peer)
@@ -613,24 +595,17 @@ class HybridTransport(LinkTransport):
         return self._via_tcp(lambda: self._tcp.stream(out_peer, in_peer, plan, deadline))
 
     def _routed(self, start: Callable[[], Request]) -> Request:
-        """Start a TCP request; a TCP failure fails this transport too."""
+        """Start a TCP request (see :meth:`_via_tcp`)."""
         return _Routed(self, self._via_tcp(start))
 
     def _via_tcp(self, call: Callable[[], _T]) -> _T:
-        """``call()`` on the TCP side, unless this transport is closed or failed; a TCP
-        failure it raises fails this transport too."""
+        """``call()`` on the TCP side, unless this transport is closed or failed (a TCP
+        failure is this transport's failure: one record)."""
         if self._closed:
             raise UsageError("the TCP transport is closed")
         if self._failure is not None:
             raise self._failure.with_traceback(None)
-        try:
-            return call()
-        except CommError as exc:
-            own = self._own_failure()
-            if own is not None and own is not exc:
-                raise own.with_traceback(None) from None
-            self._fail(exc)
-            raise
+        return call()
 
     # ---------------------------------------------------------------- ring work
 
@@ -645,8 +620,8 @@ class HybridTransport(LinkTransport):
             raise _Stop
 
     def _wait(self, p: _Peer, poller: select.poll, fd: int, ready: Callable[[], bool]) -> None:
-        """Block until ``ready()``; raise _Stop when this transport failed or closes (failing
-        it first when the peer aborted or went away, or the TCP side failed)."""
+        """Block until ``ready()``; raise _Stop when this transport failed (the TCP side
+        included) or closes (failing it first when the peer aborted or went away)."""
         ch = p.ch
         while not ready():
             self._stop_if_over(p)
@@ -654,10 +629,6 @@ class HybridTransport(LinkTransport):
                 if ready():
                     return
                 self._fail(self._lost(p))
-                raise _Stop
-            tcp_failure = self._tcp.failure
-            if tcp_failure is not None:
-                self._fail(tcp_failure)
                 raise _Stop
             for got, _ in shm.wait_bell(poller, shm.WATCH_SECONDS):
                 if got == fd:
@@ -977,12 +948,8 @@ class HybridTransport(LinkTransport):
                     if got == ch.data_in:
                         ch.drain(got)
                         rung = True
-                if not rung:  # a quiet moment: look at the TCP side's health
-                    self._tcp.progress()
-                    tcp_failure = self._tcp.failure
-                    if tcp_failure is not None:
-                        self._fail(tcp_failure)
-                        break
+                if not rung:  # a quiet moment: read the TCP side's notices (its failure
+                    self._tcp.progress()  # is this transport's: _advance sees it)
         finally:
             p.rx.release()
         if want is Want.HELPER:
@@ -1030,18 +997,16 @@ class HybridTransport(LinkTransport):
 
     # ---------------------------------------------------------------- abort / close
 
-    def _fail(self, error: CommError, reason: str | None = None) -> None:
-        """Record the first failure, tell every peer (shared memory and TCP), stop
-        everything. Never raises."""
-        if not self._record_failure(error):
-            return
-        text = str(error) if reason is None else reason
-        raw = text.encode("utf-8", errors="replace")[:shm.MAX_REASON_BYTES]
+    def _spread_failure(self, error: CommError, reason: str) -> None:
+        """The shared-memory part of the one failure path (``LinkTransport._fail``; the TCP
+        transport, which shares the failure record, does its own part): the reason into
+        every shared segment, the bells rung, every shared-memory link FAILED. Never
+        raises."""
+        raw = reason.encode("utf-8", errors="replace")[:shm.MAX_REASON_BYTES]
         for p in self._peers.values():
             with contextlib.suppress(ValueError, BufferError):
                 p.ch.set_aborted(raw)
         self._wake()
-        self._tcp.abort(raw.decode("utf-8", errors="replace"))
         for p in self._peers.values():
             p.stop(PeerState.FAILED, error)
 

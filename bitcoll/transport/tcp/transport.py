@@ -1342,13 +1342,11 @@ class TCPTransport(LinkTransport):
 
     # ---------------------------------------------------------------- failure / close
 
-    def _fail(self, error: CommError, reason: str | None = None) -> None:
-        """The one failure path: record the first failure, tell every peer, move every
-        connection to FAILED, fail every waiting request and wake every waiting thread.
-        Never raises."""
-        if not self._record_failure(error):
-            return
-        text = str(error) if reason is None else reason
+    def _spread_failure(self, error: CommError, reason: str) -> None:
+        """The TCP part of the one failure path (``LinkTransport._fail``): tell every peer,
+        move every connection to FAILED, fail every waiting request and wake every waiting
+        thread. Never raises."""
+        text = reason
         # 1. An ABORT frame on every connection that is between frames (the fast path). A
         # stream holding a connection's sending side gets the frame to send (between frames)
         # and does that connection's step 3 itself when it ends, at the wake-up below.
