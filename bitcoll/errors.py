@@ -36,7 +36,17 @@ class UsageError(BitcollError, ValueError):
 
     Raised before any byte is sent when the problem is visible locally; raised on every rank
     when only the comparison with other ranks reveals it (see :class:`ProtocolError`).
+
+    Attributes, None where not set: ``argument`` (the name of the argument that is wrong, as
+    the call spells it: ``"grads"``, ``"levels"``, ``"tie"``, ...) and ``index`` (the position
+    of the wrong item within it, e.g. the parameter whose gradient is bad).
     """
+
+    def __init__(self, *args: object, argument: str | None = None,
+                 index: int | None = None) -> None:
+        super().__init__(*args)
+        self.argument = argument
+        self.index = index
 
 
 class CommError(BitcollError):

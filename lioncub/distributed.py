@@ -153,12 +153,13 @@ def _normalize_groups(params: object, lr: float, betas: object, weight_decay: fl
     "weight_decay"}`` (a flat list of arrays is one group with the defaults)."""
     if isinstance(params, np.ndarray):
         raise UsageError("params must be a list of arrays (or of param-group dicts), "
-                         "not a single array")
+                         "not a single array", argument="params")
     if not isinstance(params, Iterable):
-        raise UsageError(f"params must be a list of numpy arrays, got {type(params).__name__}")
+        raise UsageError(f"params must be a list of numpy arrays, got {type(params).__name__}",
+                         argument="params")
     items = list(params)
     if not items:
-        raise UsageError("params is empty")
+        raise UsageError("params is empty", argument="params")
     defaults = {"lr": lr, "betas": betas, "weight_decay": weight_decay}
     if all(isinstance(x, Mapping) for x in items):
         groups = []
@@ -166,20 +167,20 @@ def _normalize_groups(params: object, lr: float, betas: object, weight_decay: fl
             unknown = set(g) - {"params", "lr", "betas", "weight_decay"}
             if "params" not in g or unknown:
                 raise UsageError(f"a param group needs 'params' and may set lr, betas, "
-                                 f"weight_decay; got keys {sorted(g)}")
+                                 f"weight_decay; got keys {sorted(g)}", argument="params")
             ps = g["params"]
             group = {**defaults, **{k: v for k, v in g.items() if k != "params"},
                      "params": [ps] if isinstance(ps, np.ndarray) else list(ps)}
             groups.append(group)
         return groups
     if any(isinstance(x, Mapping) for x in items):
-        raise UsageError("params mixes arrays and param-group dicts")
+        raise UsageError("params mixes arrays and param-group dicts", argument="params")
     return [{**defaults, "params": items}]
 
 
 def _check_betas(betas: object) -> tuple[float, float]:
     if not isinstance(betas, Sequence) or isinstance(betas, str) or len(betas) != 2:
-        raise UsageError(f"betas must be a pair (beta1, beta2), got {betas!r}")
+        raise UsageError(f"betas must be a pair (beta1, beta2), got {betas!r}", argument="betas")
     _, b1, b2, _ = check_hyper(0.0, betas[0], betas[1], 0.0)
     return b1, b2
 
@@ -271,25 +272,26 @@ class DistributedLion:
         self._sizes: list[int] = [self._size_of(p) for p in self.params]
         for (_, end, i), (start, _, j) in itertools.pairwise(sorted(self._spans())):
             if start < end:
-                raise UsageError(f"parameters {min(i, j)} and {max(i, j)} share memory")
+                raise UsageError(f"parameters {min(i, j)} and {max(i, j)} share memory",
+                                 argument="params", index=max(i, j))
         if names is None:
             self.names: tuple[str, ...] = tuple(str(i) for i in range(n))
         else:
             names = list(names)
             if len(names) != n or not all(isinstance(x, str) for x in names):
-                raise UsageError(f"names must be {n} strings (one per parameter)")
+                raise UsageError(f"names must be {n} strings (one per parameter)", argument="names")
             if len(set(names)) != n:
-                raise UsageError("names must be unique")
+                raise UsageError("names must be unique", argument="names")
             self.names = tuple(names)
         if not isinstance(broadcast_parameters, bool):
             raise UsageError(f"broadcast_parameters must be True or False, got "
-                             f"{broadcast_parameters!r}")
+                             f"{broadcast_parameters!r}", argument="broadcast_parameters")
         if replicas is None:
             replicas = ReplicaSet(self.params, None if names is None else self.names,
                                   unnamed="pass names= to name parameters")
         elif not isinstance(replicas, ReplicaSet):
             raise UsageError(f"replicas must be a lioncub.replicas.ReplicaSet, got "
-                             f"{type(replicas).__name__}")
+                             f"{type(replicas).__name__}", argument="replicas")
         self.replicas = replicas
 
         if levels is not None:
@@ -300,18 +302,22 @@ class DistributedLion:
             self.levels = 1
         if self.levels * self.world_size > _MAX_SUM:
             raise UsageError(f"levels * world size = {self.levels * self.world_size} exceeds "
-                             f"{_MAX_SUM}; use at most {_MAX_SUM // self.world_size} levels")
+                             f"{_MAX_SUM}; use at most {_MAX_SUM // self.world_size} levels",
+                             argument="levels")
         if tie not in TIE_RULES:
-            raise UsageError(f"unknown tie rule {tie!r}; expected one of {', '.join(TIE_RULES)}")
+            raise UsageError(f"unknown tie rule {tie!r}; expected one of {', '.join(TIE_RULES)}",
+                             argument="tie")
         self.tie = tie
         self.momentum_sync = parse_sync(momentum_sync)
         if self.momentum_sync.needs_agreement and not self.strategy.yields_sums:
             raise UsageError(f"momentum sync {self.momentum_sync.spec()!r} needs vote "
                              f"agreement, which variant {self.variant!r} does not produce; "
-                             "use dlion-avg, lioncub-sign or a quantized lioncub variant")
+                             "use dlion-avg, lioncub-sign or a quantized lioncub variant",
+                             argument="momentum_sync")
         if isinstance(bucket_size, bool) or not isinstance(bucket_size, (int, np.integer)) \
                 or bucket_size < 4:
-            raise UsageError(f"bucket_size must be a number of bytes >= 4, got {bucket_size!r}")
+            raise UsageError(f"bucket_size must be a number of bytes >= 4, got {bucket_size!r}",
+                             argument="bucket_size")
         self.bucket_size = int(bucket_size)
         self.buckets: list[Bucket] = make_buckets(self._sizes, self.bucket_size // 4)
         self._place: list[tuple[int, Slot] | None] = [None] * n
@@ -323,7 +329,7 @@ class DistributedLion:
         self._step = 0
         self._tie_counter = 0
         if not isinstance(stale, bool):
-            raise UsageError(f"stale must be True or False, got {stale!r}")
+            raise UsageError(f"stale must be True or False, got {stale!r}", argument="stale")
         self.stale = stale
         self._in_flight: _InFlight | None = None  # stale mode: the exchange of the last step
         self._comm_seconds = 0.0
@@ -370,14 +376,16 @@ class DistributedLion:
     @staticmethod
     def _check_param(p: object, index: int, seen: set[int]) -> None:
         if not isinstance(p, np.ndarray):
-            raise UsageError(f"parameter {index} must be a numpy array, got {type(p).__name__}")
+            raise UsageError(f"parameter {index} must be a numpy array, got {type(p).__name__}",
+                             argument="params", index=index)
         if p.dtype != np.float32:
-            raise UsageError(f"parameter {index} must be float32, got {p.dtype}")
+            raise UsageError(f"parameter {index} must be float32, got {p.dtype}",
+                             argument="params", index=index)
         if not p.flags.c_contiguous or not p.flags.writeable:
             raise UsageError(f"parameter {index} must be C-contiguous and writable "
-                             "(it is updated in place)")
+                             "(it is updated in place)", argument="params", index=index)
         if id(p) in seen:
-            raise UsageError(f"parameter {index} appears twice")
+            raise UsageError(f"parameter {index} appears twice", argument="params", index=index)
         seen.add(id(p))
 
     def _check_agreement_across_ranks(self, broadcast: bool) -> None:
@@ -415,9 +423,11 @@ class DistributedLion:
     # ------------------------------------------------------------------ the step
     def _check_grads(self, grads: object) -> list[F32 | None]:
         if isinstance(grads, np.ndarray) or not isinstance(grads, Sequence):
-            raise UsageError("grads must be a list with one array (or None) per parameter")
+            raise UsageError("grads must be a list with one array (or None) per parameter",
+                             argument="grads")
         if len(grads) != len(self.params):
-            raise UsageError(f"got {len(grads)} gradients for {len(self.params)} parameters")
+            raise UsageError(f"got {len(grads)} gradients for {len(self.params)} parameters",
+                             argument="grads")
         return [self._check_grad(i, g) for i, g in enumerate(grads)]
 
     def _check_grad(self, i: int, g: object) -> F32 | None:
@@ -435,7 +445,7 @@ class DistributedLion:
 
     def _bad_grad(self, i: int, problem: str) -> UsageError:
         """The UsageError for parameter ``i``'s gradient: ``gradient i (name) <problem>``."""
-        return UsageError(f"gradient {i} ({self.names[i]}) {problem}")
+        return UsageError(f"gradient {i} ({self.names[i]}) {problem}", argument="grads", index=i)
 
     def _hypers(self) -> list[Hyper]:
         per_group = []
@@ -461,7 +471,8 @@ class DistributedLion:
         """The UsageError for a non-finite gradient (or momentum) of parameter ``index`` on
         this rank (names the parameter and the rank)."""
         return UsageError(f"non-finite value in the gradient (or momentum) of parameter "
-                          f"{index} ({self.names[index]}) on rank {self.rank}")
+                          f"{index} ({self.names[index]}) on rank {self.rank}",
+                          argument="grads", index=index)
 
     def flat_param(self, index: int) -> F32:
         """Parameter ``index`` as a flat float32 view of its memory."""
@@ -532,7 +543,7 @@ class DistributedLion:
         if isinstance(index, bool) or not isinstance(index, (int, np.integer)) \
                 or not 0 <= index < len(self.params):
             raise UsageError(f"index must be a parameter index in [0, {len(self.params)}), "
-                             f"got {index!r}")
+                             f"got {index!r}", argument="index")
         index = int(index)
         t0 = time.perf_counter()
         early = self._early
@@ -546,7 +557,8 @@ class DistributedLion:
         if index in early.declared:
             raise UsageError(f"the gradient of parameter {index} ({self.names[index]}) was "
                              "declared twice before step(); with gradient accumulation, "
-                             "declare only the last micro-step's gradients")
+                             "declare only the last micro-step's gradients",
+                             argument="index", index=index)
         early.grads[index] = self._check_grad(index, grad)
         early.declared.add(index)
         place = self._place[index]
@@ -788,21 +800,21 @@ class DistributedLion:
         anything (also while a stale-mode update is in flight: :meth:`flush` first)."""
         self._check_settled("load_state_dict")
         if not isinstance(state, Mapping) or state.get("format") != _STATE_FORMAT:
-            raise UsageError("not a lioncub.DistributedLion state dict")
+            raise UsageError("not a lioncub.DistributedLion state dict", argument="state")
         for key, value in (("variant", self.variant), ("world_size", self.world_size),
                            ("levels", self.levels), ("tie", self.tie)):
             if state.get(key) != value:
                 raise UsageError(f"state dict has {key}={state.get(key)!r}, this optimizer "
-                                 f"has {value!r}")
+                                 f"has {value!r}", argument="state")
         momenta = state["momentum"]
         if len(momenta) != len(self.params):
             raise UsageError(f"state dict has {len(momenta)} momenta for "
-                             f"{len(self.params)} parameters")
+                             f"{len(self.params)} parameters", argument="state")
         for i, m in enumerate(momenta):
             self._check_momentum(i, m)
         groups = state["param_groups"]
         if [len(g["params"]) for g in groups] != [len(g["params"]) for g in self.param_groups]:
-            raise UsageError("state dict has a different param-group structure")
+            raise UsageError("state dict has a different param-group structure", argument="state")
         for g in groups:
             check_hyper(g["lr"], *_check_betas(g["betas"]), g["weight_decay"])
         self.momentum_sync.load_state_dict(state["sync"])
@@ -825,7 +837,7 @@ class DistributedLion:
         p = self.params[i]
         if m.shape != p.shape or m.dtype != np.float32:
             raise UsageError(f"momentum {i} has shape {m.shape} / dtype {m.dtype}, "
-                             f"expected {p.shape} / float32")
+                             f"expected {p.shape} / float32", argument="state", index=i)
 
     def _load_momentum(self, i: int, m: Any) -> None:
         """Overwrite this rank's momentum of parameter ``i`` with ``m`` (checked)."""

@@ -57,10 +57,10 @@ class Hyper:
 
 def _number(name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise UsageError(f"{name} must be a real number, got {value!r}")
+        raise UsageError(f"{name} must be a real number, got {value!r}", argument=name)
     out = float(value)
     if not math.isfinite(out):
-        raise UsageError(f"{name} must be finite, got {value!r}")
+        raise UsageError(f"{name} must be finite, got {value!r}", argument=name)
     return out
 
 
@@ -73,28 +73,28 @@ def check_hyper(lr: object, beta1: object, beta2: object,
     b2 = _number("beta2", beta2)
     wd = _number("weight_decay", weight_decay)
     if lr_f < 0:
-        raise UsageError(f"lr must be >= 0, got {lr_f}")
+        raise UsageError(f"lr must be >= 0, got {lr_f}", argument="lr")
     for name, b in (("beta1", b1), ("beta2", b2)):
         if not 0.0 <= b <= 1.0:
-            raise UsageError(f"{name} must be in [0, 1], got {b}")
+            raise UsageError(f"{name} must be in [0, 1], got {b}", argument=name)
     if wd < 0:
-        raise UsageError(f"weight_decay must be >= 0, got {wd}")
+        raise UsageError(f"weight_decay must be >= 0, got {wd}", argument="weight_decay")
     return lr_f, b1, b2, wd
 
 
 def _array(name: str, x: object, shape: tuple[int, ...] | None, writable: bool
            ) -> npt.NDArray[np.float32]:
     if not isinstance(x, np.ndarray):
-        raise UsageError(f"{name} must be a numpy array, got {type(x).__name__}")
+        raise UsageError(f"{name} must be a numpy array, got {type(x).__name__}", argument=name)
     if x.dtype != np.float32:
-        raise UsageError(f"{name} must be float32, got {x.dtype}")
+        raise UsageError(f"{name} must be float32, got {x.dtype}", argument=name)
     if shape is not None and x.shape != shape:
-        raise UsageError(f"{name} has shape {x.shape}, expected {shape}")
+        raise UsageError(f"{name} has shape {x.shape}, expected {shape}", argument=name)
     if writable:
         if not x.flags.c_contiguous:
-            raise UsageError(f"{name} must be C-contiguous (it is updated in place)")
+            raise UsageError(f"{name} must be C-contiguous (it is updated in place)", argument=name)
         if not x.flags.writeable:
-            raise UsageError(f"{name} is read-only")
+            raise UsageError(f"{name} is read-only", argument=name)
     return x
 
 
@@ -116,7 +116,7 @@ def lion_update(param: npt.NDArray[np.float32], grad: npt.NDArray[Any] | None,
     param = _array("param", param, None, writable=True)
     momentum = _array("momentum", momentum, param.shape, writable=True)
     if np.shares_memory(param, momentum):
-        raise UsageError("param and momentum must not share memory")
+        raise UsageError("param and momentum must not share memory", argument="momentum")
     g = None
     if grad is not None:
         g = np.ascontiguousarray(_array("grad", grad, param.shape, writable=False)).reshape(-1)

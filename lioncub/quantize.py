@@ -53,16 +53,17 @@ MAX_DEFAULT_LEVELS = 31
 def default_levels(world_size: int) -> int:
     """``clamp(floor(127 / world_size), 1, 31)``: see the module docstring."""
     if world_size < 1:
-        raise UsageError(f"world size must be >= 1, got {world_size}")
+        raise UsageError(f"world size must be >= 1, got {world_size}", argument="world_size")
     return max(1, min(MAX_DEFAULT_LEVELS, MAX_LEVELS // world_size))
 
 
 def check_levels(levels: object) -> int:
     """Return ``levels`` as an int in ``[1, 127]``; raise UsageError otherwise."""
     if isinstance(levels, bool) or not isinstance(levels, (int, np.integer)):
-        raise UsageError(f"levels must be an integer in [1, {MAX_LEVELS}], got {levels!r}")
+        raise UsageError(f"levels must be an integer in [1, {MAX_LEVELS}], got {levels!r}",
+                         argument="levels")
     if not 1 <= int(levels) <= MAX_LEVELS:
-        raise UsageError(f"levels must be in [1, {MAX_LEVELS}], got {levels}")
+        raise UsageError(f"levels must be in [1, {MAX_LEVELS}], got {levels}", argument="levels")
     return int(levels)
 
 
@@ -70,7 +71,7 @@ def check_method(method: object) -> str:
     """Return ``method`` if it is one of :data:`METHODS`; raise UsageError otherwise."""
     if method not in METHODS:
         raise UsageError(f"unknown quantization method {method!r}; expected one of "
-                         f"{', '.join(METHODS)}")
+                         f"{', '.join(METHODS)}", argument="method")
     return str(method)
 
 
@@ -121,25 +122,25 @@ def quantize(c: npt.NDArray[Any], method: str, levels: int,
     levels = check_levels(levels)
     if not isinstance(c, np.ndarray) or c.dtype.kind != "f":
         raise UsageError(f"c must be a floating numpy array, got "
-                         f"{getattr(c, 'dtype', type(c).__name__)}")
+                         f"{getattr(c, 'dtype', type(c).__name__)}", argument="c")
     flat = np.ascontiguousarray(c, dtype=np.float32).reshape(-1)
     if out is None:
         result = np.empty(c.shape, dtype=np.int8)
     else:
         if not isinstance(out, np.ndarray) or out.dtype != np.int8:
-            raise UsageError("out must be an int8 numpy array")
+            raise UsageError("out must be an int8 numpy array", argument="out")
         if out.size != flat.size or not out.flags.c_contiguous or not out.flags.writeable:
             raise UsageError(f"out must be a writable C-contiguous int8 array of {flat.size} "
-                             "elements")
+                             "elements", argument="out")
         result = out
     q = result.reshape(-1)
     if method == "sign":
         if not (kernels.quantize_sign(flat, q) and np.isfinite(kernels.abs_max(flat))):
-            raise UsageError("c holds a non-finite value")
+            raise UsageError("c holds a non-finite value", argument="c")
         return result
     abs_sum = kernels.abs_sum(flat)
     if not math.isfinite(abs_sum):
-        raise UsageError("c holds a non-finite value")
+        raise UsageError("c holds a non-finite value", argument="c")
     mult = multiplier(method, levels, tensor_scale(method, flat, abs_sum))
     if mult is None:
         q[:] = 0

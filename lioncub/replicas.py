@@ -121,13 +121,15 @@ class ReplicaSet:
         self.arrays: tuple[Array, ...] = tuple(arrays)
         for i, a in enumerate(self.arrays):
             if not isinstance(a, np.ndarray):
-                raise UsageError(f"replica {i} must be a numpy array, got {type(a).__name__}")
+                raise UsageError(f"replica {i} must be a numpy array, got {type(a).__name__}",
+                                 argument="arrays", index=i)
             if not a.flags.c_contiguous:
-                raise UsageError(f"replica {i} must be C-contiguous")
+                raise UsageError(f"replica {i} must be C-contiguous", argument="arrays", index=i)
         if names is not None:
             names = tuple(names)
             if len(names) != len(self.arrays) or not all(isinstance(n, str) for n in names):
-                raise UsageError(f"names must be {len(self.arrays)} strings, one per array")
+                raise UsageError(f"names must be {len(self.arrays)} strings, one per array",
+                                 argument="names")
         self.names: tuple[str, ...] | None = names
         self.unnamed = unnamed
 
@@ -184,10 +186,12 @@ class ReplicaSet:
         CommError family."""
         if isinstance(root, bool) or not isinstance(root, (int, np.integer)) \
                 or not 0 <= root < int(comm.size):
-            raise UsageError(f"root must be a rank in [0, {int(comm.size)}), got {root!r}")
+            raise UsageError(f"root must be a rank in [0, {int(comm.size)}), got {root!r}",
+                             argument="root")
         for i, a in enumerate(self.arrays):
             if not a.flags.writeable:
-                raise UsageError(f"{self.label(i)} is read-only; broadcast writes it in place")
+                raise UsageError(f"{self.label(i)} is read-only; broadcast writes it in place",
+                                 argument="arrays", index=i)
         is_root = int(comm.rank) == int(root)
         group: list[npt.NDArray[np.uint8]] = []
         used = 0

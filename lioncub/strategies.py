@@ -328,7 +328,7 @@ class QuantizedSum(ExactSum):
         if spec.method not in METHODS or spec.method == "sign":
             raise UsageError(f"variant {spec.name!r}: method must be one of "
                              f"{', '.join(m for m in METHODS if m != 'sign')}, got "
-                             f"{spec.method!r}")
+                             f"{spec.method!r}", argument="spec")
         self.method: str = spec.method
 
     def buffers(self, size: int) -> Buffers:

@@ -82,7 +82,7 @@ BACKENDS = ("auto", "numpy", "torch")
 
 def _betas(betas: object) -> tuple[float, float]:
     if not isinstance(betas, Sequence) or isinstance(betas, str) or len(betas) != 2:
-        raise UsageError(f"betas must be a pair (beta1, beta2), got {betas!r}")
+        raise UsageError(f"betas must be a pair (beta1, beta2), got {betas!r}", argument="betas")
     _, b1, b2, _ = check_hyper(0.0, betas[0], betas[1], 0.0)
     return b1, b2
 
@@ -132,7 +132,7 @@ class Lion(Optimizer):
                 if grad is None:
                     continue
                 if grad.is_sparse:
-                    raise UsageError("Lion does not support sparse gradients")
+                    raise UsageError("Lion does not support sparse gradients", argument="grad")
                 state = self.state[p]
                 if not state:
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
@@ -264,7 +264,7 @@ class DistributedLion(Optimizer):
         if stale is not False and (self._backend != "numpy" or overlap):
             raise UsageError("stale=True needs the numpy backend (float32 CPU parameters, "
                              "backend='auto' or 'numpy') and overlap=False (the exchange "
-                             "already overlaps the next step)")
+                             "already overlaps the next step)", argument="stale")
         if self._backend == "numpy":
             self._core = _CoreDistributedLion(core_groups, comm, **options, stale=stale)
         else:
@@ -276,11 +276,12 @@ class DistributedLion(Optimizer):
         self._local_index = {id(p): i for i, p in enumerate(self._tensors)}
         self._hooks: list[Any] = []
         if not isinstance(overlap, bool):
-            raise UsageError(f"overlap must be True or False, got {overlap!r}")
+            raise UsageError(f"overlap must be True or False, got {overlap!r}", argument="overlap")
         if overlap:
             if tie == "elementwise":
                 raise UsageError("overlap=True starts buckets in another order, which "
-                                 "changes tie='elementwise''s ties; use another tie rule")
+                                 "changes tie='elementwise''s ties; use another tie rule",
+                                 argument="overlap")
             self._hooks = [
                 p.register_post_accumulate_grad_hook(self._on_grad)  # type: ignore[no-untyped-call]
                 for p in self._tensors]
@@ -294,20 +295,22 @@ class DistributedLion(Optimizer):
     # ------------------------------------------------------------------ set-up helpers
     def _choose_backend(self, backend: object, momentum_dtype: object, packing: str) -> str:
         if backend not in BACKENDS:
-            raise UsageError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+            raise UsageError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}",
+                             argument="backend")
         if momentum_dtype is not None and momentum_dtype not in MOMENTUM_DTYPES:
             raise UsageError(f"momentum_dtype must be torch.float32 or torch.bfloat16, got "
-                             f"{momentum_dtype!r}")
+                             f"{momentum_dtype!r}", argument="momentum_dtype")
         plain = all(p.dtype == torch.float32 and p.device.type == "cpu" for p in self._all) \
             and momentum_dtype in (None, torch.float32)
         if packing not in PACKINGS:
-            raise UsageError(f"packing must be one of {', '.join(PACKINGS)}, got {packing!r}")
+            raise UsageError(f"packing must be one of {', '.join(PACKINGS)}, got {packing!r}",
+                             argument="packing")
         if backend == "numpy" and packing != "auto":
             raise UsageError(f"packing={packing!r} is an option of the torch engine; the "
-                             "numpy backend packs inside bitcoll's collectives")
+                             "numpy backend packs inside bitcoll's collectives", argument="packing")
         if backend == "numpy" and momentum_dtype not in (None, torch.float32):
             raise UsageError("the numpy backend keeps float32 momenta; use backend='torch' "
-                             "for another momentum_dtype")
+                             "for another momentum_dtype", argument="momentum_dtype")
         if backend == "auto":
             return "numpy" if plain and packing == "auto" else "torch"
         return str(backend)
@@ -318,7 +321,8 @@ class DistributedLion(Optimizer):
         if names is not None:
             names = list(names)
             if len(names) != count or not all(isinstance(n, str) for n in names):
-                raise UsageError(f"names must be {count} strings (one per tensor)")
+                raise UsageError(f"names must be {count} strings (one per tensor)",
+                                 argument="names")
             return names, True
         if all("param_names" in g for g in self.param_groups):
             return [str(n) for g in self.param_groups for n in g["param_names"]], True
@@ -338,19 +342,20 @@ class DistributedLion(Optimizer):
         if self._backend == "torch":
             if p.dtype not in PARAM_DTYPES or p.layout != torch.strided:
                 raise UsageError(f"parameter {name} must be a dense float32, bfloat16 or "
-                                 f"float16 tensor, got {p.dtype} ({p.layout})")
+                                 f"float16 tensor, got {p.dtype} ({p.layout})", argument="params")
         elif p.dtype != torch.float32 or p.device.type != "cpu" or p.layout != torch.strided:
             raise UsageError(f"parameter {name} must be a dense float32 CPU tensor, got "
                              f"{p.dtype} on {p.device} ({p.layout}); backend='torch' takes "
-                             "other dtypes and devices")
+                             "other dtypes and devices", argument="params")
         if not p.is_contiguous():
-            raise UsageError(f"parameter {name} must be contiguous")
+            raise UsageError(f"parameter {name} must be contiguous", argument="params")
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Only during construction: the distributed layout is fixed afterwards."""
         if getattr(self, "_constructed", False):
             raise UsageError("DistributedLion cannot add param groups after construction "
-                             "(every rank's bucket layout is fixed); build a new optimizer")
+                             "(every rank's bucket layout is fixed); build a new optimizer",
+                             argument="param_group")
         super().add_param_group(param_group)
 
     # ------------------------------------------------------------------ properties
@@ -427,13 +432,13 @@ class DistributedLion(Optimizer):
         """``p``'s gradient as the engine takes it (a numpy view for the numpy engine)."""
         if p.data_ptr() != ptr:
             raise UsageError("a parameter's storage was replaced after the optimizer was "
-                             "built; the optimizer updates the original memory")
+                             "built; the optimizer updates the original memory", argument="params")
         g = p.grad
         if g is None or self._backend == "torch":
             return g  # the torch engine checks its gradients itself
         if g.dtype != torch.float32 or g.device.type != "cpu" or g.layout != torch.strided:
             raise UsageError(f"gradients must be dense float32 CPU tensors, got {g.dtype} "
-                             f"on {g.device} ({g.layout})")
+                             f"on {g.device} ({g.layout})", argument="grad")
         return g.detach().numpy()
 
     # ------------------------------------------------------------------ overlap
@@ -498,16 +503,19 @@ class DistributedLion(Optimizer):
         Raises UsageError on any mismatch, before changing anything."""
         self._check_idle()
         if not isinstance(state_dict, dict) or state_dict.get("format") != _STATE_FORMAT:
-            raise UsageError("not a lioncub.torch.DistributedLion state dict")
+            raise UsageError("not a lioncub.torch.DistributedLion state dict",
+                             argument="state_dict")
         groups = state_dict["param_groups"]
         if [len(g["params"]) for g in groups] != [len(g["params"]) for g in self.param_groups]:
-            raise UsageError("state dict has a different param-group structure")
+            raise UsageError("state dict has a different param-group structure",
+                             argument="state_dict")
         saved_state = state_dict["state"]
         momenta = []
         for gi in self._global_index:
             entry = saved_state.get(gi)
             if entry is None or "momentum" not in entry:
-                raise UsageError(f"state dict has no momentum for parameter {gi}")
+                raise UsageError(f"state dict has no momentum for parameter {gi}",
+                                 argument="state_dict")
             m = entry["momentum"]
             momenta.append(m.detach().cpu().numpy() if self._backend == "numpy" else m)
         core_groups = []

@@ -166,14 +166,15 @@ class TorchEngine(DistributedLion):
                  **kwargs: Any) -> None:
         if momentum_dtype not in MOMENTUM_DTYPES:
             raise UsageError(f"momentum_dtype must be torch.float32 or torch.bfloat16, got "
-                             f"{momentum_dtype}")
+                             f"{momentum_dtype}", argument="momentum_dtype")
         if packing not in PACKINGS:
-            raise UsageError(f"packing must be one of {', '.join(PACKINGS)}, got {packing!r}")
+            raise UsageError(f"packing must be one of {', '.join(PACKINGS)}, got {packing!r}",
+                             argument="packing")
         self.packing = packing
         for name in ("packed_sign_allreduce", "packed_quantized_allreduce"):
             if not callable(getattr(comm, name, None)):
                 raise UsageError(f"the torch engine needs a communicator with {name} "
-                                 "(a bitcoll.Communicator)")
+                                 "(a bitcoll.Communicator)", argument="comm")
         self.momentum_dtype = momentum_dtype
         self.device: torch.device | None = None
         self._stages: list[Stage] = []
@@ -196,19 +197,21 @@ class TorchEngine(DistributedLion):
     def _check_param(self, p: object, index: int, seen: set[int]) -> None:  # type: ignore[override]
         if not isinstance(p, torch.Tensor):
             raise UsageError(f"parameter {index} must be a torch tensor, got "
-                             f"{type(p).__name__}")
+                             f"{type(p).__name__}", argument="params", index=index)
         if p.dtype not in PARAM_DTYPES or p.layout != torch.strided:
             raise UsageError(f"parameter {index} must be a dense float32, bfloat16 or float16 "
-                             f"tensor, got {p.dtype} ({p.layout})")
+                             f"tensor, got {p.dtype} ({p.layout})", argument="params", index=index)
         if not p.is_contiguous():
-            raise UsageError(f"parameter {index} must be contiguous")
+            raise UsageError(f"parameter {index} must be contiguous",
+                             argument="params", index=index)
         if self.device is None:
             self.device = p.device
         elif p.device != self.device:
             raise UsageError(f"parameter {index} is on {p.device}, the others on "
-                             f"{self.device}; every trainable parameter must be on one device")
+                             f"{self.device}; every trainable parameter must be on one device",
+                             argument="params", index=index)
         if id(p) in seen:
-            raise UsageError(f"parameter {index} appears twice")
+            raise UsageError(f"parameter {index} appears twice", argument="params", index=index)
         seen.add(id(p))
 
     @staticmethod
@@ -226,7 +229,8 @@ class TorchEngine(DistributedLion):
         elif self.packing == "host" and dev.type != "cpu":
             raise UsageError(f"packing='host' needs the parameters on the CPU, they are on "
                              f"{dev}: on a device the votes are packed there so that only "
-                             "packed bytes cross to the host (packing='device')")
+                             "packed bytes cross to the host (packing='device')",
+                             argument="packing")
         if not self.tile:
             self.tile = CPU_TILE if dev.type == "cpu" else 0
         self._flat = []
@@ -308,9 +312,11 @@ class TorchEngine(DistributedLion):
 
     def _check_grads(self, grads: object) -> list[Any]:
         if isinstance(grads, torch.Tensor) or not isinstance(grads, (list, tuple)):
-            raise UsageError("grads must be a list with one tensor (or None) per parameter")
+            raise UsageError("grads must be a list with one tensor (or None) per parameter",
+                             argument="grads")
         if len(grads) != len(self.params):
-            raise UsageError(f"got {len(grads)} gradients for {len(self.params)} parameters")
+            raise UsageError(f"got {len(grads)} gradients for {len(self.params)} parameters",
+                             argument="grads")
         return [self._check_grad(i, g) for i, g in enumerate(grads)]
 
     def tiles(self, size: int) -> list[tuple[int, int]]:
@@ -486,7 +492,8 @@ class TorchEngine(DistributedLion):
             m = torch.as_tensor(np.asarray(m))
         if tuple(m.shape) != tuple(p.shape) or not m.is_floating_point():
             raise UsageError(f"momentum {i} has shape {tuple(m.shape)} / dtype {m.dtype}, "
-                             f"expected {tuple(p.shape)} / a floating dtype")
+                             f"expected {tuple(p.shape)} / a floating dtype",
+                             argument="state", index=i)
 
     def _load_momentum(self, i: int, m: Any) -> None:
         if not isinstance(m, torch.Tensor):

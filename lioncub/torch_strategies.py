@@ -720,5 +720,6 @@ def torch_strategy_for(strategy: VariantStrategy) -> TorchStrategy:
     if cls is None:
         raise UsageError(f"variant {strategy.spec.name!r} ({type(strategy).__name__}) has no "
                          "torch engine implementation (lioncub.torch_strategies."
-                         "TORCH_STRATEGIES); use the numpy engine (backend='numpy')")
+                         "TORCH_STRATEGIES); use the numpy engine (backend='numpy')",
+                         argument="variant")
     return cls(strategy)

@@ -117,15 +117,17 @@ def register(spec: VariantSpec) -> VariantSpec:
     ``strategy`` that is not a :class:`VariantStrategy` subclass with a ``kind``, or a spec
     the strategy rejects."""
     if not isinstance(spec, VariantSpec):
-        raise UsageError(f"register() takes a VariantSpec, got {type(spec).__name__}")
+        raise UsageError(f"register() takes a VariantSpec, got {type(spec).__name__}",
+                         argument="spec")
     if not isinstance(spec.name, str) or not spec.name:
-        raise UsageError(f"a variant name must be a non-empty string, got {spec.name!r}")
+        raise UsageError(f"a variant name must be a non-empty string, got {spec.name!r}",
+                         argument="spec")
     if spec.name in SPECS:
-        raise UsageError(f"variant {spec.name!r} is already registered")
+        raise UsageError(f"variant {spec.name!r} is already registered", argument="spec")
     if not (isinstance(spec.strategy, type) and issubclass(spec.strategy, VariantStrategy)
             and isinstance(getattr(spec.strategy, "kind", None), str)):
         raise UsageError(f"variant {spec.name!r}: strategy must be a VariantStrategy subclass "
-                         f"with a kind, got {spec.strategy!r}")
+                         f"with a kind, got {spec.strategy!r}", argument="spec")
     spec.make_strategy()  # the strategy's own checks of the spec
     SPECS[spec.name] = spec
     return spec
@@ -135,9 +137,10 @@ def unregister(name: str) -> None:
     """Remove a variant added by :func:`register`; UsageError for a built-in or unknown
     name."""
     if name in VARIANTS:
-        raise UsageError(f"variant {name!r} is built in and cannot be unregistered")
+        raise UsageError(f"variant {name!r} is built in and cannot be unregistered",
+                         argument="name")
     if name not in SPECS:
-        raise UsageError(f"variant {name!r} is not registered")
+        raise UsageError(f"variant {name!r} is not registered", argument="name")
     del SPECS[name]
 
 
@@ -170,5 +173,6 @@ def get_spec(name: object) -> VariantSpec:
     """The spec of variant ``name`` (built in or registered); UsageError for an unknown
     name."""
     if not isinstance(name, str) or name not in SPECS:
-        raise UsageError(f"unknown variant {name!r}; expected one of {', '.join(SPECS)}")
+        raise UsageError(f"unknown variant {name!r}; expected one of {', '.join(SPECS)}",
+                         argument="variant")
     return SPECS[name]

@@ -178,9 +178,10 @@ def test_mpi_allreduce_mismatch_fails_every_rank_at_once(differ: str) -> None:
         algorithm = "ring" if differ == "algorithm" and odd else None
         words = {"straddle": "element count", "dtype": "element type", "op": "op",
                  "algorithm": "algorithm"}
-        with pytest.raises(bitcoll.ProtocolError, match=words[differ]) as info:
+        with pytest.raises(bitcoll.ProtocolError) as info:
             comm.allreduce(np.ones(n, dtype), op=op, algorithm=algorithm)
-        assert info.value.sequence is not None
+        assert words[differ] in (info.value.fields or ())  # (the algorithm may differ too)
+        assert info.value.sequence == 0 and info.value.collective == "allreduce"
         with pytest.raises(bitcoll.CommError):  # the communicator is unusable afterwards
             comm.allreduce(np.ones(2, np.float32))
 
@@ -244,9 +245,10 @@ def test_mpi_inline_allreduce_straddling_the_records_fails_every_rank() -> None:
     with bitcoll.init("mpi", timeout=300) as comm:
         room = comm._transport.record_bytes - 16  # type: ignore[attr-defined]
         n = room // 4 + (1 if comm.rank == comm.size - 1 else 0)
-        with pytest.raises(bitcoll.ProtocolError, match="element count") as info:
+        with pytest.raises(bitcoll.ProtocolError) as info:
             comm.allreduce(np.ones(n, np.float32))
         assert info.value.collective == "allreduce"
+        assert "element count" in (info.value.fields or ())
         with pytest.raises(bitcoll.CommError):
             comm.allreduce(np.ones(1, np.float32))
 
@@ -334,8 +336,9 @@ def test_mpi_broadcast_roots_that_differ_fail_every_rank(n: int) -> None:
     the root."""
     with bitcoll.init("mpi", timeout=300) as comm:
         root = 1 if comm.rank == comm.size - 1 else 0
-        with pytest.raises(bitcoll.ProtocolError, match="root"):
+        with pytest.raises(bitcoll.ProtocolError) as info:
             comm.broadcast(np.zeros(n, np.float64), root=root)
+        assert info.value.fields == ("root",)
 
 
 def _ring_from(p: int) -> int:

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from errcheck import raises_usage
 from multiproc import run_world
 
 import bitcoll
@@ -170,20 +171,20 @@ def test_find_mismatch() -> None:
 
 def test_replica_set_arguments(comm: Any) -> None:
     a = np.zeros(3, np.float32)
-    with pytest.raises(UsageError, match="numpy array"):
+    with raises_usage("arrays", 1):
         ReplicaSet([a, [1.0]])  # type: ignore[list-item]
-    with pytest.raises(UsageError, match="contiguous"):
+    with raises_usage("arrays", 0):
         ReplicaSet([np.zeros((3, 4), np.float32).T])
-    with pytest.raises(UsageError, match="names"):
+    with raises_usage("names"):
         ReplicaSet([a], names=["x", "y"])
     named = ReplicaSet([a, a.copy()], names=["w", "b"])
     assert named.label(1) == "parameter 1 (b)"
     assert ReplicaSet([a], unnamed="name them").label(0) == "parameter 0 (unnamed; name them)"
-    with pytest.raises(UsageError, match="root"):
+    with raises_usage("root"):
         named.broadcast(comm, root=1)
     ro = np.zeros(2, np.float32)
     ro.flags.writeable = False
-    with pytest.raises(UsageError, match="read-only"):
+    with raises_usage("arrays", 0):
         ReplicaSet([ro]).broadcast(comm)
     named.check(comm)  # one rank always agrees with itself
     named.broadcast(comm)
@@ -212,9 +213,9 @@ def test_construction_collectives_through_comm_like(comm: Any) -> None:
     rec.calls.clear()
     opt.step(local_grads(0, 0))
     assert "quantized_allreduce" in rec.calls
-    with pytest.raises(UsageError, match="broadcast_parameters"):
+    with raises_usage("broadcast_parameters"):
         lioncub.DistributedLion(params, comm, broadcast_parameters=1)  # type: ignore[arg-type]
-    with pytest.raises(UsageError, match="ReplicaSet"):
+    with raises_usage("replicas"):
         lioncub.DistributedLion(params, comm, replicas=params)  # type: ignore[arg-type]
 
 
@@ -229,7 +230,7 @@ def test_torch_front_end_one_rank(comm: Any) -> None:
     assert rec.calls == ["allreduce", "allgather:int64:4"]  # the frozen tensor is checked too
     opt.check_replicas()
     opt.broadcast_parameters()
-    with pytest.raises(UsageError, match="root"):
+    with raises_usage("root"):
         opt.broadcast_parameters(root=3)
     weight = _linear(model, 1).weight
     weight.data = weight.data.double()

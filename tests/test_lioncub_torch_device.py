@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from errcheck import raises_usage
 from inproc import run_threads
 
 import bitcoll
@@ -309,21 +310,21 @@ def test_state_dict_round_trip(device: str, mdtype: torch.dtype) -> None:
 def test_bad_inputs() -> None:
     with bitcoll.init("local") as comm:
         bf = _model(0, dtype=torch.bfloat16)
-        with pytest.raises(UsageError, match="backend='torch'"):
+        with raises_usage("params"):
             lt.DistributedLion(bf.parameters(), comm, backend="numpy")
-        with pytest.raises(UsageError, match="backend"):
+        with raises_usage("backend"):
             lt.DistributedLion(bf.parameters(), comm, backend="jax")
-        with pytest.raises(UsageError, match="momentum_dtype"):
+        with raises_usage("momentum_dtype"):
             lt.DistributedLion(bf.parameters(), comm, momentum_dtype=torch.float16)
-        with pytest.raises(UsageError, match="packing must be one of auto, device, host"):
+        with raises_usage("packing"):
             lt.DistributedLion(bf.parameters(), comm, packing="gpu")
-        with pytest.raises(UsageError, match="packing='device' is an option of the torch"):
+        with raises_usage("packing"):
             lt.DistributedLion(_model(0).parameters(), comm, backend="numpy",
                                packing="device")
         forced = lt.DistributedLion(_model(0).parameters(), comm, packing="device")
         assert forced.backend == "torch" and _engine(forced).packing == "device"
         assert _engine(lt.DistributedLion(bf.parameters(), comm)).packing == "host"
-        with pytest.raises(UsageError, match="bfloat16"):
+        with raises_usage("params"):
             lt.DistributedLion(_model(0).double().parameters(), comm, backend="torch")
         opt = lt.DistributedLion(bf.parameters(), comm, variant="lioncub-l0")
         assert opt.backend == "torch"
@@ -335,15 +336,15 @@ def test_bad_inputs() -> None:
         opt.step()  # a missing gradient is a zero gradient
         n = len(list(bf.parameters()))
         engine: Any = opt.core
-        with pytest.raises(UsageError, match="shape"):
+        with raises_usage("grads", 0):
             engine.step([torch.zeros(3, 3, dtype=torch.bfloat16)] + [None] * (n - 1))
-        with pytest.raises(UsageError, match="floating"):
+        with raises_usage("grads", 0):
             engine.step([torch.zeros(16, 7, dtype=torch.int32)] + [None] * (n - 1))
         assert good is not None
         bad = good.clone()
         bad.view(-1)[5] = float("nan")
         w.grad = bad
-        with pytest.raises(UsageError, match=r"non-finite .* parameter 0 \(0\)"):
+        with raises_usage("grads", 0):
             opt.step()
 
 
@@ -403,7 +404,7 @@ def test_non_finite_names_the_parameter(variant: str, tile: int, packing: str) -
         grad = model[2].weight.grad  # type: ignore[index]
         assert grad is not None
         grad.view(-1)[17] = float("inf")
-        with pytest.raises(UsageError, match=r"non-finite .* parameter 2 \(2.weight\)"):
+        with raises_usage("grads", 2):
             opt.step()
 
 
@@ -505,7 +506,7 @@ def _overlap_run(comm: Any, variant: str, backend: str) -> None:
     # a second backward without no_sync declares gradients twice
     opts[1].zero_grad(set_to_none=True)
     _micro(nets[1], rank, 9, 0)
-    with pytest.raises(UsageError, match="declared twice"):
+    with raises_usage("index"):
         _micro(nets[1], rank, 9, 1)
     opts[1].step()  # the step completes with the first backward's gradients
 
@@ -521,6 +522,6 @@ def test_overlap_matches_plain_step(variant: str, backend: str) -> None:
 
 
 def test_overlap_rejects_elementwise_ties() -> None:
-    with bitcoll.init("local") as comm, pytest.raises(UsageError, match="elementwise"):
+    with bitcoll.init("local") as comm, raises_usage("overlap"):
         lt.DistributedLion(_model(0).parameters(), comm, variant="lioncub-mavo",
                            tie="elementwise", overlap=True)
