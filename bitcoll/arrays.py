@@ -84,18 +84,18 @@ def to_numpy(x: object, name: str = "x") -> tuple[Array, bool]:
             return np.from_dlpack(dl), False
         except (BufferError, RuntimeError, TypeError, ValueError, AttributeError) as exc:
             raise UsageError(f"{name} ({type(x).__name__}) cannot be read through DLPack: "
-                             f"{exc}") from exc
+                             f"{exc}", argument=name) from exc
     try:
         view = memoryview(x)  # type: ignore[arg-type]
     except TypeError:
         raise UsageError(f"{name} must be a numpy.ndarray or a CPU array that exports "
                          f"__dlpack__ or the buffer protocol (a torch CPU tensor, a memoryview, "
-                         f"...), got {type(x).__name__}") from None
+                         f"...), got {type(x).__name__}", argument=name) from None
     try:
         return np.asarray(view), False
     except (TypeError, ValueError) as exc:
         raise UsageError(f"{name} ({type(x).__name__}) exports a buffer numpy cannot read "
-                         f"(format {view.format!r}): {exc}") from exc
+                         f"(format {view.format!r}): {exc}", argument=name) from exc
 
 
 def _check_device(device: Any, name: str) -> None:
@@ -103,20 +103,20 @@ def _check_device(device: Any, name: str) -> None:
         kind, index = device()
         kind, index = int(kind), int(index)
     except Exception as exc:
-        raise UsageError(f"{name}: __dlpack_device__() failed: {exc}") from exc
+        raise UsageError(f"{name}: __dlpack_device__() failed: {exc}", argument=name) from exc
     if kind not in HOST_DEVICES:
         label = _DEVICE_NAMES.get(kind, f"type {kind}")
         raise UsageError(f"{name} is on device {label}:{index} (DLPack device ({kind}, "
-                         f"{index})); {_COPY_HINT}")
+                         f"{index})); {_COPY_HINT}", argument=name)
 
 
 def _from_torch(torch: Any, t: Any, name: str) -> tuple[Array, bool]:
     if t.device.type != "cpu":
-        raise UsageError(f"{name} is a tensor on device {t.device}; {_COPY_HINT}")
+        raise UsageError(f"{name} is a tensor on device {t.device}; {_COPY_HINT}", argument=name)
     if t.requires_grad:
         raise UsageError(f"{name} is a tensor that requires grad, which cannot be shared "
                          f"through DLPack: pass {name}.detach() (the collectives do not "
-                         f"take part in autograd)")
+                         f"take part in autograd)", argument=name)
     bf16 = t.dtype == torch.bfloat16
     try:
         if bf16:
@@ -124,7 +124,7 @@ def _from_torch(torch: Any, t: Any, name: str) -> tuple[Array, bool]:
         return np.from_dlpack(t), False
     except (BufferError, RuntimeError, TypeError, ValueError) as exc:
         raise UsageError(f"{name} (a torch tensor of dtype {t.dtype}) cannot be read "
-                         f"through DLPack: {exc}") from exc
+                         f"through DLPack: {exc}", argument=name) from exc
 
 
 def type_name(a: Array, bf16: bool) -> str:
