@@ -51,9 +51,11 @@ def _launch(ranks: int, restarts: int | None, args: list[str], faults: dict[str,
 def test_a_killed_rank_is_replaced_and_training_finishes(tmp_path: Path) -> None:
     """3 ranks; rank 0 (the store is the launcher's, so rank 0 may die) is SIGKILLed as it
     starts step 4: the survivors lose that step only, go on as 2 ranks, the replacement
-    joins, and the run ends at 3 ranks with identical replicas and a log with every step."""
-    log = tmp_path / "log.json"
+    joins, and the run ends at 3 ranks with identical replicas, a log with every step and
+    the live ranks' checkpoint."""
+    log, ckpt = tmp_path / "log.json", tmp_path / "ckpt"
     proc = _launch(3, 1, ["--steps", "12", "--check-every", "3", "--comm-timeout", "120",
+                          "--save", str(ckpt), "--save-every", "6",
                           "--fault-tolerant", "--json-log", str(log)],
                    {"FT_KILL": "0:4", "FT_HOLD": "10"})
     out = proc.stdout + proc.stderr
@@ -78,6 +80,15 @@ def test_a_killed_rank_is_replaced_and_training_finishes(tmp_path: Path) -> None
     assert all(math.isfinite(v) for v in losses)
     assert rec["evals"][-1]["step"] == 12
     assert rec["evals"][-1]["val_loss"] < 4.3  # ln(97) = 4.57 at the start
+    # the live ranks' checkpoint: one file per rank of the last epoch, identical models
+    import torch
+
+    assert sorted(p.name for p in ckpt.iterdir()) == ["rank0.pt", "rank1.pt", "rank2.pt"]
+    states = [torch.load(ckpt / f"rank{r}.pt", weights_only=True) for r in range(3)]
+    assert [(s["step"], s["world_size"], s["rank"]) for s in states] == \
+        [(12, 3, 0), (12, 3, 1), (12, 3, 2)]
+    for name, value in states[0]["model"].items():
+        assert all(torch.equal(value, s["model"][name]) for s in states[1:]), name
 
 
 @pytest.mark.timeout(300)

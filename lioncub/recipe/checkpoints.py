@@ -76,6 +76,9 @@ def load_checkpoint(directory: Path, comm: bitcoll.Communicator,
         state = torch.load(path, map_location="cpu", weights_only=True)
         if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
             error = f"{path} is not a train.py checkpoint"
+        elif state["trajectory"].get("fault_tolerant"):
+            error = (f"{path} was written by a --fault-tolerant run (the live ranks' files), "
+                     "which cannot be resumed")
         elif state["world_size"] != comm.size or state["rank"] != comm.rank:
             error = (f"{path} was written by rank {state['rank']} of {state['world_size']}; "
                      f"this is rank {comm.rank} of {comm.size}")
