@@ -20,8 +20,9 @@ vector, the same on every rank), the commit point, the update. After a random de
 position ``trial % size`` (so every position, rank 0 included, is hit ``trials / size``
 times or more). The survivors recover without it; the trial checks that every survivor ends
 with bitwise the reference state of the committed steps, and measures from the signal to the
-first step committed after it (every rank stamps each commit with ``time.monotonic()``, one
-clock for all processes of the host). A stopped rank is killed at the end.
+first step committed after the survivors' collectives failed (every rank stamps each commit
+and each failure with ``time.monotonic()``, one clock for all processes of the host). A
+stopped rank is killed at the end.
 
 The table written to ``--out`` has one row per trial (seed, position, recovery in seconds,
 steps lost, committed steps) and the median and maximum per position. Single host: the ranks
@@ -54,7 +55,7 @@ def _grad(step: int, n: int) -> np.ndarray:
 
 
 def rank_main(rank: int, size: int, port: int, folder: str, n: int, timeout: float,
-              steps: int) -> None:
+              steps: int, dead_after: float = 0.5) -> None:
     """One rank: steps until ``steps`` are committed, stamping every commit."""
     from bitcoll.elastic import ElasticGroup, EvictedError
     from bitcoll.errors import CommError
@@ -65,7 +66,7 @@ def rank_main(rank: int, size: int, port: int, folder: str, n: int, timeout: flo
                                    secret=SECRET)
 
     group = ElasticGroup.create(connect, SECRET, rank, size, timeout=timeout,
-                                dead_after=0.5)
+                                dead_after=dead_after)
     log = open(os.path.join(folder, f"rank{rank}.log"), "a", buffering=1)  # noqa: SIM115
     log.write(f"pid {os.getpid()}\n")
     w = np.zeros(n, np.float32)
@@ -85,6 +86,7 @@ def rank_main(rank: int, size: int, port: int, folder: str, n: int, timeout: flo
                 log.write("evicted\n")
                 return
             except CommError:
+                log.write(f"fail {time.monotonic():.6f}\n")
                 epoch = group.recover(committed, pending is not None)
                 if epoch.action == "apply" and pending is not None:
                     w += pending
@@ -105,6 +107,7 @@ def join_bench(elements: int, steps: int) -> None:
     DistributedLion (lioncub-l1) over ``elements`` float32 parameters in ElasticLion; the
     first incarnation of rank 1 dies at step 2; its replacement times its state transfer
     (parameters spread over the holders, averaged momenta, counters) and prints it."""
+    import lioncub.elastic
     from bitcoll.elastic import ElasticGroup, JobFinished
     from lioncub.distributed import DistributedLion
     from lioncub.elastic import ElasticLion
@@ -116,11 +119,25 @@ def join_bench(elements: int, steps: int) -> None:
     sizes = [elements // 4] * 3 + [elements - 3 * (elements // 4)]
     params = [np.full(n, 0.01, np.float32) for n in sizes]
 
+    built: list[float] = []
+
     def make(comm, **kw):  # type: ignore[no-untyped-def]
-        return DistributedLion(params, comm, variant="lioncub-l1", lr=1e-3, **kw)
+        t = time.monotonic()
+        opt = DistributedLion(params, comm, variant="lioncub-l1", lr=1e-3, **kw)
+        built.append(time.monotonic() - t)
+        return opt
 
     joiner = group.epoch.action == "receive"
     before = group.comm.stats.snapshot()
+    spans: list[float] = []
+    share = lioncub.elastic.share_state  # type: ignore[attr-defined]
+
+    def timed_share(*args, **kw):  # type: ignore[no-untyped-def]
+        t = time.monotonic()
+        share(*args, **kw)
+        spans.append(time.monotonic() - t)
+
+    lioncub.elastic.share_state = timed_share  # type: ignore[attr-defined]
     t0 = time.monotonic()
     opt = ElasticLion(group, params, make)
     if joiner:
@@ -128,8 +145,10 @@ def join_bench(elements: int, steps: int) -> None:
         got = group.comm.stats.snapshot()["bytes_received"] - before["bytes_received"]
         state = 2 * 4 * elements
         print(f"join: {elements} parameters, state (parameters + momenta) {state / 1e6:.1f} MB,"
-              f" received {got / 1e6:.1f} MB in {took:.3f} s, world {group.epoch.size}",
-              flush=True)
+              f" received {got / 1e6:.1f} MB in {took:.3f} s ({took * 125e6 / state:.2f}x the "
+              f"state over 1 Gbit; share_state {sum(spans):.3f} s, the optimizer's construction "
+              f"with its replica check {built[-1]:.3f} s), world "
+              f"{group.epoch.size}", flush=True)
     full = int(os.environ["WORLD_SIZE"])
     victim = os.environ.get("RANK") == "1" and os.environ.get("BITCOLL_RESTART_COUNT") == "0"
     rng = np.random.default_rng(int(os.environ.get("RANK", "0")))
@@ -156,7 +175,7 @@ def join_bench(elements: int, steps: int) -> None:
 
 
 def trial(seed: int, size: int, position: int, sig: int, n: int, timeout: float,
-          steps: int) -> dict[str, object]:
+          steps: int, dead_after: float = 0.5) -> dict[str, object]:
     from bitcoll.transport.rendezvous.store import StoreServer
     from launch.__main__ import free_ports
 
@@ -167,7 +186,8 @@ def trial(seed: int, size: int, position: int, sig: int, n: int, timeout: float,
     env = dict(os.environ, NUMBA_NUM_THREADS="1")
     procs = [subprocess.Popen([sys.executable, __file__, "--rank", str(r), "--size", str(size),
                                "--port", str(port), "--folder", folder, "--elements", str(n),
-                               "--timeout", str(timeout), "--steps", str(steps)], env=env)
+                               "--timeout", str(timeout), "--steps", str(steps),
+                               "--dead-after", str(dead_after)], env=env)
              for r in range(size)]
     try:
         # wait until every rank committed a few steps, then a random delay
@@ -200,7 +220,14 @@ def trial(seed: int, size: int, position: int, sig: int, n: int, timeout: float,
             if r != victim:
                 p.wait(timeout=60 + 4 * timeout)
         survivors = [r for r in range(size) if r != victim]
-        after = [min((t for k, t in commits(r) if t > t_sig), default=float("nan"))
+        def failed(r: int) -> float:  # when the survivor's first collective failed
+            lines = Path(folder, f"rank{r}.log").read_text().splitlines()
+            return min((float(x.split()[1]) for x in lines if x.startswith("fail ")
+                        and float(x.split()[1]) > t_sig), default=float("nan"))
+
+        # the first step committed after the failure (a step whose commit the stopped rank
+        # joined just before the signal is not a recovery)
+        after = [min((t for k, t in commits(r) if t > failed(r)), default=float("nan"))
                  for r in survivors]
         finals = []
         for r in survivors:
@@ -233,6 +260,8 @@ def main() -> None:
     ap.add_argument("--elements", type=int, default=1 << 16)
     ap.add_argument("--timeout", type=float, default=5.0)
     ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--dead-after", type=float, default=0.5,
+                    help="seconds of heartbeat silence after which a member is gone")
     ap.add_argument("--out", default=None)
     ap.add_argument("--join-bench", action="store_true",
                     help="run as the ranks' script of a join measurement (see join_bench)")
@@ -244,14 +273,16 @@ def main() -> None:
         join_bench(a.elements, a.steps)
         return
     if a.rank is not None:
-        rank_main(a.rank, a.size, a.port, a.folder, a.elements, a.timeout, a.steps)
+        rank_main(a.rank, a.size, a.port, a.folder, a.elements, a.timeout, a.steps,
+                  a.dead_after)
         return
     sig = signal.SIGKILL if a.signal == "KILL" else signal.SIGSTOP
     rows = []
     cmd = " ".join(["python", "bench/chaos.py", *sys.argv[1:]])
     for i in range(a.trials * a.size):
         seed = a.seed + i
-        row = trial(seed, a.size, i % a.size, sig, a.elements, a.timeout, a.steps)
+        row = trial(seed, a.size, i % a.size, sig, a.elements, a.timeout, a.steps,
+                    a.dead_after)
         print(f"seed {seed} position {row['position']} recovery {row['recovery_s']:.3f} s "
               f"lost {row['lost_steps']} {'ok' if row['ok'] else 'WRONG STATE'}", flush=True)
         rows.append(row)
@@ -266,7 +297,7 @@ def render(rows: list[dict[str, object]], a: argparse.Namespace, cmd: str) -> st
     lines = [f"# chaos: SIG{a.signal} of one rank of {a.size}, {a.trials} trials per position",
              "", f"Command: `{cmd}`", "",
              f"Elements per step: {a.elements} float32; collective timeout {a.timeout} s; "
-             "dead_after 0.5 s; one host (loopback + shared memory). Trials done: "
+             f"dead_after {a.dead_after} s; one host (loopback + shared memory). Trials done: "
              f"{len(rows)}. 'steps lost': committed step numbers skipped (the step in "
              "flight is redone under the same number, so 0 means only it was lost).", "",
              "| seed | position | signal to next committed step (s) | steps lost | state |",

@@ -212,6 +212,16 @@ class _Report:
     joiner: bool = False
 
 
+def _load_kernels() -> None:
+    """Load numba's machinery by running one small cached kernel. The first kernel a process
+    runs loads numba's registries, which takes seconds on a busy host; done before the
+    process announces itself, that time does not count against the deadline of its first
+    collective, which the other members wait on."""
+    from . import kernels
+
+    kernels.pack_signs(np.zeros(8, np.float32))
+
+
 def _proc_start(pid: int) -> int | None:
     """The start time (clock ticks since boot) of process ``pid``; None when it is gone or a
     zombie."""
@@ -463,6 +473,7 @@ class ElasticGroup:
         (``current`` is in the store), wait as a joiner until a transition takes this process
         in. Returns the epoch. Raises CommTimeoutError when epoch 0 does not form within
         ``timeout`` or no transition takes the joiner within ``join_timeout``."""
+        _load_kernels()
         self._store = self._connect()
         self._beat = _Heartbeat(self._connect(), self._k(f"hb/{self.member_id}"),
                                 self.heartbeat, self.dead_after)
