@@ -189,18 +189,19 @@ class ElasticLion:
             got, momenta = self._share(epoch, receiving)
         # epoch 0: rank 0's starting weights everywhere; later: every rank must hold the same
         opt = self.make_optimizer(comm, broadcast_parameters=epoch.number == 0)
-        state = self._committed_state(copy=False)
         if epoch.joined:
-            fresh = opt.state_dict()
-            merged = dict(fresh)
-            merged["momentum"] = [m.reshape(f.shape) for m, f in
-                                  zip(momenta, fresh["momentum"], strict=True)]
             if got is not None and got["scalars"] is not None:
-                merged.update(got["scalars"])
+                merged = self._fit(dict(got["scalars"]), opt)
                 self.committed = int(got["committed"])
+            else:  # the holders had no optimizer state yet
+                merged = opt.state_dict()
+            merged["momentum"] = [m.reshape(p.shape) for m, p in
+                                  zip(momenta, self.params, strict=True)]
             opt.load_state_dict(merged)
-        elif state is not None:
-            opt.load_state_dict(self._fit(state, opt))
+        else:
+            state = self._committed_state(copy=False)
+            if state is not None:
+                opt.load_state_dict(self._fit(state, opt))
         self.opt = opt
         self._state = None  # the optimizer's own state is the committed one
 
@@ -233,9 +234,8 @@ class ElasticLion:
         state = None
         if holder:
             state = self._committed_state(copy=True)
-        scalars = None if state is None else {
-            "step": state["step"], "tie_counter": state["tie_counter"], "sync": state["sync"],
-            "param_groups": state["param_groups"]}
+        scalars = None if state is None else \
+            {k: v for k, v in state.items() if k != "momentum"}
         raw = json.dumps({"scalars": scalars, "committed": self.committed}).encode() \
             if holder else b""
         n = np.array([len(raw)], np.int64)
