@@ -64,6 +64,8 @@ def test_a_killed_rank_is_replaced_and_training_finishes(tmp_path: Path) -> None
     assert "membership: epoch 1 after 3 committed steps: rank 0 left; 2 ranks now (was 3)" \
         in proc.stdout, out
     assert "1 process joined as rank 2; 3 ranks now (was 2)" in proc.stdout, out
+    assert "| membership changes    | 2 (1 left, 1 joined, started with 3); 1 steps lost" \
+        in proc.stdout, out
     rec: dict[str, Any] = json.loads(log.read_text())
     steps = rec["steps"]
     assert [s["step"] for s in steps] == list(range(1, 13))

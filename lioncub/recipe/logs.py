@@ -160,6 +160,13 @@ def format_summary(summary: dict[str, Any]) -> str:
                         f"({target['elapsed']:.1f} s elapsed)"))
     if summary["skipped_steps"]:
         rows.insert(3, ("skipped (fp16 overflow)", str(summary["skipped_steps"])))
+    if "membership" in summary:  # a fault-tolerant run
+        changes = summary["membership"]
+        left = sum(len(m["left"]) for m in changes)
+        joined = sum(len(m["joined"]) for m in changes)
+        rows.insert(2, ("membership changes", f"{len(changes)} ({left} left, {joined} joined, "
+                                              f"started with {summary['initial_world_size']}); "
+                                              f"{summary['lost_steps']} steps lost"))
     w = max(len(k) for k, _ in rows)
     v = max(len(str(val)) for _, val in rows)
     rule = "+" + "-" * (w + 2) + "+" + "-" * (v + 2) + "+"
