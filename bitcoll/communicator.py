@@ -54,7 +54,7 @@ from .algorithms.sign_allreduce_direct import packed_direct
 from .algorithms.sign_allreduce_ring import packed_ring
 from .algorithms.votes import TIES, VoteCodec, field_width
 from .argcheck import AGREED
-from .arguments import call_signature
+from .arguments import call_signature, mismatch_text
 from .arrays import BFLOAT16, HostArray, bf16_tensor, to_numpy, type_name
 from .config import DEFAULT_TIMEOUT, MAX_SUM_RANGE
 from .errors import BitcollError, CommError, PeerLostError, ProtocolError, UsageError
@@ -1645,8 +1645,10 @@ def _check_same_root(ctx: OpContext, root: int) -> None:
     allreduce_recursive_doubling(ctx, probe, ReduceOp.MAX)
     hi, lo = int(probe[0]), -int(probe[1])
     if hi != lo:
-        exc = ProtocolError(f"broadcast called with different roots across ranks (from {lo} "
-                            f"to {hi}; this rank passed {root})")
+        exc = ProtocolError(mismatch_text("broadcast", ctx.seq, ("root",),
+                                          f" (from {lo} to {hi}; this rank passed {root})"),
+                            rank=ctx.rank, sequence=ctx.seq, collective="broadcast",
+                            fields=("root",))
         AGREED.add(exc)
         raise exc
 

@@ -56,6 +56,10 @@ def _broadcast_roots(comm: Communicator) -> str:
     try:
         comm.broadcast(x, root=root)
     except BitcollError as exc:
+        if isinstance(exc, ProtocolError):  # the same finding as over MPI (test_fast_paths)
+            assert exc.fields == ("root",) and exc.collective == "broadcast", exc
+            assert str(exc).startswith(f"broadcast #{exc.sequence}: the ranks called it "
+                                       "with different root"), exc
         return type(exc).__name__
     return "returned"
 
