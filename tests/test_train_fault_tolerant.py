@@ -11,6 +11,8 @@ placed at exact steps, read from the environment:
   process has registered as a joiner (so the world grows back before the end of a short
   run, however long the replacement takes to start); the other ranks wait in the step's
   collectives;
+* ``FT_KILL_IN_CHECK=R:K``: the first incarnation of initial rank ``R`` SIGKILLs itself
+  inside the replica check that follows step ``K``;
 * ``FT_DIVERGE=R:K``: after step ``K`` initial rank ``R`` adds 1 to one of its parameters,
   so that the next replica check must name it.
 """
@@ -95,21 +97,24 @@ def test_a_killed_rank_is_replaced_and_training_finishes(tmp_path: Path) -> None
 
 @pytest.mark.timeout(300)
 def test_without_restarts_the_survivors_finish(tmp_path: Path) -> None:
-    """3 ranks, no restart: rank 2 is SIGKILLed as it starts step 4 and the other two train
-    to the end; the launcher's status reports the lost rank (the last process of rank 2
-    was killed), the log is complete."""
+    """3 ranks, no restart: rank 2 is SIGKILLed inside the replica check after step 3; the
+    other two move to a new epoch, check again and train to the end without losing a step.
+    The launcher's status reports the lost rank (its last process was killed); the log is
+    complete."""
     log = tmp_path / "log.json"
     proc = _launch(3, 0, ["--steps", "8", "--check-every", "3", "--comm-timeout", "60",
-                          "--fault-tolerant", "--json-log", str(log)], {"FT_KILL": "2:4"})
+                          "--fault-tolerant", "--json-log", str(log)],
+                   {"FT_KILL_IN_CHECK": "2:3"})
     out = proc.stdout + proc.stderr
     assert proc.returncode == 128 + signal.SIGKILL, out
+    assert "step 3: a failure interrupted the check or checkpoint" in proc.stdout, out
     assert "membership: epoch 1 after 3 committed steps: rank 2 left; 2 ranks now (was 3)" \
         in proc.stdout, out
     rec: dict[str, Any] = json.loads(log.read_text())
     assert [s["step"] for s in rec["steps"]] == list(range(1, 9))
     assert [s["world_size"] for s in rec["steps"]] == [3] * 3 + [2] * 5
     assert rec["summary"]["world_size"] == 2 and rec["summary"]["replicas_identical"] is True
-    assert rec["summary"]["lost_steps"] == 1
+    assert rec["summary"]["lost_steps"] == 0
 
 
 @pytest.mark.timeout(300)
@@ -145,6 +150,7 @@ def _pair(name: str) -> tuple[int, int] | None:
 
 def _rank_main() -> int:
     from bitcoll.elastic import ElasticGroup
+    from lioncub.distributed import DistributedLion
     from lioncub.elastic import ElasticLion
     from lioncub.recipe.ddp import DDPOptimizer
 
@@ -155,6 +161,7 @@ def _rank_main() -> int:
     rank = int(os.environ["RANK"])
     first = os.environ.get("BITCOLL_RESTART_COUNT", "0") == "0"
     kill, diverge = _pair("FT_KILL"), _pair("FT_DIVERGE")
+    kill_in_check = _pair("FT_KILL_IN_CHECK")
     hold = int(os.environ.get("FT_HOLD", "0"))
     full = int(os.environ["WORLD_SIZE"])
 
@@ -190,6 +197,15 @@ def _rank_main() -> int:
         return done
 
     ElasticLion.step = step  # type: ignore[method-assign]
+
+    core_check = DistributedLion.check_replicas
+
+    def check(self: DistributedLion) -> None:
+        if first and kill_in_check is not None and kill_in_check == (rank, self.step_count):
+            os.kill(os.getpid(), signal.SIGKILL)
+        core_check(self)
+
+    DistributedLion.check_replicas = check  # type: ignore[method-assign]
 
     ddp_step = DDPOptimizer.step
     count = 0

@@ -23,12 +23,15 @@ lioncub's elastic API:
    ``membership``.
 5. Collectives outside the optimizer's steps (the replica check every ``--check-every``
    steps, checkpoints) run at points every rank reaches after the same committed step,
-   joiners included; a failure inside one of them is left to the next step, whose
-   collectives then fail on every rank and recover. The evaluations use no communication:
+   joiners included; after a failure inside one of them (:meth:`ElasticLion.recover
+   <lioncub.elastic.ElasticLion.recover>` there, the next step's recovery on the ranks that
+   got through) every rank does that step boundary again. The evaluations use no
+   communication:
    the current rank 0 evaluates the whole validation set itself (the replicas are
    identical).
-6. :meth:`bitcoll.elastic.ElasticGroup.finish` at the end: restarted processes that still
-   wait to join give up (and exit 0).
+6. :meth:`lioncub.elastic.ElasticLion.finish` at the end: the replicas are checked (in a new
+   epoch if a rank fails meanwhile), and restarted processes that still wait to join give up
+   (and exit 0). The final checkpoint (``--save``) follows it.
 
 The step records of the JSON log are the logging rank's own figures (its loss, times and
 bytes; no per-step all-reduce), ``world_size`` the size of the step's epoch. ``--save``
@@ -202,30 +205,37 @@ def _loop(args: argparse.Namespace, group: ElasticGroup, opt: ElasticLion, model
             target = dict(rec)
             progress.note(f"target val loss {args.target_loss:g} reached at step {step}")
 
+    def save(count: int) -> None:
+        epoch = group.epoch
+        save_checkpoint(args.save, group.comm, {
+            "format": CHECKPOINT_FORMAT, "rank": epoch.rank, "world_size": epoch.size,
+            "step": count, "epoch": epoch.number,
+            "trajectory": {**{k: getattr(args, k) for k in TRAJECTORY_KEYS},
+                           "fault_tolerant": True},
+            "model": model.state_dict(), "optimizer": _tensors(opt.opt.state_dict()),
+            "steps": steps, "evals": evals})
+        say(f"checkpoint of step {count} written to {args.save} by the {epoch.size} live ranks")
+
     def at_boundary(count: int) -> None:
-        """What follows committed step ``count`` on every rank of the epoch."""
+        """What follows committed step ``count`` on every rank of the epoch (a joiner starts
+        here too). A failure inside a check or checkpoint moves every rank to the next epoch
+        (``opt.recover()`` here, or the next step's recovery on the ranks that got through)
+        and all of them, joiners included, do this step boundary again."""
         if count == args.steps or (args.eval_every and count % args.eval_every == 0) \
                 or count == 0:
             do_eval(count)
-        try:
-            if args.check_every and count % args.check_every == 0 and 0 < count < stop:
-                check_replicas(opt.opt.check_replicas, f"after step {count}")
-            if args.save is not None and count > 0 and (
-                    count == stop or (args.save_every and count % args.save_every == 0)):
-                epoch = group.epoch
-                save_checkpoint(args.save, group.comm, {
-                    "format": CHECKPOINT_FORMAT, "rank": epoch.rank,
-                    "world_size": epoch.size, "step": count, "epoch": epoch.number,
-                    "trajectory": {**{k: getattr(args, k) for k in TRAJECTORY_KEYS},
-                                   "fault_tolerant": True},
-                    "model": model.state_dict(),
-                    "optimizer": _tensors(opt.opt.state_dict()),
-                    "steps": steps, "evals": evals})
-                say(f"checkpoint of step {count} written to {args.save} by the "
-                    f"{epoch.size} live ranks")
-        except CommError as exc:  # the next step's collectives fail too, and recover
-            say(f"step {count}: a failure interrupted the check or checkpoint ({exc}); "
-                "recovering at the next step")
+        while True:
+            try:
+                if args.check_every and count % args.check_every == 0 and 0 < count < stop:
+                    check_replicas(opt.opt.check_replicas, f"after step {count}")
+                if args.save is not None and args.save_every and 0 < count < stop \
+                        and count % args.save_every == 0:
+                    save(count)
+                return
+            except CommError as exc:
+                say(f"step {count}: a failure interrupted the check or checkpoint ({exc})")
+                opt.recover()  # the state stays that of step `count`
+                report_epochs()
 
     at_boundary(opt.step_count)
     warm = True
@@ -265,8 +275,12 @@ def _loop(args: argparse.Namespace, group: ElasticGroup, opt: ElasticLion, model
     train_time = time.perf_counter() - train_start
     if not evals:  # rank 0 changed and the new one has not evaluated yet
         do_eval(opt.step_count)
-    check_replicas(opt.opt.check_replicas, "after training")
-    group.finish()
+    # every replica checked (again in a new epoch if a rank fails meanwhile), then the
+    # processes still waiting to join are released
+    check_replicas(opt.finish, "after training")
+    report_epochs()
+    if args.save is not None:  # after finish(): no joiner can come in any more
+        save(opt.step_count)
     if not lead():
         return None
     summary = summarize(args, steps, evals, world_size=group.epoch.size,
