@@ -7,7 +7,10 @@ The test process plays the launcher: it serves the store (so any rank, rank 0 in
 die), starts a replacement whenever a rank dies, and sends SIGCONT to a stopped rank once
 the others went on without it. The faults are injected by the ranks themselves at a given
 step and epoch rank (each fires once: a file created with O_EXCL), so nothing depends on
-timing. Every wait has a deadline.
+timing. The liveness verdicts do not either: a killed process is seen dead in ``/proc``, the
+stopped one by its heartbeat standing still for ``dead_after`` (3 s here: no live process's
+heartbeat thread starves that long), and a live member is waited for while its heartbeat
+moves, whichever survivor reports first. Every wait has a deadline.
 """
 
 from __future__ import annotations
