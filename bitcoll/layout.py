@@ -54,7 +54,7 @@ def _values(x: HostArray, name: str) -> Array:
     arr, bf16 = to_numpy(x, name)
     if bf16:
         raise UsageError(f"{name} has dtype {type_name(arr, bf16)}, which bitcoll.layout "
-                         f"does not pack; convert it to float32 first")
+                         f"does not pack; convert it to float32 first", argument=name)
     return np.ascontiguousarray(arr).reshape(-1)
 
 
@@ -64,9 +64,9 @@ def packed_stream(x: HostArray, name: str) -> Array:
     arr, bf16 = to_numpy(x, name)
     if bf16 or arr.dtype != np.uint8:
         raise UsageError(f"{name} must have dtype uint8 (a packed stream), got "
-                         f"{type_name(arr, bf16)}")
+                         f"{type_name(arr, bf16)}", argument=name)
     if not arr.flags.c_contiguous:
-        raise UsageError(f"{name} must be C-contiguous")
+        raise UsageError(f"{name} must be C-contiguous", argument=name)
     return arr.reshape(-1)
 
 
@@ -82,7 +82,7 @@ def field_width(max_abs: int) -> int:
     ``max_abs``: ``ceil(log2(2 max_abs + 1))`` (at least 1). ``field_width(levels)`` is
     ``w_in`` of the quantized collectives, ``field_width(levels * size)`` their ``w_out``."""
     if isinstance(max_abs, bool) or not isinstance(max_abs, (int, np.integer)) or max_abs < 0:
-        raise UsageError(f"max_abs must be an integer >= 0, got {max_abs!r}")
+        raise UsageError(f"max_abs must be an integer >= 0, got {max_abs!r}", argument="max_abs")
     return max(1, int(2 * max_abs).bit_length())
 
 

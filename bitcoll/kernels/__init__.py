@@ -217,38 +217,38 @@ def _as_int(v: object, name: str) -> int:
     if type(v) is int:
         return v
     if isinstance(v, (bool, np.bool_)):
-        raise UsageError(f"{name} must be an integer, got {v!r}")
+        raise UsageError(f"{name} must be an integer, got {v!r}", argument=name)
     try:
         return operator.index(v)  # type: ignore[arg-type]
     except TypeError:
-        raise UsageError(f"{name} must be an integer, got {v!r}") from None
+        raise UsageError(f"{name} must be an integer, got {v!r}", argument=name) from None
 
 
 def _length(n: object) -> int:
     k = _as_int(n, "n")
     if k < 0:
-        raise UsageError(f"n must be >= 0, got {k}")
+        raise UsageError(f"n must be >= 0, got {k}", argument="n")
     return k
 
 
 def _width(width: object) -> int:
     w = _as_int(width, "width")
     if not 1 <= w <= MAX_FIELD_WIDTH:
-        raise UsageError(f"width must be in [1, {MAX_FIELD_WIDTH}], got {w}")
+        raise UsageError(f"width must be in [1, {MAX_FIELD_WIDTH}], got {w}", argument="width")
     return w
 
 
 def _vector(a: object, name: str, dtypes: tuple[np.dtype[Any], ...],
             ndim: int = 1) -> npt.NDArray[Any]:
     if not isinstance(a, np.ndarray):
-        raise UsageError(f"{name} must be a numpy array, got {type(a).__name__}")
+        raise UsageError(f"{name} must be a numpy array, got {type(a).__name__}", argument=name)
     if a.ndim != ndim:
-        raise UsageError(f"{name} must be {ndim}-D, got shape {a.shape}")
+        raise UsageError(f"{name} must be {ndim}-D, got shape {a.shape}", argument=name)
     if a.dtype not in dtypes:
         allowed = ", ".join(str(d) for d in dtypes)
-        raise UsageError(f"{name} has dtype {a.dtype}; expected one of: {allowed}")
+        raise UsageError(f"{name} has dtype {a.dtype}; expected one of: {allowed}", argument=name)
     if not a.flags.c_contiguous:
-        raise UsageError(f"{name} must be C-contiguous")
+        raise UsageError(f"{name} must be C-contiguous", argument=name)
     return a
 
 
@@ -257,11 +257,12 @@ def _out(out: object, dtype: np.dtype[Any], size: int, name: str = "out") -> npt
     if out is None:
         return np.empty(size, dtype=dtype)
     if not isinstance(out, np.ndarray):
-        raise UsageError(f"{name} must be a numpy array, got {type(out).__name__}")
+        raise UsageError(f"{name} must be a numpy array, got {type(out).__name__}", argument=name)
     if out.dtype != dtype or out.shape != (size,):
-        raise UsageError(f"{name} must be {dtype}[{size}], got {out.dtype}{list(out.shape)}")
+        raise UsageError(f"{name} must be {dtype}[{size}], got {out.dtype}{list(out.shape)}",
+                         argument=name)
     if not out.flags.c_contiguous or not out.flags.writeable:
-        raise UsageError(f"{name} must be writeable and C-contiguous")
+        raise UsageError(f"{name} must be writeable and C-contiguous", argument=name)
     return out
 
 
@@ -270,17 +271,17 @@ def _out_dtype(dtype: npt.DTypeLike, allowed: Sequence[np.dtype[Any]]) -> np.dty
     try:
         dt = np.dtype(dtype)
     except TypeError as exc:
-        raise UsageError(f"invalid dtype {dtype!r}") from exc
+        raise UsageError(f"invalid dtype {dtype!r}", argument="dtype") from exc
     if dt not in allowed:
         raise UsageError(f"dtype {dt} not supported; expected one of: "
-                         f"{', '.join(str(d) for d in allowed)}")
+                         f"{', '.join(str(d) for d in allowed)}", argument="dtype")
     return dt
 
 
 def _bits_input(bits: object, nbytes: int, name: str) -> npt.NDArray[np.uint8]:
     b = _vector(bits, name, (np.dtype(np.uint8),))
     if b.size != nbytes:
-        raise UsageError(f"{name} must hold exactly {nbytes} bytes, got {b.size}")
+        raise UsageError(f"{name} must hold exactly {nbytes} bytes, got {b.size}", argument=name)
     return b
 
 
@@ -288,7 +289,7 @@ def _votes_input(packed: object, n: int) -> npt.NDArray[np.uint8]:
     a = _vector(packed, "packed", (np.dtype(np.uint8),), ndim=2)
     if a.shape[1] != packed_nbytes(n):
         raise UsageError(f"packed must have {packed_nbytes(n)} bytes per row for n={n}, "
-                         f"got shape {a.shape}")
+                         f"got shape {a.shape}", argument="packed")
     return a
 
 
@@ -315,7 +316,7 @@ def packed_nbytes(n: int, width: int = 1) -> int:
     k = _length(n)
     w = _as_int(width, "width")
     if w < 1:
-        raise UsageError(f"width must be >= 1, got {w}")
+        raise UsageError(f"width must be >= 1, got {w}", argument="width")
     return (k * w + 7) // 8
 
 
@@ -332,7 +333,7 @@ def pack_signs(x: npt.NDArray[np.floating[Any]],
     err = _dispatch(n, _k.pack_votes_serial, _k.pack_votes_parallel, (u, res, *masks, False),
                     _CHUNK_ELEMENTS // _k.BLOCK)
     if err >= 0:
-        raise UsageError(f"NaN in vote input at index {err}")
+        raise UsageError(f"NaN in vote input at index {err}", argument="x", index=int(err))
     return res
 
 
@@ -351,7 +352,7 @@ def pack_ternary(x: npt.NDArray[np.floating[Any]],
     err = _dispatch(n, _k.pack_votes_serial, _k.pack_votes_parallel, (u, res, *masks, True),
                     _CHUNK_ELEMENTS // _k.BLOCK)
     if err >= 0:
-        raise UsageError(f"NaN in vote input at index {err}")
+        raise UsageError(f"NaN in vote input at index {err}", argument="x", index=int(err))
     return res
 
 
@@ -393,23 +394,25 @@ def _sign_values_cached(dt: np.dtype[Any], scale: float) -> tuple[int, int]:
 
 def _sign_values_of(dt: np.dtype[Any], scale: object) -> tuple[int, int]:
     if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.number)):
-        raise UsageError(f"scale must be a real number, got {scale!r}")
+        raise UsageError(f"scale must be a real number, got {scale!r}", argument="scale")
     ut = _UNSIGNED_OF_SIZE[dt.itemsize]
     if dt.kind == "i":
         if isinstance(scale, (float, np.floating)) and not float(scale).is_integer():
-            raise UsageError(f"scale must be an integer for dtype {dt}, got {scale!r}")
+            raise UsageError(f"scale must be an integer for dtype {dt}, got {scale!r}",
+                             argument="scale")
         s = int(scale)
         info = np.iinfo(dt)
         if abs(s) > info.max:
-            raise UsageError(f"scale {s} and -scale are not both representable in {dt}")
+            raise UsageError(f"scale {s} and -scale are not both representable in {dt}",
+                             argument="scale")
         vals = np.array([s, -s], dtype=dt)
     else:
         if isinstance(scale, (complex, np.complexfloating)):
-            raise UsageError(f"scale must be a real number, got {scale!r}")
+            raise UsageError(f"scale must be a real number, got {scale!r}", argument="scale")
         with np.errstate(over="ignore"):
             vals = np.array([scale, -float(scale)], dtype=np.float64).astype(dt)
         if not np.isfinite(vals).all():
-            raise UsageError(f"scale {scale!r} is not finite in {dt}")
+            raise UsageError(f"scale {scale!r} is not finite in {dt}", argument="scale")
     raw = vals.view(ut)
     return int(raw[0]), int(raw[1])
 
@@ -443,7 +446,8 @@ def majority(packed: npt.NDArray[np.uint8], n: int, tie: int, tie_offset: int = 
     a = _votes_input(packed, n)
     p = a.shape[0]
     if p < 1:
-        raise UsageError("majority needs at least one vote vector (packed has 0 rows)")
+        raise UsageError("majority needs at least one vote vector (packed has 0 rows)",
+                         argument="packed")
     return _majority(a, np.zeros(p, np.int64), p, n, tie, tie_offset, out)
 
 
@@ -465,13 +469,13 @@ def majority_of_counts(planes: npt.NDArray[np.uint8], shifts: Sequence[int], vot
     k = a.shape[0]
     sh = np.asarray(shifts, dtype=np.int64)
     if sh.shape != (k,):
-        raise UsageError(f"shifts has {sh.size} entries for {k} planes")
+        raise UsageError(f"shifts has {sh.size} entries for {k} planes", argument="shifts")
     v = _as_int(votes, "votes")
     if v < 1:
-        raise UsageError(f"votes must be >= 1, got {v}")
+        raise UsageError(f"votes must be >= 1, got {v}", argument="votes")
     if k and (int(sh.min()) < 0 or int(sh.max()) >= v.bit_length()):
         raise UsageError(f"shifts must lie in [0, {v.bit_length()}) for {v} votes, got "
-                         f"{sh.tolist()}")
+                         f"{sh.tolist()}", argument="shifts")
     return _majority(a, sh, v, n, tie, tie_offset, out)
 
 
@@ -482,7 +486,7 @@ def _majority(a: npt.NDArray[np.uint8], shifts: npt.NDArray[np.int64], p: int, n
     offset = _as_int(tie_offset, "tie_offset")
     if tie not in (TIE_POSITIVE, TIE_NEGATIVE, TIE_ALTERNATE):
         raise UsageError(f"tie must be TIE_POSITIVE (0), TIE_NEGATIVE (1) or TIE_ALTERNATE "
-                         f"(2), got {tie}")
+                         f"(2), got {tie}", argument="tie")
     if p % 2 == 1 or tie == TIE_NEGATIVE:
         tie_mask = 0
     elif tie == TIE_POSITIVE:
@@ -514,14 +518,15 @@ def count_planes(packed: npt.NDArray[np.uint8], n: int, width: int,
     n = _length(n)
     first = _as_int(start, "start")
     if first < 0 or first % 8:
-        raise UsageError(f"start must be a multiple of 8 and >= 0, got {first}")
+        raise UsageError(f"start must be a multiple of 8 and >= 0, got {first}", argument="start")
     a = _vector(packed, "packed", (np.dtype(np.uint8),), ndim=2)
     if a.shape[1] < packed_nbytes(first + n):
         raise UsageError(f"packed must have at least {packed_nbytes(first + n)} bytes per row "
-                         f"for start={first}, n={n}, got shape {a.shape}")
+                         f"for start={first}, n={n}, got shape {a.shape}", argument="packed")
     w = _as_int(width, "width")
     if not 1 <= w <= 16 or (1 << w) <= a.shape[0]:
-        raise UsageError(f"width must be in [1, 16] with 2**width > {a.shape[0]} rows, got {w}")
+        raise UsageError(f"width must be in [1, 16] with 2**width > {a.shape[0]} rows, got {w}",
+                         argument="width")
     shape = (w, packed_nbytes(n))
     if out is None:
         res = np.empty(shape, np.uint8)
@@ -568,7 +573,8 @@ def pack_fields(values: npt.NDArray[np.integer[Any]], width: int, bias: int,
                         _CHUNK_ELEMENTS // _k.GROUP)
     if err >= 0:
         raise UsageError(f"value {int(v[err])} at index {err} does not fit in a {w}-bit field "
-                         f"with bias {b} (values must lie in [{lo}, {hi}])")
+                         f"with bias {b} (values must lie in [{lo}, {hi}])",
+                         argument="values", index=int(err))
     return res
 
 

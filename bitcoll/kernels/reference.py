@@ -35,7 +35,8 @@ def packed_nbytes(n: int, width: int = 1) -> int:
 def _check_nan(x: npt.NDArray[Any]) -> None:
     bad = np.flatnonzero(np.isnan(x))
     if bad.size:
-        raise UsageError(f"NaN in vote input at index {int(bad[0])}")
+        raise UsageError(f"NaN in vote input at index {int(bad[0])}",
+                         argument="x", index=int(bad[0]))
 
 
 def _bits_to_fields(fields: npt.NDArray[np.int64], width: int) -> U8:
@@ -107,7 +108,8 @@ def majority_of_sums(sums: npt.NDArray[np.integer[Any]], tie: str,
         even = (np.arange(sums.size, dtype=np.int64) + tie_offset) % 2 == 0
         out[ties] = np.where(even[ties.reshape(-1)], 1, -1).astype(np.int8)
     else:
-        raise UsageError(f"tie must be 'positive', 'negative' or 'alternate', got {tie!r}")
+        raise UsageError(f"tie must be 'positive', 'negative' or 'alternate', got {tie!r}",
+                         argument="tie")
     return out
 
 
@@ -118,7 +120,8 @@ def pack_fields(values: npt.NDArray[np.integer[Any]], width: int, bias: int) -> 
     if bad.size:
         i = int(bad[0])
         raise UsageError(f"value {int(values[i])} at index {i} does not fit in a {width}-bit "
-                         f"field with bias {bias} (values must lie in [{lo}, {hi}])")
+                         f"field with bias {bias} (values must lie in [{lo}, {hi}])",
+                         argument="values", index=i)
     return _bits_to_fields(values.astype(np.int64) + np.int64(bias), width)
 
 
