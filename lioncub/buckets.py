@@ -48,7 +48,8 @@ def make_buckets(sizes: Sequence[int], bucket_elems: int) -> list[Bucket]:
     elements (a larger tensor gets a bucket of its own). Raises UsageError for
     ``bucket_elems < 1`` or a negative size."""
     if isinstance(bucket_elems, bool) or not isinstance(bucket_elems, int) or bucket_elems < 1:
-        raise UsageError(f"bucket size must hold at least one element, got {bucket_elems!r}")
+        raise UsageError(f"bucket size must hold at least one element, got {bucket_elems!r}",
+                         argument="bucket_size")
     buckets: list[Bucket] = []
     current: list[Slot] = []
     fill = 0
@@ -61,7 +62,8 @@ def make_buckets(sizes: Sequence[int], bucket_elems: int) -> list[Bucket]:
 
     for index, size in enumerate(sizes):
         if size < 0:
-            raise UsageError(f"tensor {index} has a negative size {size}")
+            raise UsageError(f"tensor {index} has a negative size {size}",
+                             argument="sizes", index=index)
         if size == 0:
             continue
         if current and fill + size > bucket_elems:

@@ -63,7 +63,7 @@ NameFilter = str | Sequence[str] | re.Pattern[str] | Callable[[str], bool]
 
 def _positive_int(name: str, value: object, minimum: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise UsageError(f"{name} must be an integer >= {minimum}, got {value!r}")
+        raise UsageError(f"{name} must be an integer >= {minimum}, got {value!r}", argument=name)
     return value
 
 
@@ -97,7 +97,7 @@ class MomentumSync(ABC):
         """Restore :meth:`state_dict`; raise UsageError if it belongs to another schedule."""
         if state.get("spec") != self.spec():
             raise UsageError(f"momentum sync state is for {state.get('spec')!r}, this "
-                             f"optimizer uses {self.spec()!r}")
+                             f"optimizer uses {self.spec()!r}", argument="state")
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.spec()!r}>"
@@ -189,7 +189,8 @@ class Adaptive(MomentumSync):
     def __init__(self, threshold: float, min_interval: int = 1, warmup: int = 0) -> None:
         if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) \
                 or not 0.0 <= float(threshold) <= 1.0:
-            raise UsageError(f"threshold must be a number in [0, 1], got {threshold!r}")
+            raise UsageError(f"threshold must be a number in [0, 1], got {threshold!r}",
+                             argument="threshold")
         self.threshold = float(threshold)
         self.min_interval = _positive_int("min_interval", min_interval)
         self.warmup = _positive_int("warmup", warmup, minimum=0)
@@ -198,7 +199,8 @@ class Adaptive(MomentumSync):
     def select(self, step: int, agreement: Mapping[int, float] | None,
                names: Sequence[str]) -> list[int]:
         if agreement is None:
-            raise UsageError("adaptive momentum sync needs a variant with exact vote sums")
+            raise UsageError("adaptive momentum sync needs a variant with exact vote sums",
+                             argument="momentum_sync")
         if step <= self.warmup:
             return []
         chosen = [i for i in sorted(agreement)
@@ -231,7 +233,7 @@ def _name_predicate(include: NameFilter) -> tuple[Callable[[str], bool], str]:
     globs = list(include)
     if not globs or not all(isinstance(g, str) and g for g in globs):
         raise UsageError(f"include must be glob pattern(s), a regex or a predicate, "
-                         f"got {include!r}")
+                         f"got {include!r}", argument="include")
     return (lambda name: any(fnmatch.fnmatchcase(name, g) for g in globs)), ",".join(globs)
 
 
@@ -269,11 +271,12 @@ class Selective(MomentumSync):
 
 def _ints(spec: str, parts: list[str], lo: int, hi: int) -> list[int]:
     if not lo <= len(parts) <= hi:
-        raise UsageError(f"bad momentum sync spec {spec!r}")
+        raise UsageError(f"bad momentum sync spec {spec!r}", argument="momentum_sync")
     try:
         return [int(x) for x in parts]
     except ValueError:
-        raise UsageError(f"bad momentum sync spec {spec!r}: expected integers") from None
+        raise UsageError(f"bad momentum sync spec {spec!r}: expected integers",
+                         argument="momentum_sync") from None
 
 
 def parse_sync(spec: MomentumSync | str | None) -> MomentumSync:
@@ -290,7 +293,7 @@ def parse_sync(spec: MomentumSync | str | None) -> MomentumSync:
         return spec
     if not isinstance(spec, str):
         raise UsageError(f"momentum_sync must be a MomentumSync, a string spec or None, got "
-                         f"{type(spec).__name__}")
+                         f"{type(spec).__name__}", argument="momentum_sync")
     text = spec.strip()
     if "@" in text:
         inner, _, globs = text.partition("@")
@@ -310,10 +313,12 @@ def parse_sync(spec: MomentumSync | str | None) -> MomentumSync:
         try:
             threshold = float(rest[0])
         except ValueError:
-            raise UsageError(f"bad momentum sync spec {spec!r}: threshold") from None
+            raise UsageError(f"bad momentum sync spec {spec!r}: threshold",
+                             argument="momentum_sync") from None
         if not math.isfinite(threshold):
-            raise UsageError(f"bad momentum sync spec {spec!r}: threshold")
+            raise UsageError(f"bad momentum sync spec {spec!r}: threshold",
+                             argument="momentum_sync")
         return Adaptive(threshold, *_ints(spec, rest[1:], 0, 2))
     raise UsageError(f"unknown momentum sync spec {spec!r}; expected none, every:K, "
                      "exp:K[:START], early:S[:EVERY], adaptive:T[:MIN_INTERVAL[:WARMUP]], "
-                     "optionally followed by @GLOB[,GLOB...]")
+                     "optionally followed by @GLOB[,GLOB...]", argument="momentum_sync")

@@ -455,11 +455,11 @@ def test_bad_arguments(comm: Any) -> None:
         lioncub.DistributedLion([], comm)
     with raises_usage("names"):
         lioncub.DistributedLion(params, comm, names=["x"])
-    with pytest.raises(UsageError):
+    with raises_usage("lr"):
         lioncub.DistributedLion(params, comm, lr=-1.0)
-    with pytest.raises(UsageError):
+    with raises_usage("betas"):
         lioncub.DistributedLion(params, comm, betas=(0.9,))  # type: ignore[arg-type]
-    with pytest.raises(UsageError):
+    with raises_usage("bucket_size"):
         lioncub.DistributedLion(params, comm, bucket_size=0)
     opt.param_groups[0]["lr"] = float("inf")
     with raises_usage("lr"):
