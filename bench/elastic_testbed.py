@@ -10,7 +10,7 @@ For every fault the driver runs ``BITCOLL_MAX_RESTARTS=1 python bench/netbed.py 
 --rate 1gbit bench/elastic_testbed.py --rank ...``: each host's launcher serves/uses the
 elastic store (host 0's) and restarts a rank that dies. The ranks train a linear least-squares
 model (``--weights`` float32 weights, 32 rows per rank and step) with lioncub-l1 through
-:class:`lioncub.elastic.ElasticLion`; the data of a step depends only on the seed, the step
+:class:`lioncub.elastic.ElasticLion`; the data of a step depends only on the seeds, the step
 and the epoch's rank and size. At step ``--fault-at`` the rank of host 2 (its first
 incarnation) injects the fault on itself:
 
@@ -29,7 +29,8 @@ victim the moment of its fault; rank 0 of each epoch logs the validation loss af
 committed step. The driver reports per fault: the time from the fault to the survivors' next
 committed step, the steps each survivor lost (``ElasticLion.lost_steps``: only the step in
 flight is lost when this is 1), the world size at the end, and the final validation loss
-beside the undisturbed run's with the same seed and with the next seed (the noise).
+at the last step of ``--steps`` beside the undisturbed run's with the same data order and
+with another data order (the noise; the problem is the same).
 """
 
 from __future__ import annotations
@@ -57,8 +58,11 @@ def truth(seed: int, n: int) -> np.ndarray:
     return np.random.default_rng([seed, 0]).standard_normal(n).astype(np.float32)
 
 
-def rows(seed: int, n: int, step: int, rank: int, size: int) -> tuple[np.ndarray, np.ndarray]:
-    rng = np.random.default_rng([seed, 1, step, size, rank])
+def rows(seed: int, data: int, n: int, step: int, rank: int, size: int
+         ) -> tuple[np.ndarray, np.ndarray]:
+    """Rank ``rank``'s rows at ``step`` in a world of ``size``; ``data`` picks the data
+    order (the problem, ``truth(seed)``, stays)."""
+    rng = np.random.default_rng([seed, 1, data, step, size, rank])
     x = rng.standard_normal((ROWS, n)).astype(np.float32)
     y = x @ truth(seed, n) + np.float32(0.1) * rng.standard_normal(ROWS).astype(np.float32)
     return x, y
@@ -75,8 +79,8 @@ def rank_main(a: argparse.Namespace) -> None:
     first = os.environ.get("BITCOLL_RESTART_COUNT", "0") == "0"
     log = open(Path(a.folder, f"rank{rank}-{os.getpid()}.log"), "a", buffering=1)  # noqa: SIM115
     n = a.weights
-    vx = np.concatenate([rows(a.seed, n, 1 << 30, r, 8)[0] for r in range(8)])
-    vy = np.concatenate([rows(a.seed, n, 1 << 30, r, 8)[1] for r in range(8)])
+    vx = np.concatenate([rows(a.seed, 0, n, 1 << 30, r, 8)[0] for r in range(8)])
+    vy = np.concatenate([rows(a.seed, 0, n, 1 << 30, r, 8)[1] for r in range(8)])
     try:
         group = ElasticGroup.from_env(timeout=a.timeout, dead_after=a.dead_after,
                                       join_check=0.05)
@@ -119,7 +123,7 @@ def rank_main(a: argparse.Namespace) -> None:
     while not agree(opt.step_count >= a.steps and (
             a.fault == "none" or opt.epoch.size == world or time.monotonic() - start > 120)):
         e = opt.epoch
-        x, y = rows(a.seed, n, opt.step_count, e.rank, e.size)
+        x, y = rows(a.seed, a.data_seed, n, opt.step_count, e.rank, e.size)
         grad = ((2.0 / ROWS) * (x.T @ (x @ w - y))).astype(np.float32)
         if victim and opt.step_count == a.fault_at:
             victim = False
@@ -143,11 +147,12 @@ def rank_main(a: argparse.Namespace) -> None:
     group.close()
 
 
-def run_one(a: argparse.Namespace, fault: str, seed: int) -> dict[str, object]:
+def run_one(a: argparse.Namespace, fault: str, data: int) -> dict[str, object]:
     """One testbed run; returns its figures."""
     folder = tempfile.mkdtemp(prefix=f"elastic-testbed-{fault}-")
     cmd = [sys.executable, str(ROOT / "bench" / "netbed.py"), "--hosts", "4", "--rate", a.rate,
-           str(Path(__file__).resolve()), "--rank", "--fault", fault, "--seed", str(seed),
+           str(Path(__file__).resolve()), "--rank", "--fault", fault, "--seed", str(a.seed),
+           "--data-seed", str(data),
            "--folder", folder, "--steps", str(a.steps), "--fault-at", str(a.fault_at),
            "--weights", str(a.weights), "--timeout", str(a.timeout),
            "--dead-after", str(a.dead_after), "--pause", str(a.pause), "--lr", str(a.lr)]
@@ -180,7 +185,7 @@ def run_one(a: argparse.Namespace, fault: str, seed: int) -> dict[str, object]:
             f = x.split()
             if f[0] == "commit" and "loss" in f:
                 curve[int(f[1])] = float(f[f.index("loss") + 1])
-    return {"fault": fault, "seed": seed, "status": proc.returncode, "seconds": took,
+    return {"fault": fault, "seed": data, "status": proc.returncode, "seconds": took,
             "recovery_s": recovery,
             "lost": {k: int(v[4]) for k, v in ends.items()},
             "size_at_end": sorted({int(v[6]) for v in ends.values()}),
@@ -195,33 +200,42 @@ def render(a: argparse.Namespace, runs: list[dict[str, object]], cmd: str) -> st
     lines = [f"# A lost host on the testbed: 4 hosts, {a.rate} links", "",
              f"Command: `{cmd}`", "",
              f"lioncub-l1 through `lioncub.elastic.ElasticLion` on a linear least-squares model "
-             f"({a.weights} float32 weights, {ROWS} rows per rank and step, lr {a.lr}), "
+             f"(problem seed {a.seed}, {a.weights} float32 weights, {ROWS} rows per rank and step, lr {a.lr}), "
              f"{a.steps} steps (more while a replacement is on its way); the fault hits "
              f"host {VICTIM}'s rank at step {a.fault_at}. Collective deadline {a.timeout} s, "
              f"dead_after {a.dead_after} s, heartbeat 0.1 s; stop and partition last "
              f"{a.pause} s. 'fault to next commit': from the fault to the last survivor's "
              "first committed step after it. 'lost': `ElasticLion.lost_steps` per process "
              "that finished (the survivors lose the step in flight: 1 each).", "",
-             "| fault | seed | fault to next commit (s) | lost (per finisher) | world at end | "
-             "steps | final loss | undisturbed, same seed | undisturbed, next seed |",
+             f"| fault | data order | fault to next commit (s) | lost (per finisher) | "
+             f"world at end | steps done | loss at step {a.steps - 1} | undisturbed, same "
+             "data order | undisturbed, other data order (noise) |",
              "|---|---|---|---|---|---|---|---|---|"]
+    last = a.steps - 1
+
+    def at(r: dict[str, object] | None) -> str:
+        if r is None:
+            return "-"
+        c = r["curve"]
+        assert isinstance(c, list)
+        return f"{c[last]:.2f}" if last < len(c) else "-"
+
     for r in runs:
         same = ref.get(r["seed"])
-        other = ref.get(int(str(r["seed"])) + 1)
+        other = next((x for k, x in ref.items() if k != r["seed"]), None)
         rec = "-" if r["recovery_s"] is None else f"{float(str(r['recovery_s'])):.3f}"
         lost = r["lost"]
         assert isinstance(lost, dict)
         lines.append(
             f"| {r['fault']} | {r['seed']} | {rec} | {sorted(lost.values())} | "
-            f"{r['size_at_end']} | {r['steps']} | {r['final_loss']} | "
-            f"{same['final_loss'] if same else '-'} | {other['final_loss'] if other else '-'} |")
+            f"{r['size_at_end']} | {r['steps']} | {at(r)} | {at(same)} | {at(other)} |")
     lines += ["", "Validation loss every 10 committed steps (rank 0 of each epoch):", "",
               "| run | " + " | ".join(str(k) for k in range(0, a.steps, 10)) + " |",
               "|---|" + "---|" * len(range(0, a.steps, 10))]
     for r in runs:
         c = r["curve"]
         assert isinstance(c, list)
-        lines.append(f"| {r['fault']} seed {r['seed']} | " +
+        lines.append(f"| {r['fault']}, data order {r['seed']} | " +
                      " | ".join(f"{c[k]:.2f}" if k < len(c) else "-"
                                 for k in range(0, a.steps, 10)) + " |")
     return "\n".join(lines) + "\n"
@@ -232,12 +246,13 @@ def main() -> None:
     ap.add_argument("--faults", default="none,kill,stop,partition")
     ap.add_argument("--fault", default="none", help=argparse.SUPPRESS)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--data-seed", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--noise-seed", action="store_true",
-                    help="also run the undisturbed job with the next seed (the noise)")
+                    help="also run the undisturbed job with another data order (the noise)")
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--fault-at", type=int, default=50)
     ap.add_argument("--weights", type=int, default=16385)
-    ap.add_argument("--lr", type=float, default=0.01)
+    ap.add_argument("--lr", type=float, default=0.02)
     ap.add_argument("--timeout", type=float, default=5.0)
     ap.add_argument("--dead-after", type=float, default=0.5)
     ap.add_argument("--pause", type=float, default=5.0)
@@ -251,9 +266,9 @@ def main() -> None:
         return
     cmd = " ".join(["python", "bench/elastic_testbed.py", *sys.argv[1:]])
     runs = []
-    plan = [(f, a.seed) for f in a.faults.split(",")]
+    plan = [(f, 0) for f in a.faults.split(",")]
     if a.noise_seed:
-        plan.append(("none", a.seed + 1))
+        plan.append(("none", 1))
     for fault, seed in plan:
         r = run_one(a, fault, seed)
         print(json.dumps({k: v for k, v in r.items() if k != "curve"}), flush=True)
