@@ -200,7 +200,8 @@ def render(a: argparse.Namespace, runs: list[dict[str, object]], cmd: str) -> st
     lines = [f"# A lost host on the testbed: 4 hosts, {a.rate} links", "",
              f"Command: `{cmd}`", "",
              f"lioncub-l1 through `lioncub.elastic.ElasticLion` on a linear least-squares model "
-             f"(problem seed {a.seed}, {a.weights} float32 weights, {ROWS} rows per rank and step, lr {a.lr}), "
+             f"(problem seed {a.seed}, {a.weights} float32 weights, {ROWS} rows per rank and "
+             f"step, lr {a.lr}), "
              f"{a.steps} steps (more while a replacement is on its way); the fault hits "
              f"host {VICTIM}'s rank at step {a.fault_at}. Collective deadline {a.timeout} s, "
              f"dead_after {a.dead_after} s, heartbeat 0.1 s; stop and partition last "
