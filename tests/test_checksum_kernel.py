@@ -229,7 +229,7 @@ def test_stream_sends_checksums_and_checks_them(dtype: str) -> None:
     rng = np.random.default_rng(5)
     dt = np.dtype(dtype)
     piece = 1000  # elements of the bounce buffer: folds and sends cross pieces
-    n0, n1 = 3 * piece + 5, piece + 1
+    n0, n1 = 3 * piece + 5, 20 * piece + 1  # the landed block crosses LAND_CRC_BYTES
     src = rng.integers(0, 100, n0 + n1).astype(dt)
     peer_src = rng.integers(0, 100, n0 + n1).astype(dt)
     segs0 = [(0, 2 * piece), (2 * piece, n0), (n0, n0)]
@@ -251,7 +251,8 @@ def test_stream_sends_checksums_and_checks_them(dtype: str) -> None:
     assert sent == b"".join(expected)
 
     # One bit flipped in a payload or a checksum: CHECKSUM at that frame.
-    for frame, where in [(0, HSZ + 7), (1, len(frames[1]) - 2), (2, HSZ + 1), (3, HSZ + 3)]:
+    for frame, where in [(0, HSZ + 7), (1, len(frames[1]) - 2), (2, HSZ + 1), (3, HSZ + 3),
+                         (3, len(frames[3]) - 7)]:
         bad = [bytearray(f) for f in frames]
         bad[frame][where] ^= 0x10
         work = np.zeros_like(src)

@@ -23,7 +23,8 @@ With ``checksum`` on, every frame is followed by the little-endian CRC32C
 its header and payload, the layout of the transport's frame path. The kernel checksums the
 bytes as they pass, while they are in the cache: a send checksums at most one piece (the bounce
 buffer's size) ahead of what the socket has taken, a fold checksums each piece of the bounce
-buffer just before folding it, and a landing receive the bytes each ``recv`` has just written.
+buffer just before folding it, and a landing receive what has landed once
+:data:`LAND_CRC_BYTES` wait.
 A receive whose checksum differs ends the call with CHECKSUM (the frame stays ``state[2]``).
 There is no second pass over the memory.
 
@@ -46,7 +47,7 @@ from .checksum import CHECKSUM_BYTES, crc32c_update
 
 __all__ = ["run_stream", "run_stream_checked", "STREAM_DTYPES", "Status", "MODE_LAND", "MODE_FOLD",
            "MODE_FOLD_DIVIDE", "OP_SUM", "OP_MAX", "OP_MIN", "STATE_SIZE", "TRAILER_SIZE",
-           "S_CRC", "S_CRC_POS", "R_CRC"]
+           "S_CRC", "S_CRC_POS", "R_CRC", "R_CRC_POS", "LAND_CRC_BYTES"]
 
 #: Element types :func:`run_stream` folds (float16 has no native arithmetic in numba).
 STREAM_DTYPES: Final = frozenset(np.dtype(t) for t in (
@@ -67,13 +68,19 @@ OP_MIN: Final = 2
 #: of the current receive folded or landed (header and checksum included), bytes waiting in
 #: the bounce buffer; with the checksum on, the current send's CRC32C so far (:data:`S_CRC`),
 #: how many of its bytes it covers (:data:`S_CRC_POS`, header included; 0: none yet) and the
-#: current receive's CRC32C so far (:data:`R_CRC`: of its header once the header is in; a
-#: caller that hands over a header read ahead, ``state[3] = header size``, sets it to the
-#: header's CRC32C).
-STATE_SIZE: Final = 8
+#: current receive's CRC32C so far (:data:`R_CRC`: of its header once the header is in) and
+#: how many of its bytes it covers (:data:`R_CRC_POS`; 0: none yet, also when a caller hands
+#: over a header it read ahead, ``state[3] = header size``).
+STATE_SIZE: Final = 9
 S_CRC: Final = 5
 S_CRC_POS: Final = 6
 R_CRC: Final = 7
+R_CRC_POS: Final = 8
+#: A landing receive checksums what has landed once this many bytes wait (or at the end of
+#: the payload): ``recv`` returns a few kilobytes at a time on a busy link, and the CRC's
+#: three-stream loop needs pieces of tens of kilobytes to run at full speed; these are still
+#: in the cache.
+LAND_CRC_BYTES: Final = 64 << 10
 #: Length of the ``tbuf`` array: the checksum being sent, then the one being received.
 TRAILER_SIZE: Final = 2 * CHECKSUM_BYTES
 
@@ -200,6 +207,7 @@ def run_stream_checked(work: Any, src: Any, op: int, divisor: Any, out_fd: int, 
     bbase = bounce.ctypes.data
     hbase = hbuf.ctypes.data
     shead = s_head.ctypes.data
+    rhead = r_head.ctypes.data
     piece = bounce.shape[0] * isz
     inplace = sbase == wbase
     si = state[0]
@@ -212,6 +220,7 @@ def run_stream_checked(work: Any, src: Any, op: int, divisor: Any, out_fd: int, 
     scrc = np.uint64(state[S_CRC])
     spos = state[S_CRC_POS]
     rcrc = np.uint64(state[R_CRC])
+    rpos = state[R_CRC_POS]
     status = -1
     # Whether a call may move bytes now: cleared when one moves fewer than asked (the socket
     # buffer is full, or empty), set again when poll says the socket is ready: no call is
@@ -266,6 +275,9 @@ def run_stream_checked(work: Any, src: Any, op: int, divisor: Any, out_fd: int, 
             if recv_ready and ri < nr:
                 pend = hsz + r_len[ri] * isz
                 total = pend + tsz
+                if checksum and rpos == 0 and rdone >= hsz:  # a header the caller read
+                    rcrc = crc32c_update(0, rhead + ri * hsz, hsz)
+                    rpos = hsz
                 want = min(piece, pend - rdone)  # a fold's piece
                 if rdone < hsz:  # where the next bytes go, and how many are wanted
                     addr, n = hbase + rdone, hsz - rdone
@@ -294,12 +306,15 @@ def run_stream_checked(work: Any, src: Any, op: int, divisor: Any, out_fd: int, 
                                     break
                                 if checksum:
                                     rcrc = crc32c_update(0, hbase, hsz)
+                                    rpos = hsz
                         elif rdone >= pend:
                             rdone += k
                         elif r_mode[ri] == MODE_LAND:
-                            if checksum:
-                                rcrc = crc32c_update(rcrc, addr, k)
                             rdone += k
+                            if checksum and (rdone - rpos >= LAND_CRC_BYTES or rdone == pend):
+                                rcrc = crc32c_update(rcrc, wbase + r_off[ri] * isz
+                                                     + (rpos - hsz), rdone - rpos)
+                                rpos = rdone
                         else:
                             fill += k
                             if fill == want:
@@ -320,6 +335,7 @@ def run_stream_checked(work: Any, src: Any, op: int, divisor: Any, out_fd: int, 
                     moved = True
                     ri += 1
                     rdone = 0
+                    rpos = 0
         if status >= 0:
             break
         if si >= ns and ri >= nr:
@@ -385,4 +401,5 @@ def run_stream_checked(work: Any, src: Any, op: int, divisor: Any, out_fd: int, 
     state[S_CRC] = np.int64(scrc)
     state[S_CRC_POS] = spos
     state[R_CRC] = np.int64(rcrc)
+    state[R_CRC_POS] = rpos
     return status
