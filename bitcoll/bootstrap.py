@@ -45,6 +45,7 @@ from .communicator import (
 )
 from .config import (
     DEFAULT_TIMEOUT,
+    ENV_CHECKSUM,
     ENV_INTEGRITY,
     ENV_MASTER_PORT,
     ENV_RENDEZVOUS_TIMEOUT,
@@ -231,7 +232,8 @@ def tcp_environment(environ: dict[str, str] | None = None,
 
 
 def _tcp_transport(timeout: float, store: object | None, integrity: bool,
-                   send_buffer: int | None, place: tuple[int, int] | None = None) -> Transport:
+                   send_buffer: int | None, place: tuple[int, int] | None = None,
+                   checksum: bool | None = None) -> Transport:
     from .transport.rendezvous.external_store import check_store, torchrun_store
     from .transport.tcp import TCPTransport
 
@@ -252,7 +254,7 @@ def _tcp_transport(timeout: float, store: object | None, integrity: bool,
     try:
         return TCPTransport.create(te.rank, te.size, te.master_addr, te.master_port or 0,
                                    timeout=setup, store=store, integrity=integrity,
-                                   send_buffer=send_buffer)
+                                   send_buffer=send_buffer, checksum=checksum)
     except CommTimeoutError as exc:
         # Name where the world size came from (and why the others may never come).
         raise CommTimeoutError(
@@ -281,7 +283,8 @@ def init(backend: str = "auto", timeout: float = DEFAULT_TIMEOUT,
          comm: object | None = None, store: object | None = None,
          integrity: bool | None = None, shm: bool | None = None,
          two_level: bool | None = None, send_buffer: int | None = None,
-         rank: int | None = None, size: int | None = None) -> Communicator:
+         rank: int | None = None, size: int | None = None,
+         checksum: bool | None = None) -> Communicator:
     """Create the communicator of this process's world.
 
     ``backend``: "auto", "mpi", "tcp" or "local" (see the module docstring for how "auto"
@@ -295,21 +298,25 @@ def init(backend: str = "auto", timeout: float = DEFAULT_TIMEOUT,
     a private duplicate of it (collective over ``comm``). ``store``: a torch.distributed
     ``Store`` (duck-typed: ``set``/``get``/``add``/``wait``) for the TCP backend's rendezvous;
     rank and size still come from the environment. ``integrity`` (TCP backend; default:
-    ``BITCOLL_INTEGRITY=1`` in the environment, else off): every data frame carries a keyed
-    MAC checked on arrival, so a frame altered on the wire is a ProtocolError rather than a
-    wrong result (every rank must use the same setting; costs a hash pass over the bytes on
-    each side, see the README). ``shm`` (TCP backend; default: ``BITCOLL_SHM`` in the
-    environment, ``0`` or ``1``, else on): ranks that share a host exchange frames through
-    shared memory instead of TCP (:mod:`bitcoll.transport.shm.hybrid`); ignored by the other
-    backends. ``two_level`` (default: ``BITCOLL_TWO_LEVEL`` in the environment, ``0`` or
+    ``BITCOLL_INTEGRITY=1`` in the environment, else off): every data frame carries a keyed MAC
+    checked on arrival, so a frame altered on the wire is a ProtocolError rather than a wrong
+    result (every rank must use the same setting; costs a hash pass over the bytes on each
+    side, see the README). ``checksum`` (TCP backend; default: ``BITCOLL_CHECKSUM`` in the
+    environment, ``0`` or ``1``, else on; off where ``integrity`` is on, whose tag covers it):
+    every TCP data frame carries a CRC32C checked on arrival, so a frame altered on the wire is
+    a ProtocolError naming the link rather than a wrong result (every rank must use the same
+    setting; shared memory and MPI carry none). ``shm`` (TCP backend; default: ``BITCOLL_SHM``
+    in the environment, ``0`` or ``1``, else on): ranks that share a host exchange frames
+    through shared memory instead of TCP (:mod:`bitcoll.transport.shm.hybrid`); ignored by the
+    other backends. ``two_level`` (default: ``BITCOLL_TWO_LEVEL`` in the environment, ``0`` or
     ``1``, else on): whether the two-level algorithms are the default when the ranks run on
-    several hosts and some host runs several (:attr:`Communicator.two_level`); every rank
-    must use the same setting (a rank that differs fails the first collective it changes
-    with ProtocolError). ``send_buffer`` (TCP backend; default: ``BITCOLL_SEND_BUFFER`` in the
+    several hosts and some host runs several (:attr:`Communicator.two_level`); every rank must
+    use the same setting (a rank that differs fails the first collective it changes with
+    ProtocolError). ``send_buffer`` (TCP backend; default: ``BITCOLL_SEND_BUFFER`` in the
     environment, else 128 KiB, :data:`bitcoll.transport.tcp.SEND_BUFFER_BYTES`): the send
-    buffer of each TCP data connection, in bytes, 0 for the kernel's own sizing (see
-    the README, "Socket buffers"); a rank with a bad value refuses to join, and the others
-    fail at once naming it. ``rank`` and ``size`` (only with ``store=``, both or neither):
+    buffer of each TCP data connection, in bytes, 0 for the kernel's own sizing (see the
+    README, "Socket buffers"); a rank with a bad value refuses to join, and the others fail at
+    once naming it. ``rank`` and ``size`` (only with ``store=``, both or neither):
     this process's rank and the number of ranks, instead of reading them from the
     environment (a torch.distributed backend knows them from its process group).
 
@@ -361,6 +368,10 @@ def init(backend: str = "auto", timeout: float = DEFAULT_TIMEOUT,
     if integrity and backend != "tcp":
         raise UsageError(f"integrity=True protects the TCP backend's frames; the {backend} "
                          "backend does not use it")
+    checked = switch(checksum, "checksum", ENV_CHECKSUM, True)
+    if checksum and backend != "tcp":
+        raise UsageError(f"checksum=True checks the TCP backend's frames; the {backend} "
+                         "backend does not use it")
     if send_buffer is not None and backend != "tcp":
         raise UsageError(f"send_buffer= sizes the TCP backend's connections; the {backend} "
                          "backend does not use it")
@@ -370,7 +381,7 @@ def init(backend: str = "auto", timeout: float = DEFAULT_TIMEOUT,
 
         transport = MPITransport.create(comm, timeout=timeout)
     elif backend == "tcp":
-        transport = _tcp_transport(timeout, store, check, send_buffer, place)
+        transport = _tcp_transport(timeout, store, check, send_buffer, place, checked)
     else:
         transport = LocalTransport()
     comm = Communicator(transport, timeout=timeout,
