@@ -274,3 +274,28 @@ def test_real_ranks_without_the_checksum_go_on_silently() -> None:
     assert all(etype is None for etype, _, _, _ in results.values()), results
     assert not all(right for _, _, right, _ in results.values()), results
     assert codes == [0, 0, 0], codes
+
+
+def _setting(comm: Any) -> bool:
+    transport = comm.transport
+    assert isinstance(transport, TCPTransport)
+    y = comm.allreduce(np.arange(10, dtype=np.float32))
+    assert np.array_equal(y, 2 * np.arange(10, dtype=np.float32))
+    return bool(transport.checksum)
+
+
+@pytest.mark.timeout(120)
+def test_init_switch() -> None:
+    """``bitcoll.init(checksum=...)`` over ``BITCOLL_CHECKSUM``; on by default; a non-TCP
+    backend refuses ``checksum=True``."""
+    from multiproc import run_world
+
+    import bitcoll
+
+    assert run_world(2, _setting, shm=False) == [True, True]
+    assert run_world(2, _setting, shm=False, checksum=False) == [False, False]
+    assert run_world(2, _setting, shm=False,
+                     rank_env={0: {"BITCOLL_CHECKSUM": "0"}, 1: {"BITCOLL_CHECKSUM": "0"}}
+                     ) == [False, False]
+    with pytest.raises(UsageError, match="checksum=True"):
+        bitcoll.init("local", checksum=True)
