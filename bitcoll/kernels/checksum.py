@@ -68,7 +68,7 @@ def _cpu_has_sse42() -> bool:
 
 
 #: Whether :func:`crc32c` uses the CPU's ``crc32`` instruction (else the table version).
-HARDWARE: Final = _cpu_has_sse42() and os.environ.get("BITCOLL_CRC_SOFTWARE", "") != "1"
+HARDWARE: Final = _cpu_has_sse42()
 
 
 # --------------------------------------------------------------------------------------------
