@@ -1,4 +1,5 @@
-"""Summarize DDP runs of ``train.py --json-log`` (e.g. ``results/ddp_hooks/``): per run the
+"""Summarize DDP runs of ``train.py --json-log`` (e.g. ``results/ddp_hooks/``) or of
+``bench/ddp_step.py --json`` (``results/ddp_hooks/step_profile/``): per run the
 mean and median step time (steps 4..N, as train.py's summary leaves out the first three), per
 configuration the median over the chosen rounds of the per-run medians, and the ratios the
 targets are about (Markdown tables on stdout)::
@@ -19,7 +20,9 @@ import sys
 from pathlib import Path
 
 #: (numerator, denominator) configurations whose ratio of medians is printed when both exist.
-RATIOS = [("hook_l1_gloo", "nocomm_hook_l1"), ("hook_l1_bitcoll", "nocomm_hook_l1"),
+RATIOS = [("hook1", "nocomm1"), ("hook25", "nocomm"), ("hook1", "nocomm"),
+          ("global_gloo", "hook1"), ("global_gloo", "hook25"),
+          ("hook_l1_gloo", "nocomm_hook_l1"), ("hook_l1_bitcoll", "nocomm_hook_l1"),
           ("gloo_global", "hook_l1_gloo"), ("gloo_global", "hook_l1_bitcoll"),
           ("gloo_global", "bitcoll_global"), ("votes_after_backward_l1", "hook_l1_gloo")]
 
@@ -42,7 +45,8 @@ def collect(folder: Path, first: int, last: int) -> dict[str, list[Run]]:
         if not first <= rnd <= last:
             continue
         log = json.loads(f.read_text())
-        times = [float(s["time"]) for s in log["steps"][3:]]
+        key = "total" if "args" in log else "time"  # bench/ddp_step.py's log, or train.py's
+        times = [float(s[key]) for s in log["steps"][3:]]
         if not times:
             continue
         txt = f.with_suffix(".txt")
@@ -51,7 +55,8 @@ def collect(folder: Path, first: int, last: int) -> dict[str, list[Run]]:
                     "?")
         runs.setdefault(cfg, []).append(Run(rnd, 1000 * statistics.mean(times),
                                             1000 * statistics.median(times),
-                                            float(log["summary"]["bytes_sent_per_step"]),
+                                            float(log["summary"].get("bytes_sent_per_step",
+                                                  log["summary"].get("bytes_sent_last_step", 0))),
                                             load))
     return runs
 
