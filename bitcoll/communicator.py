@@ -52,7 +52,7 @@ from .algorithms.hierarchical import allreduce_hierarchical, packed_hierarchical
 from .algorithms.sign_allreduce_allgather import packed_allgather
 from .algorithms.sign_allreduce_direct import packed_direct
 from .algorithms.sign_allreduce_ring import packed_ring
-from .algorithms.votes import TIES, VoteCodec, field_width
+from .algorithms.votes import TIES, VoteCodec, field_width, make_codec
 from .argcheck import AGREED
 from .arguments import call_signature, mismatch_text
 from .arrays import BFLOAT16, HostArray, bf16_tensor, to_numpy, type_name
@@ -1242,19 +1242,16 @@ class Communicator:
         if tie not in TIE_RULES:
             raise UsageError(f"unknown tie rule {tie!r}; expected one of "
                              f"{', '.join(TIE_RULES)}")
-        w_in = field_width(levels) if kind == "sum" else 1
-        w_out = field_width(levels * self.size) if kind == "sum" else 1
+        widths = make_codec(kind, source, levels, self.size, packed_io=packed_io)
         auto = "" if algorithm not in (None, "auto") else \
-            self._packed_choice(count, w_in, w_out, gather, packed_io)
+            self._packed_choice(count, widths.w_in, widths.w_out, gather, packed_io)
         algo = self._algorithm("packed", algorithm, auto)
         tie_call = 0
         if kind == "majority":
             with self._lock:
                 tie_call = self._majority_calls
                 self._majority_calls += 1
-        codec = VoteCodec(kind, source, levels, self.size, TIES[tie], tie_call,
-                          packed_in=packed_io, packed_out=packed_io)
-        return codec, algo
+        return make_codec(kind, source, levels, self.size, TIES[tie], tie_call, packed_io), algo
 
     def _packed_choice(self, count: int, w_in: int, w_out: int, gather: bool,
                        packed_io: bool) -> str:

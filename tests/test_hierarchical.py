@@ -26,9 +26,15 @@ from sweeps import (
 
 import bitcoll
 from bitcoll.algorithms.context import OpContext, Slot
-from bitcoll.algorithms.hierarchical import HostPlan, count_width
+from bitcoll.algorithms.hierarchical import HostPlan
 from bitcoll.algorithms.sign_allreduce_direct import segment_elements
-from bitcoll.algorithms.votes import field_width
+from bitcoll.algorithms.votes import (
+    MajorityCodec,
+    SumCodec,
+    TernarySumCodec,
+    field_width,
+    make_codec,
+)
 from bitcoll.communicator import Communicator
 from bitcoll.errors import UsageError
 from bitcoll.partition import block_bounds
@@ -81,9 +87,21 @@ def test_plan_slices_and_owners() -> None:
     # Host 1 (2 ranks) gives each rank two slices; every slice has one owner per host.
     assert [plan.owner(1, s) for s in range(4)] == [3, 6, 3, 6]
     assert plan.cross_group(3) == [7, 6, 5]
-    assert count_width("majority", 4, 1) == (3, 0)  # counts 0..4
-    assert count_width("majority", 1, 1) == (1, 0)
-    assert count_width("sum", 4, 31) == (field_width(124), 124)
+
+
+def test_codec_classes_and_count_fields() -> None:
+    maj, tern, ints = (make_codec("majority", "sign", 1, 5), make_codec("sum", "sign", 1, 5),
+                       make_codec("sum", "int", 31, 5, packed_io=True))
+    assert type(maj) is MajorityCodec and type(tern) is TernarySumCodec and \
+        type(ints) is SumCodec
+    assert maj.majority and not tern.majority and not ints.majority
+    assert (maj.w_in, maj.w_out, tern.w_in, tern.w_out) == (1, 1, 2, field_width(5))
+    assert (ints.w_in, ints.bias_in, ints.w_out, ints.bias_out) == (6, 31, field_width(155), 155)
+    assert ints.packed_in and ints.packed_out and not maj.packed_in
+    assert maj.count_field(4) == (3, 0)  # counts 0..4
+    assert maj.count_field(1) == (1, 0)
+    assert ints.count_field(4) == (field_width(124), 124)
+    assert tern.count_field(3) == (field_width(3), 3)
 
 
 @pytest.mark.parametrize("hosts", LAYOUTS)
@@ -329,10 +347,11 @@ def _tcp_world(comm: Communicator) -> dict[str, Any]:
     runs: dict[str, tuple[Callable[[], Any], Callable[[], Any], int]] = {
         "majority": (lambda: comm.sign_allreduce(x, algorithm="hierarchical"),
                      lambda: comm.sign_allreduce(x, algorithm="direct"),
-                     count_width("majority", widest, 1)[0]),
+                     make_codec("majority", "sign", 1, p).count_field(widest)[0]),
         "sum": (lambda: comm.quantized_allreduce(q, 31, algorithm="hierarchical"),
                 lambda: comm.quantized_allreduce(q, 31, algorithm="direct"),
-                max(field_width(31), field_width(31 * p), count_width("sum", widest, 31)[0]))}
+                max(field_width(31), field_width(31 * p),
+                    make_codec("sum", "int", 31, p).count_field(widest)[0]))}
     for kind, (two_level, direct, width) in runs.items():
         sent, msgs, local = _remote_sent(comm, two_level)
         seg = segment_elements(comm.packed_segment_bytes, width)

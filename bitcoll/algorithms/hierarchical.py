@@ -69,9 +69,9 @@ from ..transport.base import Request
 from .allreduce_ring import allreduce_ring
 from .context import GroupContext, OpContext, Slot
 from .sign_allreduce_direct import segment_elements
-from .votes import VoteCodec, field_width
+from .votes import VoteCodec
 
-__all__ = ["HostPlan", "allreduce_hierarchical", "count_width", "packed_hierarchical"]
+__all__ = ["HostPlan", "allreduce_hierarchical", "packed_hierarchical"]
 
 Array = npt.NDArray[Any]
 
@@ -81,14 +81,6 @@ def _aligned_bounds(lo: int, hi: int, parts: int) -> list[int]:
     multiples of 8 (:func:`bitcoll.partition` of the 8-element groups)."""
     groups = block_bounds(-(-(hi - lo) // 8), parts)
     return [min(hi, lo + 8 * int(b)) for b in groups]
-
-
-def count_width(kind: str, g: int, levels: int) -> tuple[int, int]:
-    """(width, bias) of a host's counts of ``g`` inputs: majority ``(ceil(log2(g + 1)), 0)``
-    (the number of +1 votes), sums ``(ceil(log2(2 g L + 1)), g L)``."""
-    if kind == "majority":
-        return max(1, g.bit_length()), 0
-    return field_width(g * levels), g * levels
 
 
 @dataclass(frozen=True)
@@ -152,13 +144,13 @@ def packed_hierarchical(ctx: OpContext, codec: VoteCodec, x: Array, out: Array,
     sb = plan.slice_bounds()
     mine = [s for s in range(G) if plan.owner(me, s) == r]
     w_in, b_in, w_out = codec.w_in, codec.bias_in, codec.w_out
-    cw = [count_width(codec.kind, len(members[t]), codec.levels) for t in range(H)]
+    cw = [codec.count_field(len(members[t])) for t in range(H)]
     wc, bc = cw[me]
     seg = segment_elements(ctx.segment_bytes, max(w_in, w_out, max(w for w, _ in cw)))
     longest = max(sb[s + 1] - sb[s] for s in range(G))
     nseg = max(1, -(-longest // seg))
     # The sums of this rank's slices, for two segments in flight (reused across calls).
-    counts_buf = None if codec.kind == "majority" else ctx.scratch(
+    counts_buf = None if codec.majority else ctx.scratch(
         Slot.HIER_COUNTS, 2 * len(mine) * min(seg, longest),
         np.dtype(np.int32)).reshape(2, len(mine), min(seg, longest))
     bounds = block_bounds(n, p)
@@ -174,7 +166,7 @@ def packed_hierarchical(ctx: OpContext, codec: VoteCodec, x: Array, out: Array,
     def nbytes(m: int, w: int) -> int:
         return -(-m * w // 8)
 
-    majority = codec.kind == "majority"
+    majority = codec.majority  # counts as bit planes, else sums as fields
 
     sends: list[Request] = []
     # Per (segment, owned slice): the state that travels from one step to the next.

@@ -25,7 +25,7 @@ from .. import kernels
 from ..partition import block_bounds
 from .context import OpContext
 from .ring import ring_pass
-from .votes import VoteCodec, field_width
+from .votes import VoteCodec
 
 __all__ = ["packed_ring"]
 
@@ -47,16 +47,6 @@ def packed_ring(ctx: OpContext, codec: VoteCodec, x: Array, out: Array, gather: 
     n = x.size if n is None else n
     bounds = block_bounds(n, p)
     right, left = (r + 1) % p, (r - 1) % p
-    majority = codec.kind == "majority"
-
-    def width(contributions: int) -> int:
-        if majority:
-            return max(1, contributions.bit_length())  # counts in [0, contributions]
-        return field_width(codec.levels * contributions)
-
-    def bias(contributions: int) -> int:
-        return 0 if majority else codec.levels * contributions
-
     acc: Array | None = None
     if p > 1:
         sb = (r - 1) % p
@@ -67,14 +57,13 @@ def packed_ring(ctx: OpContext, codec: VoteCodec, x: Array, out: Array, gather: 
         for s in range(p - 1):
             rb = (r - s - 2) % p
             m = bounds[rb + 1] - bounds[rb]
-            w, bs = width(s + 1), bias(s + 1)
+            w, bs = codec.count_field(s + 1)
             incoming = np.empty(kernels.packed_nbytes(m, w), np.uint8)
             ctx.wait(ctx.irecv(left, incoming))
             acc = kernels.unpack_fields(incoming, m, w, bs, dtype=np.int32)
             acc += _own(codec, x, bounds[rb], bounds[rb + 1])
             if s + 1 < p - 1:
-                w2 = width(s + 2)
-                nxt = kernels.pack_fields(acc, w2, bias(s + 2))
+                nxt = kernels.pack_fields(acc, *codec.count_field(s + 2))
                 ctx.wait(pending)
                 pending = ctx.isend(right, nxt)
         ctx.wait(pending)
@@ -83,15 +72,7 @@ def packed_ring(ctx: OpContext, codec: VoteCodec, x: Array, out: Array, gather: 
     assert acc is not None
     m = bounds[r + 1] - bounds[r]
     result = np.empty(kernels.packed_nbytes(m, codec.w_out), np.uint8)
-    if majority:
-        # A count c of +1 votes out of p decides like two rows: (2c >= p, 2c > p) has two
-        # ones above half, two zeros below half and one of each on a tie.
-        votes = np.empty((2, result.size), np.uint8)
-        kernels.pack_fields((2 * acc >= p).astype(np.int8), 1, 0, out=votes[0])
-        kernels.pack_fields((2 * acc > p).astype(np.int8), 1, 0, out=votes[1])
-        kernels.majority(votes, m, codec.tie, bounds[r] + codec.tie_call, out=result)
-    else:
-        kernels.pack_fields(acc, codec.w_out, codec.bias_out, out=result)
+    codec.finish(acc, int(bounds[r]), result)
     if not gather:
         codec.decode(result, out, 0, m)
         return

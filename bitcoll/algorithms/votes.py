@@ -26,15 +26,17 @@ algorithms address inputs and outputs by element range only (:meth:`VoteCodec.en
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar, Final
 
 import numpy as np
 import numpy.typing as npt
 
 from .. import kernels
 
-__all__ = ["VoteCodec", "field_width", "TIES"]
+__all__ = ["VoteCodec", "MajorityCodec", "SumCodec", "TernarySumCodec", "make_codec",
+           "field_width", "TIES"]
 
 Array = npt.NDArray[Any]
 
@@ -48,19 +50,19 @@ def field_width(max_abs: int) -> int:
 
 
 @dataclass(frozen=True)
-class VoteCodec:
-    """Encoding and aggregation of one packed collective (see the module docstring).
+class VoteCodec(ABC):
+    """Encoding and aggregation of one packed collective (see the module docstring); one
+    subclass per kind of contribution: :class:`MajorityCodec` (1-bit sign votes),
+    :class:`TernarySumCodec` (2-bit ternary signs, summed), :class:`SumCodec` (integers in
+    ``[-levels, levels]``, summed). :func:`make_codec` picks the class.
 
-    ``kind``: "majority" or "sum". ``source``: "sign" (float votes, 1-bit for majority,
-    ternary for sum) or "int" (integers in ``[-levels, levels]``). ``size``: the world size.
-    ``tie``: a kernels.TIE_* constant; ``tie_call``: the communicator's majority call counter.
-    ``packed_in``: the input is the ``w_in``-bit field stream of the contribution (uint8)
-    instead of values; ``packed_out``: the output is the ``w_out``-bit field stream of the
-    result (uint8) instead of values. Element ranges are the same either way.
+    ``levels``: the largest magnitude of a contribution (1 for signs); ``size``: the world
+    size. ``tie``: a kernels.TIE_* constant; ``tie_call``: the communicator's majority call
+    counter. ``packed_in``: the input is the ``w_in``-bit field stream of the contribution
+    (uint8) instead of values; ``packed_out``: the output is the ``w_out``-bit field stream of
+    the result (uint8) instead of values. Element ranges are the same either way.
     """
 
-    kind: str
-    source: str
     levels: int
     size: int
     tie: int = kernels.TIE_ALTERNATE
@@ -68,67 +70,66 @@ class VoteCodec:
     packed_in: bool = False
     packed_out: bool = False
 
+    #: Whether the owner decides a majority bit (True) or keeps exact sums (False): the
+    #: two-level algorithm moves majority counts as bit planes and sums as fields.
+    majority: ClassVar[bool] = False
+
     @property
     def w_in(self) -> int:
-        if self.kind == "majority":
-            return 1
+        """Bits of one encoded contribution."""
         return field_width(self.levels)
 
     @property
     def bias_in(self) -> int:
-        return 0 if self.kind == "majority" else self.levels
+        """What is added to a contribution to make its field non-negative."""
+        return self.levels
 
     @property
     def w_out(self) -> int:
-        return 1 if self.kind == "majority" else field_width(self.levels * self.size)
+        """Bits of one packed result."""
+        return field_width(self.levels * self.size)
 
     @property
     def bias_out(self) -> int:
-        return 0 if self.kind == "majority" else self.levels * self.size
+        """What is added to a result to make its field non-negative."""
+        return self.levels * self.size
+
+    def count_field(self, contributions: int) -> tuple[int, int]:
+        """(width, bias) of a partial aggregate of ``contributions`` inputs, as the ring and
+        the two-level algorithm move it: sums of ``contributions`` values in
+        ``[-levels, levels]``."""
+        return field_width(self.levels * contributions), self.levels * contributions
 
     def encode(self, x: Array, lo: int, hi: int, out: Array) -> None:
         """Pack elements ``[lo, hi)`` of this rank's input ``x`` into ``out`` (uint8,
         ``ceil((hi - lo) w_in / 8)`` bytes, from bit 0; padding bits 0)."""
         if self.packed_in:
             kernels.extract_bits(x, lo * self.w_in, (hi - lo) * self.w_in, out=out)
-        elif self.kind == "majority":
-            kernels.pack_signs(x[lo:hi], out=out)
-        elif self.source == "sign":
-            kernels.pack_ternary(x[lo:hi], out=out)
         else:
-            kernels.pack_fields(x[lo:hi], self.w_in, self.bias_in, out=out)
+            self._encode_values(x[lo:hi], out)
 
     def combine(self, rows: Array, n: int, first: int, out: Array) -> None:
         """Aggregate ``rows`` (uint8 ``(p, nbytes)``, one packed contribution per rank) for
         ``n`` elements whose first global index is ``first``; write the packed result."""
-        if self.kind == "majority":
-            kernels.majority(rows, n, self.tie, first + self.tie_call, out=out)
-            return
         acc = np.zeros(n, dtype=np.int32)
         for row in rows:
             kernels.add_fields(row, n, self.w_in, self.bias_in, acc)
         kernels.pack_fields(acc, self.w_out, self.bias_out, out=out)
 
+    def finish(self, totals: Array, first: int, out: Array) -> None:
+        """Write the packed result of ``totals`` (int32, one partial aggregate of all
+        ``size`` contributions per element, as :meth:`count_field` of ``size`` describes)
+        for elements whose first global index is ``first``."""
+        kernels.pack_fields(totals, self.w_out, self.bias_out, out=out)
+
     def decode(self, packed: Array, out: Array, lo: int, hi: int) -> None:
         """Write the ``hi - lo`` results packed in ``packed`` (from bit 0, ``w_out`` bits each)
-        to elements ``[lo, hi)`` of ``out``: int8 +-1 for majority, else the sums in ``out``'s
-        integer dtype; with ``packed_out``, to stream bits ``[lo w_out, hi w_out)`` of ``out``
-        (its other bits are left as they are)."""
+        to elements ``[lo, hi)`` of ``out``; with ``packed_out``, to stream bits
+        ``[lo w_out, hi w_out)`` of ``out`` (its other bits are left as they are)."""
         if self.packed_out:
             kernels.insert_bits(out, lo * self.w_out, packed, (hi - lo) * self.w_out)
-            return
-        dst = out[lo:hi]
-        if self.kind == "majority":
-            kernels.unpack_signs(packed, dst.size, out=dst, dtype=dst.dtype)
-        elif (1 << self.w_out) - 1 - self.bias_out <= np.iinfo(dst.dtype).max:
-            kernels.unpack_fields(packed, dst.size, self.w_out, self.bias_out, out=dst,
-                                  dtype=dst.dtype)
         else:
-            # The sums fit ``out`` (checked by the communicator) but the field's full range
-            # does not: decode wider, then narrow.
-            wide = kernels.unpack_fields(packed, dst.size, self.w_out, self.bias_out,
-                                         dtype=np.int32)
-            np.copyto(dst, wide, casting="unsafe")
+            self._decode_values(packed, out[lo:hi])
 
     def local(self, x: Array, out: Array, n: int) -> None:
         """The result of a one-rank world (``n`` elements): each vote or value is its own
@@ -140,10 +141,113 @@ class VoteCodec:
             res = np.empty(kernels.packed_nbytes(n, self.w_out), np.uint8)
             self.combine(row, n, 0, res)
             self.decode(res, out, 0, n)
-        elif self.kind == "majority":
-            kernels.unpack_signs(kernels.pack_signs(x), x.size, out=out, dtype=out.dtype)
-        elif self.source == "sign":
-            kernels.unpack_fields(kernels.pack_ternary(x), x.size, 2, 1, out=out,
-                                  dtype=out.dtype)
         else:
-            np.copyto(out, x, casting="unsafe")
+            self._local_values(x, out)
+
+    @abstractmethod
+    def _encode_values(self, x: Array, out: Array) -> None:
+        """Pack the values ``x`` into ``out`` (``w_in`` bits each)."""
+
+    def _decode_values(self, packed: Array, dst: Array) -> None:
+        """The sums in ``dst``'s integer dtype."""
+        if (1 << self.w_out) - 1 - self.bias_out <= np.iinfo(dst.dtype).max:
+            kernels.unpack_fields(packed, dst.size, self.w_out, self.bias_out, out=dst,
+                                  dtype=dst.dtype)
+        else:
+            # The sums fit ``dst`` (checked by the communicator) but the field's full range
+            # does not: decode wider, then narrow.
+            wide = kernels.unpack_fields(packed, dst.size, self.w_out, self.bias_out,
+                                         dtype=np.int32)
+            np.copyto(dst, wide, casting="unsafe")
+
+    def _local_values(self, x: Array, out: Array) -> None:
+        np.copyto(out, x, casting="unsafe")
+
+
+@dataclass(frozen=True)
+class MajorityCodec(VoteCodec):
+    """1-bit sign votes (``x >= 0`` and ``-0.0`` vote +1); the result is the majority bit
+    with the tie rule, decoded to int8 +-1."""
+
+    majority: ClassVar[bool] = True
+
+    @property
+    def w_in(self) -> int:
+        return 1
+
+    @property
+    def bias_in(self) -> int:
+        return 0
+
+    @property
+    def w_out(self) -> int:
+        return 1
+
+    @property
+    def bias_out(self) -> int:
+        return 0
+
+    def count_field(self, contributions: int) -> tuple[int, int]:
+        """Counts of +1 votes in ``[0, contributions]``: ``ceil(log2(contributions + 1))``
+        bits, no bias."""
+        return max(1, contributions.bit_length()), 0
+
+    def combine(self, rows: Array, n: int, first: int, out: Array) -> None:
+        kernels.majority(rows, n, self.tie, first + self.tie_call, out=out)
+
+    def finish(self, totals: Array, first: int, out: Array) -> None:
+        # A count c of +1 votes out of p decides like two rows: (2c >= p, 2c > p) has two
+        # ones above half, two zeros below half and one of each on a tie.
+        p = self.size
+        votes = np.empty((2, out.size), np.uint8)
+        kernels.pack_fields((2 * totals >= p).astype(np.int8), 1, 0, out=votes[0])
+        kernels.pack_fields((2 * totals > p).astype(np.int8), 1, 0, out=votes[1])
+        kernels.majority(votes, totals.size, self.tie, first + self.tie_call, out=out)
+
+    def _encode_values(self, x: Array, out: Array) -> None:
+        kernels.pack_signs(x, out=out)
+
+    def _decode_values(self, packed: Array, dst: Array) -> None:
+        kernels.unpack_signs(packed, dst.size, out=dst, dtype=dst.dtype)
+
+    def _local_values(self, x: Array, out: Array) -> None:
+        kernels.unpack_signs(kernels.pack_signs(x), x.size, out=out, dtype=out.dtype)
+
+
+@dataclass(frozen=True)
+class SumCodec(VoteCodec):
+    """Integers in ``[-levels, levels]`` in ``w_in``-bit fields biased by ``levels``; the
+    result is their exact sum."""
+
+    def _encode_values(self, x: Array, out: Array) -> None:
+        kernels.pack_fields(x, self.w_in, self.bias_in, out=out)
+
+
+@dataclass(frozen=True)
+class TernarySumCodec(SumCodec):
+    """Float values as ternary signs ``sign(x)`` in {-1, 0, 1} (2-bit fields, ``levels`` 1);
+    the result is the exact sum of the signs."""
+
+    def _encode_values(self, x: Array, out: Array) -> None:
+        kernels.pack_ternary(x, out=out)
+
+    def _local_values(self, x: Array, out: Array) -> None:
+        kernels.unpack_fields(kernels.pack_ternary(x), x.size, 2, 1, out=out, dtype=out.dtype)
+
+
+#: The codec class of each (operation, source of the contributions).
+CODECS: Final[dict[tuple[str, str], type[VoteCodec]]] = {
+    ("majority", "sign"): MajorityCodec,
+    ("sum", "sign"): TernarySumCodec,
+    ("sum", "int"): SumCodec,
+}
+
+
+def make_codec(kind: str, source: str, levels: int, size: int, tie: int = kernels.TIE_ALTERNATE,
+               tie_call: int = 0, packed_io: bool = False) -> VoteCodec:
+    """The codec of a packed collective: ``kind`` "majority" or "sum" of contributions from
+    ``source`` "sign" (float votes) or "int" (integers in ``[-levels, levels]``); ``packed_io``:
+    input and output are packed streams. KeyError for a pair :data:`CODECS` lacks (the
+    communicator validates ``kind`` first)."""
+    return CODECS[kind, source](1 if source == "sign" else levels, size, tie, tie_call,
+                                packed_io, packed_io)
