@@ -6,18 +6,20 @@ Usage (one rank per host; the checksum only exists on TCP links, so shared memor
     python bench/netbed.py --hosts 2 --rate 10gbit bench/checksum_cost.py -m 1M,4M,16M,64M
     python -m launch -n 2 bench/checksum_cost.py -m 1M:64M          # loopback
 
-The job builds a communicator with the checksum on (``BITCOLL_CHECKSUM=1``), times every
-size, closes it and builds one with the checksum off, and again, ``--rounds`` times,
-alternating which setting goes first, so that both settings see the same machine. Each timed
-point is a warm-up of ``--warmup`` calls, a barrier, then ``iterations`` calls (as many as
-``--iter-bytes`` of input allow, at least ``--min-iterations``); its time is the slowest rank's
-average per call. Collectives (``--collectives``): ``allreduce`` (float32 sum, out of place,
-the streamed ring for large sizes), ``sign`` (``sign_allreduce`` of float32 votes, majority,
-packed bits on the wire). Sizes are bytes of float32 input per rank.
+The job builds two communicators side by side, one with the checksum on
+(``BITCOLL_CHECKSUM=1``, its store on ``BITCOLL_MASTER_PORT``) and one with it off (store on
+the next port), and for every collective and size times ``--rounds`` pairs of loops, one on
+each, alternating which goes first, so that both settings see the same machine moments apart
+(this machine's load drifts by tens of percent within seconds). A loop is a barrier, then as
+many calls as ``--iter-bytes`` of input allow (at least ``--min-iterations``), after
+``--warmup`` untimed calls per size; its time is the slowest rank's mean per call.
+Collectives (``--collectives``): ``allreduce`` (float32 sum, out of place, the streamed ring
+for large sizes), ``sign`` (``sign_allreduce`` of float32 votes, majority, packed bits on the
+wire). Sizes are bytes of float32 input per rank.
 
-Rank 0 prints, per collective and size, the best time of each setting over the rounds (the
-least disturbed), every round's times, and the cost ``on / off - 1`` in percent. Exit status
-0, 1 after an error.
+Rank 0 prints, per collective and size, the minimum (the least disturbed loop) and the median
+time of each setting over the rounds, and the cost ``on / off - 1`` in percent of each.
+Exit status 0, 2 for bad arguments; an error ends every rank with a traceback.
 """
 
 from __future__ import annotations
@@ -42,11 +44,12 @@ def parser() -> argparse.ArgumentParser:
                         "(1M:64M, powers of two)")
     p.add_argument("--collectives", default="allreduce,sign",
                    help="comma-separated: allreduce, sign")
-    p.add_argument("--rounds", type=int, default=2, help="on/off alternations")
+    p.add_argument("--rounds", type=int, default=9,
+                   help="on/off pairs of timed loops per size")
     p.add_argument("-x", "--warmup", type=int, default=3)
-    p.add_argument("--iter-bytes", type=osu.parse_size, default=1 << 30,
-                   help="input bytes per timed point (sets the iteration count)")
-    p.add_argument("--min-iterations", type=int, default=5)
+    p.add_argument("--iter-bytes", type=osu.parse_size, default=64 << 20,
+                   help="input bytes per timed loop (sets its number of calls)")
+    p.add_argument("--min-iterations", type=int, default=2)
     p.add_argument("--timeout", type=float, default=300.0)
     return p
 
@@ -57,39 +60,31 @@ def _op(comm: Any, collective: str, x: np.ndarray, y: np.ndarray) -> Any:
     return lambda: comm.sign_allreduce(x)
 
 
-def _measure(checksum: bool, args: argparse.Namespace,
-             collectives: list[str]) -> dict[tuple[str, int], float]:
-    """One communicator with ``checksum``; the slowest rank's seconds per call of every
-    (collective, size)."""
+def _open(checksum: bool, port_shift: int, timeout: float) -> Any:
+    """A TCP communicator (no shared memory) with the checksum on or off; its store on the
+    launcher's port plus ``port_shift`` (two communicators live side by side)."""
     import bitcoll
 
     os.environ["BITCOLL_CHECKSUM"] = "1" if checksum else "0"
-    comm = bitcoll.init("tcp", timeout=args.timeout, shm=False)
-    out: dict[tuple[str, int], float] = {}
+    base = os.environ.get("BITCOLL_MASTER_PORT") or str(int(os.environ["MASTER_PORT"]) + 1)
+    os.environ["BITCOLL_MASTER_PORT"] = str(int(base) + port_shift)
     try:
-        transport = getattr(comm.transport, "tcp", comm.transport)
-        assert getattr(transport, "checksum", checksum) == checksum, "setting not taken"
-        rng = np.random.default_rng(comm.rank)
-        for collective in collectives:
-            for nbytes in args.sizes:
-                n = nbytes // 4
-                x = rng.standard_normal(n).astype(np.float32)
-                y = np.zeros_like(x)
-                op = _op(comm, collective, x, y)
-                for _ in range(args.warmup):
-                    op()
-                iters = max(args.min_iterations, args.iter_bytes // max(nbytes, 1))
-                comm.barrier()
-                start = time.perf_counter()
-                for _ in range(iters):
-                    op()
-                took = (time.perf_counter() - start) / iters
-                out[(collective, nbytes)] = float(comm.allgather(
-                    np.array([took], np.float64)).max())
-        comm.barrier()
-        return out
+        comm = bitcoll.init("tcp", timeout=timeout, shm=False)
     finally:
-        comm.close()
+        os.environ["BITCOLL_MASTER_PORT"] = base
+    transport = getattr(comm.transport, "tcp", comm.transport)
+    assert getattr(transport, "checksum", checksum) == checksum, "setting not taken"
+    return comm
+
+
+def _time(comm: Any, op: Any, iters: int) -> float:
+    """The slowest rank's mean seconds per call of ``iters`` calls after a barrier."""
+    comm.barrier()
+    start = time.perf_counter()
+    for _ in range(iters):
+        op()
+    took = (time.perf_counter() - start) / iters
+    return float(comm.allgather(np.array([took], np.float64)).max())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -100,28 +95,43 @@ def main(argv: list[str] | None = None) -> int:
         print(f"checksum_cost: bad collectives {bad} or a size not a multiple of 4",
               file=sys.stderr)
         return 2
-    runs: dict[bool, list[dict[tuple[str, int], float]]] = {True: [], False: []}
-    rank = int(os.environ.get("RANK", "0"))
-    for r in range(args.rounds):
-        for setting in ((True, False) if r % 2 == 0 else (False, True)):
-            runs[setting].append(_measure(setting, args, collectives))
+    comms = {True: _open(True, 0, args.timeout), False: _open(False, 1, args.timeout)}
+    rank, size = comms[True].rank, comms[True].size
+    rows = []
+    try:
+        rng = np.random.default_rng(rank)
+        for collective in collectives:
+            for nbytes in args.sizes:
+                n = nbytes // 4
+                x = rng.standard_normal(n).astype(np.float32)
+                y = np.zeros_like(x)
+                ops = {k: _op(c, collective, x, y) for k, c in comms.items()}
+                for op in ops.values():
+                    for _ in range(args.warmup):
+                        op()
+                iters = max(args.min_iterations, args.iter_bytes // max(nbytes, 1))
+                times: dict[bool, list[float]] = {True: [], False: []}
+                for r in range(args.rounds):
+                    for setting in ((True, False) if r % 2 == 0 else (False, True)):
+                        times[setting].append(_time(comms[setting], ops[setting], iters))
+                rows.append((collective, nbytes, iters, times))
+    finally:
+        for c in comms.values():
+            c.close()
     if rank != 0:
         return 0
-    size = int(os.environ.get("WORLD_SIZE", "1"))
-    print(f"# checksum_cost: {size} ranks, TCP (shared memory off), {args.rounds} rounds "
-          "alternating on/off; time = slowest rank's mean per call; best of the rounds")
-    print(f"# {'collective':<10} {'size':>8} {'on (ms)':>10} {'off (ms)':>10} {'cost %':>8}"
-          "   rounds on / off (ms)")
-    for collective in collectives:
-        for nbytes in args.sizes:
-            key = (collective, nbytes)
-            on = [run[key] for run in runs[True]]
-            off = [run[key] for run in runs[False]]
-            cost = (min(on) / min(off) - 1) * 100
-            detail = " ".join(f"{v * 1e3:.2f}" for v in on) + " / " + \
-                " ".join(f"{v * 1e3:.2f}" for v in off)
-            print(f"  {collective:<10} {osu.fmt_bytes(nbytes):>8} {min(on) * 1e3:>10.3f} "
-                  f"{min(off) * 1e3:>10.3f} {cost:>+8.2f}   {detail}", flush=True)
+    print(f"# checksum_cost: {size} ranks, TCP (shared memory off); per size {args.rounds} "
+          "rounds, each timing the checksum on and off (alternating which goes first) over "
+          "the same number of calls; time = slowest rank's mean per call (ms)")
+    print(f"# {'collective':<10} {'size':>8} {'iters':>5} {'on min':>9} {'off min':>9} "
+          f"{'cost%':>7} {'on med':>9} {'off med':>9} {'cost%':>7}")
+    for collective, nbytes, iters, times in rows:
+        on, off = times[True], times[False]
+        lo = (min(on) / min(off) - 1) * 100
+        med = (float(np.median(on)) / float(np.median(off)) - 1) * 100
+        print(f"  {collective:<10} {osu.fmt_bytes(nbytes):>8} {iters:>5} {min(on) * 1e3:>9.3f} "
+              f"{min(off) * 1e3:>9.3f} {lo:>+7.2f} {float(np.median(on)) * 1e3:>9.3f} "
+              f"{float(np.median(off)) * 1e3:>9.3f} {med:>+7.2f}", flush=True)
     return 0
 
 
