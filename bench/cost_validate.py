@@ -6,6 +6,8 @@ planner's pick is within 5% of the fastest algorithm measured.
 
     python bench/netbed.py --hosts 4 --rate 1gbit bench/cost_validate.py --link 1gbit
     python -m launch -n 2 bench/cost_validate.py --collective allreduce -m 8,64K,1M,16M
+    python bench/netbed.py --hosts 4 --rate 1gbit bench/cost_validate.py --link 1gbit \
+        --host-cores 0.5          # 4 emulated hosts sharing 2 cores
 
 Columns: size (bytes of the float32 input), algorithm, measured µs (best round, averaged over
 ranks), predicted µs, predicted / measured, ``*`` on the planner's pick and ``+`` on the
@@ -38,11 +40,16 @@ def main(argv: list[str] | None = None) -> int:
                    help="sizes in bytes of the float32 input (default 4K,256K,16M,256M)")
     p.add_argument("--link", choices=tuple(RATES), default=None,
                    help="the testbed's link rate, for the model's remote bandwidth")
+    p.add_argument("--host-cores", type=float, default=None, metavar="C",
+                   help="the cores each host has, for the model (the testbed's hosts share the "
+                        "machine's cores: 2 cores and 4 hosts give 0.5)")
     args = p.parse_args(argv)
     rt = osu.BitcollRuntime(timeout=600.0)
     comm = rt.comm
     if args.link is not None:
         comm.cost_model = comm.cost_model.replace(remote_bandwidth=RATES[args.link] * 0.96)
+    if args.host_cores is not None:
+        comm.cost_model = comm.cost_model.replace(host_cores=args.host_cores)
     group = comm.plan_group
     if rt.rank == 0:
         print(f"# bitcoll cost model validation: {args.collective}, {group}")
