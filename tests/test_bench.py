@@ -18,6 +18,8 @@ from typing import Any
 import pytest
 from svg_check import svg_text
 
+from lioncub.recipe.logs import LOG_FORMAT
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
@@ -603,7 +605,7 @@ def fake_log(optimizer: str, seed: int, final: float) -> dict[str, Any]:
     def loss(step: int) -> float:
         return final + (4.6 - final) * 0.9 ** step
 
-    return {"format": plot_curves.LOG_FORMAT,
+    return {"format": LOG_FORMAT,
             "config": {"optimizer": optimizer, "seed": seed, "steps": 40, "batch_size": 8,
                        "lr": 1e-3, "levels": None, "momentum_sync": None},
             "run": {"world_size": 2, "backend": "tcp", "n_params": 1234},

@@ -24,8 +24,13 @@ NEEDS = {"jax_training.py": "jax", "torch_ddp.py": "torch", "char_transformer.py
          "mpi4py_embedding.py": "mpi4py"}
 
 
+#: Examples run by a test of their own (a fault injected, several launches).
+ELSEWHERE = {"elastic_numpy.py": "tests/test_elastic_example.py"}
+
+
 def test_every_example_is_run() -> None:
-    assert {p.name for p in EXAMPLES.glob("*.py")} == {c[0] for c in CASES}
+    assert {p.name for p in EXAMPLES.glob("*.py")} == {c[0] for c in CASES} | set(ELSEWHERE)
+    assert all((ROOT / test).is_file() for test in ELSEWHERE.values())
 
 
 @pytest.mark.timeout(240)
