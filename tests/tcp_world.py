@@ -19,6 +19,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
+import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -155,6 +156,31 @@ def run_world(size: int, worker: Callable[..., Any], *args: Any, timeout: float 
         results[r].exitcode = p.exitcode
     q.close()
     return [results[r] for r in started]
+
+
+def set_up_two(create: Callable[[int, int], TCPTransport], join: float = 60.0
+               ) -> dict[int, object]:
+    """Rank 0 and rank 1 of a two-rank world set up in two threads of this process, each by
+    ``create(rank, port)`` on a shared free port, then closed: each rank's outcome,
+    "connected" or the exception its set-up raised. AssertionError when a rank is still
+    setting up after ``join`` seconds (it waited for its deadline)."""
+    port = free_port()
+    out: dict[int, object] = {}
+
+    def rank(r: int) -> None:
+        try:
+            create(r, port).close()
+            out[r] = "connected"
+        except Exception as exc:
+            out[r] = exc
+
+    threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(join)
+    assert not any(t.is_alive() for t in threads), "a rank waited for its deadline"
+    return out
 
 
 def wait_dead(pid: int, deadline: float) -> None:

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 from multiproc import context, start, tcp_env
-from tcp_world import free_port
+from tcp_world import free_port, set_up_two
 from test_integrity import _DictStore
 
 from bitcoll.errors import PeerLostError, ProtocolError, UsageError
@@ -145,23 +145,8 @@ def test_without_the_checksum_a_flipped_bit_is_delivered() -> None:
 def test_checksum_must_match_across_ranks() -> None:
     """Rank 0 with the checksum, rank 1 without (two threads): rank 1 refuses at set-up and
     names the setting; rank 0 fails at once with its reason."""
-    port = free_port()
-    out: dict[int, object] = {}
-
-    def rank(r: int) -> None:
-        try:
-            t = TCPTransport.create(r, 2, "127.0.0.1", port, timeout=10.0, checksum=r == 0,
-                                    close_timeout=1.0)
-            out[r] = "connected"
-            t.close()
-        except Exception as exc:
-            out[r] = exc
-
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
+    out = set_up_two(lambda r, port: TCPTransport.create(
+        r, 2, "127.0.0.1", port, timeout=10.0, checksum=r == 0, close_timeout=1.0), join=30)
     assert isinstance(out[1], UsageError) and "checksum=False" in str(out[1]), out
     assert isinstance(out[0], PeerLostError) and "checksum" in str(out[0]), out
 

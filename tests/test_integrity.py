@@ -139,25 +139,10 @@ def test_integrity_must_match_across_ranks() -> None:
     """Rank 0 with integrity, rank 1 without (two threads here): rank 1 refuses at set-up and
     says so in the store, so rank 0 fails at once with its reason (PeerLostError naming rank 1),
     not at its deadline (a timeout would be a CommTimeoutError)."""
-    from tcp_world import free_port
+    from tcp_world import set_up_two
 
-    port = free_port()
-    out: dict[int, object] = {}
-
-    def rank(r: int) -> None:
-        try:
-            t = TCPTransport.create(r, 2, "127.0.0.1", port, timeout=5.0, integrity=r == 0,
-                                    close_timeout=1.0)
-            out[r] = "connected"
-            t.close()
-        except Exception as exc:
-            out[r] = exc
-
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
+    out = set_up_two(lambda r, port: TCPTransport.create(
+        r, 2, "127.0.0.1", port, timeout=5.0, integrity=r == 0, close_timeout=1.0), join=30)
     assert isinstance(out[1], UsageError) and "integrity" in str(out[1]), out
     assert isinstance(out[0], PeerLostError) and "refused" in str(out[0]), out
     assert out[0].peer == 1 and "integrity" in str(out[0])

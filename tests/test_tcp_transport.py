@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 from multiproc import run_world as multiproc_run_world
-from tcp_world import free_port, make_event, run_world, wait_dead
+from tcp_world import free_port, make_event, run_world, set_up_two, wait_dead
 
 import bitcoll
 from bitcoll.communicator import Communicator
@@ -985,23 +985,8 @@ def test_world_size_mismatch_fails_every_rank_at_once() -> None:
     """Rank 1 was started with another world size than rank 0: it refuses at set-up and
     publishes its reason, so rank 0 raises PeerLostError naming rank 1 at once instead of
     waiting for its (long) deadline."""
-    port = free_port()
-    out: dict[int, object] = {}
-
-    def rank(r: int) -> None:
-        try:
-            TCPTransport.create(r, 2 if r == 0 else 3, "127.0.0.1", port, timeout=120.0,
-                                close_timeout=1.0).close()
-            out[r] = "connected"
-        except Exception as exc:
-            out[r] = exc
-
-    threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not any(t.is_alive() for t in threads), "a rank waited for its deadline"
+    out = set_up_two(lambda r, port: TCPTransport.create(
+        r, 2 if r == 0 else 3, "127.0.0.1", port, timeout=120.0, close_timeout=1.0))
     assert isinstance(out[1], UsageError) and "world size 3" in str(out[1]), out
     assert isinstance(out[0], PeerLostError) and out[0].peer == 1, out
     assert "refused" in str(out[0]) and "world size 3" in str(out[0])
