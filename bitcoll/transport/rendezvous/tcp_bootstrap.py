@@ -385,8 +385,8 @@ class _Mesh:
 
     Accepting side: a connection that fails a check, takes longer than
     :data:`HANDSHAKE_SECONDS` to prove itself, or is the oldest unproven one when
-    :data:`MAX_PENDING_HANDSHAKES` are waiting, is dropped and logged at debug level (logger
-    ``bitcoll.tcp``, naming its address). Connecting side: an answer that fails the proof is a
+    :data:`MAX_PENDING_HANDSHAKES` are waiting, or is still unproven when the set-up ends, is
+    dropped and logged at debug level (logger ``bitcoll.tcp``, naming its address). Connecting side: an answer that fails the proof is a
     ProtocolError; a connection the higher rank closes before the hello is complete is dialed
     again (the higher rank may have dropped it as an unproven one), unless the higher rank no
     longer accepts connections at all (PeerLostError: it left the set-up)."""
@@ -452,9 +452,12 @@ class _Mesh:
                             self._read(obj)
             ok = True
         finally:
+            for s, p in list(self.pending.items()):
+                if p.incoming:  # strangers still unproven: logged with their addresses
+                    self._drop(s, "the set-up ended before it proved itself")
+                else:
+                    self._forget(s)
             sel.close()
-            for s in list(self.pending):
-                s.close()
             if not ok:
                 for s in self.done.values():
                     s.close()
