@@ -7,6 +7,7 @@ stored in the repository (``bench/gate_figures.json``).
     python bench/gate.py --only loopback,mpi
     python bench/gate.py --update        # store this run's figures (after a deliberate change)
     python bench/gate.py --against /tmp/base   # also measure another checkout, side by side
+    python bench/gate.py --calibrate 5   # 5 runs: store each figure's median and its noise
 
 Every figure is a ratio, lower is better, measured side by side in one job so that the load of
 the machine falls on both sides alike (``bench/gate_worker.py``: best round of 5 interleaved
@@ -24,8 +25,12 @@ rounds per side):
 
 A figure fails when it is worse than the stored one by more than its tolerance (the noise seen
 between runs on the reference machine); a failed suite is measured once more and the better
-of the two runs counts, so one disturbed run does not fail the gate. Exit status: 0 when no
-figure got worse, 1 naming every figure that did, 2 for bad options.
+of the two runs counts, so one disturbed run does not fail the gate. ``--calibrate N`` runs
+every suite N times and stores, per figure, the median of the runs as the reference and
+``max(MIN_TOLERANCE, NOISE_FACTOR * (worst - median) / median)`` as its tolerance, with the
+runs themselves (``"runs"``), so the tolerance is the noise measured, not a guess.
+
+Exit status: 0 when no figure got worse, 1 naming every figure that did, 2 for bad options.
 """
 
 from __future__ import annotations
@@ -42,6 +47,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 FIGURES = Path(__file__).resolve().parent / "gate_figures.json"
 SUITES = ("loopback", "mpi", "wire")
+#: The smallest tolerance a calibration stores (5%: below it, a machine's drift fails the gate).
+MIN_TOLERANCE = 0.05
+#: A calibrated tolerance is this many times the worst run's distance above the median.
+NOISE_FACTOR = 2.0
 PROBE = re.compile(r"probe host 1 -> host 0: ([0-9.]+) Gbit/s")
 
 
@@ -102,6 +111,41 @@ def _netns_allowed() -> bool:
     return ok
 
 
+def calibrated(runs: list[float]) -> dict[str, Any]:
+    """A figure's stored entry from its ``runs`` (ratios of repeated gate runs): the median as
+    the reference, the tolerance from the worst run's distance above it (see the module's
+    docstring), and the runs."""
+    ordered = sorted(runs)
+    mid = len(ordered) // 2
+    median = ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+    tol = max(MIN_TOLERANCE, NOISE_FACTOR * (ordered[-1] - median) / median)
+    return {"ratio": round(median, 4), "tolerance": round(tol, 3),
+            "runs": [round(r, 4) for r in runs]}
+
+
+def _calibrate(suites: list[str], n: int, stored: dict[str, Any],
+               known: dict[str, dict[str, Any]]) -> int:
+    runs: dict[str, list[float]] = {}
+    for i in range(n):
+        for suite in suites:
+            if suite == "wire" and not _netns_allowed():
+                print("# wire: skipped (needs root and network namespaces)", flush=True)
+                continue
+            for name, value in run_suite(suite).items():
+                runs.setdefault(name, []).append(value)
+        print(f"# calibration run {i + 1} of {n} done", flush=True)
+    print(f"# {'figure':<32}{'min':>10}{'median':>10}{'max':>10}{'tolerance':>10}")
+    for name, values in runs.items():
+        entry = calibrated(values)
+        known[name] = entry
+        print(f"{name:<34}{min(values):>10.3f}{entry['ratio']:>10.3f}{max(values):>10.3f}"
+              f"{entry['tolerance']:>10.3f}")
+    stored["figures"] = dict(sorted(known.items()))
+    FIGURES.write_text(json.dumps(stored, indent=1) + "\n")
+    print(f"# stored {len(runs)} calibrated figures in {FIGURES.relative_to(ROOT)}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -113,12 +157,21 @@ def main(argv: list[str] | None = None) -> int:
                         help="also measure the checkout TREE (e.g. a git worktree of the "
                              "commit before a change), each suite alternating between the "
                              "two, and show both")
+    parser.add_argument("--calibrate", type=int, default=0, metavar="N",
+                        help="run every suite N times (N >= 3) and store each figure's "
+                             "median as the reference and its noise as the tolerance")
     args = parser.parse_args(argv)
     suites = [s for s in args.only.split(",") if s]
     if any(s not in SUITES for s in suites):
         parser.error(f"--only takes {', '.join(SUITES)}")
+    if args.calibrate and args.calibrate < 3:
+        parser.error("--calibrate needs at least 3 runs (a median and a spread)")
+    if args.calibrate and (args.update or args.against is not None):
+        parser.error("--calibrate stores figures itself: not with --update or --against")
     stored: dict[str, Any] = json.loads(FIGURES.read_text()) if FIGURES.exists() else {}
-    known: dict[str, dict[str, float]] = stored.get("figures", {})
+    known: dict[str, dict[str, Any]] = stored.get("figures", {})
+    if args.calibrate:
+        return _calibrate(suites, args.calibrate, stored, known)
     now: dict[str, float] = {}
     base: dict[str, float] = {}
     worse: list[str] = []
@@ -152,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:<34}{ref['ratio']:>10.3f}{other}{value:>10.3f}{limit:>10.3f}  {verdict}")
     if args.update:
         for name, value in now.items():
-            tol = known.get(name, {}).get("tolerance", 0.25)
+            tol = known.get(name, {}).get("tolerance", 0.25)  # the calibrated noise stays
             known[name] = {"ratio": round(value, 4), "tolerance": tol}
         stored["figures"] = dict(sorted(known.items()))
         FIGURES.write_text(json.dumps(stored, indent=1) + "\n")

@@ -686,3 +686,31 @@ def test_plot_bad_arguments(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     assert plot_curves.image_format(Path("a.pdf")) == "png"
     with pytest.raises(ValueError):
         plot_curves.figure([], "t")
+
+
+def test_gate_calibration_stores_the_median_and_the_measured_noise(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``bench/gate.py --calibrate N``: each figure's reference is the median of the N runs and
+    its tolerance twice the worst run's distance above it (at least 5%); the runs are kept.
+    The suites are replaced by a recorded sequence of figures (nothing is timed)."""
+    import gate
+
+    assert gate.calibrated([1.0, 1.2, 1.1]) == {"ratio": 1.1, "tolerance": 0.182,
+                                               "runs": [1.0, 1.2, 1.1]}
+    assert gate.calibrated([2.0, 2.0, 2.01, 2.0])["tolerance"] == gate.MIN_TOLERANCE
+    assert gate.calibrated([0.5, 0.7, 0.6, 0.4])["ratio"] == 0.55
+    seq = iter([{"a": 1.0, "b": 3.0}, {"a": 1.5, "b": 3.0}, {"a": 1.2, "b": 3.3}])
+    monkeypatch.setattr(gate, "run_suite", lambda suite, tree=None: next(seq))
+    figures = tmp_path / "gate_figures.json"
+    figures.write_text(json.dumps({"figures": {"old": {"ratio": 9.0, "tolerance": 0.25}}}))
+    monkeypatch.setattr(gate, "FIGURES", figures)
+    monkeypatch.setattr(gate, "ROOT", tmp_path)
+    assert gate.main(["--only", "loopback", "--calibrate", "3"]) == 0
+    stored = json.loads(figures.read_text())["figures"]
+    assert stored["a"] == {"ratio": 1.2, "tolerance": 0.5, "runs": [1.0, 1.5, 1.2]}
+    assert stored["b"]["ratio"] == 3.0 and stored["b"]["tolerance"] == 0.2
+    assert stored["old"] == {"ratio": 9.0, "tolerance": 0.25}  # figures not measured stay
+    for bad in (["--calibrate", "2"], ["--calibrate", "3", "--update"]):
+        with pytest.raises(SystemExit) as exc:
+            gate.main(["--only", "loopback", *bad])
+        assert exc.value.code == 2
