@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 from typing import Any, assert_type
 
 import numpy as np
@@ -132,7 +131,7 @@ def test_alltoall_length_must_divide() -> None:
 
 def _expect_everywhere(size: int, fn: object, local_error: type, timeout: float = 5.0) -> None:
     """Run fn on every rank; each rank must raise: the offending one ``local_error``, the
-    others a CommError, all within a few seconds (no rank waits for its deadline)."""
+    others a CommError other than CommTimeoutError (no rank waits for its deadline)."""
     outcomes: list[tuple[type, str]] = [(type(None), "")] * size
 
     def body(c: Communicator) -> None:
@@ -143,12 +142,11 @@ def _expect_everywhere(size: int, fn: object, local_error: type, timeout: float 
         with pytest.raises(CommError):
             c.allreduce(np.ones(1))  # aborted for good
 
-    t0 = time.monotonic()
     run_threads(size, body, timeout=30)
-    assert time.monotonic() - t0 < 20
     kinds = [k for k, _ in outcomes]
     assert local_error in kinds, outcomes
     assert all(issubclass(k, (CommError, local_error)) for k in kinds), outcomes
+    assert not any(issubclass(k, CommTimeoutError) for k in kinds), outcomes
 
 
 @pytest.mark.parametrize("size", [2, 3, 5])
