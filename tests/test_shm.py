@@ -19,12 +19,13 @@ from typing import Any
 import numpy as np
 import pytest
 import tcp_world
+from errcheck import raises_usage
 from multiproc import context, free_port, run_world, start, tcp_env
 from sweeps import dense_sweep, inplace_and_async, packed_bandwidth, packed_sweep
 
 import bitcoll
 from bitcoll.communicator import Communicator
-from bitcoll.errors import CommError, CommTimeoutError, PeerLostError, ProtocolError, UsageError
+from bitcoll.errors import CommError, CommTimeoutError, PeerLostError, ProtocolError
 from bitcoll.transport import peer as peer_mod
 from bitcoll.transport.base import HEADER_SIZE, FrameHeader, Transport
 from bitcoll.transport.peer import FrameRequest, PeerState
@@ -569,9 +570,9 @@ def test_shm_setting() -> None:
         os.environ["BITCOLL_SHM"] = "1"
         assert shm_enabled(None) is True and shm_enabled(False) is False
         os.environ["BITCOLL_SHM"] = "yes"
-        with pytest.raises(UsageError, match="BITCOLL_SHM"):
+        with raises_usage("BITCOLL_SHM"):
             shm_enabled(None)
-        with pytest.raises(UsageError, match="shm"):
+        with raises_usage("shm"):
             shm_enabled(1)  # type: ignore[arg-type]
     finally:
         if env is None:
