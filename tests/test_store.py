@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from errcheck import raises_usage
 
 from bitcoll.errors import CommError, CommTimeoutError, PeerLostError, UsageError
 from bitcoll.transport.rendezvous import auth, store
@@ -559,11 +560,11 @@ def test_a_hint_to_a_missing_file_is_a_usage_error_at_once() -> None:
     missing = "/nonexistent/bitcoll-test/secret"
     with StoreServer("127.0.0.1", 0, secret=SECRET, hint=missing) as srv:
         t0 = time.monotonic()
-        with pytest.raises(UsageError, match="BITCOLL_SECRET"):
+        with raises_usage("BITCOLL_SECRET"):  # (the hinted file is missing)
             _client(srv, secret=None, deadline=30)
         assert time.monotonic() - t0 < 30  # at once, not at the end of the retries
     with StoreServer("127.0.0.1", 0, secret=SECRET) as srv, \
-            pytest.raises(UsageError, match="BITCOLL_SECRET"):
+            raises_usage("BITCOLL_SECRET"):  # (no file is hinted)
         _client(srv, secret=None, deadline=30)
 
 
@@ -615,7 +616,7 @@ def test_a_stale_generation_is_retried_until_its_successor_serves(
 def test_a_later_generation_is_a_usage_error_at_once() -> None:
     with StoreServer("127.0.0.1", 0, secret=SECRET, generation=2) as srv:
         t0 = time.monotonic()
-        with pytest.raises(UsageError, match="later communicator"):
+        with raises_usage("generation"):  # (the store's is later)
             _client(srv, deadline=30, generation=1)
         assert time.monotonic() - t0 < 30  # at once, not at the end of the retries
         _client(srv, generation=2).close()
