@@ -86,13 +86,14 @@ def _int(env: dict[str, str], name: str) -> int:
     try:
         return int(value)
     except ValueError:
-        raise UsageError(f"environment variable {name} must be an integer, got {value!r}")\
-            from None
+        raise UsageError(f"environment variable {name} must be an integer, got {value!r}",
+                         argument=name) from None
 
 
-def _port(value: int, what: str) -> int:
+def _port(value: int, what: str, variable: str) -> int:
     if not 0 < value < 65536:
-        raise UsageError(f"{what} must be a TCP port in 1..65535, got {value}")
+        raise UsageError(f"{what} must be a TCP port in 1..65535, got {value}",
+                         argument=variable)
     return value
 
 
@@ -208,16 +209,17 @@ def tcp_environment(environ: dict[str, str] | None = None,
             + " (srun); start the ranks with `python -m launch -n N script.py`, torchrun or "
             "srun")
     if size < 1 or not 0 <= rank < size:
-        raise UsageError(f"rank {rank} is not in [0, world size {size}) ({source})")
+        raise UsageError(f"rank {rank} is not in [0, world size {size}) ({source})",
+                         argument="RANK" if source != "Slurm" else "SLURM_PROCID")
     agent = env.get("TORCHELASTIC_USE_AGENT_STORE", "") == "True"
     port: int | None = None
     if env.get(ENV_MASTER_PORT):
-        port = _port(_int(env, ENV_MASTER_PORT), ENV_MASTER_PORT)
+        port = _port(_int(env, ENV_MASTER_PORT), ENV_MASTER_PORT, ENV_MASTER_PORT)
         agent = False
     elif external_store or agent:
         port = None
     elif env.get("MASTER_PORT"):
-        port = _port(_int(env, "MASTER_PORT") + 1, "MASTER_PORT + 1")
+        port = _port(_int(env, "MASTER_PORT") + 1, "MASTER_PORT + 1", "MASTER_PORT")
     elif source == "Slurm" and env.get("SLURM_JOB_ID"):
         port = SLURM_PORT_BASE + _int(env, "SLURM_JOB_ID") % 20000
     if not addr and not external_store:
@@ -337,18 +339,19 @@ def init(backend: str = "auto", timeout: float = DEFAULT_TIMEOUT,
             y = comm.allreduce(x, op="avg")
     """
     if backend not in BACKENDS:
-        raise UsageError(f"unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}")
+        raise UsageError(f"unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}",
+                         argument="backend")
     if comm is not None and store is not None:
         raise UsageError("pass comm= (MPI backend) or store= (TCP backend), not both")
     if comm is not None:
         if backend not in ("auto", "mpi"):
             raise UsageError(f"comm= selects the MPI backend; backend={backend!r} contradicts "
-                             "it")
+                             "it", argument="backend")
         backend = "mpi"
     if store is not None:
         if backend not in ("auto", "tcp"):
             raise UsageError(f"store= selects the TCP backend; backend={backend!r} "
-                             "contradicts it")
+                             "contradicts it", argument="backend")
         backend = "tcp"
     place: tuple[int, int] | None = None
     if rank is not None or size is not None:
@@ -367,14 +370,14 @@ def init(backend: str = "auto", timeout: float = DEFAULT_TIMEOUT,
         backend = detect_backend()
     if integrity and backend != "tcp":
         raise UsageError(f"integrity=True protects the TCP backend's frames; the {backend} "
-                         "backend does not use it")
+                         "backend does not use it", argument="integrity")
     checked = switch(checksum, "checksum", ENV_CHECKSUM, True)
     if checksum and backend != "tcp":
         raise UsageError(f"checksum=True checks the TCP backend's frames; the {backend} "
-                         "backend does not use it")
+                         "backend does not use it", argument="checksum")
     if send_buffer is not None and backend != "tcp":
         raise UsageError(f"send_buffer= sizes the TCP backend's connections; the {backend} "
-                         "backend does not use it")
+                         "backend does not use it", argument="send_buffer")
     transport: Transport
     if backend == "mpi":
         from .transport.mpi import MPITransport

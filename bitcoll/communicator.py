@@ -155,7 +155,7 @@ def in_place(flat: Array, vec: Array) -> bool:
             flat.__array_interface__["data"][0] == vec.__array_interface__["data"][0]:
         return True
     raise UsageError("out overlaps x without being x; pass out=x to reduce in place or a "
-                     "separate array")
+                     "separate array", argument="out")
 
 
 def output(out: object, size: int, dtype: np.dtype[Any], shape: tuple[int, ...] | None = None,
@@ -178,13 +178,15 @@ def output(out: object, size: int, dtype: np.dtype[Any], shape: tuple[int, ...] 
         want = BFLOAT16 if bf16 else str(dtype)
         if accept:
             want = "one of " + ", ".join(sorted({str(d) for d in accept} | {want}))
-        raise UsageError(f"{name} has dtype {type_name(view, out_bf16)}, expected {want}")
+        raise UsageError(f"{name} has dtype {type_name(view, out_bf16)}, expected {want}",
+                         argument=name)
     if view.size != size:
-        raise UsageError(f"{name} has {view.size} elements, expected {size}")
+        raise UsageError(f"{name} has {view.size} elements, expected {size}", argument=name)
     if not view.flags.c_contiguous:
-        raise UsageError(f"{name} must be C-contiguous so that it can be written in place")
+        raise UsageError(f"{name} must be C-contiguous so that it can be written in place",
+                         argument=name)
     if not view.flags.writeable:
-        raise UsageError(f"{name} is read-only")
+        raise UsageError(f"{name} is read-only", argument=name)
     return out, view.reshape(-1)
 
 
@@ -268,7 +270,7 @@ class Communicator:
                                      topology.rank != transport.rank):
             raise UsageError(f"topology covers {len(topology.hosts)} ranks as rank "
                              f"{topology.rank}; this communicator is rank {transport.rank} of "
-                             f"{transport.size}")
+                             f"{transport.size}", argument="topology")
         self._transport = transport
         self.timeout = _check_timeout(timeout)
         self.segment_bytes = segment_bytes
@@ -482,7 +484,8 @@ class Communicator:
     @cost_model.setter
     def cost_model(self, model: CostModel) -> None:
         if not isinstance(model, CostModel):
-            raise UsageError(f"cost_model must be a bitcoll.plan.CostModel, got {model!r}")
+            raise UsageError(f"cost_model must be a bitcoll.plan.CostModel, got {model!r}",
+                             argument="cost_model")
         self._model = model
         self._forget_plans()
 
@@ -1049,7 +1052,8 @@ class Communicator:
                 check_dtype(flat.dtype)
             if isinstance(root, bool) or not isinstance(root, (int, np.integer)) or \
                     not 0 <= root < self.size:
-                raise UsageError(f"root must be a rank in [0, {self.size}), got {root!r}")
+                raise UsageError(f"root must be a rank in [0, {self.size}), got {root!r}",
+                                 argument="root")
             algo = self._algorithm("broadcast", algorithm,
                                    "inline" if flat.nbytes <= self._record_room() else "tree")
         checked = self._nt is not None and self.size > 1
@@ -1098,7 +1102,7 @@ class Communicator:
             vec = v.flat
             if vec.size % self.size:
                 raise UsageError(f"alltoall needs a length divisible by the world size "
-                                 f"{self.size}, got {vec.size}")
+                                 f"{self.size}, got {vec.size}", argument="x")
             res, flat = output(out, vec.size, vec.dtype, bf16=v.bf16)
             algo = self._algorithm("alltoall", algorithm, "direct")
             inplace = in_place(flat, vec)
@@ -1170,11 +1174,11 @@ class Communicator:
             if color is not None and (isinstance(color, bool) or
                                       not isinstance(color, (int, np.integer)) or color < 0):
                 raise UsageError(f"split color must be an integer >= 0 or None, got "
-                                 f"{color!r}")
+                                 f"{color!r}", argument="color")
             if key is None:
                 key = self.rank
             if isinstance(key, bool) or not isinstance(key, (int, np.integer)):
-                raise UsageError(f"split key must be an integer, got {key!r}")
+                raise UsageError(f"split key must be an integer, got {key!r}", argument="key")
             limit = self.timeout if timeout is None else _check_timeout(timeout)
         mine = np.array([-1 if color is None else int(color), int(key), self.rank], np.int64)
         table = self.allgather(mine, timeout=limit).reshape(self.size, 3)
@@ -1310,7 +1314,7 @@ class Communicator:
             lo, hi = (0, n) if gather else block(n, self.size, self.rank)
             res, flat = output(out, ((hi - lo) * w_out + 7) // 8, np.dtype(np.uint8))
             if flat.size and vec.size and np.shares_memory(flat, vec):
-                raise UsageError(f"out overlaps {arg}; pass a separate array")
+                raise UsageError(f"out overlaps {arg}; pass a separate array", argument="out")
             codec, algo = self._packed_codec(kind, "int" if kind == "sum" else "sign", levels,
                                              tie, algorithm, True, n, gather)
 
@@ -1652,11 +1656,13 @@ def _check_same_root(ctx: OpContext, root: int) -> None:
 
 def _check_timeout(timeout: float) -> float:
     if not isinstance(timeout, (int, float)) or not timeout > 0 or math.isnan(timeout):
-        raise UsageError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        raise UsageError(f"timeout must be a positive number of seconds, got {timeout!r}",
+                         argument="timeout")
     return float(timeout)
 
 
 def _check_segment(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise UsageError(f"{name} must be a positive number of bytes, got {value!r}")
+        raise UsageError(f"{name} must be a positive number of bytes, got {value!r}",
+                         argument=name)
     return int(value)

@@ -60,19 +60,19 @@ def rendezvous_timeout(timeout: float) -> float:
         value = float("nan")
     if not value > 0 or value == float("inf"):
         raise UsageError(f"{ENV_RENDEZVOUS_TIMEOUT} must be a number of seconds > 0, got "
-                         f"{text!r}")
+                         f"{text!r}", argument=ENV_RENDEZVOUS_TIMEOUT)
     return min(timeout, value)
 
 
 def switch(value: object, name: str, env: str, default: bool) -> bool:
     """An on/off option of ``bitcoll.init``: ``value`` when it is True or False, else (None)
     the environment variable ``env`` ("0" or "1"; unset or empty: ``default``). UsageError
-    for anything else, naming the option ``name`` or the variable."""
+    for anything else, naming the option ``name`` or the variable (its ``argument``)."""
     if value is None:
         text = os.environ.get(env, "")
         if text not in ("0", "1", ""):
-            raise UsageError(f"{env} must be 0 or 1, got {text!r}")
+            raise UsageError(f"{env} must be 0 or 1, got {text!r}", argument=env)
         return default if text == "" else text == "1"
     if not isinstance(value, bool):
-        raise UsageError(f"{name} must be True, False or None, got {value!r}")
+        raise UsageError(f"{name} must be True, False or None, got {value!r}", argument=name)
     return value

@@ -38,8 +38,9 @@ class UsageError(BitcollError, ValueError):
     when only the comparison with other ranks reveals it (see :class:`ProtocolError`).
 
     Attributes, None where not set: ``argument`` (the name of the argument that is wrong, as
-    the call spells it: ``"grads"``, ``"levels"``, ``"tie"``, ...) and ``index`` (the position
-    of the wrong item within it, e.g. the parameter whose gradient is bad).
+    the call spells it: ``"grads"``, ``"levels"``, ``"tie"``, ...; for a setting read from the
+    environment, the variable: ``"BITCOLL_SHM"``) and ``index`` (the position of the wrong
+    item within it, e.g. the parameter whose gradient is bad).
     """
 
     def __init__(self, *args: object, argument: str | None = None,

@@ -177,11 +177,11 @@ def _checked(values: Mapping[str, object]) -> dict[str, float]:
     for name, value in values.items():
         if name not in _FIELDS:
             raise UsageError(f"unknown cost model field {name!r}; expected one of "
-                             f"{', '.join(_FIELDS)}")
+                             f"{', '.join(_FIELDS)}", argument=name)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or \
                 not 0 < value < math.inf:
             raise UsageError(f"cost model field {name} must be a positive finite number, got "
-                             f"{value!r}")
+                             f"{value!r}", argument=name)
         out[name] = float(value)
     return out
 
@@ -381,7 +381,8 @@ def predict(collective: str, name: str, model: CostModel, group: Group, call: Ca
     algorithm the registry does not know."""
     algo = _BY_KEY.get((collective, name))
     if algo is None:
-        raise UsageError(f"no cost formula for {collective} algorithm {name!r}")
+        raise UsageError(f"no cost formula for {collective} algorithm {name!r}",
+                         argument="name")
     return algo.cost(model, group, call)
 
 
@@ -419,9 +420,11 @@ def load_model(environ: Mapping[str, str] | None = None) -> CostModel:
         try:
             data = json.loads(path.read_text())
         except (OSError, ValueError) as exc:
-            raise UsageError(f"cannot read the cost model {path}: {exc}") from exc
+            raise UsageError(f"cannot read the cost model {path}: {exc}",
+                             argument=ENV_COST_MODEL) from exc
         if not isinstance(data, dict):
-            raise UsageError(f"the cost model {path} must hold a JSON object")
+            raise UsageError(f"the cost model {path} must hold a JSON object",
+                             argument=ENV_COST_MODEL)
         model = CostModel.from_mapping({k: v for k, v in data.items() if k != "_about"}, model)
     overrides: dict[str, object] = {}
     for name in _FIELDS:
@@ -431,5 +434,5 @@ def load_model(environ: Mapping[str, str] | None = None) -> CostModel:
                 overrides[name] = float(text)
             except ValueError:
                 raise UsageError(f"{ENV_FIELD_PREFIX}{name.upper()} must be a number, got "
-                                 f"{text!r}") from None
+                                 f"{text!r}", argument=ENV_FIELD_PREFIX + name.upper()) from None
     return CostModel.from_mapping(overrides, model) if overrides else model

@@ -138,10 +138,10 @@ def run_world(size: int, worker: Callable[..., Any], *args: Any, timeout: float 
         except queue.Empty:
             # A rank that died without reporting (killed) will never report.
             dead = {r for r in pending if not procs[r].is_alive() and procs[r].exitcode != 0}
+            # A rank's queue feeder thread is joined before the process exits, so what a dead
+            # rank put is in the pipe already: an empty queue now stays without its report.
             if dead and q.empty():
-                time.sleep(0.2)  # let a last message of a dying rank land
-                if q.empty():
-                    pending -= dead
+                pending -= dead
             continue
         results[rank] = RankResult(rank, value, etype, emsg, reported=True)
         pending.discard(rank)

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from errcheck import raises_usage
 from multiproc import context, start, tcp_env
 from tcp_world import free_port, set_up_two
 from test_integrity import _DictStore
@@ -153,7 +154,7 @@ def test_checksum_must_match_across_ranks() -> None:
 
 def test_bad_variable_is_a_usage_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("BITCOLL_CHECKSUM", "yes")
-    with pytest.raises(UsageError, match="BITCOLL_CHECKSUM must be 0 or 1"):
+    with raises_usage("BITCOLL_CHECKSUM"):
         TCPTransport.create(0, 1, "127.0.0.1", 1)
 
 
@@ -282,5 +283,5 @@ def test_init_switch() -> None:
     assert run_world(2, _setting, shm=False,
                      rank_env={0: {"BITCOLL_CHECKSUM": "0"}, 1: {"BITCOLL_CHECKSUM": "0"}}
                      ) == [False, False]
-    with pytest.raises(UsageError, match="checksum=True"):
+    with raises_usage("checksum"):
         bitcoll.init("local", checksum=True)

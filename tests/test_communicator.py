@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import threading
-import time
 from typing import Any, assert_type
 
 import numpy as np
 import pytest
+from errcheck import raises_usage
 from inproc import run_threads
 from sweeps import dense_sweep, inplace_and_async
 
@@ -65,7 +65,7 @@ def test_async_op_overloads() -> None:
         assert isinstance(either, np.ndarray)
 
 def test_init_rejects_unknown_backend() -> None:
-    with pytest.raises(UsageError, match="backend"):
+    with raises_usage("backend"):
         bitcoll.init("carrier-pigeon")
 
 
@@ -107,9 +107,9 @@ def test_usage_errors_on_one_rank(call: object, match: str) -> None:
 @pytest.mark.parametrize("value", [0, -5, 1.5, True, "1M"])
 def test_segment_sizes_are_checked(attr: str, value: object) -> None:
     comm = bitcoll.init("local")
-    with pytest.raises(UsageError, match=attr):
+    with raises_usage(attr):
         setattr(comm, attr, value)
-    with pytest.raises(UsageError, match=attr):
+    with raises_usage(attr):
         bitcoll.init("local", **{attr: value})  # type: ignore[arg-type]
     setattr(comm, attr, 100)
     assert getattr(comm, attr) == 100
@@ -118,7 +118,7 @@ def test_segment_sizes_are_checked(attr: str, value: object) -> None:
 def test_read_only_out_is_an_error() -> None:
     out = np.zeros(3)
     out.flags.writeable = False
-    with pytest.raises(UsageError, match="read-only"):
+    with raises_usage("out"):  # (its only fault: it is read-only)
         bitcoll.init("local").allreduce(np.ones(3), out=out)
 
 
@@ -126,13 +126,13 @@ def test_alltoall_length_must_divide() -> None:
     def body(c: Communicator) -> None:
         c.alltoall(np.ones(3))
 
-    with pytest.raises(UsageError, match="divisible"):
+    with raises_usage("x"):
         run_threads(2, body, timeout=5)
 
 
 def _expect_everywhere(size: int, fn: object, local_error: type, timeout: float = 5.0) -> None:
     """Run fn on every rank; each rank must raise: the offending one ``local_error``, the
-    others a CommError, all within a few seconds (no rank waits for its deadline)."""
+    others a CommError other than CommTimeoutError (no rank waits for its deadline)."""
     outcomes: list[tuple[type, str]] = [(type(None), "")] * size
 
     def body(c: Communicator) -> None:
@@ -143,12 +143,11 @@ def _expect_everywhere(size: int, fn: object, local_error: type, timeout: float 
         with pytest.raises(CommError):
             c.allreduce(np.ones(1))  # aborted for good
 
-    t0 = time.monotonic()
     run_threads(size, body, timeout=30)
-    assert time.monotonic() - t0 < 20
     kinds = [k for k, _ in outcomes]
     assert local_error in kinds, outcomes
     assert all(issubclass(k, (CommError, local_error)) for k in kinds), outcomes
+    assert not any(issubclass(k, CommTimeoutError) for k in kinds), outcomes
 
 
 @pytest.mark.parametrize("size", [2, 3, 5])

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 import pytest
+from errcheck import raises_usage
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -147,8 +148,7 @@ def test_pack_signs_nan_reports_first_index(mode: str, dtype: Any, data: st.Data
         u[i] = ut(inf | payload | ((1 << (bits - 1)) if sign else 0))
     assert np.isnan(x[where]).all()
     for fn in (K.pack_signs, K.pack_ternary):
-        with dispatch_mode(mode), pytest.raises(UsageError, match=rf"NaN in vote input at "
-                                                            rf"index {where[0]}$"):
+        with dispatch_mode(mode), raises_usage("x", index=where[0]):
             fn(x)
 
 
@@ -191,31 +191,31 @@ def test_unpack_signs_roundtrip_and_defaults() -> None:
 
 def test_unpack_signs_errors() -> None:
     bits = np.zeros(2, np.uint8)
-    with pytest.raises(UsageError, match="integer"):
+    with raises_usage("scale"):
         K.unpack_signs(bits, 9, dtype=np.int8, scale=0.5)
-    with pytest.raises(UsageError, match="representable"):
+    with raises_usage("scale"):
         K.unpack_signs(bits, 9, dtype=np.int8, scale=128)
-    with pytest.raises(UsageError, match="representable"):
+    with raises_usage("scale"):
         K.unpack_signs(bits, 9, dtype=np.int8, scale=-128)
-    with pytest.raises(UsageError, match="finite"):
+    with raises_usage("scale"):
         K.unpack_signs(bits, 9, dtype=np.float16, scale=1e6)
-    with pytest.raises(UsageError, match="finite"):
+    with raises_usage("scale"):
         K.unpack_signs(bits, 9, dtype=np.float32, scale=float("nan"))
-    with pytest.raises(UsageError, match="not supported"):
+    with raises_usage("dtype"):
         K.unpack_signs(bits, 9, dtype=np.uint8)
-    with pytest.raises(UsageError, match="not supported"):
+    with raises_usage("dtype"):
         K.unpack_signs(bits, 9, dtype=np.complex64)
     with pytest.raises(UsageError, match="exactly 3 bytes, got 2"):
         K.unpack_signs(bits, 17)
     with pytest.raises(UsageError, match="exactly 1 bytes, got 2"):
         K.unpack_signs(bits, 8)
-    with pytest.raises(UsageError, match="out must be"):
+    with raises_usage("out"):
         K.unpack_signs(bits, 9, out=np.zeros(9, np.float32))  # dtype defaults to int8
-    with pytest.raises(UsageError, match="out must be"):
+    with raises_usage("out"):
         K.unpack_signs(bits, 9, out=np.zeros(10, np.int8))
-    with pytest.raises(UsageError, match="scale"):
+    with raises_usage("scale"):
         K.unpack_signs(bits, 9, scale=True)
-    with pytest.raises(UsageError, match="n must be"):
+    with raises_usage("n"):
         K.unpack_signs(bits, -1)
 
 
@@ -339,19 +339,19 @@ def test_count_planes_of_a_sub_range(mode: str, n: int, before: int, after: int,
 
 def test_count_planes_errors() -> None:
     packed = np.zeros((3, 2), np.uint8)
-    with pytest.raises(UsageError, match="start must be a multiple of 8"):
+    with raises_usage("start"):
         K.count_planes(packed, 8, 2, start=4)
     with pytest.raises(UsageError, match="at least 3 bytes per row"):
         K.count_planes(packed, 9, 2, start=8)
-    with pytest.raises(UsageError, match="2\\*\\*width > 3"):
+    with raises_usage("width"):
         K.count_planes(packed, 16, 1)
-    with pytest.raises(UsageError, match="out must be"):
+    with raises_usage("out"):
         K.count_planes(packed, 16, 2, out=np.zeros((2, 3), np.uint8))
-    with pytest.raises(UsageError, match="shifts has 1 entries for 3 planes"):
+    with raises_usage("shifts"):
         K.majority_of_counts(packed, [0], 3, 16, K.TIE_POSITIVE)
-    with pytest.raises(UsageError, match="shifts must lie"):
+    with raises_usage("shifts"):
         K.majority_of_counts(packed, [0, 1, 2], 3, 16, K.TIE_POSITIVE)
-    with pytest.raises(UsageError, match="votes must be"):
+    with raises_usage("votes"):
         K.majority_of_counts(packed, [0, 0, 0], 0, 16, K.TIE_POSITIVE)
 
 
@@ -388,7 +388,7 @@ def test_majority_of_sums_agrees_with_the_packed_reference(p: int, tie: str) -> 
         got = R.majority_of_sums(sums, tie, offset)
         assert got.dtype == np.int8
         np.testing.assert_array_equal(got, 2 * bits.astype(np.int8) - 1)
-    with pytest.raises(UsageError, match="tie must be"):
+    with raises_usage("tie"):
         R.majority_of_sums(sums, "random")
 
 @pytest.mark.parametrize("p", [1, 2, 3, 8, 31, 32, 33, 64, 255, 256, 257])
@@ -409,25 +409,25 @@ def test_majority_thresholds(p: int) -> None:
 
 def test_votes_errors() -> None:
     packed = np.zeros((3, 2), np.uint8)
-    with pytest.raises(UsageError, match="bytes per row"):
+    with raises_usage("packed"):
         K.majority(packed, 17, K.TIE_POSITIVE)
-    with pytest.raises(UsageError, match="bytes per row"):
+    with raises_usage("packed"):
         K.count_votes(packed, 8)
-    with pytest.raises(UsageError, match="2-D"):
+    with raises_usage("packed"):
         K.count_votes(packed.ravel(), 16)
-    with pytest.raises(UsageError, match="dtype"):
+    with raises_usage("packed"):
         K.majority(packed.astype(np.int8), 16, K.TIE_POSITIVE)
-    with pytest.raises(UsageError, match="C-contiguous"):
+    with raises_usage("packed"):
         K.majority(np.zeros((3, 4), np.uint8)[:, ::2], 16, K.TIE_POSITIVE)
-    with pytest.raises(UsageError, match="at least one"):
+    with raises_usage("packed"):
         K.majority(np.zeros((0, 2), np.uint8), 16, K.TIE_POSITIVE)
-    with pytest.raises(UsageError, match="tie must be"):
+    with raises_usage("tie"):
         K.majority(packed, 16, 3)
-    with pytest.raises(UsageError, match="tie_offset"):
+    with raises_usage("tie_offset"):
         K.majority(packed, 16, K.TIE_ALTERNATE, tie_offset=0.5)  # type: ignore[arg-type]
-    with pytest.raises(UsageError, match="out must be"):
+    with raises_usage("out"):
         K.majority(packed, 16, K.TIE_POSITIVE, out=np.zeros(3, np.uint8))
-    with pytest.raises(UsageError, match="out must be"):
+    with raises_usage("out"):
         K.count_votes(packed, 16, out=np.zeros(16, np.int64))
 
 
@@ -509,7 +509,7 @@ def test_unpack_fields_out_dtypes(n: int, seed: int, dtype: Any) -> None:
     bias = 0 if dt.kind == "u" else 1 << (width - 1)
     packed = K.pack_fields(field_values(rng, n, width, bias, np.int32), width, bias)
     if dt.kind in "iu" and (1 << width) - 1 - bias > np.iinfo(dt).max:
-        with pytest.raises(UsageError, match="do not fit"):
+        with raises_usage("dtype"):
             K.unpack_fields(packed, n, width, bias, dtype=dtype)
         return
     got = K.unpack_fields(packed, n, width, bias, dtype=dtype)
@@ -558,21 +558,20 @@ def test_pack_fields_out_of_range(mode: str, data: st.DataObject, n: int, seed: 
     where = sorted(data.draw(st.sets(st.integers(0, n - 1), min_size=1, max_size=3)))
     for i in where:
         v[i] = data.draw(st.sampled_from(bad_values))
-    with dispatch_mode(mode), pytest.raises(
-            UsageError, match=rf"value {int(v[where[0]])} at index {where[0]} does not fit"):
+    with dispatch_mode(mode), raises_usage("values", index=where[0]):
         K.pack_fields(v, width, bias)
 
 
 def test_pack_fields_extreme_values() -> None:
     # values whose 64-bit wrap-around would land inside the range must still be rejected
     v = np.array([0, 2**64 - 1], np.uint64)
-    with pytest.raises(UsageError, match="index 1"):
+    with raises_usage("values", index=1):
         K.pack_fields(v, 7, 1)
     v = np.array([3, -(2**63)], np.int64)
-    with pytest.raises(UsageError, match="index 1"):
+    with raises_usage("values", index=1):
         K.pack_fields(v, 7, 0)
     # no uint8 value can be valid with this bias
-    with pytest.raises(UsageError, match="index 0"):
+    with raises_usage("values", index=0):
         K.pack_fields(np.array([5], np.uint8), 4, -300)
     assert K.pack_fields(np.array([], np.uint8), 4, -300).size == 0
     # a large bias that is still valid
@@ -584,30 +583,30 @@ def test_pack_fields_extreme_values() -> None:
 def test_fields_errors() -> None:
     v = np.zeros(10, np.int32)
     for w in (0, 17, 2.0, True):
-        with pytest.raises(UsageError, match="width"):
+        with raises_usage("width"):
             K.pack_fields(v, w, 0)  # type: ignore[arg-type]
-    with pytest.raises(UsageError, match="bias"):
+    with raises_usage("bias"):
         K.pack_fields(v, 4, 0.5)  # type: ignore[arg-type]
-    with pytest.raises(UsageError, match="bias"):
+    with raises_usage("bias"):
         K.pack_fields(v, 4, 2**63)
-    with pytest.raises(UsageError, match="dtype"):
+    with raises_usage("values"):
         K.pack_fields(v.astype(np.float32), 4, 0)
-    with pytest.raises(UsageError, match="out must be"):
+    with raises_usage("out"):
         K.pack_fields(v, 4, 0, out=np.zeros(6, np.uint8))
     packed = K.pack_fields(v, 4, 0)
     with pytest.raises(UsageError, match="exactly 6 bytes, got 5"):
         K.unpack_fields(packed, 11, 4, 0)
-    with pytest.raises(UsageError, match="do not fit"):
+    with raises_usage("dtype"):
         K.unpack_fields(packed, 10, 4, 1, dtype=np.uint8)
-    with pytest.raises(UsageError, match="not supported"):
+    with raises_usage("dtype"):
         K.unpack_fields(packed, 10, 4, 0, dtype=np.float16)
-    with pytest.raises(UsageError, match="out must be"):
+    with raises_usage("out"):
         K.unpack_fields(packed, 10, 4, 0, out=np.zeros(10, np.int64))
-    with pytest.raises(UsageError, match="acc"):
+    with raises_usage("acc"):
         K.add_fields(packed, 10, 4, 0, np.zeros(10, np.int8))
-    with pytest.raises(UsageError, match="acc"):
+    with raises_usage("acc"):
         K.add_fields(packed, 10, 4, 0, np.zeros(11, np.int32))
-    with pytest.raises(UsageError, match="acc"):
+    with raises_usage("acc"):
         K.add_fields(packed, 10, 4, 0, np.zeros(10, np.float32))
 
 
@@ -618,23 +617,23 @@ def test_fields_errors() -> None:
 
 def test_input_and_out_validation() -> None:
     x = np.ones(20, np.float32)
-    with pytest.raises(UsageError, match="numpy array"):
+    with raises_usage("x"):
         K.pack_signs([1.0, 2.0])  # type: ignore[arg-type]
-    with pytest.raises(UsageError, match="1-D"):
+    with raises_usage("x"):
         K.pack_signs(x.reshape(4, 5))
-    with pytest.raises(UsageError, match="C-contiguous"):
+    with raises_usage("x"):
         K.pack_signs(x[::2])
-    with pytest.raises(UsageError, match="dtype"):
+    with raises_usage("x"):
         K.pack_signs(x.astype(np.int32))
-    with pytest.raises(UsageError, match="out must be"):
+    with raises_usage("out"):
         K.pack_signs(x, out=np.zeros(4, np.int8))
-    with pytest.raises(UsageError, match="out must be"):
+    with raises_usage("out"):
         K.pack_ternary(x, out=np.zeros(4, np.uint8))
     ro = np.zeros(3, np.uint8)
     ro.flags.writeable = False
-    with pytest.raises(UsageError, match="writeable"):
+    with raises_usage("out"):
         K.pack_signs(x, out=ro)
-    with pytest.raises(UsageError, match="writeable"):
+    with raises_usage("out"):
         K.pack_signs(x, out=np.zeros(6, np.uint8)[::2])
     # read-only inputs and caller buffers are fine
     x.flags.writeable = False

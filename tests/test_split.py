@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from errcheck import raises_usage
 from multiproc import context, free_port, run_world, start, tcp_env
 from sweeps import siblings_from_threads
 
@@ -85,9 +86,9 @@ def test_split_local() -> None:
         assert sub.allreduce(np.ones(2)).tolist() == [1.0, 1.0]
         sub.close()
         assert comm.split(None) is None
-        with pytest.raises(UsageError, match="color"):
+        with raises_usage("color"):
             comm.split(-1)
-        with pytest.raises(UsageError, match="key"):
+        with raises_usage("key"):
             comm.split(0, key="a")  # type: ignore[arg-type]
-        with pytest.raises(UsageError, match="color"):
+        with raises_usage("color"):
             comm.split(True)

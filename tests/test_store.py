@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from errcheck import raises_usage
 
 from bitcoll.errors import CommError, CommTimeoutError, PeerLostError, UsageError
 from bitcoll.transport.rendezvous import auth, store
@@ -183,10 +184,10 @@ def test_set_get_try_get_and_binary_values(server: StoreServer) -> None:
 
 def test_get_blocks_until_another_client_sets(server: StoreServer) -> None:
     with _client(server) as a, _client(server) as b:
-        th = _later(0.3, a.set, "late", b"here")
         t0 = time.monotonic()
+        th = _later(0.3, a.set, "late", b"here")
         assert b.get("late", t0 + 10) == b"here"
-        assert 0.25 <= time.monotonic() - t0 < 5
+        assert time.monotonic() - t0 >= 0.3  # it waited for the set
         th.join()
 
 
@@ -195,7 +196,7 @@ def test_get_times_out_at_the_deadline(server: StoreServer) -> None:
         t0 = time.monotonic()
         with pytest.raises(CommTimeoutError, match="never"):
             c.get("never", t0 + 0.3)
-        assert 0.3 <= time.monotonic() - t0 < 1.5
+        assert time.monotonic() - t0 >= 0.3  # not before the deadline
         c.set("after", b"1")  # the client is still usable after a server-side time-out
         assert c.get("after", time.monotonic() + 1) == b"1"
 
@@ -236,17 +237,17 @@ def test_add_on_a_non_integer_is_a_usage_error(server: StoreServer) -> None:
 def test_wait_for_several_keys(server: StoreServer) -> None:
     with _client(server) as a, _client(server) as b:
         a.set("k0", b"")
-        ths = [_later(0.1 * i, a.set, f"k{i}", b"x") for i in (1, 2, 3)]
         t0 = time.monotonic()
+        ths = [_later(0.1 * i, a.set, f"k{i}", b"x") for i in (1, 2, 3)]
         b.wait([f"k{i}" for i in range(4)], t0 + 10)
-        assert time.monotonic() - t0 >= 0.25
+        assert time.monotonic() - t0 >= 0.3  # it waited for the last of them
         for th in ths:
             th.join()
         assert b.missing(["k1", "nope", "k3", "nada"]) == ["nope", "nada"]
         t0 = time.monotonic()
         with pytest.raises(CommTimeoutError, match="nope"):
             b.wait(["k1", "nope"], t0 + 0.2)
-        assert 0.2 <= time.monotonic() - t0 < 1.5
+        assert time.monotonic() - t0 >= 0.2
 
 
 def test_one_set_answers_every_parked_request(server: StoreServer) -> None:
@@ -311,11 +312,11 @@ def test_connect_retries_until_the_server_starts() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     box: dict[str, StoreServer] = {}
+    t0 = time.monotonic()
     th = _later(0.3, lambda: box.setdefault("srv", StoreServer("127.0.0.1", port,
                                                                  secret=SECRET)))
-    t0 = time.monotonic()
     c = StoreClient.connect("127.0.0.1", port, t0 + 10, secret=SECRET)
-    assert time.monotonic() - t0 >= 0.25
+    assert time.monotonic() - t0 >= 0.3  # it kept trying until the server started
     c.set("a", b"b")
     c.close()
     th.join()
@@ -329,7 +330,7 @@ def test_connect_times_out_when_nobody_serves() -> None:
     t0 = time.monotonic()
     with pytest.raises(CommTimeoutError, match="no rendezvous store"):
         StoreClient.connect("127.0.0.1", port, t0 + 0.5, secret=SECRET)
-    assert 0.5 <= time.monotonic() - t0 < 2
+    assert time.monotonic() - t0 >= 0.5
 
 
 def test_server_close_fails_a_blocked_client_promptly(server: StoreServer) -> None:
@@ -337,10 +338,8 @@ def test_server_close_fails_a_blocked_client_promptly(server: StoreServer) -> No
     c.set("x", b"")  # a round trip: the server has accepted the connection
     assert server.num_clients == 1
     th = _later(0.2, server.close)
-    t0 = time.monotonic()
-    with pytest.raises(PeerLostError):
-        c.get("never", t0 + 20)
-    assert time.monotonic() - t0 < 3
+    with pytest.raises(PeerLostError):  # at the close, not the CommTimeoutError at 20 s
+        c.get("never", time.monotonic() + 20)
     with pytest.raises(PeerLostError):  # broken for good
         c.set("x", b"")
     th.join()
@@ -429,10 +428,8 @@ def test_wrong_secret_on_the_client_is_refused_and_the_store_keeps_serving(
         server: StoreServer, store_log: Callable[[str], threading.Event]) -> None:
     # The store proves itself first: the client cannot verify that proof and hangs up.
     logged = store_log("closed the connection during the handshake")
-    t0 = time.monotonic()
     with pytest.raises(CommTimeoutError, match="could not prove it knows the job's secret"):
         _client(server, secret=b"not the secret", deadline=0.5)
-    assert time.monotonic() - t0 < 3
     assert logged.wait(5)
     assert server.num_clients == 0
     _works(server)
@@ -563,11 +560,11 @@ def test_a_hint_to_a_missing_file_is_a_usage_error_at_once() -> None:
     missing = "/nonexistent/bitcoll-test/secret"
     with StoreServer("127.0.0.1", 0, secret=SECRET, hint=missing) as srv:
         t0 = time.monotonic()
-        with pytest.raises(UsageError, match="BITCOLL_SECRET"):
+        with raises_usage("BITCOLL_SECRET"):  # (the hinted file is missing)
             _client(srv, secret=None, deadline=30)
-        assert time.monotonic() - t0 < 5
+        assert time.monotonic() - t0 < 30  # at once, not at the end of the retries
     with StoreServer("127.0.0.1", 0, secret=SECRET) as srv, \
-            pytest.raises(UsageError, match="BITCOLL_SECRET"):
+            raises_usage("BITCOLL_SECRET"):  # (no file is hinted)
         _client(srv, secret=None, deadline=30)
 
 
@@ -579,7 +576,7 @@ def test_a_hint_to_a_fifo_is_refused_without_blocking(tmp_path: Path) -> None:
         t0 = time.monotonic()
         with pytest.raises(UsageError, match="not a private file"):
             _client(srv, secret=None, deadline=30)
-        assert time.monotonic() - t0 < 5
+        assert time.monotonic() - t0 < 30  # at once, not at the end of the retries
 
 
 def test_a_stale_generation_is_retried_until_its_successor_serves(
@@ -619,9 +616,9 @@ def test_a_stale_generation_is_retried_until_its_successor_serves(
 def test_a_later_generation_is_a_usage_error_at_once() -> None:
     with StoreServer("127.0.0.1", 0, secret=SECRET, generation=2) as srv:
         t0 = time.monotonic()
-        with pytest.raises(UsageError, match="later communicator"):
+        with raises_usage("generation"):  # (the store's is later)
             _client(srv, deadline=30, generation=1)
-        assert time.monotonic() - t0 < 5
+        assert time.monotonic() - t0 < 30  # at once, not at the end of the retries
         _client(srv, generation=2).close()
 
 
@@ -680,18 +677,15 @@ def test_slowloris_connections_are_dropped_at_their_deadlines() -> None:
         for i, s in enumerate(slow):  # a part of a header, or a header and part of a body
             s.sendall(b"\x10" if i % 2 else struct.pack("<I", 100) + b"\x01\x01")
         assert srv.num_clients == 5
-        t0 = time.monotonic()
         with _client(srv) as good:  # served meanwhile
             for s in strangers:
                 got = _closed_by_peer(s, 10)
                 assert got.startswith(b"BCS1")
             for s in slow:
                 assert _closed_by_peer(s, 10) == b""
-            elapsed = time.monotonic() - t0
             good.set("still", b"here")
             assert good.get("still") == b"here"
             assert srv.num_clients == 1
-        assert elapsed < 8
         for s in strangers + slow:
             s.close()
 
@@ -710,16 +704,18 @@ def test_a_client_that_never_reads_is_dropped() -> None:
         _works(srv)
 
 
-def test_beyond_max_pending_auth_the_oldest_stranger_is_evicted() -> None:
+def test_beyond_max_pending_auth_the_oldest_stranger_is_evicted(
+        store_log: Callable[[str], threading.Event]) -> None:
+    evicted = store_log("unauthenticated connections are waiting")
     with StoreServer("127.0.0.1", 0, secret=SECRET, auth_seconds=30,
                      max_pending_auth=4) as srv:
         strangers = [socket.create_connection(("127.0.0.1", srv.port), timeout=10)
                      for _ in range(4)]
         for s in strangers:
             _greeting(s)  # accepted: the four unauthenticated slots are taken
-        t0 = time.monotonic()
+        assert not evicted.is_set()
         _works(srv)  # waits in the backlog until the oldest stranger is 1 s old
-        assert 0.5 <= time.monotonic() - t0 < 8
+        assert evicted.is_set()  # it got in by an eviction (not by a stranger's time-out)
         assert _closed_by_peer(strangers[0], 5) == b""  # evicted
         for s in strangers[1:]:  # the younger ones were not needed
             s.setblocking(False)
@@ -746,10 +742,8 @@ def test_one_thread_and_a_prompt_close_while_strangers_hold_connections() -> Non
         _works(srv)
         assert threading.active_count() == threads_before
         assert [t.name for t in threading.enumerate()].count("bitcoll-store") >= 1
-        t0 = time.monotonic()
         srv.close()
-        assert time.monotonic() - t0 < 2
-        assert not srv._thread.is_alive()
+        assert not srv._thread.is_alive()  # close() joined it
         for s in held[-20:]:
             assert _closed_by_peer(s, 5) == b""
         with pytest.raises(OSError):
@@ -804,15 +798,17 @@ class _ServerProcess:
         self.proc.stdin.flush()
         assert self.line(10) == "PONG"
 
-    def quit(self) -> float:
-        """Close the server; return how long its close() took."""
+    def quit(self) -> list[str]:
+        """Close the server; return the Python threads left once its close() returned
+        (close() waits a few seconds at most for the server's thread: if that thread did not
+        stop, it is among them)."""
         assert self.proc.stdin is not None
         self.proc.stdin.write("quit\n")
         self.proc.stdin.flush()
         line = self.line(30)
         assert line.startswith("CLOSED "), line
         assert self.proc.wait(30) == 0
-        return float(line.split()[1])
+        return line.split()[2].split(",")
 
     def kill(self) -> None:
         if self.proc.poll() is None:
@@ -884,7 +880,7 @@ def test_memory_stays_bounded_under_huge_prefixes_and_garbage() -> None:
         print(f"store server RSS: {base} kB at start, peak {peak} kB (+{peak - base} kB)")
         assert peak - base < RSS_BOUND_KB, f"peak RSS grew by {peak - base} kB"
         srv.ping()
-        assert srv.quit() < 2
+        assert srv.quit() == ["MainThread"]  # the server's thread stopped
 
 
 def test_threads_stay_one_under_300_connections() -> None:
@@ -897,7 +893,7 @@ def test_threads_stay_one_under_300_connections() -> None:
         _works(srv.port)
         assert srv.status("Threads") == threads  # no thread per connection
         assert srv.python_threads() == ["MainThread", "bitcoll-store"]
-        assert srv.quit() < 2  # while strangers and clients hold connections
+        assert srv.quit() == ["MainThread"]  # while strangers and clients hold connections
 
 
 def test_the_accept_loop_survives_running_out_of_descriptors() -> None:
@@ -911,4 +907,4 @@ def test_the_accept_loop_survives_running_out_of_descriptors() -> None:
         held.clear()
         _works(srv.port)  # served afterwards
         srv.ping()
-        assert srv.quit() < 2
+        assert srv.quit() == ["MainThread"]  # the server's thread stopped

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+from errcheck import raises_usage
 from tcp_world import free_port
 
 import bitcoll
@@ -147,13 +148,13 @@ def test_expand_hostlist() -> None:
 def test_environment_errors() -> None:
     with pytest.raises(bitcoll.UsageError, match="SLURM_PROCID"):
         tcp_environment({})
-    with pytest.raises(bitcoll.UsageError, match="must be an integer"):
+    with raises_usage("RANK"):
         tcp_environment({"RANK": "x", "WORLD_SIZE": "2", "MASTER_ADDR": "a",
                          "MASTER_PORT": "1"})
-    with pytest.raises(bitcoll.UsageError, match="not in"):
+    with raises_usage("RANK"):  # (2 is not in [0, 2))
         tcp_environment({"RANK": "2", "WORLD_SIZE": "2", "MASTER_ADDR": "a",
                          "MASTER_PORT": "1"})
-    with pytest.raises(bitcoll.UsageError, match="TCP port"):
+    with raises_usage("MASTER_PORT"):  # (MASTER_PORT + 1 is not a port)
         tcp_environment({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "a",
                          "MASTER_PORT": "65535"})
     with pytest.raises(bitcoll.UsageError, match="MASTER_PORT"):
@@ -166,7 +167,7 @@ def test_environment_errors() -> None:
 def test_init_rejects_a_non_mpi_comm() -> None:
     with pytest.raises(bitcoll.UsageError, match="mpi4py"):
         bitcoll.init(comm=object())
-    with pytest.raises(bitcoll.UsageError, match="contradicts"):
+    with raises_usage("backend"):
         bitcoll.init("tcp", comm=object())
 
 
@@ -181,7 +182,7 @@ def test_init_rejects_a_store_missing_methods(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(bitcoll.UsageError, match="lacks add, wait"):
         bitcoll.init(store=Half())
-    with pytest.raises(bitcoll.UsageError, match="contradicts"):
+    with raises_usage("backend"):
         bitcoll.init("mpi", store=Half())
 
 
@@ -231,7 +232,7 @@ def test_rendezvous_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
     assert rendezvous_timeout(300.0) == 2.5
     for bad in ("0", "-1", "soon", "inf", "nan"):
         monkeypatch.setenv("BITCOLL_RENDEZVOUS_TIMEOUT", bad)
-        with pytest.raises(bitcoll.UsageError, match="BITCOLL_RENDEZVOUS_TIMEOUT"):
+        with raises_usage("BITCOLL_RENDEZVOUS_TIMEOUT"):
             rendezvous_timeout(300.0)
 
 

@@ -153,7 +153,7 @@ def set_num_threads(n: int) -> None:
     try:
         _nb_set_num_threads(k)
     except ValueError as exc:
-        raise UsageError(str(exc)) from exc
+        raise UsageError(str(exc), argument="n") from exc
     _process_threads, _explicit_threads = k, True
 
 
@@ -533,7 +533,8 @@ def count_planes(packed: npt.NDArray[np.uint8], n: int, width: int,
     else:
         if not isinstance(out, np.ndarray) or out.dtype != np.uint8 or out.shape != shape or \
                 not out.flags.c_contiguous or not out.flags.writeable:
-            raise UsageError(f"out must be a writeable C-contiguous uint8{list(shape)} array")
+            raise UsageError(f"out must be a writeable C-contiguous uint8{list(shape)} array",
+                             argument="out")
         res = out
     _dispatch(n, _k.count_planes_serial, _k.count_planes_parallel, (a, res, n, first // 8),
               _CHUNK_ELEMENTS // 64)
@@ -544,7 +545,7 @@ def _field_range(width: int, bias: object) -> tuple[int, int, int]:
     """``(bias, lo, hi)``: values in ``[lo, hi]`` make fields in ``[0, 2**width)``."""
     b = _as_int(bias, "bias")
     if not -(1 << 63) <= b < (1 << 63):
-        raise UsageError(f"bias must fit in int64, got {b}")
+        raise UsageError(f"bias must fit in int64, got {b}", argument="bias")
     return b, -b, (1 << width) - 1 - b
 
 
@@ -596,7 +597,7 @@ def unpack_fields(packed: npt.NDArray[np.uint8], n: int, width: int, bias: int,
         info = np.iinfo(dt)
         if lo < info.min or hi > info.max:
             raise UsageError(f"{w}-bit fields with bias {b} give values in [{lo}, {hi}], "
-                             f"which do not fit in {dt}")
+                             f"which do not fit in {dt}", argument="dtype")
     res = _out(out, dt, n)
     kern = _k.field_kernels(w)
     _dispatch(n, kern.unpack_serial, kern.unpack_parallel, (a, res, np.int64(b), False),
@@ -634,9 +635,11 @@ def _bit_range(start: object, nbits: object, stream_bytes: int, name: str) -> tu
     s = _as_int(start, "start")
     k = _as_int(nbits, "nbits")
     if s < 0 or k < 0:
-        raise UsageError(f"start and nbits must be >= 0, got {s} and {k}")
+        raise UsageError(f"start and nbits must be >= 0, got {s} and {k}",
+                         argument="start" if s < 0 else "nbits")
     if s + k > 8 * stream_bytes:
-        raise UsageError(f"bits [{s}, {s + k}) lie beyond the {stream_bytes} bytes of {name}")
+        raise UsageError(f"bits [{s}, {s + k}) lie beyond the {stream_bytes} bytes of {name}",
+                         argument="nbits")
     return s, k
 
 
@@ -664,7 +667,7 @@ def insert_bits(dst: npt.NDArray[np.uint8], start: int, src: npt.NDArray[np.uint
     """
     d = _vector(dst, "dst", (np.dtype(np.uint8),))
     if not d.flags.writeable:
-        raise UsageError("dst must be writeable")
+        raise UsageError("dst must be writeable", argument="dst")
     s, k = _bit_range(start, nbits, d.size, "dst")
     a = _bits_input(src, packed_nbytes(k), "src")
     _k.insert_bits(d, s, a, k)

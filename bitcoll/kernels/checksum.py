@@ -308,15 +308,15 @@ def _crc_sw_array(crc: int, a: Any) -> Any:
 def _bytes_of(data: object) -> np.ndarray[Any, np.dtype[np.uint8]]:
     if isinstance(data, np.ndarray):
         if not data.flags.c_contiguous:
-            raise UsageError("crc32c needs a C-contiguous array")
+            raise UsageError("crc32c needs a C-contiguous array", argument="data")
         return data.reshape(-1).view(np.uint8)
     try:
         mv = memoryview(data)  # type: ignore[arg-type]
     except TypeError:
         raise UsageError(f"crc32c needs a buffer (bytes, bytearray, memoryview or a numpy "
-                         f"array), got {type(data).__name__}") from None
+                         f"array), got {type(data).__name__}", argument="data") from None
     if not mv.c_contiguous:
-        raise UsageError("crc32c needs a C-contiguous buffer")
+        raise UsageError("crc32c needs a C-contiguous buffer", argument="data")
     return np.frombuffer(mv.cast("B") if mv.nbytes else b"", np.uint8)
 
 
@@ -325,11 +325,11 @@ def crc32c(data: object, value: int = 0, *, hardware: bool | None = None) -> int
     CRC32C of the bytes before it; 0 to start). ``hardware``: force one implementation (None:
     :data:`HARDWARE`; True where the CPU lacks SSE4.2 is a UsageError). Never copies."""
     if not 0 <= value < 1 << 32:
-        raise UsageError(f"crc32c value must be in [0, 2**32), got {value}")
+        raise UsageError(f"crc32c value must be in [0, 2**32), got {value}", argument="value")
     a = _bytes_of(data)
     hw = HARDWARE if hardware is None else hardware
     if hw and not HARDWARE and not _cpu_has_sse42():
-        raise UsageError("this CPU has no SSE4.2 crc32 instruction")
+        raise UsageError("this CPU has no SSE4.2 crc32 instruction", argument="hardware")
     return int((_crc_hw_array if hw else _crc_sw_array)(value, a))
 
 

@@ -56,7 +56,7 @@ from collections.abc import Callable
 from typing import Any, Final, Generic, TypeVar
 
 from ..errors import BitcollError, CommError, CommTimeoutError, UsageError
-from .base import Consumer, FrameHeader, Request, Transport
+from .base import Consumer, FrameHeader, Request, Transport, byte_view
 
 __all__ = ["PeerState", "ALLOWED", "Want", "FrameRequest", "PeerLink", "LinkTransport",
            "ConsumerFailed", "FailureRecord",
@@ -216,6 +216,17 @@ class PeerLink(Generic[R]):
             self.posted.popleft()
         return True
 
+    def claim_send(self, inline: bool = True) -> bool:
+        """Whether the caller writes its frame to this peer itself, now: ``inline`` allowed,
+        nothing queued and nothing being written (order is kept: no frame is ahead of it);
+        it then holds ``send_lock`` and must release it. Otherwise the frame counts as
+        queued (``queued``) and the caller puts it on ``send_q``."""
+        with self.lock:
+            if inline and self.queued == 0 and self.send_lock.acquire(blocking=False):
+                return True
+            self.queued += 1
+            return False
+
     def hand_over(self) -> None:
         """Give the posted receives to the receiver thread (the caller is about to block on
         something it does not drive)."""
@@ -285,10 +296,14 @@ class FailureRecord:
 class LinkTransport(Transport):
     """Base of the transports that keep a :class:`PeerLink` per peer: the failure record
     (shared with the transports that fail together with this one), the close flags, the
-    wake-up pipe every waiting thread polls, and the calls a :class:`FrameRequest` makes while
-    it waits."""
+    wake-up pipe every waiting thread polls, the links' threads (the sender loop, over
+    :meth:`_write_queued`), the checks every ``isend``/``irecv`` makes, the start of a posted
+    receive, :meth:`progress`, :meth:`hand_over`, and the calls a :class:`FrameRequest` makes
+    while it waits."""
 
     _failures: FailureRecord
+    #: The links (:class:`PeerLink`), in the order every loop over them takes.
+    _links: list[Any]
 
     def _init_links(self, pipe: bool, fails_with: LinkTransport | None = None) -> None:
         """Set up the shared state (``pipe``: whether threads will poll the wake pipe).
@@ -307,10 +322,113 @@ class LinkTransport(Transport):
         self._wake_r, self._wake_w = (os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC) if pipe
                                       else (-1, -1))
 
+    def _start_links(self, links: list[Any], kind: str) -> None:
+        """Keep ``links`` (:attr:`_links`) and start each one's sender thread
+        (:meth:`_send_loop`) and receiver thread (:meth:`_helper_loop`), named after
+        ``kind`` ("tcp", "shm")."""
+        self._links = links
+        for p in links:
+            p.sender = threading.Thread(target=self._send_loop, args=(p,), daemon=True,
+                                        name=f"bitcoll-{kind}-send-{self.rank}-to-{p.rank}")
+            p.receiver = threading.Thread(
+                target=self._helper_loop, args=(p,), daemon=True,
+                name=f"bitcoll-{kind}-recv-{self.rank}-from-{p.rank}")
+            p.sender.start()
+            p.receiver.start()
+
     @property
     def failure(self) -> CommError | None:
         """The error that aborted this transport, or None while it is healthy."""
         return self._failure
+
+    def _check_open(self) -> None:
+        """Raise UsageError once the transport is closed, its failure once it failed."""
+        if self._closed:
+            raise UsageError(f"the {self.name.upper()} transport is closed")
+        failure = self._failure
+        if failure is not None:
+            raise failure.with_traceback(None)
+
+    @staticmethod
+    def _check_length(header: FrameHeader, nbytes: int) -> None:
+        """UsageError (``argument`` "payload") unless ``header.length`` is ``nbytes``."""
+        if header.length != nbytes:
+            raise UsageError(f"header.length is {header.length} but the payload has "
+                             f"{nbytes} bytes", argument="payload")
+
+    @classmethod
+    def _payload(cls, payload: memoryview, header: FrameHeader, writable: bool) -> memoryview:
+        """``payload`` as a flat byte view of ``header.length`` bytes (UsageError if not)."""
+        mv = byte_view(payload, writable=writable, what="payload")
+        cls._check_length(header, mv.nbytes)
+        return mv
+
+    def _send_loop(self, p: Any) -> None:
+        """The sender thread of link ``p``: finish the frames queued to it, in order
+        (:meth:`_write_queued`); once the transport failed, fail them with its failure."""
+        while True:
+            req = p.send_q.get()
+            if req is None:
+                return
+            with p.send_lock:
+                error: BitcollError | None = self._failure
+                if error is None:
+                    error = self._write_queued(p, req)
+                with p.lock:
+                    p.queued -= 1
+            req._finish(error)
+
+    @abstractmethod
+    def _write_queued(self, p: Any, req: Any) -> BitcollError | None:
+        """Write the rest of the queued frame ``req`` to ``p`` (its send lock held; may
+        block) and count it in :attr:`stats`; the error that ends it, or None."""
+
+    @abstractmethod
+    def _helper_loop(self, p: Any) -> None:
+        """The receiver thread of link ``p`` (:meth:`PeerLink.serve_handed`)."""
+
+    @abstractmethod
+    def _advance(self, p: Any, blocking: bool) -> Want:
+        """Complete the posted receives of ``p`` whose frames are there, in order; what it
+        needs to go on. Precondition: the reader token ``p.rx`` is held."""
+
+    def _read_if_free(self, p: Any) -> Want | None:
+        """:meth:`_advance` ``p`` without blocking unless another thread holds its reader
+        token (then None)."""
+        if not p.rx.acquire(blocking=False):
+            return None
+        try:
+            return self._advance(p, blocking=False)
+        finally:
+            p.rx.release()
+
+    def _start_receive(self, p: Any, req: FrameRequest) -> None:
+        """``req`` was just posted on ``p``: wake the receiver thread for a ``helper``
+        receive, else take what has arrived already (the peer often sent first: the frame
+        may be complete before anybody waits for it); fail it at once when the transport
+        failed meanwhile."""
+        if req.helper:
+            p.helper_q.put(True)
+        else:
+            self._read_if_free(p)
+        self._fail_late(p)
+
+    def _fail_late(self, p: Any) -> None:
+        """A request was just queued or posted on ``p``: when the transport has failed
+        (perhaps before the request was there for the failure path to fail), fail it."""
+        failure = self._failure
+        if failure is not None:
+            p.fail_requests(failure)
+
+    def progress(self) -> None:
+        """Read, without blocking, what has arrived on every open link no other thread is
+        reading: frames of posted receives complete, an abort notice or a lost peer fails
+        the transport (on TCP a clean close moves the peer to ``PEER_CLOSED``). Collectives
+        do this themselves while they wait; this is for a caller that is between them.
+        Never raises (look at :attr:`failure`)."""
+        for p in self._links:
+            if p.state is PeerState.OPEN:
+                self._read_if_free(p)
 
     def _record_failure(self, error: CommError) -> list[LinkTransport]:
         """Record ``error`` as the failure of every transport sharing this one's record and
@@ -413,10 +531,16 @@ class LinkTransport(Transport):
                 with contextlib.suppress(OSError):
                     os.close(fd)
 
-    @abstractmethod
     def hand_over(self) -> None:
         """The calling thread is about to block on something it does not drive: give every
         posted receive to its link's receiver thread."""
+        self._hand_over_links()
+
+    def _hand_over_links(self, but: Any = None) -> None:
+        """:meth:`hand_over` for this transport's own links (but ``but``)."""
+        for p in self._links:
+            if p is not but:
+                p.hand_over()
 
     @abstractmethod
     def _drive(self, req: Any, deadline: float) -> None:

@@ -74,7 +74,8 @@ def main() -> int:
             break
     t0 = time.monotonic()
     server.close()
-    _say(f"CLOSED {time.monotonic() - t0:.3f}")
+    threads = ",".join(sorted(t.name for t in threading.enumerate()))
+    _say(f"CLOSED {time.monotonic() - t0:.3f} {threads}")
     return 0
 
 

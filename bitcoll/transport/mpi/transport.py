@@ -320,16 +320,16 @@ class MPITransport(Transport):
         ``create``).
         """
         if not timeout > 0:
-            raise UsageError(f"timeout must be > 0 seconds, got {timeout!r}")
+            raise UsageError(f"timeout must be > 0 seconds, got {timeout!r}", argument="timeout")
         mpi = _mpi()
         if comm is None:
             comm = mpi.COMM_WORLD
         if not isinstance(comm, mpi.Intracomm):
             kind = type(comm)
             raise UsageError("comm must be an mpi4py intra-communicator (mpi4py.MPI.Intracomm), "
-                             f"got {kind.__module__}.{kind.__qualname__}")
+                             f"got {kind.__module__}.{kind.__qualname__}", argument="comm")
         if comm == mpi.COMM_NULL:
-            raise UsageError("comm is MPI.COMM_NULL")
+            raise UsageError("comm is MPI.COMM_NULL", argument="comm")
         deadline = time.monotonic() + timeout
 
         def finish(req: MPI.Request, keep: tuple[object, ...], what: str) -> None:
@@ -381,9 +381,10 @@ class MPITransport(Transport):
         """
         if color is not None and (isinstance(color, bool) or
                                   not isinstance(color, (int, np.integer)) or color < 0):
-            raise UsageError(f"split color must be an integer >= 0 or None, got {color!r}")
+            raise UsageError(f"split color must be an integer >= 0 or None, got {color!r}",
+                             argument="color")
         if isinstance(key, bool) or not isinstance(key, (int, np.integer)):
-            raise UsageError(f"split key must be an integer, got {key!r}")
+            raise UsageError(f"split key must be an integer, got {key!r}", argument="key")
         mpi = self._mpi
         deadline = time.monotonic() + self.timeout
         self._run_collective("barrier before split", self._comm.Ibarrier, (), deadline)
@@ -565,7 +566,7 @@ class MPITransport(Transport):
         mv = byte_view(payload, writable=writable, what="payload")
         if header.length != mv.nbytes:
             raise UsageError(f"header.length is {header.length} but the payload has "
-                             f"{mv.nbytes} bytes")
+                             f"{mv.nbytes} bytes", argument="payload")
         return mv
 
     def isend(self, peer: int, payload: memoryview, header: FrameHeader) -> Request:
@@ -640,7 +641,8 @@ class MPITransport(Transport):
         self._check_peer(out_peer)
         self._check_peer(in_peer)
         if any(not -1 <= after < len(plan.recvs) for *_, after in plan.sends):
-            raise UsageError("a stream plan's send forwards a receive the plan does not have")
+            raise UsageError("a stream plan's send forwards a receive the plan does not have",
+                             argument="plan")
         _StreamRun(self, out_peer, in_peer, plan).run(deadline)
         return True
 
@@ -802,14 +804,16 @@ class MPITransport(Transport):
         if hit is not None:
             return hit
         if op not in _REDUCE_OPS:
-            raise UsageError(f"native reduction op must be one of {_REDUCE_OPS}, got {op!r}")
+            raise UsageError(f"native reduction op must be one of {_REDUCE_OPS}, got {op!r}",
+                             argument="op")
         if not dt.isnative:
-            raise UsageError(f"native collectives need native byte order, got {dt}")
+            raise UsageError(f"native collectives need native byte order, got {dt}",
+                             argument="send")
         table = _reduce_table(self._mpi, op)
         mpitype = table.get(dt.name)
         if mpitype is None:
             raise UsageError(f"native {op} reductions do not support dtype {dt} "
-                             "(supported: " + ", ".join(sorted(table)) + ")")
+                             "(supported: " + ", ".join(sorted(table)) + ")", argument="send")
         mpi = self._mpi
         mpiop = {"sum": mpi.SUM, "max": mpi.MAX, "min": mpi.MIN}[op]
         _REDUCE_CACHE[key] = (mpitype, mpiop)
@@ -818,11 +822,11 @@ class MPITransport(Transport):
     @staticmethod
     def _check_array(arr: object, what: str, *, writable: bool) -> npt.NDArray[Any]:
         if not isinstance(arr, np.ndarray):
-            raise UsageError(f"{what} must be a numpy array, got {type(arr)!r}")
+            raise UsageError(f"{what} must be a numpy array, got {type(arr)!r}", argument=what)
         if not arr.flags.c_contiguous:
-            raise UsageError(f"{what} must be C-contiguous")
+            raise UsageError(f"{what} must be C-contiguous", argument=what)
         if writable and not arr.flags.writeable:
-            raise UsageError(f"{what} must be writable")
+            raise UsageError(f"{what} must be writable", argument=what)
         return arr
 
     @staticmethod
@@ -834,7 +838,7 @@ class MPITransport(Transport):
             return False
         if a.ctypes.data == b.ctypes.data and a.nbytes == b.nbytes:
             return True
-        raise UsageError("send and recv buffers overlap partially")
+        raise UsageError("send and recv buffers overlap partially", argument="recv")
 
     def native_allreduce(self, send: npt.NDArray[Any], recv: npt.NDArray[Any], op: str,
                          deadline: float) -> None:
@@ -912,7 +916,8 @@ class MPITransport(Transport):
             n = payload.nbytes
             if n > self.record_bytes - RECORD_HEADER_BYTES:
                 raise UsageError(f"a record payload holds at most "
-                                 f"{self.record_bytes - RECORD_HEADER_BYTES} bytes, got {n}")
+                                 f"{self.record_bytes - RECORD_HEADER_BYTES} bytes, got {n}",
+                                 argument="payload")
             rec[RECORD_HEADER_BYTES:RECORD_HEADER_BYTES + n] = payload
         head = _RECORD_HEADER.pack(seq, signature)
         rec[:RECORD_HEADER_BYTES] = head
@@ -966,12 +971,14 @@ class MPITransport(Transport):
         """
         k = len(values)
         if not 0 < k <= _EXTREMES_LANES:
-            raise UsageError(f"native_extremes takes 1 to {_EXTREMES_LANES} values, got {k}")
+            raise UsageError(f"native_extremes takes 1 to {_EXTREMES_LANES} values, got {k}",
+                             argument="values")
         check = np.empty(2 * _EXTREMES_LANES, dtype=np.int64)
         try:
             check[:k] = values
         except (OverflowError, TypeError, ValueError) as exc:
-            raise UsageError(f"native_extremes values must be int64 integers: {exc}") from None
+            raise UsageError(f"native_extremes values must be int64 integers: {exc}",
+                             argument="values") from None
         check[k:_EXTREMES_LANES] = 0
         np.negative(check[:_EXTREMES_LANES], out=check[_EXTREMES_LANES:])
         seen = np.empty_like(check)

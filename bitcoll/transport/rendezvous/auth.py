@@ -246,7 +246,7 @@ def read_secret_file(path: str) -> bytes:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError as exc:
         raise UsageError(f"cannot read the job's secret file {path!r} made by rank 0 "
-                         f"({exc.strerror}); {hint}") from None
+                         f"({exc.strerror}); {hint}", argument=SECRET_ENV) from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:

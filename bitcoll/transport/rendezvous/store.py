@@ -1119,7 +1119,7 @@ class StoreClient:
                     raise UsageError(
                         f"the store at {where} names no secret file and this process was "
                         f"given no secret: set {auth.SECRET_ENV} to the same non-empty string "
-                        "on every rank")
+                        "on every rank", argument=auth.SECRET_ENV)
                 secret = auth.read_secret_file(hint)
             client_nonce = auth.new_nonce()
             sock.settimeout(max(1e-3, deadline - time.monotonic()))
@@ -1149,7 +1149,8 @@ class StoreClient:
                          f"({exc})") from None
         if gen > generation:
             raise UsageError(f"the store at {where} belongs to a later communicator of this "
-                             f"job (generation {gen} > {generation}): this process is behind")
+                             f"job (generation {gen} > {generation}): this process is behind",
+                             argument="generation")
         return secret
 
     @property

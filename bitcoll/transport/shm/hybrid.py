@@ -101,7 +101,6 @@ import logging
 import os
 import select
 import struct
-import threading
 import time
 import zlib
 from collections.abc import Callable, Sequence
@@ -283,7 +282,7 @@ class _Routed(Request):
         if not self._inner.done():
             # The TCP transport drives only its own connections while it waits: the
             # posted shared-memory receives go to their receiver threads.
-            self._owner.hand_over_shm()
+            self._owner._hand_over_links()
         self._inner.wait(deadline)
 
 
@@ -305,6 +304,7 @@ class HybridTransport(LinkTransport):
 
     name = "tcp"
     consumes_on_receive = True
+    _links: list[_Peer]
 
     def __init__(self, tcp: TCPTransport, hosts: Sequence[int],
                  channels: dict[int, shm.ShmChannel], ring_bytes: int,
@@ -333,14 +333,7 @@ class HybridTransport(LinkTransport):
         self.oversubscribed = self.hosts.count(self.hosts[self.rank]) > usable_cores()
         self._spin = OVERSUBSCRIBED_SPIN_SECONDS if self.oversubscribed else SPIN_SECONDS
         self._peers: dict[int, _Peer] = {p: _Peer(ch) for p, ch in channels.items()}
-        for peer in self._peers.values():
-            peer.sender = threading.Thread(target=self._send_loop, args=(peer,), daemon=True,
-                                           name=f"bitcoll-shm-send-{self.rank}-to-{peer.rank}")
-            peer.receiver = threading.Thread(
-                target=self._helper_loop, args=(peer,), daemon=True,
-                name=f"bitcoll-shm-recv-{self.rank}-from-{peer.rank}")
-            peer.sender.start()
-            peer.receiver.start()
+        self._start_links(list(self._peers.values()), "shm")
 
     # ---------------------------------------------------------------- set-up
 
@@ -484,11 +477,7 @@ class HybridTransport(LinkTransport):
         return self._tcp.silent_origin(peer)
 
     def _check_usable(self, peer: int) -> _Peer:
-        if self._closed:
-            raise UsageError("the TCP transport is closed")
-        failure = self.failure
-        if failure is not None:
-            raise failure.with_traceback(None)
+        self._check_open()
         p = self._peers.get(peer)
         if p is None:  # pragma: no cover - callers route other peers to TCP
             raise UsageError(f"peer {peer} is not a shared-memory peer of rank {self.rank}")
@@ -502,19 +491,12 @@ class HybridTransport(LinkTransport):
         if peer not in self._peers:
             return self._routed(lambda: self._tcp.isend(peer, payload, header))
         p = self._check_usable(peer)
-        mv = byte_view(payload, writable=False, what="payload")
-        if header.length != mv.nbytes:
-            raise UsageError(f"header.length is {header.length} but the payload has "
-                             f"{mv.nbytes} bytes")
+        mv = self._payload(payload, header, writable=False)
         single = p.ch.single_copy and header.length >= self.single_copy_min_bytes
         req = _ShmRequest(self, peer, header, mv, True, single)
-        with p.lock:
-            # Nothing queued for this peer: copy what fits right here (order is kept, no
-            # frame is ahead). A single-copy frame waits for the peer: the thread's job.
-            inline = p.queued == 0 and not single and p.send_lock.acquire(blocking=False)
-            if not inline:
-                p.queued += 1
-        if inline:
+        # Nothing queued for this peer: copy what fits right here. A single-copy frame
+        # waits for the peer: the thread's job.
+        if p.claim_send(inline=not single):
             try:
                 complete = self._put(p, req, block=False)
             except _Stop:
@@ -531,8 +513,7 @@ class HybridTransport(LinkTransport):
                 p.send_q.put(req)
         else:
             p.send_q.put(req)
-        if self._failure is not None:
-            p.fail_requests(self._failure)
+        self._fail_late(p)
         return req
 
     def irecv(self, peer: int, payload: memoryview, header: FrameHeader) -> Request:
@@ -556,9 +537,7 @@ class HybridTransport(LinkTransport):
 
     def _post_receive(self, p: _Peer, header: FrameHeader, nbytes: int, view: memoryview,
                       consume: Consumer | None) -> _ShmRequest:
-        if header.length != nbytes:
-            raise UsageError(f"header.length is {header.length} but the payload has "
-                             f"{nbytes} bytes")
+        self._check_length(header, nbytes)
         req = _ShmRequest(self, p.rank, header, view, False)
         req.consume = consume
         # Large frames and records that cannot sit whole in the ring are the receiver
@@ -567,15 +546,7 @@ class HybridTransport(LinkTransport):
             _align8(_PREFIX + nbytes) > p.ch.ring_bytes
         with p.lock:
             p.posted.append(req)
-        if req.helper:
-            p.helper_q.put(True)
-        elif p.rx.acquire(blocking=False):
-            try:  # take the frame if it is here already (the peer often sent first)
-                self._advance(p)
-            finally:
-                p.rx.release()
-        if self._failure is not None:
-            p.fail_requests(self._failure)
+        self._start_receive(p, req)
         return req
 
     @property
@@ -601,10 +572,7 @@ class HybridTransport(LinkTransport):
     def _via_tcp(self, call: Callable[[], _T]) -> _T:
         """``call()`` on the TCP side, unless this transport is closed or failed (a TCP
         failure is this transport's failure: one record)."""
-        if self._closed:
-            raise UsageError("the TCP transport is closed")
-        if self._failure is not None:
-            raise self._failure.with_traceback(None)
+        self._check_open()
         return call()
 
     # ---------------------------------------------------------------- ring work
@@ -789,32 +757,19 @@ class HybridTransport(LinkTransport):
 
     # ---------------------------------------------------------------- threads
 
-    def _send_loop(self, p: _Peer) -> None:
-        stats = self.stats_local
-        while True:
-            req = p.send_q.get()
-            if req is None:
-                return
-            error: BitcollError | None
-            with p.send_lock:
-                failure = self._failure
-                if failure is not None:
-                    error = failure
-                else:
-                    try:
-                        self._put(p, req, block=True)
-                        error = None
-                    except _Stop:
-                        error = self._failure or UsageError("the TCP transport is closed")
-                    except Exception as exc:  # pragma: no cover - a bug; never hang a peer
-                        self._fail(CommError(f"rank {self.rank}: shared-memory send to rank "
-                                             f"{p.rank} failed: {type(exc).__name__}: {exc}"))
-                        error = self._failure
-            with p.lock:
-                p.queued -= 1
-            if error is None:
-                stats.add_sent(HEADER_SIZE + req.header.length)
-            req._finish(error)
+    def _write_queued(self, p: _Peer, req: _ShmRequest) -> BitcollError | None:
+        """The sender thread's part (``LinkTransport._send_loop``): copy the rest of a
+        frame into the ring (waiting for space), or hand over a single-copy one."""
+        try:
+            self._put(p, req, block=True)
+        except _Stop:
+            return self._failure or UsageError("the TCP transport is closed")
+        except Exception as exc:  # pragma: no cover - a bug; never hang a peer
+            self._fail(CommError(f"rank {self.rank}: shared-memory send to rank {p.rank} "
+                                 f"failed: {type(exc).__name__}: {exc}"))
+            return self._failure
+        self.stats_local.add_sent(HEADER_SIZE + req.header.length)
+        return None
 
     def _helper_loop(self, p: _Peer) -> None:
         """The receiver thread: serve the receives handed to it (large ones, plain or
@@ -882,9 +837,10 @@ class HybridTransport(LinkTransport):
             return True  # bad magic or version: reported by _serve
         return mode != _INLINE or length != req.header.length
 
-    def _advance(self, p: _Peer) -> Want:
+    def _advance(self, p: _Peer, blocking: bool = False) -> Want:
         """Complete the posted receives of ``p`` whose records are in the ring, in order,
-        without blocking; notice the peer's abort or exit when nothing is there.
+        without blocking (whatever ``blocking`` says: a record not there yet is waited for
+        by :meth:`_serve`); notice the peer's abort or exit when nothing is there.
         Precondition: the reader token ``p.rx`` is held."""
         ch = p.ch
         while self._failure is None and not self._closing:
@@ -958,25 +914,12 @@ class HybridTransport(LinkTransport):
     def hand_over(self, but: _Peer | None = None) -> None:
         """The calling thread is about to block on something it does not drive: give every
         posted receive (but ``but``'s) to its receiver thread, on both paths."""
-        self.hand_over_shm(but)
+        self._hand_over_links(but)
         self._tcp.hand_over()
 
-    def hand_over_shm(self, but: _Peer | None = None) -> None:
-        """:meth:`hand_over` for the shared-memory peers only."""
-        for p in self._peers.values():
-            if p is not but:
-                p.hand_over()
-
     def progress(self) -> None:
-        """Complete, without blocking, the receives whose frames have arrived on every link
-        no other thread is reading (both paths; see ``TCPTransport.progress``). Never
-        raises (look at :attr:`failure`)."""
-        for p in self._peers.values():
-            if p.rx.acquire(blocking=False):
-                try:
-                    self._advance(p)
-                finally:
-                    p.rx.release()
+        """``LinkTransport.progress`` on both paths."""
+        super().progress()
         self._tcp.progress()
 
     def peer_state(self, peer: int) -> PeerState:

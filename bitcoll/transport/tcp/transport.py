@@ -343,6 +343,7 @@ class TCPTransport(LinkTransport):
     """Frames between the ranks of one job over TCP. Build it with :meth:`create`."""
 
     name = "tcp"
+    _links: list[_Peer]
 
     def __init__(self, rank: int, size: int, socks: dict[int, socket.socket],
                  rendezvous: _Rendezvous | None, job_id: int,
@@ -368,19 +369,11 @@ class TCPTransport(LinkTransport):
         self._groups = 0  # sub-groups made so far (their key namespaces)
         self._init_links(pipe=bool(socks))
         self._peers: dict[int, _Peer] = {p: _Peer(p, s) for p, s in socks.items()}
-        self._order = list(self._peers.values())
         if integrity and rendezvous is not None:
             for peer in self._peers.values():
                 peer.key_out = auth.mac(rendezvous.secret, "frame-key", job_id, rank, peer.rank)
                 peer.key_in = auth.mac(rendezvous.secret, "frame-key", job_id, peer.rank, rank)
-        for peer in self._peers.values():
-            peer.sender = threading.Thread(target=self._send_loop, args=(peer,), daemon=True,
-                                           name=f"bitcoll-tcp-send-{rank}-to-{peer.rank}")
-            peer.receiver = threading.Thread(target=self._helper_loop, args=(peer,),
-                                             daemon=True,
-                                             name=f"bitcoll-tcp-recv-{rank}-from-{peer.rank}")
-            peer.sender.start()
-            peer.receiver.start()
+        self._start_links(list(self._peers.values()), "tcp")
 
     # ---------------------------------------------------------------- set-up
 
@@ -507,11 +500,7 @@ class TCPTransport(LinkTransport):
         return p.state
 
     def _check_usable(self, peer: int) -> _Peer:
-        if self._closed:
-            raise UsageError("the TCP transport is closed")
-        failure = self._failure
-        if failure is not None:
-            raise failure.with_traceback(None)
+        self._check_open()
         p = self._peers.get(peer)
         if p is None:
             raise UsageError(f"peer {peer} is not another rank of this {self.size}-rank "
@@ -537,10 +526,7 @@ class TCPTransport(LinkTransport):
         peer has closed its connection, UsageError after close or for a bad peer.
         """
         p = self._check_usable(peer)
-        mv = byte_view(payload, writable=False, what="payload")
-        if header.length != mv.nbytes:
-            raise UsageError(f"header.length is {header.length} but the payload has "
-                             f"{mv.nbytes} bytes")
+        mv = self._payload(payload, header, writable=False)
         req = _TCPRequest(self, peer, header, mv, True)
         if p.key_out is None:
             if self.checksum:
@@ -551,19 +537,13 @@ class TCPTransport(LinkTransport):
                 req.tail = frame_tag(p.key_out, p.count_out, req.head, mv)
                 p.count_out += 1
                 self._submit(p, req)
-        failure = self._failure
-        if failure is not None:
-            p.fail_requests(failure)
+        self._fail_late(p)
         return req
 
     def _submit(self, p: _Peer, req: _TCPRequest) -> None:
-        with p.lock:
-            # Nothing queued or being written to this peer: write the frame right here (no
-            # thread woken; order is kept since no frame is ahead of it).
-            inline = p.queued == 0 and p.send_lock.acquire(blocking=False)
-            if not inline:
-                p.queued += 1
-        if not inline:
+        # Nothing queued or being written to this peer: write the frame right here (no
+        # thread woken).
+        if not p.claim_send():
             p.send_q.put(req)
             return
         try:
@@ -595,27 +575,19 @@ class TCPTransport(LinkTransport):
             p.queued += 1
         p.send_q.put(req)
 
-    def _send_loop(self, p: _Peer) -> None:
-        """The sender thread: finish the frames ``isend`` could not write at once, in order."""
-        stats = self.stats
-        while True:
-            req = p.send_q.get()
-            if req is None:
-                return
-            with p.send_lock:
-                error: BitcollError | None = self._failure
-                if error is None:
-                    try:
-                        send_all_parts(p.sock, req.parts(), req.sent)
-                        p.count_sent += 1
-                    except OSError as exc:
-                        error = self._os_error(p, exc)
-                with p.lock:
-                    p.partial = False
-                    p.queued -= 1
-            if error is None:
-                stats.add_sent(HEADER_SIZE + len(req.view) + len(req.tail))
-            req._finish(error)
+    def _write_queued(self, p: _Peer, req: _TCPRequest) -> BitcollError | None:
+        """The sender thread's part (``LinkTransport._send_loop``): finish a frame ``isend``
+        could not write at once."""
+        try:
+            send_all_parts(p.sock, req.parts(), req.sent)
+            p.count_sent += 1
+        except OSError as exc:
+            return self._os_error(p, exc)
+        finally:
+            with p.lock:
+                p.partial = False
+        self.stats.add_sent(HEADER_SIZE + len(req.view) + len(req.tail))
+        return None
 
     # ---------------------------------------------------------------- receives
 
@@ -647,9 +619,7 @@ class TCPTransport(LinkTransport):
     def _post_receive(self, p: _Peer, header: FrameHeader, nbytes: int, view: memoryview,
                       consume: Consumer | None) -> _TCPRequest:
         """Post a receive (checks shared by both irecv forms), then make progress on it."""
-        if header.length != nbytes:
-            raise UsageError(f"header.length is {header.length} but the payload has "
-                             f"{nbytes} bytes")
+        self._check_length(header, nbytes)
         req = _TCPRequest(self, p.rank, header, view, False)
         req.consume = consume
         req.helper = nbytes >= HELPER_RECEIVE_BYTES
@@ -659,40 +629,11 @@ class TCPTransport(LinkTransport):
                 p.posted.append(req)
         if gone:
             self._peer_gone(p)
-        if req.helper:
-            p.helper_q.put(True)
-        elif p.rx.acquire(blocking=False):
-            # Take what has already arrived (the peer often sent first): the frame may be
-            # complete before anybody waits for it, and a closed connection shows at once.
-            try:
-                self._advance(p, blocking=False)
-            finally:
-                p.rx.release()
+        self._start_receive(p, req)  # (a closed connection shows at once too)
         failure = self._failure
-        if failure is not None:
-            p.fail_requests(failure)
-            if isinstance(failure, PeerLostError) and failure.peer == p.rank:
-                raise failure.with_traceback(None)
+        if isinstance(failure, PeerLostError) and failure.peer == p.rank:
+            raise failure.with_traceback(None)
         return req
-
-    def progress(self) -> None:
-        """Read, without blocking, what has arrived on every connection no other thread is
-        reading: frames of posted receives complete, an abort notice or a lost connection
-        fails the transport, a clean close moves the peer to ``PEER_CLOSED``. Collectives do
-        this themselves while they wait; this is for a caller that is between them. Never
-        raises (look at :attr:`failure`)."""
-        for p in self._order:
-            if p.state is PeerState.OPEN and p.rx.acquire(blocking=False):
-                try:
-                    self._advance(p, blocking=False)
-                finally:
-                    p.rx.release()
-
-    def hand_over(self) -> None:
-        """The calling thread is about to block on something it does not drive: give every
-        posted receive to its peer's receiver thread."""
-        for p in self._order:
-            p.hand_over()
 
     def _timeout_for(self, req: _TCPRequest) -> CommTimeoutError:
         return timeout_error(self.rank, req,
@@ -707,7 +648,7 @@ class TCPTransport(LinkTransport):
         :data:`IDLE_LOOK_SECONDS`)."""
         target = self._peers[req.peer]
         wants: dict[_Peer, Want] = {}
-        ready: list[_Peer] = [target] + [p for p in self._order if p is not target]
+        ready: list[_Peer] = [target] + [p for p in self._links if p is not target]
         poller: Any = None
         registered: set[int] = set()
         while not req._done and self._failure is None:
@@ -731,7 +672,7 @@ class TCPTransport(LinkTransport):
                 if req._lock.acquire(timeout=min(left, IDLE_LOOK_SECONDS)):
                     req._lock.release()
                     return
-                ready = self._order
+                ready = self._links
                 continue
             if poller is None:
                 poller = select.poll()
@@ -876,7 +817,7 @@ class TCPTransport(LinkTransport):
                 if left <= 0:
                     status = -1
                     break
-                watch = np.array([p.fd for p in self._order
+                watch = np.array([p.fd for p in self._links
                                   if p is not in_p and p.state is PeerState.OPEN
                                   and p.rx_phase is RxPhase.HEADER and not p.rx.locked()],
                                  np.int32)
@@ -1351,7 +1292,7 @@ class TCPTransport(LinkTransport):
         # stream holding a connection's sending side gets the frame to send (between frames)
         # and does that connection's step 3 itself when it ends, at the wake-up below.
         deferred: set[_Peer] = set()
-        for p in self._order:
+        for p in self._links:
             if p.send_lock.acquire(blocking=False):
                 try:
                     if not p.partial:
@@ -1375,11 +1316,11 @@ class TCPTransport(LinkTransport):
         # 3. SHUT_WR: peers read the end of the stream after what was sent (this rank's own
         # blocked sends fail at once); the receiver threads go on reading and dropping data
         # until the peers close, so no peer stays blocked writing to this rank.
-        for p in self._order:
+        for p in self._links:
             if p not in deferred:
                 with contextlib.suppress(OSError):
                     p.sock.shutdown(socket.SHUT_WR)
-        for p in self._order:
+        for p in self._links:
             p.stop(PeerState.FAILED, error, drain=True)
         self._wake()
 
@@ -1398,7 +1339,7 @@ class TCPTransport(LinkTransport):
             with contextlib.suppress(OSError):
                 p.sock.shutdown(socket.SHUT_RDWR)
 
-        self._close_links(self._order, deadline, shut, lambda p: p.sock.close())
+        self._close_links(self._links, deadline, shut, lambda p: p.sock.close())
         if self._rdv is not None:
             if self._failure is not None:
                 deadline = min(deadline, time.monotonic() + FAILED_CLOSE_SECONDS)
