@@ -1448,13 +1448,15 @@ class Communicator:
 
         NaN in ``x`` raises UsageError (found while packing; the peers get PeerLostError).
         ``algorithm``: "auto" (default: the cheapest by the cost model, :mod:`bitcoll.plan`:
-        typically "allgather" for small vectors, where one round of messages beats two,
+        typically "allgather" for small vectors, where its ``ceil(log2 size)`` rounds of one
+        message beat two pipelined phases,
         "direct" for large ones, "hierarchical" when the ranks run on several hosts and some
         host runs several), "direct"
         (bandwidth-optimal direct-exchange reduce-scatter of packed bits, aggregation at each
         block's owner, all-gather of the packed result, pipelined in segments), "ring"
         (partial counts forwarded round a ring), "allgather" (every rank gathers every rank's
-        bits and votes locally; the Distributed Lion baseline), "hierarchical" (two levels:
+        bits, by Bruck's all-gather, and votes locally; the Distributed Lion baseline),
+        "hierarchical" (two levels:
         the votes are counted inside each host through shared memory, the local ranks of all
         hosts exchange their slice's counts at ``ceil(log2(g + 1))`` bits (``g``: ranks on
         the host; sums: ``ceil(log2(2 g L + 1))``) by direct exchange and all-gather the
