@@ -1,9 +1,11 @@
-"""Summarise the JSON tables of side_by_side.sh: per checkout and size, the median over
+"""Summarise the JSON tables of small_packed_side_by_side.sh: per checkout and size, the median over
 rounds of the float32 and majority latencies (same job each round), of their ratio
 majority / float32 (lower is better; <= 1: the packed all-reduce is no slower) and of the
 process CPU time per call of each (averaged over ranks).
 
-usage: python summarize.py DIR [DIR ...]
+usage: python bench/experiments/small_packed_summarize.py DIR [DIR ...]
+(output: results/small_packed/summary.txt; ran at commit 25bbe30 as
+results/small_packed/summarize.py)
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import osu
 
 
@@ -29,7 +31,8 @@ def main(dirs: list[str]) -> None:
             f32 = tables["float32/allreduce"]
             maj = tables["majority/default"]
             col, ecol, cpu = "Avg Latency(us)", "Elements", "CPU(us)"
-            row = {r[ecol]: (r[col], s[col], r[cpu], s[cpu])
+            row: dict[int, tuple[float, ...]] = {
+                int(r[ecol]): (float(r[col]), float(s[col]), float(r[cpu]), float(s[cpu]))
                    for r, s in zip(f32.rows, maj.rows, strict=True)}
             runs[(m.group(1), m.group(2))].append(row)
         print(f"# {d}")

@@ -1,9 +1,10 @@
 #!/bin/bash
 # Side by side: osu_sign_allreduce (majority, with the float32 all-reduce of the same elements
 # in the same job) on the code of several checkouts, alternating, ROUNDS rounds.
-# usage: side_by_side.sh RANKS ROUNDS OUTDIR TREE...    (env: BITCOLL_SHM=0 for TCP loopback)
+# Ran at commit 25bbe30 as results/small_packed/side_by_side.sh (output: results/small_packed/).
+# usage: small_packed_side_by_side.sh RANKS ROUNDS OUTDIR TREE...    (env: BITCOLL_SHM=0 for TCP loopback)
 # The first size (256 elements) only warms the job up (the first size measured in a job
-# runs slow on either side); summarize.py leaves it out.
+# runs slow on either side); small_packed_summarize.py leaves it out.
 # Every tree runs this checkout's bench/osu_sign_allreduce.py with PYTHONPATH=TREE.
 set -eu
 ranks=$1; rounds=$2; outdir=$3; shift 3

@@ -3,7 +3,9 @@ transport completes every frame at once (nothing is sent; receives leave their b
 they are), so what is timed is the Python and kernel work of one rank's call alone: the
 fixed cost per call the issue is about. Best of 5 loops per row.
 
-usage: PYTHONPATH=<checkout> python fixed_cost.py P
+usage: PYTHONPATH=<checkout> python bench/experiments/small_packed_fixed_cost.py P
+(output: results/small_packed/fixed_cost.txt; ran at commit 25bbe30 as
+results/small_packed/fixed_cost.py)
 """
 
 from __future__ import annotations
