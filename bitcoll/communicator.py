@@ -52,7 +52,7 @@ from .algorithms.hierarchical import allreduce_hierarchical, packed_hierarchical
 from .algorithms.sign_allreduce_allgather import packed_allgather
 from .algorithms.sign_allreduce_direct import packed_direct
 from .algorithms.sign_allreduce_ring import packed_ring
-from .algorithms.votes import TIES, VoteCodec, field_width, make_codec
+from .algorithms.votes import CODECS, TIES, VoteCodec, field_width, make_codec
 from .argcheck import AGREED
 from .arguments import call_signature, mismatch_text
 from .arrays import BFLOAT16, HostArray, bf16_tensor, to_numpy, type_name
@@ -303,6 +303,8 @@ class Communicator:
         self._plans: dict[tuple[object, ...], _Plan | None] = {}
         self._mpi_plans: dict[tuple[object, ...], _Plan | None] = {}
         self._packed_plans: dict[tuple[object, ...], str] = {}  # _packed_choice's answers
+        # The synchronous sign collectives' plans, see _fast_packed.
+        self._fast_packed_plans: dict[tuple[object, ...], _PackedPlan | None] = {}
         self.cost_model = cost_model
 
     # ------------------------------------------------------------------ properties
@@ -495,6 +497,7 @@ class Communicator:
         self._plans.clear()
         self._mpi_plans.clear()
         self._packed_plans.clear()
+        self._fast_packed_plans.clear()
 
     @property
     def plan_group(self) -> Group:
@@ -1297,6 +1300,92 @@ class Communicator:
 
         return self.run(name, fields, body, async_op, timeout, packed=True)
 
+    def _fast_packed(self, name: str, x: Array, op: object, tie: object, out: object,
+                     timeout: float | None, gather: bool) -> Any:
+        """The sign collectives' fast path (:meth:`sign_allreduce`,
+        :meth:`sign_reduce_scatter`; modelled on :meth:`_fast_allreduce`): a synchronous call
+        on a C-contiguous numpy ``x`` of several ranks whose default algorithm is a flat one,
+        with a numpy ``out`` of the default dtype or none. What the general path works out
+        from the arguments (codec class, algorithm, frame signature, output size) is cached
+        per (collective, op, tie, dtype, count); the call itself counts the majority call and
+        runs the algorithm through :meth:`_execute`, so frames, signature, the tie counter
+        and failure handling are the general path's. Returns the result, or None without
+        side effects when the call does not qualify (the general path then validates it and
+        reports any error)."""
+        key = (name, op, tie, x.dtype, x.size, gather, self._packed_segment_bytes)
+        try:
+            plan = self._fast_packed_plans.get(key, _UNPLANNED)
+        except TypeError:  # an unhashable op or tie
+            return None
+        if plan is _UNPLANNED:
+            plan = self._fast_packed_plan(key)
+        if plan is None or not x.flags.c_contiguous:
+            return None
+        if out is None:
+            res = np.empty(x.shape if gather else plan.out_size, plan.out_dtype)
+        elif type(out) is np.ndarray and out.dtype == plan.out_dtype and \
+                out.size == plan.out_size and (flags := out.flags).c_contiguous and \
+                flags.writeable:
+            res = out
+        else:
+            return None
+        if timeout is None:
+            limit = self.timeout
+        elif type(timeout) in (int, float) and 0 < timeout < math.inf:
+            limit = float(timeout)
+        else:
+            return None
+        if self._closed or self._agreed_failure is not None or \
+                not self._call_lock.acquire(blocking=False):
+            return None
+        try:
+            last = self._last
+            if last is not None:
+                if not last.done():
+                    return None  # the general path waits for it
+                self._last = None
+            tie_call = 0
+            if plan.majority:
+                with self._lock:
+                    tie_call = self._majority_calls
+                    self._majority_calls += 1
+            seq = self._turn()
+            codec = plan.codec(1, self.size, plan.tie, tie_call)
+            xf = x if x.ndim == 1 else x.reshape(-1)
+            flat = res if res.ndim == 1 else res.reshape(-1)
+            self._execute(name, plan.fields, seq, plan.signature,
+                          functools.partial(plan.run, codec=codec, x=xf, out=flat,
+                                            gather=gather, n=xf.size),
+                          limit, True, self._nt is not None)
+        finally:
+            self._call_lock.release()
+        return res
+
+    def _fast_packed_plan(self, key: tuple[object, ...]) -> _PackedPlan | None:
+        """The plan of :meth:`_fast_packed` for its key ``(name, op, tie, dtype, count,
+        gather, packed segment bytes)``, cached under that key: None unless op, tie and
+        dtype are valid and the default algorithm is a flat one (the two-level algorithm
+        needs the hosts: the general path)."""
+        name, op, tie, dtype, n, gather = key[:6]
+        plan = None
+        if isinstance(op, str) and isinstance(tie, str) and isinstance(dtype, np.dtype) and \
+                isinstance(n, int) and op in ("majority", "sum") and tie in TIE_RULES and \
+                dtype in SIGN_DTYPES:
+            codec_cls = CODECS[op, "sign"]
+            widths = codec_cls(1, self.size)
+            algo = self._packed_choice(n, widths.w_in, widths.w_out, bool(gather), False)
+            run = _FLAT_PACKED.get(algo)
+            if run is not None:
+                lo, hi = (0, n) if gather else block(n, self.size, self.rank)
+                fields = (op, "sign", 1, tie, dtype.str, n, algo, bool(gather))
+                plan = _PackedPlan(fields, signature(str(name), *fields), codec_cls, TIES[tie],
+                                   run, np.dtype(np.int8 if op == "majority" else np.int32),
+                                   hi - lo, codec_cls.majority)
+        if len(self._fast_packed_plans) >= _PLANS_MAX:
+            self._fast_packed_plans.clear()
+        self._fast_packed_plans[key] = plan
+        return plan
+
     def _packed_io(self, name: str, data: Any, arg: str, count: int, kind: str, levels: int,
                    tie: str, out: Any, gather: bool, async_op: bool, timeout: float | None,
                    algorithm: str | None) -> Any:
@@ -1363,13 +1452,15 @@ class Communicator:
 
         NaN in ``x`` raises UsageError (found while packing; the peers get PeerLostError).
         ``algorithm``: "auto" (default: the cheapest by the cost model, :mod:`bitcoll.plan`:
-        typically "allgather" for small vectors, where one round of messages beats two,
+        typically "allgather" for small vectors, where its ``ceil(log2 size)`` rounds of one
+        message beat two pipelined phases,
         "direct" for large ones, "hierarchical" when the ranks run on several hosts and some
         host runs several), "direct"
         (bandwidth-optimal direct-exchange reduce-scatter of packed bits, aggregation at each
         block's owner, all-gather of the packed result, pipelined in segments), "ring"
         (partial counts forwarded round a ring), "allgather" (every rank gathers every rank's
-        bits and votes locally; the Distributed Lion baseline), "hierarchical" (two levels:
+        bits, by Bruck's all-gather, and votes locally; the Distributed Lion baseline),
+        "hierarchical" (two levels:
         the votes are counted inside each host through shared memory, the local ranks of all
         hosts exchange their slice's counts at ``ceil(log2(g + 1))`` bits (``g``: ranks on
         the host; sums: ``ceil(log2(2 g L + 1))``) by direct exchange and all-gather the
@@ -1381,6 +1472,10 @@ class Communicator:
         Example, 3 ranks with ``x = [1., -2.]``, ``[-1., -1.]``, ``[3., 0.]``: majority gives
         ``[1, -1]`` and sum gives ``[1, -2]`` on every rank.
         """
+        if self._plans_on and not async_op and algorithm is None and type(x) is np.ndarray:
+            done = self._fast_packed("sign_allreduce", x, op, tie, out, timeout, True)
+            if done is not None:
+                return done
         return self._packed("sign_allreduce", x, (op, "sign", 1), out,
                             np.dtype(np.int8 if op == "majority" else np.int32), True, tie,
                             async_op, timeout, algorithm)
@@ -1406,6 +1501,10 @@ class Communicator:
                             algorithm: str | None = None) -> Any:
         """:meth:`sign_allreduce`, but rank ``r`` receives only block ``r`` of
         ``bitcoll.partition(x.size, size)`` (1-D). Tie indices are global element indices."""
+        if self._plans_on and not async_op and algorithm is None and type(x) is np.ndarray:
+            done = self._fast_packed("sign_reduce_scatter", x, op, tie, out, timeout, False)
+            if done is not None:
+                return done
         return self._packed("sign_reduce_scatter", x, (op, "sign", 1), out,
                             np.dtype(np.int8 if op == "majority" else np.int32), False, tie,
                             async_op, timeout, algorithm)
@@ -1627,6 +1726,31 @@ class _Plan(NamedTuple):
     """"native": MPI's all-reduce with its checks done
     (:meth:`~bitcoll.transport.base.NativeCollectives.prepared_allreduce`); else None."""
 
+
+class _PackedPlan(NamedTuple):
+    """A synchronous sign collective's plan (:meth:`Communicator._fast_packed_plan`)."""
+
+    fields: tuple[object, ...]
+    """The call's signature fields, as :meth:`Communicator._packed` makes them."""
+    signature: int
+    """``signature(name, *fields)``."""
+    codec: type[VoteCodec]
+    """The codec class; each call makes its codec with the call's majority tie counter."""
+    tie: int
+    """The tie rule (a kernels.TIE_* constant)."""
+    run: Callable[..., None]
+    """The algorithm, a flat one (:data:`_FLAT_PACKED`)."""
+    out_dtype: np.dtype[Any]
+    """The default output dtype: int8 for majority, int32 for sums."""
+    out_size: int
+    """Elements of this rank's output."""
+    majority: bool
+    """Whether the call counts as a majority call (the tie counter)."""
+
+
+#: The packed algorithms that need nothing but the call (not the hosts).
+_FLAT_PACKED: dict[str, Callable[..., None]] = {
+    "direct": packed_direct, "ring": packed_ring, "allgather": packed_allgather}
 
 _UNPLANNED: Any = object()  # a key not in the plan cache yet
 

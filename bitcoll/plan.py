@@ -23,8 +23,9 @@ dense ``recursive_doubling``             ``k (a + o + n/B + n/R_reduce)``, ``k =
 dense ``ring``                           ``2(p-1)(a+o) + 2(p-1)/p n/B + (p-1)/p n/R_reduce``
 dense ``hierarchical``                   local reduce-scatter + ring between hosts on ``n/l`` +
                                          local all-gather (each on its own link's ``a``, ``B``)
-packed ``allgather``                     ``pack(n) + (p-1)(a+o) + (p-1) n w_in/8/B + count(p, m)
-                                         + decode(m)``, one round, not pipelined
+packed ``allgather``                     ``pack(n) + k (a+2o) + (p-1) n w_in/8/B + count(p, m) +
+                                         decode(m)``, ``k = ceil(log2 p)`` rounds (Bruck),
+                                         not pipelined
 packed ``direct``                        ``K`` segments pipelined: ``2(a+o) + fill + (K-1)
                                          max(cpu/K, wire/K)``, ``cpu = pack(n) + count(p, n/p) +
                                          decode(m) + 2(p-1)K o``, ``wire = (p-1)/p n (w_in +
@@ -257,7 +258,9 @@ def _packed_allgather(m: CostModel, g: Group, c: Call) -> float:
     p = g.size
     a, b = m.link(g.hosts > 1, g)
     wire = (p - 1) * c.count * c.w_in / 8 / b * _mesh_share(g)
-    return (m.call_cpu + _pack(m, g, c) + (p - 1) * (a + 2 * m.message_cpu) + wire
+    # Bruck's all-gather: ceil(log2 p) rounds of one send and one receive
+    rounds = max(1, (p - 1).bit_length())
+    return (m.call_cpu + _pack(m, g, c) + rounds * (a + 2 * m.message_cpu) + wire
             + _count(m, g, p, _out_count(g, c)) + _decode(m, g, c))
 
 

@@ -59,6 +59,9 @@ class Slot(enum.IntEnum):
     HIER_COUNTS = 10
     """:mod:`~bitcoll.algorithms.hierarchical` (packed): the host's counts of two segments of
     this rank's slices."""
+    GATHER_WORK = 11
+    """:mod:`~bitcoll.algorithms.sign_allreduce_allgather`: every rank's packed row, then the
+    packed result."""
 
 
 class OpContext:

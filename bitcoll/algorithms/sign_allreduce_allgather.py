@@ -1,6 +1,22 @@
-"""The all-gather baseline (what Distributed Lion does): every rank gathers every rank's
-packed contribution (ring all-gather of byte blocks) and aggregates locally. Each rank sends
-``(p - 1) * n * w_in / 8`` bytes: it grows with ``p``. Kept as the benchmark baseline."""
+"""The all-gather algorithm (what Distributed Lion does): every rank gathers every rank's
+packed contribution and aggregates all ``p`` contributions locally.
+
+1. **Pack** this rank's contribution (``w_in`` bits per element) into row 0 of its rows.
+2. **Gather** the rows by Bruck's all-gather: in round ``k`` (``d = 2**k``) rank ``r``
+   sends its first ``c = min(d, p - d)`` rows, one contiguous frame, to rank ``r - d`` and
+   receives rows ``d .. d + c`` from rank ``r + d`` (mod ``p``). After ``ceil(log2 p)``
+   rounds row ``i`` holds rank ``(r + i) mod p``'s contribution: a rotation, which neither a
+   vote count nor an exact sum can tell from rank order, so the rows are never reordered.
+3. **Aggregate** the ``p`` rows of the elements this rank returns (all of them for an
+   all-reduce, block ``rank`` for a reduce-scatter) and decode the result.
+
+Each rank sends ``(p - 1) * ceil(n * w_in / 8)`` bytes in ``ceil(log2 p)`` messages: the bytes
+grow with ``p`` and nothing is pipelined, so large vectors take the direct exchange
+(:mod:`~bitcoll.algorithms.sign_allreduce_direct`). What it buys is latency: the rounds of a
+dense recursive-doubling all-reduce (fewer where ``p`` is not a power of two) and one pass of
+each kernel, the cheapest packed collective for small vectors (the cost model's choice there,
+:mod:`bitcoll.plan`). Kept also as the benchmark baseline.
+"""
 
 from __future__ import annotations
 
@@ -11,8 +27,7 @@ import numpy.typing as npt
 
 from .. import kernels
 from ..partition import block
-from .context import OpContext
-from .ring import ring_pass
+from .context import OpContext, Slot
 from .votes import VoteCodec
 
 __all__ = ["packed_allgather"]
@@ -25,18 +40,30 @@ def packed_allgather(ctx: OpContext, codec: VoteCodec, x: Array, out: Array,
     """Same contract as :func:`~bitcoll.algorithms.sign_allreduce_direct.packed_direct`."""
     p, r = ctx.size, ctx.rank
     n = x.size if n is None else n
-    nb = kernels.packed_nbytes(n, codec.w_in)
-    rows = np.empty((p, nb), np.uint8)
-    codec.encode(x, 0, n, rows[r])
-    ring_pass(ctx, rows.reshape(-1), [j * nb for j in range(p + 1)], b0=r, steps=p - 1,
-              reduce=None)
+    w_in, w_out = codec.w_in, codec.w_out
+    nb = (n * w_in + 7) // 8
     lo, hi = (0, n) if gather else block(n, p, r)
     start = lo - lo % 8  # aggregate from a byte boundary, then drop the leading elements
-    sub = np.ascontiguousarray(rows[:, start * codec.w_in // 8:
-                                    kernels.packed_nbytes(hi, codec.w_in)])
     m = hi - start
-    res = np.empty(kernels.packed_nbytes(m, codec.w_out), np.uint8)
+    mb = (m * w_out + 7) // 8
+    work = ctx.scratch(Slot.GATHER_WORK, p * nb + mb, np.dtype(np.uint8))
+    rows = work[:p * nb].reshape(p, nb)
+    res = work[p * nb:]
+    codec.encode(x, 0, n, rows[0])
+    sends = []
+    d = 1
+    while d < p:  # Bruck's all-gather: rows[i] ends up holding rank (r + i) mod p's row
+        cnt = min(d, p - d)
+        req = ctx.irecv((r + d) % p, rows[d:d + cnt])
+        sends.append(ctx.isend((r - d) % p, rows[:cnt]))
+        ctx.wait(req)
+        d *= 2
+    if start == 0 and hi == n:
+        sub = rows
+    else:
+        sub = np.ascontiguousarray(rows[:, start * w_in // 8:(hi * w_in + 7) // 8])
     codec.combine(sub, m, start, res)
     if lo > start:  # drop the leading elements: move the rest to bit 0
-        res = kernels.extract_bits(res, (lo - start) * codec.w_out, (hi - lo) * codec.w_out)
+        res = kernels.extract_bits(res, (lo - start) * w_out, (hi - lo) * w_out)
     codec.decode(res, out, 0, hi - lo)
+    ctx.wait(*sends)

@@ -120,6 +120,21 @@ _ACC_DTYPES = tuple(np.dtype(t) for t in (np.int16, np.int32, np.int64))
 _ALL64 = (1 << 64) - 1
 _EVEN_BITS = 0x5555_5555_5555_5555
 
+# The small-call fast paths of pack_signs, majority and unpack_signs (a sign all-reduce of a
+# few thousand elements runs each once: their argument checks cost more than their work).
+_U8 = np.dtype(np.uint8)
+#: float dtype -> (unsigned view, its sign bit, all bits but sign, bits of +inf), typed.
+_FLOAT_MASKS = {dt: (ut, ut(sign), ut(absm), ut(inf))
+                for dt, (ut, sign, absm, inf) in _FLOAT_BITS.items()}
+#: (odd p or tie, tie_offset parity) -> the majority kernel's tie mask, typed.
+_TIE_MASKS = {(TIE_NEGATIVE, 0): np.uint64(0), (TIE_NEGATIVE, 1): np.uint64(0),
+              (TIE_POSITIVE, 0): np.uint64(_ALL64), (TIE_POSITIVE, 1): np.uint64(_ALL64),
+              (TIE_ALTERNATE, 0): np.uint64(_EVEN_BITS),
+              (TIE_ALTERNATE, 1): np.uint64(_EVEN_BITS << 1)}
+_NO_SHIFTS: dict[int, npt.NDArray[np.int64]] = {}  # p -> zeros(p): one vote per row
+#: output dtype -> (unsigned view, raw bits of +1, raw bits of -1), typed (scale 1).
+_UNIT_SIGNS: dict[np.dtype[Any], tuple[Any, Any, Any]] = {}
+
 _pool_lock = threading.Lock()
 
 
@@ -327,6 +342,18 @@ def pack_signs(x: npt.NDArray[np.floating[Any]],
     Bit i is 1 iff ``x[i] >= 0`` (``+0.0`` and ``-0.0`` vote +1), 0 iff ``x[i] < 0``.
     Raises :class:`UsageError` on a NaN (naming the first NaN's index) or bad arguments.
     """
+    if type(x) is np.ndarray and type(out) is np.ndarray:  # the common case, checked inline
+        typed = _FLOAT_MASKS.get(x.dtype)
+        n = x.size
+        if typed is not None and n < PARALLEL_MIN_ELEMENTS and x.ndim == 1 and \
+                out.ndim == 1 and out.dtype == _U8 and out.size == (n + 7) // 8 and \
+                x.flags.c_contiguous and (flags := out.flags).c_contiguous and flags.writeable:
+            ut, sign, absm, inf = typed
+            err = _k.pack_votes_serial(x.view(ut), out, sign, absm, inf, False)
+            if err >= 0:
+                raise UsageError(f"NaN in vote input at index {err}", argument="x",
+                                 index=int(err))
+            return out
     u, masks = _float_input(x)
     n = u.size
     res = _out(out, np.dtype(np.uint8), packed_nbytes(n))
@@ -366,10 +393,26 @@ def unpack_signs(bits: npt.NDArray[np.uint8], n: int, out: npt.NDArray[Any] | No
     ``+scale`` and ``-scale`` both representable, for float dtypes it must be finite in
     ``dtype``. Violations raise :class:`UsageError`.
     """
+    if type(bits) is np.ndarray and type(out) is np.ndarray and type(n) is int and \
+            0 <= n < PARALLEL_MIN_ELEMENTS and type(scale) in (int, float) and scale == 1:
+        # the common case (an int8 +-1 result), checked inline
+        dt = out.dtype
+        unit = _UNIT_SIGNS.get(dt)
+        if unit is not None and (dtype is dt or dtype is dt.type) and bits.ndim == 1 and \
+                bits.dtype == _U8 and bits.size == (n + 7) // 8 and out.ndim == 1 and \
+                out.size == n and bits.flags.c_contiguous and \
+                (flags := out.flags).c_contiguous and flags.writeable:
+            ut, pos1, neg1 = unit
+            _k.unpack_signs_serial(bits, out.view(ut), pos1, neg1)
+            return out
     n = _length(n)
     b = _bits_input(bits, packed_nbytes(n), "bits")
     dt = _out_dtype(dtype, _SIGN_OUT_DTYPES)
     pos, neg = _sign_values(dt, scale)
+    if dt not in _UNIT_SIGNS and dt.isnative:
+        ut1 = _UNSIGNED_OF_SIZE[dt.itemsize]
+        p1, n1 = _sign_values(dt, 1)
+        _UNIT_SIGNS[dt] = (ut1, ut1(p1), ut1(n1))
     res = _out(out, dt, n)
     ut = _UNSIGNED_OF_SIZE[dt.itemsize]
     _dispatch(n, _k.unpack_signs_serial, _k.unpack_signs_parallel,
@@ -442,6 +485,21 @@ def majority(packed: npt.NDArray[np.uint8], n: int, tie: int, tie_offset: int = 
     :data:`TIE_ALTERNATE` -> 1 if ``i + tie_offset`` is even else 0 (``i`` counts from 0 in
     this call). Bad arguments raise :class:`UsageError`.
     """
+    if type(packed) is np.ndarray and type(out) is np.ndarray and type(n) is int and \
+            type(tie) is int and type(tie_offset) is int and 0 <= n < PARALLEL_MIN_ELEMENTS \
+            and packed.ndim == 2 and out.ndim == 1:  # the common case, checked inline
+        p, nb = packed.shape
+        if p >= 1 and nb == (n + 7) // 8 and packed.dtype == _U8 and out.dtype == _U8 and \
+                out.size == nb and 0 <= tie <= TIE_ALTERNATE and \
+                packed.flags.c_contiguous and (flags := out.flags).c_contiguous and \
+                flags.writeable:
+            shifts = _NO_SHIFTS.get(p)
+            if shifts is None:
+                shifts = _NO_SHIFTS.setdefault(p, np.zeros(p, np.int64))
+            planes = p.bit_length()
+            _k.majority_serial(packed, shifts, out, n, planes + 1, (1 << planes) - (p // 2 + 1),
+                               _TIE_MASKS[TIE_NEGATIVE if p % 2 else tie, tie_offset % 2])
+            return out
     n = _length(n)
     a = _votes_input(packed, n)
     p = a.shape[0]
