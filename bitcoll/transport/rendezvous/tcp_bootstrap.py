@@ -386,10 +386,11 @@ class _Mesh:
     Accepting side: a connection that fails a check, takes longer than
     :data:`HANDSHAKE_SECONDS` to prove itself, or is the oldest unproven one when
     :data:`MAX_PENDING_HANDSHAKES` are waiting, or is still unproven when the set-up ends, is
-    dropped and logged at debug level (logger ``bitcoll.tcp``, naming its address). Connecting side: an answer that fails the proof is a
-    ProtocolError; a connection the higher rank closes before the hello is complete is dialed
-    again (the higher rank may have dropped it as an unproven one), unless the higher rank no
-    longer accepts connections at all (PeerLostError: it left the set-up)."""
+    dropped and logged at debug level (logger ``bitcoll.tcp``, naming its address).
+    Connecting side: an answer that fails the proof is a ProtocolError; a connection the
+    higher rank closes before the hello is complete is dialed again (the higher rank may have
+    dropped it as an unproven one), unless the higher rank no longer accepts connections at
+    all (PeerLostError: it left the set-up)."""
 
     def __init__(self, rank: int, size: int, job_id: int, secret: bytes, mine: str,
                  deadline: float, timeout: float,
