@@ -616,6 +616,7 @@ class Communicator:
         seconds: over MPI the argument check first when ``checked``, then ``body``; any error
         goes through :meth:`_failed`. The one execution path of every collective."""
         seg = self._packed_segment_bytes if packed else self._segment_bytes
+        self._transport.collective = name
         ctx = OpContext(self._transport, seq, sig, time.monotonic() + limit, seg,
                         self._scratch)
         try:
@@ -778,12 +779,12 @@ class Communicator:
             fields = (op.value, dtype.str, size, "inline")
             rows = nt.record_payloads[:, :nbytes].view(dtype)
             plan = _Plan(fields, signature("allreduce", *fields), GatheredReduce(rows, op),
-                         mpi_op, None, op)
+                         mpi_op, None, op, records=nt.prepared_records(nbytes))
         elif nbytes <= NATIVE_ALLREDUCE_MAX_BYTES and nt.reducible(dtype, mpi_op):
             fields = (op.value, dtype.str, size, "native")
             divisor = np.asarray(self.size, dtype=dtype) if op is ReduceOp.AVG else None
             plan = _Plan(fields, signature("allreduce", *fields), None, mpi_op, divisor, op,
-                         nt.prepared_allreduce(dtype, mpi_op))
+                         nt.prepared_allreduce(dtype, mpi_op), nt.prepared_records(0))
         if len(plans) >= _PLANS_MAX:
             plans.clear()
         plans[key] = plan
@@ -798,7 +799,9 @@ class Communicator:
         reduction, MPI's all-reduce or bitcoll's algorithm; elsewhere bitcoll's algorithm.
         Returns the result, or None without side effects when the call does not qualify
         (anything unusual: the general path then validates it and reports any error)."""
-        key = (x.dtype, x.size, op)
+        # Every line here is paid by every small call: checks are ordered cheapest first.
+        dtype = x.dtype
+        key = (dtype, x.size, op)
         try:
             plan = self._plans.get(key, _UNPLANNED)
         except TypeError:  # an unhashable op
@@ -809,7 +812,7 @@ class Communicator:
             return None
         if out is None:
             res = np.empty_like(x)
-        elif type(out) is np.ndarray and out.dtype == x.dtype and out.size == x.size and \
+        elif type(out) is np.ndarray and out.dtype == dtype and out.size == x.size and \
                 (flags := out.flags).c_contiguous and flags.writeable and \
                 (out is x or (out.base is None and x.base is None) or
                  not np.may_share_memory(out, x)):
@@ -822,8 +825,8 @@ class Communicator:
             limit = float(timeout)
         else:
             return None
-        if self._closed or self._agreed_failure is not None or \
-                not self._call_lock.acquire(blocking=False):
+        lock = self._call_lock
+        if self._closed or self._agreed_failure is not None or not lock.acquire(False):
             return None
         try:
             last = self._last
@@ -834,38 +837,51 @@ class Communicator:
             seq = self._turn()
             xf = x if x.ndim == 1 else x.reshape(-1)
             flat = res if res.ndim == 1 else res.reshape(-1)
+            records = plan.records
+            if records is not None:
+                # Over MPI the collective is its argument check (carrying x when inline)
+                # and a local reduction or one MPI all-reduce: no frames, so no OpContext;
+                # errors as in _execute.
+                try:
+                    deadline = time.monotonic() + limit
+                    reduce = plan.reduce
+                    if not records(seq, plan.signature,
+                                   _NO_PAYLOAD if reduce is None else xf.data.cast("B"),
+                                   deadline):
+                        self._mismatch(seq, deadline, "allreduce", plan.fields)
+                    if reduce is not None:
+                        reduce(flat)
+                    else:
+                        plan.native(flat if res is x else xf, flat, deadline)
+                        if plan.divisor is not None:
+                            np.divide(flat, plan.divisor, out=flat)
+                except BaseException as exc:
+                    self._failed(exc, "allreduce", seq)
+                return res
             self._execute("allreduce", plan.fields, seq, plan.signature,
                           functools.partial(self._planned, plan, xf, flat, res is x), limit,
-                          False, self._nt is not None and plan.reduce is None)
+                          False, self._nt is not None)
         finally:
-            self._call_lock.release()
+            lock.release()
         return res
 
     def _planned(self, plan: _Plan, x: Array, flat: Array, inplace: bool,
                  ctx: OpContext) -> None:
-        """The body of a fast all-reduce: ``x`` (1-D) reduced into ``flat`` (1-D; the same
-        array when ``inplace``) as ``plan`` says: bitcoll's algorithm, MPI's own all-reduce
-        (after the argument check :meth:`_execute` made), or the gathered records of an
-        argument check that carries ``x`` (then reduced locally)."""
-        if plan.reduce is None and plan.native is None:  # bitcoll frames
-            if plan.fields[3] == "ring":  # out of place: no copy (see the ring)
-                allreduce_ring(ctx, flat, plan.op, src=None if inplace else x)
-            else:
-                if not inplace:
-                    np.copyto(flat, x)
-                allreduce_recursive_doubling(ctx, flat, plan.op)
-        elif plan.reduce is not None:
-            agree, _ = self._native_t().exchange_records(ctx.seq, ctx.signature,
-                                                         x.data.cast("B"), ctx.deadline)
-            if not agree:
+        """The body of a planned all-reduce: ``x`` (1-D) reduced into ``flat`` (1-D; the same
+        array when ``inplace``) as ``plan`` says: bitcoll's algorithm, or (the general path's
+        "inline") the argument check carrying ``x``, then reduced locally. The fast path runs
+        MPI's plans itself (:meth:`_fast_allreduce`)."""
+        if plan.reduce is not None:  # inline
+            assert plan.records is not None
+            if not plan.records(ctx.seq, ctx.signature, x.data.cast("B"), ctx.deadline):
                 self._mismatch(ctx.seq, ctx.deadline, "allreduce", plan.fields)
             plan.reduce(flat)
+        elif plan.fields[3] == "ring":  # out of place: no copy (see the ring)
+            allreduce_ring(ctx, flat, plan.op, src=None if inplace else x)
         else:
-            assert plan.native is not None  # a "native" plan
-            # In place, send and recv must be the same object (MPI_IN_PLACE).
-            plan.native(flat if inplace else x, flat, ctx.deadline)
-            if plan.divisor is not None:
-                np.divide(flat, plan.divisor, out=flat)
+            if not inplace:
+                np.copyto(flat, x)
+            allreduce_recursive_doubling(ctx, flat, plan.op)
 
     def _fast_plan(self, key: tuple[np.dtype[Any], int, object]) -> _Plan | None:
         """The fast path's plan for its key ``(dtype, count, op as passed)``, cached under that
@@ -1725,6 +1741,9 @@ class _Plan(NamedTuple):
     native: Callable[[Array, Array, float], None] | None = None
     """"native": MPI's all-reduce with its checks done
     (:meth:`~bitcoll.transport.base.NativeCollectives.prepared_allreduce`); else None."""
+    records: Callable[[int, int, memoryview, float], bool] | None = None
+    """Over MPI ("inline" and "native"): the argument check, carrying the vector when inline
+    (:meth:`~bitcoll.transport.base.NativeCollectives.prepared_records`); else None."""
 
 
 class _PackedPlan(NamedTuple):
@@ -1753,6 +1772,7 @@ _FLAT_PACKED: dict[str, Callable[..., None]] = {
     "direct": packed_direct, "ring": packed_ring, "allgather": packed_allgather}
 
 _UNPLANNED: Any = object()  # a key not in the plan cache yet
+_NO_PAYLOAD = memoryview(b"")  # an argument check that carries nothing
 
 #: Most cached all-reduce plans per communicator (one per dtype, count and op in use).
 _PLANS_MAX = 256

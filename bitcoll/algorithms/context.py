@@ -71,20 +71,24 @@ class OpContext:
     large buffers into segments (pipelining).
     """
 
+    __slots__ = ("__dict__", "_argmap", "_recv_step", "_scratch", "_send_step", "_sig",
+                 "deadline", "rank", "segment_bytes", "seq", "signature", "size", "transport")
+
     def __init__(self, transport: Transport, seq: int, signature: int, deadline: float,
                  segment_bytes: int, scratch: dict[int, npt.NDArray[np.uint8]] | None = None
                  ) -> None:
+        # Made once per collective, the fast all-reduce's included: kept lean.
         self.transport = transport
         self.rank = transport.rank
-        self.size = transport.size
+        self.size = size = transport.size
         self.seq = seq
         self.signature = signature
         self._sig, self._argmap = split(signature)  # the header's two words
         self.deadline = deadline
-        self.segment_bytes = max(1, segment_bytes)
+        self.segment_bytes = segment_bytes if segment_bytes > 1 else 1
         self._scratch = {} if scratch is None else scratch
-        self._send_step = [0] * transport.size
-        self._recv_step = [0] * transport.size
+        self._send_step = [0] * size
+        self._recv_step = [0] * size
 
     def _header(self, step: int, length: int) -> FrameHeader:
         return FrameHeader(seq=self.seq, step=step, signature=self._sig, length=length,

@@ -164,6 +164,11 @@ class Transport(ABC):
     #: transport the checksum or integrity tag after the payload): a frame of ``n`` payload
     #: bytes counts ``n + frame_overhead``.
     frame_overhead: int = HEADER_SIZE
+    #: The name of the collective this rank is running (set by the communicator as each
+    #: starts): a frame of another call is reported as a mismatch of that collective, in the
+    #: form every backend uses (:func:`bitcoll.arguments.mismatch_text`), also in the abort
+    #: reason the peers receive.
+    collective: str | None = None
 
     @abstractmethod
     def isend(self, peer: int, payload: memoryview, header: FrameHeader) -> Request:
@@ -252,6 +257,11 @@ class NativeCollectives(Protocol):
         """One all-gather of a fixed-size record per rank: ``(agree, payloads)``, ``agree``
         when every rank passed the same ``seq`` and ``signature``, row r of ``payloads``
         starting with rank r's ``payload`` (at most ``record_bytes - 16`` bytes)."""
+
+    def prepared_records(self, nbytes: int) -> Callable[[int, int, memoryview, float], bool]:
+        """:meth:`exchange_records` for payloads of exactly ``nbytes`` bytes, checked once:
+        ``run(seq, signature, payload, deadline)`` returns ``agree``; the payloads are then
+        in :attr:`record_payloads`."""
 
     def reducible(self, dtype: np.dtype[Any], op: str) -> bool:
         """Whether :meth:`native_allreduce` reduces ``dtype`` with ``op``."""

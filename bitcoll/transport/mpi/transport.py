@@ -921,11 +921,17 @@ class MPITransport(Transport):
             rec[RECORD_HEADER_BYTES:RECORD_HEADER_BYTES + n] = payload
         head = _RECORD_HEADER.pack(seq, signature)
         rec[:RECORD_HEADER_BYTES] = head
+        return self._gather_records(head, deadline), self.record_payloads
+
+    def _gather_records(self, head: bytes, deadline: float) -> bool:
+        """The record all-gather of :meth:`exchange_records`, this rank's record written (its
+        header ``head``): whether every rank's header is ``head``."""
         with self._lock:
             # Only the cheap look here: an abort that arrives meanwhile is seen by the wait.
             if self._failure is not None or self._closed:
                 self._check_usable()
             persistent = self._rec_req
+            req: MPI.Request
             if persistent is None:
                 req = self._start_records()
             else:
@@ -937,7 +943,27 @@ class MPITransport(Transport):
                 raise self._collective_failed(_RECORDS, exc) from exc
         if not done:
             self._await(req, (), _RECORDS, deadline)
-        return self._heads.tobytes() == head * self.size, self.record_payloads
+        return self._heads.tobytes() == head * self.size
+
+    def prepared_records(self, nbytes: int) -> Callable[[int, int, memoryview, float], bool]:
+        """:meth:`exchange_records` for payloads of exactly ``nbytes`` bytes, its checks done
+        once (the all-reduce fast path's inline plans): ``run(seq, signature, payload,
+        deadline)`` returns ``agree``; the payloads are in :attr:`record_payloads` as there.
+        ``payload`` must be a byte memoryview of ``nbytes`` bytes. UsageError now when
+        ``nbytes`` does not fit a record; errors per call as :meth:`exchange_records`."""
+        end = RECORD_HEADER_BYTES + nbytes
+        if not 0 <= nbytes <= self.record_bytes - RECORD_HEADER_BYTES:
+            raise UsageError(f"a record payload holds at most "
+                             f"{self.record_bytes - RECORD_HEADER_BYTES} bytes, got {nbytes}",
+                             argument="nbytes")
+        rec, pack, gather = self._rec_mv, _RECORD_HEADER.pack, self._gather_records
+
+        def run(seq: int, signature: int, payload: memoryview, deadline: float) -> bool:
+            rec[RECORD_HEADER_BYTES:end] = payload
+            head = pack(seq, signature)
+            rec[:RECORD_HEADER_BYTES] = head
+            return gather(head, deadline)
+        return run
 
     def _start_records(self) -> MPI.Request:
         """Start the first record all-gather (lock held; closed or failed transports were

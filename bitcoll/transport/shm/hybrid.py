@@ -682,7 +682,8 @@ class HybridTransport(LinkTransport):
             reason = self._abort_reason(p, poller)
             self._fail(ProtocolError(msg, rank=self.rank, peer=p.rank,
                                      sequence=req.header.seq,
-                                     slots=header.differing(req.header)) if reason is None
+                                     slots=header.differing(req.header),
+                                     collective=self.collective) if reason is None
                        else self._aborted(p, reason))
             raise _Stop
         n = header.length

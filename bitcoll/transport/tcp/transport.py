@@ -1025,7 +1025,7 @@ class TCPTransport(LinkTransport):
         # reason explains the mismatch better than the headers do.
         aborted = self._abort_reason(p.rank)
         self._fail(ProtocolError(msg, rank=self.rank, peer=p.rank, sequence=expected.seq,
-                                 slots=header.differing(expected))
+                                 slots=header.differing(expected), collective=self.collective)
                    if aborted is None else
                    PeerLostError(aborted, rank=self.rank, peer=p.rank))
         return True
