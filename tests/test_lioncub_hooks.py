@@ -9,8 +9,9 @@ core buckets of both tie parities, several momentum schedules. The sign hook's g
 are checked against a numpy reference built from every rank's local gradients.
 
 Every rank runs DDP over gloo (file:// store) with a bitcoll TCP communicator for the
-votes. Differences are collected and asserted after the last collective, so that a failure
-on one rank cannot leave the others waiting.
+votes; one case runs DDP over the "bitcoll" backend instead, the hook voting on the default
+group's own communicator (``comm=None``). Differences are collected and asserted after the
+last collective, so that a failure on one rank cannot leave the others waiting.
 """
 
 from __future__ import annotations
@@ -75,19 +76,23 @@ def _backward(model: torch.nn.Module, rank: int, step: int) -> None:
 CASES_OF: dict[int, list[int]] = {2: [1, 3, 6, 9], 3: [0, 5, 8], 4: [2, 4, 7]}
 
 
-def check_lioncub_hook(comm: Any, problems: list[str]) -> None:
+def check_lioncub_hook(comm: Any, problems: list[str], cases: list[int] | None = None,
+                       on_group: bool = False) -> None:
+    """The hook against DistributedLion (on ``comm``) for ``cases`` (indices into CASES;
+    None: this world size's CASES_OF). ``on_group``: the hook votes on the default process
+    group's communicator (``comm=None``, a "bitcoll" group), not on ``comm``."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     r = comm.rank
-    for k in CASES_OF[comm.size]:
+    for k in CASES_OF[comm.size] if cases is None else cases:
         variant, options, cap = CASES[k]
         view = k % 2 == 1  # DDP's gradients as views of its buckets, or copies
-        label = f"{variant} {options} cap={cap} view={view}"
+        label = f"{variant} {options} cap={cap} view={view} on_group={on_group}"
         plain = _model(seed=7)
         hooked = copy.deepcopy(plain)
         ddp = DDP(hooked, bucket_cap_mb=cap, gradient_as_bucket_view=view)
         opt = LionCubStep(ddp.module.named_parameters(), lr=0.01, weight_decay=0.5)
-        state = LionCubHookState(opt, comm, variant, **options)
+        state = LionCubHookState(opt, None if on_group else comm, variant, **options)
         ddp.register_comm_hook(state, lioncub_hook)
         ref = lt.DistributedLion(plain.named_parameters(), comm, variant, lr=0.01,
                                  weight_decay=0.5, **options)
@@ -166,15 +171,32 @@ def check_sign_hook(comm: Any, problems: list[str]) -> None:
         state.close()
 
 
-def target(comm: Any, store: str) -> list[str]:
+#: The case run over the "bitcoll" backend (2 ranks; several DDP buckets, core buckets of
+#: both tie parities, momentum averaging every step).
+BITCOLL_BACKEND_CASE = 6
+
+
+def check_lioncub_hook_on_group(comm: Any, problems: list[str]) -> None:
+    """BITCOLL_BACKEND_CASE with the hook on the default ("bitcoll") group's communicator."""
+    check_lioncub_hook(comm, problems, [BITCOLL_BACKEND_CASE], on_group=True)
+
+
+def target(comm: Any, store: str, backend: str = "gloo") -> list[str]:
+    """DDP over ``backend``: for gloo every check of this world size; for "bitcoll" the
+    Lion Cub hook on the group's communicator, BITCOLL_BACKEND_CASE only."""
     import torch.distributed as dist
 
+    if backend == "bitcoll":
+        import bitcoll.torch  # noqa: F401  (registers "bitcoll")
+
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=comm.rank,
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=comm.rank,
                             world_size=comm.size, timeout=datetime.timedelta(seconds=60))
     problems: list[str] = []
+    checks = [check_lioncub_hook, check_sign_hook] if backend == "gloo" else \
+        [check_lioncub_hook_on_group]
     try:
-        for check in (check_lioncub_hook, check_sign_hook):
+        for check in checks:
             try:
                 check(comm, problems)
             except Exception:  # recorded; a failed collective fails the later checks too
@@ -188,6 +210,16 @@ def target(comm: Any, store: str) -> list[str]:
 @pytest.mark.parametrize("size", [2, 3, 4])
 def test_hooks_bitwise_like_distributed_lion(size: int, tmp_path: Any) -> None:
     results = run_world(size, target, str(tmp_path / "store"), timeout=240, comm_timeout=60)
+    failures = {r: probs for r, probs in enumerate(results) if probs}
+    assert not failures, "\n".join(f"rank {r}: {p}" for r, p in failures.items())
+
+
+@pytest.mark.timeout(300)
+def test_lioncub_hook_bitwise_over_the_bitcoll_backend(tmp_path: Any) -> None:
+    """DDP over init_process_group("bitcoll"), 2 ranks, the hook on the group's own
+    communicator: bit for bit DistributedLion, as over gloo."""
+    results = run_world(2, target, str(tmp_path / "store"), "bitcoll", timeout=240,
+                        comm_timeout=60)
     failures = {r: probs for r, probs in enumerate(results) if probs}
     assert not failures, "\n".join(f"rank {r}: {p}" for r, p in failures.items())
 

@@ -25,7 +25,8 @@ _LAUNCH_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"
                 "LOCAL_WORLD_SIZE", "BITCOLL_MASTER_PORT", "BITCOLL_SECRET",
                 "BITCOLL_INSECURE", "TORCHELASTIC_USE_AGENT_STORE", "SLURM_PROCID",
                 "SLURM_NTASKS", "SLURM_JOB_NODELIST", "SLURM_JOB_ID", "SLURM_STEP_ID",
-                "SLURM_STEPID", "BITCOLL_RENDEZVOUS_TIMEOUT", "PMI_RANK", "PMI_SIZE")
+                "SLURM_STEPID", "BITCOLL_RENDEZVOUS_TIMEOUT", "PMI_RANK", "PMI_SIZE",
+                "BITCOLL_TORCH_TRANSPORT")
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -93,6 +94,27 @@ def test_mpiexec_beside_gloo(mode: str) -> None:
     launcher)."""
     env = _env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     _run([str(MPIEXEC), "-n", "3", sys.executable, str(SCRIPT), mode], 3, "mpi", env)
+
+
+# ---------------------------------------------------------------- the "bitcoll" torch backend
+
+
+@pytest.mark.timeout(200)
+def test_torchrun_bitcoll_backend() -> None:
+    """``init_process_group("bitcoll")`` (env://) under torchrun: all_reduce, broadcast and
+    barrier over bitcoll's TCP transport."""
+    _run([str(TORCHRUN), "--nproc-per-node", "2", str(SCRIPT), "torch-backend"], 2, "tcp")
+
+
+@pytest.mark.timeout(200)
+def test_mpiexec_bitcoll_backend_mpi_transport() -> None:
+    """``init_process_group("bitcoll")`` under mpiexec with ``BITCOLL_TORCH_TRANSPORT=mpi``
+    (tcp:// rendezvous, torch's ranks the MPI ranks): the default group's communicator is an
+    MPI one, and all_reduce, broadcast and barrier run on it."""
+    env = _env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+               BITCOLL_TORCH_TRANSPORT="mpi")
+    _run([str(MPIEXEC), "-n", "2", sys.executable, str(SCRIPT), "torch-backend"], 2, "mpi",
+         env)
 
 
 # ---------------------------------------------------------------- the environment contract

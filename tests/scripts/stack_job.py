@@ -42,7 +42,45 @@ def _check_gloo(rank: int, size: int) -> None:
     assert t.tolist() == [size * (size + 1) / 2] * 3, t
 
 
+def torch_backend() -> None:
+    """``init_process_group("bitcoll")``, then all_reduce (value checked), broadcast from the
+    last rank (value checked) and barrier."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    import bitcoll.torch as bt
+
+    timeout = datetime.timedelta(seconds=60)
+    if "PMI_RANK" in os.environ and "RANK" not in os.environ:  # mpiexec: docs/torch-backend.md
+        from mpi4py import MPI
+
+        world = MPI.COMM_WORLD
+        dist.init_process_group(
+            "bitcoll", init_method=f"tcp://{os.environ['MASTER_ADDR']}:"
+            f"{os.environ['MASTER_PORT']}", rank=world.rank, world_size=world.size,
+            timeout=timeout)
+    else:
+        dist.init_process_group("bitcoll", timeout=timeout)
+    assert dist.get_backend() == "bitcoll", dist.get_backend()
+    rank, size = dist.get_rank(), dist.get_world_size()
+    t = torch.full((5,), float(rank + 1))
+    dist.all_reduce(t)
+    assert t.tolist() == [size * (size + 1) / 2] * 5, t
+    b = torch.arange(4, dtype=torch.int64) * (rank + 1)
+    dist.broadcast(b, src=size - 1)
+    assert b.tolist() == [k * size for k in range(4)], b
+    dist.barrier()
+    backend = bt.communicator_of().backend
+    dist.destroy_process_group()
+    print(f"rank {rank}/{size} backend={backend} ok", flush=True)
+
+
 def main(mode: str) -> None:
+    if mode == "torch-backend":
+        torch_backend()
+        return
     if mode == "gloo-first":
         _gloo()
     if mode == "store":
