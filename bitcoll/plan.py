@@ -137,6 +137,7 @@ class CostModel:
     count_rate: float = 3.0e10
     decode_rate: float = 2.5e10
     reduce_rate: float = 4.0e9
+    repack_rate: float = 2.5e8
     host_cores: float = 1.0
     switch_latency: float = 100e-6
 
@@ -275,16 +276,28 @@ def _pipeline(stages_cpu: float, wire: float, segments: int, latency: float) -> 
     return latency + per_cpu + per_wire + (segments - 1) * max(per_cpu, per_wire)
 
 
+def _waits(m: CostModel, g: Group, messages: int) -> float:
+    """What a round that receives ``messages`` messages from different peers adds beyond the
+    one wait its latency holds (:meth:`CostModel.link`) when a host's ranks outnumber its
+    cores: each further sender must be scheduled too (measured on the testbed with half a
+    core per host: the direct exchange's time grows with its p - 1 messages per phase, not
+    with its two phases)."""
+    if g.cores_per_rank >= 1 or messages <= 1:
+        return 0.0
+    return (messages - 1) * m.switch_latency
+
+
 def _packed_direct(m: CostModel, g: Group, c: Call) -> float:
     p = g.size
     a, b = m.link(g.hosts > 1, g)
     k = _segments(c, p, c.w_in)
     wire = (p - 1) / p * c.count * (c.w_in + (c.w_out if c.gather else 0)) / 8 / b \
         * _mesh_share(g)
-    msgs = (2 if c.gather else 1) * (p - 1) * k
+    phases = 2 if c.gather else 1
+    msgs = phases * (p - 1) * k
     cpu = (_pack(m, g, c) + _count(m, g, p, c.count / p) + _decode(m, g, c)
            + 2 * msgs * m.message_cpu)
-    return m.call_cpu + _pipeline(cpu, wire, k, (2 if c.gather else 1) * a)
+    return m.call_cpu + _pipeline(cpu, wire, k, phases * (a + _waits(m, g, p - 1)))
 
 
 def _packed_ring(m: CostModel, g: Group, c: Call) -> float:
@@ -294,7 +307,9 @@ def _packed_ring(m: CostModel, g: Group, c: Call) -> float:
     bits = sum(max(c.w_in, math.ceil(math.log2(s + 2))) for s in range(p - 1))
     wire = block * bits / 8 / b + ((p - 1) * block * c.w_out / 8 / b if c.gather else 0.0)
     steps = 2 * (p - 1) if c.gather else p - 1
-    cpu = _pack(m, g, c) + _count(m, g, 2 * (p - 1), block) + _decode(m, g, c)
+    # each of the p - 1 reducing steps unpacks, adds and packs again a block of counts
+    repack = (p - 1) * block / (m.repack_rate * g.cores_per_rank)
+    cpu = _pack(m, g, c) + _count(m, g, 2 * (p - 1), block) + _decode(m, g, c) + repack
     return m.call_cpu + steps * (a + 2 * m.message_cpu) + wire + cpu
 
 
@@ -310,7 +325,8 @@ def _packed_hier(m: CostModel, g: Group, c: Call) -> float:
     msgs = k * (2 * (loc - 1) + 2 * (h - 1))
     cpu = (_pack(m, g, c) + _count(m, g, loc + h, c.count / loc) + _decode(m, g, c)
            + 2 * msgs * m.message_cpu)
-    return m.call_cpu + _pipeline(cpu, inside + between, k, 2 * al + 2 * ar)
+    return m.call_cpu + _pipeline(cpu, inside + between, k,
+                                  2 * (al + _waits(m, g, loc - 1) + ar + _waits(m, g, h - 1)))
 
 
 def _one_round(m: CostModel, g: Group, c: Call) -> float:

@@ -43,7 +43,9 @@ def compute_rates(n: int = 1 << 24, rows: int = 4) -> dict[str, float]:
     """Per-core rates of this process, measured on ``n`` elements: ``pack_rate`` (float32
     signs packed to bits, elements/s), ``count_rate`` (majority of ``rows`` packed rows,
     row-elements/s), ``decode_rate`` (bits to int8 +-1, elements/s), ``reduce_rate``
-    (float32 ``a += b``, bytes of ``a`` per second)."""
+    (float32 ``a += b``, bytes of ``a`` per second), ``repack_rate`` (one step of the packed
+    ring: this rank's votes packed and unpacked, the incoming 2-bit counts unpacked, added
+    and packed again at 3 bits; elements/s)."""
     from . import kernels
 
     old = kernels.get_num_threads()
@@ -61,10 +63,19 @@ def compute_rates(n: int = 1 << 24, rows: int = 4) -> dict[str, float]:
         t_count = _best(lambda: kernels.majority(packed, n, kernels.TIE_POSITIVE, 0, out=res))
         t_decode = _best(lambda: kernels.unpack_signs(bits, n, out=out, dtype=np.int8))
         t_reduce = _best(lambda: np.add(y, x, out=y))
+        counts = kernels.pack_fields(rng.integers(-1, 2, n).astype(np.int32), 2, 1)
+
+        def ring_step() -> None:  # as sign_allreduce_ring's step
+            own = kernels.unpack_fields(kernels.pack_signs(x), n, 1, 0, dtype=np.int32)
+            acc = kernels.unpack_fields(counts, n, 2, 1, dtype=np.int32)
+            acc += own
+            kernels.pack_fields(acc, 3, 2)
+        t_repack = _best(ring_step)
     finally:
         kernels.set_num_threads(old)
     return {"pack_rate": n / t_pack, "count_rate": rows * n / t_count,
-            "decode_rate": n / t_decode, "reduce_rate": 4 * n / t_reduce}
+            "decode_rate": n / t_decode, "reduce_rate": 4 * n / t_reduce,
+            "repack_rate": n / t_repack}
 
 
 def _pingpong(comm: Any, nbytes: int, repeats: int) -> float:
@@ -133,7 +144,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if comm.size > 1:
             fields.update(link_rates(comm))
         # every rank measured its own rates: the model takes the slowest rank's
-        rates = ("pack_rate", "count_rate", "decode_rate", "reduce_rate")
+        rates = ("pack_rate", "count_rate", "decode_rate", "reduce_rate", "repack_rate")
         mine = np.array([fields[k] for k in rates], np.float64)
         low = comm.allreduce(mine, op="min")
         fields.update({k: float(v) for k, v in zip(rates, low, strict=True)})

@@ -152,7 +152,7 @@ def test_load_model_reads_the_file_then_the_variables(tmp_path: Path) -> None:
 def test_communicators_choose_what_the_planner_chooses() -> None:
     """A communicator's defaults are the planner's choices for its model and group, and a
     model set on it (every rank the same) changes them; a wrong type is refused."""
-    n = 1 << 20  # the direct exchange's size under the default model (4 ranks, one host)
+    n = 1 << 22  # the direct exchange's size under the default model (4 ranks, one host)
 
     def body(comm: bitcoll.Communicator) -> tuple[str, str, int, int]:
         group = comm.plan_group
