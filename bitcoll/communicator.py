@@ -548,12 +548,19 @@ class Communicator:
             checks_itself: bool = False) -> T | Work[T]:
         """Run one collective: assign its sequence number, then execute ``body`` now or on the
         worker thread. Any error aborts the communicator (every peer fails fast) unless the
-        world has one rank. Public for the packed-bit collectives and extensions.
+        world has one rank, a UsageError for ``timeout`` (not a positive number of seconds)
+        too: it is an argument check like those of :meth:`_validating`. Public for the
+        packed-bit collectives and extensions.
         ``packed``: the context's segment size is ``packed_segment_bytes`` instead of
         ``segment_bytes``. ``checks_itself``: over MPI, ``body`` makes the argument check
         itself (:meth:`_exchange`, with its data as the payload) instead of before it."""
-        self._check_usable()
-        limit = self.timeout if timeout is None else _check_timeout(timeout)
+        if timeout is None:
+            self._check_usable()
+            limit = self.timeout
+        else:
+            # The peers are in (or on their way into) this collective: tell them.
+            with self._validating(name):
+                limit = _check_timeout(timeout)
         if not self._call_lock.acquire(blocking=False):
             self._concurrent_call(name)
         try:

@@ -1,6 +1,6 @@
 """Reliability over TCP with real processes: a stopped rank is named by every survivor, a
-stranger without the job's secret cannot use the store, and a long run of collectives leaks
-no file descriptor, thread or memory."""
+rank's bad argument fails its peers at once, a stranger without the job's secret cannot use
+the store, and a long run of collectives leaks no file descriptor, thread or memory."""
 
 from __future__ import annotations
 
@@ -9,15 +9,17 @@ import resource
 import signal
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import pytest
 from multiproc import context, free_port, run_world, start, tcp_env
 
 import bitcoll
 from bitcoll.communicator import Communicator
-from bitcoll.errors import BitcollError, CommTimeoutError
+from bitcoll.errors import BitcollError, CommError, CommTimeoutError, PeerLostError, UsageError
 
 
 def _stopper(rank: int, size: int, port: int, q: Any) -> None:
@@ -62,6 +64,100 @@ def test_a_stopped_rank_is_named_by_every_survivor() -> None:
             assert silent == 2, (rank, msg)
         else:
             assert ("rank 2" in msg and "went silent" in msg) or "from rank 2" in msg, (rank, msg)
+
+
+#: The deadline of every rank in :func:`test_a_bad_argument_fails_the_peers_at_once`.
+_BAD_ARGUMENT_TIMEOUT = 60.0
+
+
+def _votes(nan_at: int | None = None) -> npt.NDArray[np.float32]:
+    x = np.ones(1000, np.float32)
+    if nan_at is not None:
+        x[nan_at] = np.nan
+    return x
+
+
+#: Per case: the call of the ranks whose arguments are right, the call of the rank with a
+#: wrong one, the ``argument`` of that rank's UsageError and words of its message.
+_BAD_CALLS: dict[str, tuple[Callable[[Communicator], object], Callable[[Communicator], object],
+                            str, str]] = {
+    "allreduce timeout": (lambda c: c.allreduce(_votes()),
+                          lambda c: c.allreduce(_votes(), timeout=-1.0),
+                          "timeout", "timeout must be a positive number of seconds"),
+    "sign_allreduce NaN": (lambda c: c.sign_allreduce(_votes()),
+                           lambda c: c.sign_allreduce(_votes(nan_at=700)),
+                           "x", "NaN in vote input at index 700"),
+    "broadcast root": (lambda c: c.broadcast(_votes(), root=0),
+                       lambda c: c.broadcast(_votes(), root=7),
+                       "root", "root must be a rank in [0, 3), got 7"),
+}
+
+
+def _bad_argument(comm: Communicator, case: str, bad: int, order: str, set_out: list[Any],
+                  raised: Any, together: Any) -> dict[str, Any]:
+    """Rank ``bad`` makes the call of ``case`` with a wrong argument, the others with right
+    ones: after they all set out for it (``order`` "waiting": each sets its ``set_out``
+    event first) or before they start (``order`` "early": they wait for ``raised``).
+    Returns what it raised: ``type`` (its name, or "no error"), ``seconds`` (from the start of
+    the call), ``message`` and its attributes (``argument`` of a UsageError, ``rank``,
+    ``peer`` and ``collective`` of a CommError). Every rank meets the others at the barrier
+    ``together`` before (every rank is through ``bitcoll.init``: an abort must not find a
+    peer still setting up) and after (no rank closes before every rank has its outcome: a
+    peer that waited for its deadline must not be released by the bad rank leaving)."""
+    right, wrong, _, _ = _BAD_CALLS[case]
+    together.wait(2 * _BAD_ARGUMENT_TIMEOUT)
+    if comm.rank == bad:
+        if order == "waiting":
+            for r, event in enumerate(set_out):
+                assert r == bad or event.wait(2 * _BAD_ARGUMENT_TIMEOUT)
+    else:
+        if order == "early":
+            assert raised.wait(2 * _BAD_ARGUMENT_TIMEOUT)
+        set_out[comm.rank].set()
+    t0 = time.monotonic()
+    outcome: dict[str, Any] = {"type": "no error"}
+    try:
+        (wrong if comm.rank == bad else right)(comm)
+    except BitcollError as exc:
+        outcome = {"type": type(exc).__name__, "message": str(exc)}
+        if isinstance(exc, UsageError):
+            outcome["argument"] = exc.argument
+        if isinstance(exc, CommError):
+            outcome.update(rank=exc.rank, peer=exc.peer, collective=exc.collective)
+    outcome["seconds"] = time.monotonic() - t0
+    if comm.rank == bad:
+        raised.set()
+    together.wait(2 * _BAD_ARGUMENT_TIMEOUT)
+    return outcome
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("order", ["waiting", "early"])
+@pytest.mark.parametrize("shm", [True, False], ids=["shm", "plain-tcp"])
+@pytest.mark.parametrize("case", list(_BAD_CALLS))
+def test_a_bad_argument_fails_the_peers_at_once(case: str, shm: bool, order: str) -> None:
+    """Rank 1 of 3 passes a wrong argument to a collective its peers call right, after they
+    set out for it or before: it raises UsageError naming the argument, and each peer a
+    PeerLostError of that collective quoting its reason, long before the peer's deadline (a
+    wrong ``timeout`` once raised without aborting: the peers learnt of it only when rank 1
+    closed, with no reason, or at their deadline)."""
+    size, bad = 3, 1
+    ctx = context(__name__)
+    set_out = [ctx.Event() for _ in range(size)]
+    got = run_world(size, _bad_argument, case, bad, order, set_out, ctx.Event(),
+                    ctx.Barrier(size), timeout=280, comm_timeout=_BAD_ARGUMENT_TIMEOUT, shm=shm)
+    _, _, argument, words = _BAD_CALLS[case]
+    assert got[bad]["type"] == "UsageError" and got[bad]["argument"] == argument, got[bad]
+    assert words in got[bad]["message"], got[bad]
+    for rank, out in enumerate(got):
+        if rank == bad:
+            continue
+        assert out["type"] == PeerLostError.__name__, (rank, got)
+        assert (out["rank"], out["collective"]) == (rank, case.split()[0]), (rank, got)
+        # Told by the bad rank itself, or by the other peer passing its reason on.
+        assert out["peer"] in set(range(size)) - {rank}, (rank, got)
+        assert f"rank {bad} aborted" in out["message"] and words in out["message"], (rank, got)
+        assert out["seconds"] < _BAD_ARGUMENT_TIMEOUT / 4, (rank, got)
 
 
 def _stranger(port: int, secret: bytes | None) -> str:
