@@ -201,3 +201,20 @@ def test_tcp_ranks_take_rank_0s_model() -> None:
     env = {r: {"BITCOLL_COST_REMOTE_LATENCY": str(0.001 * (r + 1)),
                "BITCOLL_COST_HOST_CORES": str(r + 1)} for r in range(3)}
     assert run_world(3, _model_fields, timeout=100, rank_env=env) == [(0.001, 1.0)] * 3
+
+
+def _probe_links(comm: bitcoll.Communicator) -> dict[str, float]:
+    from bitcoll.probe import link_rates
+
+    return link_rates(comm, repeats=2, nbytes=1 << 16)
+
+
+def test_the_probe_measures_the_link_between_two_ranks() -> None:
+    """``bitcoll.probe.link_rates`` on 2 ranks of one host: both ranks get rank 0's local
+    latency and bandwidth (positive, finite), no remote figures (one host), and a model built
+    from them is valid."""
+    first, second = run_world(2, _probe_links, timeout=120)
+    assert first == second
+    assert set(first) == {"local_latency", "local_bandwidth"}
+    assert all(0 < v < float("inf") for v in first.values())
+    assert DEFAULT_MODEL.replace(**first).local_latency == first["local_latency"]
