@@ -457,13 +457,15 @@ def _scenario_killed(fails: list[str]) -> None:
 def _scenario_timeout(fails: list[str]) -> None:
     """The last rank stays out of an all_reduce: the others raise by the group's deadline
     (init_process_group's timeout, short here) naming their rank; it waits for them through
-    the store (no sleep), then everyone stops."""
+    the store (no sleep), then everyone stops. Rank 0 hosts the store, so it stays until the
+    last rank has read the keys (else the store could vanish under its wait)."""
     p, me = dist.get_world_size(), dist.get_rank()
     store = dist.distributed_c10d._get_default_store()
     dist.all_reduce(torch.ones(4))  # connected
     if me == p - 1:
         store.wait([f"test/raised/{r}" for r in range(p - 1)],
                    datetime.timedelta(seconds=TIMEOUT))
+        store.set("test/seen", "1")
         return
     try:
         dist.all_reduce(torch.ones(4))
@@ -472,6 +474,8 @@ def _scenario_timeout(fails: list[str]) -> None:
         if f"rank {me}" not in str(exc):
             fails.append(f"error does not name the rank: {exc}")
     store.set(f"test/raised/{me}", "1")
+    if me == 0:
+        store.wait(["test/seen"], datetime.timedelta(seconds=TIMEOUT))
 
 
 SCENARIOS: dict[str, Callable[[list[str]], None]] = {
