@@ -844,24 +844,10 @@ class Communicator:
             seq = self._turn()
             xf = x if x.ndim == 1 else x.reshape(-1)
             flat = res if res.ndim == 1 else res.reshape(-1)
-            records = plan.records
-            if records is not None:
-                # Over MPI the collective is its argument check (carrying x when inline)
-                # and a local reduction or one MPI all-reduce: no frames, so no OpContext;
-                # errors as in _execute.
+            if plan.records is not None:
+                # Over MPI no frames move, so no OpContext; errors as in _execute.
                 try:
-                    deadline = time.monotonic() + limit
-                    reduce = plan.reduce
-                    if not records(seq, plan.signature,
-                                   _NO_PAYLOAD if reduce is None else xf.data.cast("B"),
-                                   deadline):
-                        self._mismatch(seq, deadline, "allreduce", plan.fields)
-                    if reduce is not None:
-                        reduce(flat)
-                    else:
-                        plan.native(flat if res is x else xf, flat, deadline)
-                        if plan.divisor is not None:
-                            np.divide(flat, plan.divisor, out=flat)
+                    self._mpi_planned(plan, seq, xf, flat, res is x, time.monotonic() + limit)
                 except BaseException as exc:
                     self._failed(exc, "allreduce", seq)
                 return res
@@ -876,19 +862,35 @@ class Communicator:
                  ctx: OpContext) -> None:
         """The body of a planned all-reduce: ``x`` (1-D) reduced into ``flat`` (1-D; the same
         array when ``inplace``) as ``plan`` says: bitcoll's algorithm, or (the general path's
-        "inline") the argument check carrying ``x``, then reduced locally. The fast path runs
-        MPI's plans itself (:meth:`_fast_allreduce`)."""
-        if plan.reduce is not None:  # inline
-            assert plan.records is not None
-            if not plan.records(ctx.seq, ctx.signature, x.data.cast("B"), ctx.deadline):
-                self._mismatch(ctx.seq, ctx.deadline, "allreduce", plan.fields)
-            plan.reduce(flat)
+        "inline") :meth:`_mpi_planned`."""
+        if plan.records is not None:
+            self._mpi_planned(plan, ctx.seq, x, flat, inplace, ctx.deadline)
         elif plan.fields[3] == "ring":  # out of place: no copy (see the ring)
             allreduce_ring(ctx, flat, plan.op, src=None if inplace else x)
         else:
             if not inplace:
                 np.copyto(flat, x)
             allreduce_recursive_doubling(ctx, flat, plan.op)
+
+    def _mpi_planned(self, plan: _Plan, seq: int, x: Array, flat: Array, inplace: bool,
+                     deadline: float) -> None:
+        """An MPI plan's whole all-reduce #``seq``: the argument check (carrying ``x`` when
+        "inline"), then the local reduction of the gathered records or MPI's own all-reduce
+        ("native"); ``x`` and ``flat`` as in :meth:`_planned`. The agreed ProtocolError on a
+        mismatch."""
+        assert plan.records is not None
+        reduce = plan.reduce
+        if not plan.records(seq, plan.signature,
+                            _NO_PAYLOAD if reduce is None else x.data.cast("B"), deadline):
+            self._mismatch(seq, deadline, "allreduce", plan.fields)
+        if reduce is not None:
+            reduce(flat)
+            return
+        assert plan.native is not None
+        # In place, send and recv must be the same object (MPI_IN_PLACE).
+        plan.native(flat if inplace else x, flat, deadline)
+        if plan.divisor is not None:
+            np.divide(flat, plan.divisor, out=flat)
 
     def _fast_plan(self, key: tuple[np.dtype[Any], int, object]) -> _Plan | None:
         """The fast path's plan for its key ``(dtype, count, op as passed)``, cached under that
