@@ -1475,7 +1475,8 @@ class Communicator:
         * ``op="sum"``: returns the exact sum over ranks of ``sign(x)`` with ``sign(0) = 0``,
           int32 by default (``out`` may be int8/16/32/64 if it holds ``+-size``).
 
-        NaN in ``x`` raises UsageError (found while packing; the peers get PeerLostError).
+        NaN in ``x`` raises UsageError naming its index (found while packing, which overlaps
+        the sends: the peers get PeerLostError, and no rank returns a result).
         ``algorithm``: "auto" (default: the cheapest by the cost model, :mod:`bitcoll.plan`:
         typically "allgather" for small vectors, where its ``ceil(log2 size)`` rounds of one
         message beat two pipelined phases,

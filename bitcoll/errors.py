@@ -35,7 +35,9 @@ class UsageError(BitcollError, ValueError):
     """An argument is invalid (dtype, shape, op, ``out`` buffer, levels, NaN in a vote input).
 
     Raised before any byte is sent when the problem is visible locally; raised on every rank
-    when only the comparison with other ranks reveals it (see :class:`ProtocolError`).
+    when only the comparison with other ranks reveals it (see :class:`ProtocolError`). The one
+    exception is a NaN in a vote input, found while packing, which overlaps the sends: that
+    rank raises UsageError, every peer PeerLostError, and no rank returns a result.
 
     Attributes, None where not set: ``argument`` (the name of the argument that is wrong, as
     the call spells it: ``"grads"``, ``"levels"``, ``"tie"``, ...; for a setting read from the

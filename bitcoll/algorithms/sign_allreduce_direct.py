@@ -99,13 +99,25 @@ def packed_direct(ctx: OpContext, codec: VoteCodec, x: Array, out: Array,
         rows_slot = (Slot.PACKED_ROWS_0, Slot.PACKED_ROWS_1)[k % 2]
         mine = ctx.scratch(rows_slot, p * (b1 - b0), np.dtype(np.uint8)).reshape(p, b1 - b0)
         rows[k] = (mine, [ctx.irecv(j, mine[j]) for j in peers])
+        # A reduce-scatter's peer is done once it has its block's last segment: that
+        # segment is sent only when this rank's whole input is encoded (a NaN raises
+        # before any peer can complete). Elsewhere packing overlaps the sends.
+        last = not gather and k == nseg - 1
+        if last:
+            codec.encode(x, bounds[r] + lo, bounds[r] + hi, mine[r])
+        held: list[tuple[int, Array]] = []
         for j in peers:
             jlo, jhi = local(j, k)
             c0, c1 = _bytes(jlo, jhi, w_in)
             buf = contrib[j][c0:c1]
             codec.encode(x, bounds[j] + jlo, bounds[j] + jhi, buf)
-            sends.append(ctx.isend(j, buf))
-        codec.encode(x, bounds[r] + lo, bounds[r] + hi, mine[r])
+            if last:
+                held.append((j, buf))
+            else:
+                sends.append(ctx.isend(j, buf))
+        sends.extend(ctx.isend(j, buf) for j, buf in held)
+        if not last:
+            codec.encode(x, bounds[r] + lo, bounds[r] + hi, mine[r])
 
     def phase2(k: int) -> None:
         mine, reqs = rows.pop(k)

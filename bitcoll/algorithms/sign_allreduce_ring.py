@@ -16,6 +16,7 @@ latency-bound vectors; for large ones the growing words cost more bandwidth.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -32,12 +33,23 @@ __all__ = ["packed_ring"]
 Array = npt.NDArray[Any]
 
 
-def _own(codec: VoteCodec, x: Array, lo: int, hi: int) -> Array:
-    """Elements ``[lo, hi)`` of this rank's contribution as integers: vote bit (majority) or
-    field value (sums)."""
-    packed = np.empty(kernels.packed_nbytes(hi - lo, codec.w_in), np.uint8)
-    codec.encode(x, lo, hi, packed)
-    return kernels.unpack_fields(packed, hi - lo, codec.w_in, codec.bias_in, dtype=np.int32)
+def _encoded(codec: VoteCodec, x: Array, bounds: Sequence[int]) -> list[Array]:
+    """This rank's contribution to every block, packed at the codec's input width. All of
+    it is encoded before the first send: a NaN raises while no peer can have completed (a
+    reduce-scatter's right neighbour is done with this rank's second-last message)."""
+    out = []
+    for j in range(len(bounds) - 1):
+        packed = np.empty(kernels.packed_nbytes(bounds[j + 1] - bounds[j], codec.w_in),
+                          np.uint8)
+        codec.encode(x, bounds[j], bounds[j + 1], packed)
+        out.append(packed)
+    return out
+
+
+def _own(codec: VoteCodec, packed: Array, m: int) -> Array:
+    """The ``m`` elements of a block's packed contribution as integers: vote bit (majority)
+    or field value (sums)."""
+    return kernels.unpack_fields(packed, m, codec.w_in, codec.bias_in, dtype=np.int32)
 
 
 def packed_ring(ctx: OpContext, codec: VoteCodec, x: Array, out: Array, gather: bool,
@@ -48,12 +60,9 @@ def packed_ring(ctx: OpContext, codec: VoteCodec, x: Array, out: Array, gather: 
     bounds = block_bounds(n, p)
     right, left = (r + 1) % p, (r - 1) % p
     acc: Array | None = None
+    mine = _encoded(codec, x, bounds)
     if p > 1:
-        sb = (r - 1) % p
-        packed = np.empty(kernels.packed_nbytes(bounds[sb + 1] - bounds[sb], codec.w_in),
-                          np.uint8)
-        codec.encode(x, bounds[sb], bounds[sb + 1], packed)
-        pending = ctx.isend(right, packed)
+        pending = ctx.isend(right, mine[(r - 1) % p])
         for s in range(p - 1):
             rb = (r - s - 2) % p
             m = bounds[rb + 1] - bounds[rb]
@@ -61,14 +70,14 @@ def packed_ring(ctx: OpContext, codec: VoteCodec, x: Array, out: Array, gather: 
             incoming = np.empty(kernels.packed_nbytes(m, w), np.uint8)
             ctx.wait(ctx.irecv(left, incoming))
             acc = kernels.unpack_fields(incoming, m, w, bs, dtype=np.int32)
-            acc += _own(codec, x, bounds[rb], bounds[rb + 1])
+            acc += _own(codec, mine[rb], m)
             if s + 1 < p - 1:
                 nxt = kernels.pack_fields(acc, *codec.count_field(s + 2))
                 ctx.wait(pending)
                 pending = ctx.isend(right, nxt)
         ctx.wait(pending)
     else:
-        acc = _own(codec, x, 0, n)
+        acc = _own(codec, mine[0], n)
     assert acc is not None
     m = bounds[r + 1] - bounds[r]
     result = np.empty(kernels.packed_nbytes(m, codec.w_out), np.uint8)

@@ -34,6 +34,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .. import kernels
+from ..errors import UsageError
 
 __all__ = ["VoteCodec", "MajorityCodec", "SumCodec", "TernarySumCodec", "make_codec",
            "field_width", "TIES"]
@@ -105,8 +106,15 @@ class VoteCodec(ABC):
         ``ceil((hi - lo) w_in / 8)`` bytes, from bit 0; padding bits 0)."""
         if self.packed_in:
             kernels.extract_bits(x, lo * self.w_in, (hi - lo) * self.w_in, out=out)
-        else:
+            return
+        try:
             self._encode_values(x[lo:hi], out)
+        except UsageError as exc:
+            if exc.index is None or not lo:
+                raise
+            # The kernel counts from the slice's start: name the element of ``x``.
+            text = str(exc).replace(f"index {exc.index}", f"index {lo + exc.index}")
+            raise UsageError(text, argument=exc.argument, index=lo + exc.index) from None
 
     def combine(self, rows: Array, n: int, first: int, out: Array) -> None:
         """Aggregate ``rows`` (uint8 ``(p, nbytes)``, one packed contribution per rank) for
