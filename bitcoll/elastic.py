@@ -25,9 +25,12 @@ transition starts then, not at the collective's deadline (``timeout``, the backs
 false alarm (a member starved of CPU) costs the step in flight, not the member: it is still
 waited for while its heartbeat moves.
 
-Keys (under ``prefix``, default ``"elastic/"``)::
+Keys (under ``prefix``, default ``"elastic/"``, for generation 0; generation ``g > 0``
+under ``prefix + "g<g>/"``, see *Generations* below)::
 
+    generation              (under ``prefix`` itself) the newest generation; absent: 0
     current                 the newest epoch number (a job exists: later processes join)
+    roster                  the newest epoch's number and members (JSON), written with current
     e/0/id/<r>              the member id of initial rank r (epoch 0 forms from RANK order)
     hb/<id>                 the heartbeat counter of a member or joiner
     joiners/count, /<n>     joiners in arrival order
@@ -96,6 +99,18 @@ job's state from the members over the new epoch's authenticated connections
 (:func:`share_state`: each holder sends one slice straight into the joiner's arrays, and
 the holders' average of a float32 state, e.g. momenta, is computed slice by slice by its
 owner and sent from there, in the same call).
+
+Generations
+-----------
+A process that finds a job running but every member of its newest epoch (``roster``) gone
+(dead on this host, or its heartbeat still for ``dead_after``) would wait forever as a
+joiner: nobody is left to admit it. That is what happens when every process of the job is
+replaced at once, as torchrun's agent does (one worker fails: the agent stops all workers
+of the node and starts them again; with the c10d rendezvous the other nodes' agents restart
+theirs too). Such a process starts the next *generation* (``generation`` + 1): a fresh key
+namespace where the processes of the new start form epoch 0 from their ``RANK`` order, as
+the first start did. The job's state then comes from the program's own checkpoint (nobody
+holding it is left). A process that sees one member's heartbeat move joins as before.
 
 Not covered: a lost store (the launcher's host) ends the job; MPI jobs fail fast as before
 (ULFM is not in the MPICH wheel); see ``docs/elastic.md``.
@@ -386,7 +401,9 @@ class ElasticGroup:
         self.join_timeout = float(join_timeout)
         self.join_check = float(join_check)
         self._shm = shm
-        self._p = prefix
+        self._base = prefix
+        self._p = prefix  # the namespace of this process's generation (see _generation)
+        self.generation = 0
         self.member_id = _new_id(f"{label}{rank}")
         self._store: RendezvousStore | None = None
         self._beat: _Heartbeat | None = None
@@ -475,6 +492,7 @@ class ElasticGroup:
         ``timeout`` or no transition takes the joiner within ``join_timeout``."""
         _load_kernels()
         self._store = self._connect()
+        self._generation()
         self._beat = _Heartbeat(self._connect(), self._k(f"hb/{self.member_id}"),
                                 self.heartbeat, self.dead_after)
         self._beat.start()
@@ -497,6 +515,49 @@ class ElasticGroup:
         epoch = Epoch(0, members, rank, holders=tuple(range(size)))
         self._establish(epoch, attempt=0, ns=self._k("e/0/mesh/"))
         return epoch
+
+    def _generation(self) -> None:
+        """Pick the job's *generation* (its key namespace) before this process announces
+        itself. Generation 0 lives under ``prefix``, generation ``g`` under ``prefix +
+        "g<g>/"``; ``prefix + "generation"`` holds the newest. A process that finds the newest
+        generation running (``current`` set, not ``finished``) but every member of its newest
+        epoch gone (dead on this host, or its heartbeat still for ``dead_after``) knows that
+        nobody is left to take it in: every process of the job was replaced at once, as
+        torchrun's agent does when one worker fails (it stops and restarts the whole worker
+        group). It then starts generation ``g + 1``, where the processes of the new start form
+        epoch 0 from their ``RANK`` order, instead of waiting as joiners of a dead job."""
+        st = self.store
+        key = self._base + "generation"
+        while True:
+            raw = st.try_get(key)
+            gen = int(raw) if raw is not None else 0
+            self.generation = gen
+            self._p = self._base if gen == 0 else f"{self._base}g{gen}/"
+            if st.try_get(self._k("current")) is None or \
+                    st.try_get(self._k("finished")) is not None or not self._all_gone():
+                return
+            _log.debug("%s: every member of generation %d is gone; generation %d starts",
+                       self.member_id, gen, gen + 1)
+            st.set(key, str(gen + 1).encode())
+
+    def _all_gone(self) -> bool:
+        """True when every member of the newest epoch of this generation (``roster``) is gone:
+        dead on this host, or its heartbeat did not move for ``dead_after`` seconds (watched
+        from now). False as soon as one heartbeat moves."""
+        raw = self.store.try_get(self._k("roster"))
+        if raw is None:
+            return False
+        members = [m for m in json.loads(raw)["members"] if not _gone_here(m)]
+        keys = [self._k(f"hb/{m}") for m in members]
+        first = {k: self.store.try_get(k) for k in keys}
+        end = time.monotonic() + self.dead_after
+        while keys:
+            if any(self.store.try_get(k) != first[k] for k in keys):
+                return False
+            if time.monotonic() >= end:
+                break
+            time.sleep(min(self.heartbeat / 2, 0.05))
+        return True
 
     def rejoin(self) -> Epoch:
         """Register as a joiner and wait (at most ``join_timeout``) until a transition takes
@@ -817,6 +878,8 @@ class ElasticGroup:
         self._comm = comm
         self._watch(epoch, comm)
         if epoch.rank == 0:
+            self.store.set(self._k("roster"), json.dumps(
+                {"epoch": epoch.number, "members": list(epoch.members)}).encode())
             self.store.set(self._k("current"), str(epoch.number).encode())
 
     def _watch(self, epoch: Epoch, comm: Communicator) -> None:
