@@ -536,9 +536,12 @@ class ElasticGroup:
             if st.try_get(self._k("current")) is None or \
                     st.try_get(self._k("finished")) is not None or not self._all_gone():
                 return
-            _log.debug("%s: every member of generation %d is gone; generation %d starts",
-                       self.member_id, gen, gen + 1)
-            st.set(key, str(gen + 1).encode())
+            # One process of the new start moves the job on (a slow one that saw generation
+            # ``gen`` gone must not set it back later); the others read it again.
+            if st.add(self._k("successor"), 1) == 1:
+                _log.debug("%s: every member of generation %d is gone; generation %d starts",
+                           self.member_id, gen, gen + 1)
+                st.set(key, str(gen + 1).encode())
 
     def _all_gone(self) -> bool:
         """True when every member of the newest epoch of this generation (``roster``) is gone:

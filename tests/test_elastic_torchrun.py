@@ -105,7 +105,8 @@ def test_torchrun_static_nodes_replacement_rejoins() -> None:
     ends = _ends("".join(o for o, _ in outs))
     _check_state(ends, text)
     # one generation: the survivors went on, the replacement (restart 1) joined as the last
-    # rank; a shrink and a grow at least
-    assert {e[2] for e in ends} == {"0"} and int(ends[0][3]) >= 2, ends
+    # rank; one transition at least (the shrink and the grow are one when the replacement
+    # registers before the survivors' transition starts, two otherwise)
+    assert {e[2] for e in ends} == {"0"} and int(ends[0][3]) >= 1, ends
     assert [e[1] for e in ends if e[0] == "2"] == ["1"], ends
     assert all(e[4] == "-1" for e in ends), ends  # nobody needed the checkpoint
