@@ -223,9 +223,10 @@ def tcp_environment(environ: dict[str, str] | None = None,
     elif source == "Slurm" and env.get("SLURM_JOB_ID"):
         port = SLURM_PORT_BASE + _int(env, "SLURM_JOB_ID") % 20000
     if not addr and not external_store:
-        raise UsageError(f"backend 'tcp' needs MASTER_ADDR ({source})")
+        raise UsageError(f"backend 'tcp' needs MASTER_ADDR ({source})", argument="MASTER_ADDR")
     if port is None and not (external_store or agent):
-        raise UsageError(f"backend 'tcp' needs MASTER_PORT or {ENV_MASTER_PORT} ({source})")
+        raise UsageError(f"backend 'tcp' needs MASTER_PORT or {ENV_MASTER_PORT} ({source})",
+                         argument="MASTER_PORT")
     if agent and not env.get("MASTER_PORT"):
         raise UsageError("TORCHELASTIC_USE_AGENT_STORE is set but MASTER_PORT is not: this "
                          "process was not started by torchrun")

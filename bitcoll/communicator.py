@@ -134,7 +134,7 @@ def intake(x: object, name: str = "x") -> Vector:
     UsageError unless its dtype is supported (bfloat16 is)."""
     arr, bf16 = to_numpy(x, name)
     if not bf16:
-        check_dtype(arr.dtype)
+        check_dtype(arr.dtype, name=name)
     return Vector(np.ascontiguousarray(arr).reshape(-1), arr.shape, bf16)
 
 
@@ -207,7 +207,7 @@ def _narrow(src: Array, dst: Array) -> None:
 
 def _count(count: object) -> int:
     if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or count < 0:
-        raise UsageError(f"count must be an integer >= 0, got {count!r}")
+        raise UsageError(f"count must be an integer >= 0, got {count!r}", argument="count")
     return int(count)
 
 
@@ -520,9 +520,10 @@ class Communicator:
         name = "auto" if algorithm is None else algorithm
         if name not in choices:
             raise UsageError(f"unknown algorithm {algorithm!r} for {collective}; "
-                             f"expected one of {', '.join(choices)}")
+                             f"expected one of {', '.join(choices)}", argument="algorithm")
         if name == "native" and self._nt is None:
-            raise UsageError(f"algorithm 'native' needs the MPI backend (this is {self.backend})")
+            raise UsageError(f"algorithm 'native' needs the MPI backend (this is {self.backend})",
+                             argument="algorithm")
         return auto if name == "auto" else name
 
     @property
@@ -726,7 +727,8 @@ class Communicator:
             hosts = self._hosts() if algo == "hierarchical" else ()
             if algo == "native" and vec.dtype == np.float16:
                 raise UsageError("algorithm='native' cannot reduce float16 (MPI has no float16 "
-                                 "reduction); leave algorithm at its default")
+                                 "reduction); leave algorithm at its default",
+                                 argument="algorithm")
             inplace = in_place(flat, vec)
 
         def body(ctx: OpContext) -> Any:
@@ -1237,12 +1239,14 @@ class Communicator:
         kind, source, levels = codec_args
         with self._validating(name):
             if kind not in ("majority", "sum"):
-                raise UsageError(f"{name} op must be 'majority' or 'sum', got {kind!r}")
+                raise UsageError(f"{name} op must be 'majority' or 'sum', got {kind!r}",
+                                 argument="op")
             arr, bf16 = to_numpy(x, "x")
             allowed = SIGN_DTYPES if source == "sign" else INT_DTYPES
             if bf16 or arr.dtype not in allowed:
                 names = ", ".join(sorted(d.name for d in allowed))
-                raise UsageError(f"{name} takes {names} input, got {type_name(arr, bf16)}")
+                raise UsageError(f"{name} takes {names} input, got {type_name(arr, bf16)}",
+                                 argument="x" if source == "sign" else "q")
             vec = np.ascontiguousarray(arr).reshape(-1)
             n = vec.size
             lo, hi = (0, n) if gather else block(n, self.size, self.rank)
@@ -1252,7 +1256,7 @@ class Communicator:
             bound = levels * self.size
             if kind == "sum" and bound > np.iinfo(flat.dtype).max:
                 raise UsageError(f"out dtype {flat.dtype} cannot hold sums up to {bound} "
-                                 f"(levels {levels} x {self.size} ranks)")
+                                 f"(levels {levels} x {self.size} ranks)", argument="out")
             codec, algo = self._packed_codec(kind, source, levels, tie, algorithm, False, n,
                                              gather)
 
@@ -1260,7 +1264,7 @@ class Communicator:
             if source == "int" and n and (vec.min() < -levels or vec.max() > levels):
                 bad = int(np.argmax((vec < -levels) | (vec > levels)))
                 raise UsageError(f"{name}: value {int(vec[bad])} at index {bad} is "
-                                 f"outside [-{levels}, {levels}]")
+                                 f"outside [-{levels}, {levels}]", argument="q", index=bad)
 
         fields = (kind, source, levels, tie, vec.dtype.str, n, algo, gather)
         return self._run_packed(name, fields, codec, algo, vec, flat, res, n, gather, check,
@@ -1273,7 +1277,7 @@ class Communicator:
         and algorithm (the last step of a packed collective's validation)."""
         if tie not in TIE_RULES:
             raise UsageError(f"unknown tie rule {tie!r}; expected one of "
-                             f"{', '.join(TIE_RULES)}")
+                             f"{', '.join(TIE_RULES)}", argument="tie")
         widths = make_codec(kind, source, levels, self.size, packed_io=packed_io)
         auto = "" if algorithm not in (None, "auto") else \
             self._packed_choice(count, widths.w_in, widths.w_out, gather, packed_io)
@@ -1424,7 +1428,7 @@ class Communicator:
             need = (n * w_in + 7) // 8
             if vec.size != need:
                 raise UsageError(f"{arg} must hold exactly ceil({n} * {w_in} / 8) = {need} "
-                                 f"bytes for count {n}, got {vec.size}")
+                                 f"bytes for count {n}, got {vec.size}", argument=arg)
             lo, hi = (0, n) if gather else block(n, self.size, self.rank)
             res, flat = output(out, ((hi - lo) * w_out + 7) // 8, np.dtype(np.uint8))
             if flat.size and vec.size and np.shares_memory(flat, vec):
@@ -1443,7 +1447,7 @@ class Communicator:
                                        "little")
                 raise UsageError(f"{name}: field {bad} of {arg} is {field}, outside [0, "
                                  f"{2 * levels}] (fields hold value + {levels}, values lie "
-                                 f"in [-{levels}, {levels}])")
+                                 f"in [-{levels}, {levels}])", argument=arg, index=bad)
 
         fields = (kind, levels, tie, "packed", n, algo, gather)
         return self._run_packed(name, fields, codec, algo, vec, flat, res, n, gather, check,
@@ -1537,10 +1541,10 @@ class Communicator:
 
     def _levels(self, levels: object) -> int:
         if not isinstance(levels, (int, np.integer)) or isinstance(levels, bool) or levels < 1:
-            raise UsageError(f"levels must be an integer >= 1, got {levels!r}")
+            raise UsageError(f"levels must be an integer >= 1, got {levels!r}", argument="levels")
         if int(levels) * self.size > MAX_SUM_RANGE:
             raise UsageError(f"levels * size = {int(levels) * self.size} exceeds "
-                             f"{MAX_SUM_RANGE} (16-bit result fields)")
+                             f"{MAX_SUM_RANGE} (16-bit result fields)", argument="levels")
         return int(levels)
 
     @overload

@@ -50,20 +50,23 @@ def parse_op(op: ReduceOp | str) -> ReduceOp:
         return ReduceOp(op.value if isinstance(op, ReduceOp) else str(op).lower())
     except ValueError:
         names = ", ".join(o.value for o in ReduceOp)
-        raise UsageError(f"unknown reduction op {op!r}; expected one of {names}") from None
+        raise UsageError(f"unknown reduction op {op!r}; expected one of {names}",
+                         argument="op") from None
 
 
-def check_dtype(dtype: np.dtype[Any], op: ReduceOp | None = None) -> None:
-    """Raise UsageError unless ``dtype`` (and the pair ``(op, dtype)``) is supported."""
+def check_dtype(dtype: np.dtype[Any], op: ReduceOp | None = None, name: str = "x") -> None:
+    """Raise UsageError unless ``dtype`` (and the pair ``(op, dtype)``) is supported; ``name``:
+    the argument whose dtype it is (the error's ``argument``; ``"op"`` for the pair)."""
     if dtype not in SUPPORTED_DTYPES:
         if dtype.byteorder not in ("=", "|") and dtype.newbyteorder("=") in SUPPORTED_DTYPES:
             raise UsageError(f"dtype {dtype.str} is not in this machine's byte order; convert "
-                             f"it first, e.g. x.astype(x.dtype.newbyteorder('='))")
+                             f"it first, e.g. x.astype(x.dtype.newbyteorder('='))",
+                             argument=name)
         names = ", ".join(sorted(d.name for d in SUPPORTED_DTYPES))
-        raise UsageError(f"unsupported dtype {dtype}; bitcoll supports {names}")
+        raise UsageError(f"unsupported dtype {dtype}; bitcoll supports {names}", argument=name)
     if op is ReduceOp.AVG and dtype not in FLOAT_DTYPES:
         raise UsageError(f"op 'avg' is not defined for integer dtype {dtype}: use 'sum' and "
-                         "divide, or convert to a floating dtype")
+                         "divide, or convert to a floating dtype", argument="op")
 
 
 _UFUNCS = {

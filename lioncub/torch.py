@@ -246,7 +246,7 @@ class DistributedLion(Optimizer):
             _check_group(group)
             arrays = []
             for p in group["params"]:
-                self._check_tensor(p, all_names[index])
+                self._check_tensor(p, all_names[index], index)
                 if p.requires_grad:
                     arrays.append(p.detach().numpy() if self._backend == "numpy"
                                   else p.detach())
@@ -330,25 +330,27 @@ class DistributedLion(Optimizer):
 
     def _replica_set(self) -> ReplicaSet:
         """Every tensor of the param groups (frozen ones included), as it is now."""
-        for p, name in zip(self._all, self._all_names, strict=True):
-            self._check_tensor(p, name)
+        for index, (p, name) in enumerate(zip(self._all, self._all_names, strict=True)):
+            self._check_tensor(p, name, index)
         names = self._all_names if self._named else None
         unnamed = "pass model.named_parameters() or names= to name tensors"
         if self._backend == "torch":
             return TensorReplicas(self._all, names, unnamed=unnamed)
         return ReplicaSet([p.detach().numpy() for p in self._all], names, unnamed=unnamed)
 
-    def _check_tensor(self, p: torch.Tensor, name: str) -> None:
+    def _check_tensor(self, p: torch.Tensor, name: str, index: int) -> None:
         if self._backend == "torch":
             if p.dtype not in PARAM_DTYPES or p.layout != torch.strided:
                 raise UsageError(f"parameter {name} must be a dense float32, bfloat16 or "
-                                 f"float16 tensor, got {p.dtype} ({p.layout})", argument="params")
+                                 f"float16 tensor, got {p.dtype} ({p.layout})", argument="params",
+                                 index=index)
         elif p.dtype != torch.float32 or p.device.type != "cpu" or p.layout != torch.strided:
             raise UsageError(f"parameter {name} must be a dense float32 CPU tensor, got "
                              f"{p.dtype} on {p.device} ({p.layout}); backend='torch' takes "
-                             "other dtypes and devices", argument="params")
+                             "other dtypes and devices", argument="params", index=index)
         if not p.is_contiguous():
-            raise UsageError(f"parameter {name} must be contiguous", argument="params")
+            raise UsageError(f"parameter {name} must be contiguous", argument="params",
+                             index=index)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Only during construction: the distributed layout is fixed afterwards."""

@@ -136,14 +136,14 @@ def hook_communicator(comm: Any, private: bool | None = None) -> CommLike:
         except ImportError as exc:
             raise UsageError("a process group needs the bitcoll torch.distributed backend "
                              "(bitcoll.torch); pass a bitcoll Communicator instead "
-                             "(bitcoll.init())") from exc
+                             "(bitcoll.init())", argument="comm") from exc
         resolved = bt.communicator_of(comm)
     else:
         resolved = comm
     for attr in ("sign_allreduce", "quantized_allreduce", "allreduce", "rank", "size"):
         if not hasattr(resolved, attr):
             raise UsageError(f"comm must be a bitcoll Communicator or a bitcoll process group, "
-                             f"got {type(comm).__name__}")
+                             f"got {type(comm).__name__}", argument="comm")
     if private is None:
         private = group
     if private:
@@ -294,18 +294,20 @@ class LionCubHookState:
                  names: Sequence[str] | None = None, *, broadcast_parameters: bool = True,
                  private: bool | None = None) -> None:
         if not isinstance(optimizer, LionCubStep):
-            raise UsageError(f"optimizer must be a LionCubStep, got {type(optimizer).__name__}")
+            raise UsageError(f"optimizer must be a LionCubStep, got {type(optimizer).__name__}",
+                             argument="optimizer")
         if tie == "elementwise":
             raise UsageError("tie='elementwise' depends on the order of the collectives, "
-                             "which DDP's buckets change; use another tie rule")
+                             "which DDP's buckets change; use another tie rule", argument="tie")
         self.optimizer = optimizer
         tensors = [p for g in optimizer.param_groups for p in g["params"]]
         all_names = _names(optimizer, names, len(tensors))
-        for p, name in zip(tensors, all_names, strict=True):
+        for i, (p, name) in enumerate(zip(tensors, all_names, strict=True)):
             if p.dtype != torch.float32 or p.device.type != "cpu" or not p.is_contiguous() \
                     or p.layout != torch.strided:
                 raise UsageError(f"parameter {name} must be a dense contiguous float32 CPU "
-                                 f"tensor, got {p.dtype} on {p.device}")
+                                 f"tensor, got {p.dtype} on {p.device}", argument="optimizer",
+                                 index=i)
         groups = []
         core_names: list[str] = []
         self._tensors: list[torch.Tensor] = []
@@ -655,9 +657,11 @@ class SignHookState:
     def __init__(self, comm: Any = None, tie: str = "alternate", error_feedback: bool = True,
                  private: bool | None = None) -> None:
         if tie not in ("alternate", "positive", "negative"):
-            raise UsageError(f"tie must be 'alternate', 'positive' or 'negative', got {tie!r}")
+            raise UsageError(f"tie must be 'alternate', 'positive' or 'negative', got {tie!r}",
+                             argument="tie")
         if not isinstance(error_feedback, bool):
-            raise UsageError(f"error_feedback must be True or False, got {error_feedback!r}")
+            raise UsageError(f"error_feedback must be True or False, got {error_feedback!r}",
+                             argument="error_feedback")
         self.comm: CommLike = hook_communicator(comm, private)
         self.tie = tie
         self.error_feedback = error_feedback

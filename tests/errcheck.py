@@ -14,10 +14,12 @@ from bitcoll.errors import CommError, UsageError
 
 @contextlib.contextmanager
 def raises_usage(argument: str, index: int | None = None,
-                 cls: type[UsageError] = UsageError) -> Iterator[pytest.ExceptionInfo[UsageError]]:
+                 cls: type[UsageError] = UsageError, match: str | None = None
+                 ) -> Iterator[pytest.ExceptionInfo[UsageError]]:
     """Expect ``cls`` (a UsageError) naming ``argument`` (``exc.argument``) and, when given,
-    the item ``index`` of it (``exc.index``)."""
-    with pytest.raises(cls) as info:
+    the item ``index`` of it (``exc.index``); ``match`` only where the message's content is
+    what the test checks (as ``pytest.raises``)."""
+    with pytest.raises(cls, match=match) as info:
         yield info
     exc = info.value
     assert exc.argument == argument, f"argument {exc.argument!r}, expected {argument!r}: {exc}"

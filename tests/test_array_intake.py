@@ -18,7 +18,6 @@ from sweeps import rank_input
 import bitcoll
 from bitcoll.arrays import to_numpy
 from bitcoll.communicator import Communicator
-from bitcoll.errors import UsageError
 
 torch = pytest.importorskip("torch")
 
@@ -111,24 +110,22 @@ def test_torch_tensor_is_read_without_a_copy() -> None:
     assert view.__array_interface__["data"][0] == b.data_ptr()
 
 
-@pytest.mark.parametrize("call,match", [
-    (lambda c: c.allreduce(torch.ones(3, requires_grad=True)), r"requires grad.*\.detach\(\)"),
-    (lambda c: c.allreduce(torch.ones(3), out=torch.ones(3, requires_grad=True)), "detach"),
-    (lambda c: c.allreduce(torch.ones(4, 2), out=torch.ones(2, 4).t()), "C-contiguous"),
-    (lambda c: c.allreduce(torch.empty(3, device="meta")), "device meta"),
-    (lambda c: c.allreduce(torch.ones(3), out=torch.ones(3, dtype=torch.float64)),
-     "dtype float64, expected float32"),
+@pytest.mark.parametrize("call,argument", [
+    (lambda c: c.allreduce(torch.ones(3, requires_grad=True)), "x"),
+    (lambda c: c.allreduce(torch.ones(3), out=torch.ones(3, requires_grad=True)), "out"),
+    (lambda c: c.allreduce(torch.ones(4, 2), out=torch.ones(2, 4).t()), "out"),
+    (lambda c: c.allreduce(torch.empty(3, device="meta")), "x"),
+    (lambda c: c.allreduce(torch.ones(3), out=torch.ones(3, dtype=torch.float64)), "out"),
     (lambda c: c.allreduce(torch.ones(3, dtype=torch.bfloat16), out=np.ones(3, np.uint16)),
-     "dtype uint16, expected bfloat16"),
-    (lambda c: c.allreduce(torch.ones(3), out=torch.ones(3, dtype=torch.bfloat16)),
-     "dtype bfloat16, expected float32"),
-    (lambda c: c.allreduce(torch.ones(3, dtype=torch.complex64)), "unsupported dtype"),
-    (lambda c: c.sign_allreduce(torch.ones(3, dtype=torch.bfloat16)), "got bfloat16"),
-    (lambda c: c.allreduce([1.0, 2.0]), r"numpy\.ndarray or a CPU array .*__dlpack__"),
+     "out"),
+    (lambda c: c.allreduce(torch.ones(3), out=torch.ones(3, dtype=torch.bfloat16)), "out"),
+    (lambda c: c.allreduce(torch.ones(3, dtype=torch.complex64)), "x"),
+    (lambda c: c.sign_allreduce(torch.ones(3, dtype=torch.bfloat16)), "x"),
+    (lambda c: c.allreduce([1.0, 2.0]), "x"),
 ])
-def test_torch_usage_errors(call: Any, match: str) -> None:
+def test_torch_usage_errors(call: Any, argument: str) -> None:
     comm = bitcoll.init("local")
-    with pytest.raises(UsageError, match=match):
+    with raises_usage(argument):
         call(comm)
     assert comm.allreduce(torch.ones(2))[0] == 1.0
 

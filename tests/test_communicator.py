@@ -77,27 +77,27 @@ def test_closed_communicator_is_an_error() -> None:
         comm.allreduce(np.ones(3))
 
 
-@pytest.mark.parametrize("call,match", [
-    (lambda c: c.allreduce([1.0, 2.0]), "numpy.ndarray"),
-    (lambda c: c.allreduce(np.ones(3, dtype=np.complex64)), "unsupported dtype"),
-    (lambda c: c.allreduce(np.ones(3, dtype=bool)), "unsupported dtype"),
-    (lambda c: c.allreduce(np.ones(3, np.int32), op="avg"), "avg"),
-    (lambda c: c.allreduce(np.ones(3), op="prod"), "unknown reduction op"),
-    (lambda c: c.allreduce(np.ones(3), out=np.ones(4)), "4 elements"),
-    (lambda c: c.allreduce(np.ones(3), out=np.ones(3, np.float32)), "dtype"),
-    (lambda c: c.allreduce(np.ones(4), out=np.ones((4, 2))[:, 0]), "C-contiguous"),
-    (lambda c: c.allreduce(np.ones(3), algorithm="butterfly"), "unknown algorithm"),
-    (lambda c: c.allreduce(np.ones(3), algorithm="native"), "MPI"),
+@pytest.mark.parametrize("call,argument", [
+    (lambda c: c.allreduce([1.0, 2.0]), "x"),
+    (lambda c: c.allreduce(np.ones(3, dtype=np.complex64)), "x"),
+    (lambda c: c.allreduce(np.ones(3, dtype=bool)), "x"),
+    (lambda c: c.allreduce(np.ones(3, np.int32), op="avg"), "op"),
+    (lambda c: c.allreduce(np.ones(3), op="prod"), "op"),
+    (lambda c: c.allreduce(np.ones(3), out=np.ones(4)), "out"),
+    (lambda c: c.allreduce(np.ones(3), out=np.ones(3, np.float32)), "out"),
+    (lambda c: c.allreduce(np.ones(4), out=np.ones((4, 2))[:, 0]), "out"),
+    (lambda c: c.allreduce(np.ones(3), algorithm="butterfly"), "algorithm"),
+    (lambda c: c.allreduce(np.ones(3), algorithm="native"), "algorithm"),
     (lambda c: c.allreduce(np.ones(3), timeout=0), "timeout"),
     (lambda c: c.allreduce(np.ones(3), timeout=float("nan")), "timeout"),
     (lambda c: c.broadcast(np.ones(3), root=1), "root"),
-    (lambda c: c.broadcast(np.ones(3)[::2]), "C-contiguous"),
-    (lambda c: c.reduce_scatter(np.ones(3), out=np.ones(1)), "expected 3"),
-    (lambda c: (lambda b: c.allreduce(b[:-1], out=b[1:]))(np.ones(5)), "overlaps x"),
+    (lambda c: c.broadcast(np.ones(3)[::2]), "x"),
+    (lambda c: c.reduce_scatter(np.ones(3), out=np.ones(1)), "out"),
+    (lambda c: (lambda b: c.allreduce(b[:-1], out=b[1:]))(np.ones(5)), "out"),
 ])
-def test_usage_errors_on_one_rank(call: object, match: str) -> None:
+def test_usage_errors_on_one_rank(call: object, argument: str) -> None:
     comm = bitcoll.init("local")
-    with pytest.raises(UsageError, match=match):
+    with raises_usage(argument):
         call(comm)  # type: ignore[operator]
     # one rank: a usage error leaves the communicator usable
     assert comm.allreduce(np.ones(2))[0] == 1.0

@@ -83,7 +83,7 @@ def test_broadcast_root_must_be_a_rank() -> None:
 
 
 def test_big_endian_arrays_get_a_clear_message() -> None:
-    with bitcoll.init("local") as comm, pytest.raises(UsageError, match="byte order"):
+    with bitcoll.init("local") as comm, raises_usage("x", match="byte order"):
         comm.allreduce(np.ones(3, dtype=">f4"))
 
 

@@ -205,9 +205,9 @@ def test_unpack_signs_errors() -> None:
         K.unpack_signs(bits, 9, dtype=np.uint8)
     with raises_usage("dtype"):
         K.unpack_signs(bits, 9, dtype=np.complex64)
-    with pytest.raises(UsageError, match="exactly 3 bytes, got 2"):
+    with raises_usage("bits"):  # 17 signs take 3 bytes
         K.unpack_signs(bits, 17)
-    with pytest.raises(UsageError, match="exactly 1 bytes, got 2"):
+    with raises_usage("bits"):  # 8 take 1 byte
         K.unpack_signs(bits, 8)
     with raises_usage("out"):
         K.unpack_signs(bits, 9, out=np.zeros(9, np.float32))  # dtype defaults to int8
@@ -341,7 +341,7 @@ def test_count_planes_errors() -> None:
     packed = np.zeros((3, 2), np.uint8)
     with raises_usage("start"):
         K.count_planes(packed, 8, 2, start=4)
-    with pytest.raises(UsageError, match="at least 3 bytes per row"):
+    with raises_usage("packed"):  # needs 3 bytes per row
         K.count_planes(packed, 9, 2, start=8)
     with raises_usage("width"):
         K.count_planes(packed, 16, 1)
@@ -594,7 +594,7 @@ def test_fields_errors() -> None:
     with raises_usage("out"):
         K.pack_fields(v, 4, 0, out=np.zeros(6, np.uint8))
     packed = K.pack_fields(v, 4, 0)
-    with pytest.raises(UsageError, match="exactly 6 bytes, got 5"):
+    with raises_usage("packed"):  # 11 4-bit fields take 6 bytes
         K.unpack_fields(packed, 11, 4, 0)
     with raises_usage("dtype"):
         K.unpack_fields(packed, 10, 4, 1, dtype=np.uint8)

@@ -234,7 +234,7 @@ def test_torch_front_end_one_rank(comm: Any) -> None:
         opt.broadcast_parameters(root=3)
     weight = _linear(model, 1).weight
     weight.data = weight.data.double()
-    with pytest.raises(UsageError, match="float32"):
+    with raises_usage("params", index=2):
         opt.check_replicas()
 
 

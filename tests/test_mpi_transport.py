@@ -317,9 +317,9 @@ class FakeComm:
 def test_create_rejects_what_is_not_an_mpi4py_communicator() -> None:
     from mpi4py import MPI
 
-    with pytest.raises(UsageError, match=r"got test_mpi_transport\.FakeComm"):
+    with raises_usage("comm", match=r"got test_mpi_transport\.FakeComm"):  # names the type
         MPITransport.create(FakeComm(), timeout=TIMEOUT)
-    with pytest.raises(UsageError, match=r"got builtins\.object"):
+    with raises_usage("comm", match=r"got builtins\.object"):
         MPITransport.create(object(), timeout=TIMEOUT)
     with raises_usage("comm"):
         MPITransport.create(MPI.COMM_NULL, timeout=TIMEOUT)
@@ -596,7 +596,7 @@ def test_unmatched_receive_times_out_near_its_deadline(transport: MPITransport) 
     req = t.irecv((t.rank + 1) % t.size, buf.data, _header(16))
     assert not req.done()
     start = time.monotonic()
-    with pytest.raises(CommTimeoutError, match="did not complete") as info:
+    with pytest.raises(CommTimeoutError) as info:
         req.wait(start + wait_for)
     assert info.value.peer == (t.rank + 1) % t.size and info.value.sequence == 1
     elapsed = time.monotonic() - start
@@ -848,7 +848,7 @@ def test_stream_times_out_and_fails_the_transport(transport: MPITransport) -> No
                                                               MODE_LAND)])
         wait_for = 0.5
         start = time.monotonic()
-        with pytest.raises(CommTimeoutError, match="did not complete") as info:
+        with pytest.raises(CommTimeoutError) as info:
             t.stream(1, 1, plan, start + wait_for)
         assert time.monotonic() - start >= wait_for  # not before its deadline
         assert info.value.peer == 1 and info.value.sequence == 1

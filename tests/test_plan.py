@@ -143,9 +143,10 @@ def test_load_model_reads_the_file_then_the_variables(tmp_path: Path) -> None:
     with raises_usage("BITCOLL_COST_PACK_RATE"):
         load_model(env)
     del env["BITCOLL_COST_PACK_RATE"]
-    for text in ("[1, 2]", "{not json", json.dumps({"latency": 1})):
+    for text, argument in (("[1, 2]", "BITCOLL_COST_MODEL"), ("{not json", "BITCOLL_COST_MODEL"),
+                           (json.dumps({"latency": 1}), "latency")):
         path.write_text(text)
-        with pytest.raises(bitcoll.UsageError, match="cost model"):
+        with raises_usage(argument):
             load_model(env)
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from errcheck import raises_comm
+from errcheck import raises_comm, raises_usage
 from multiproc import run_world as multiproc_run_world
 from tcp_world import free_port, make_event, run_world, set_up_two, wait_dead
 
@@ -445,18 +445,18 @@ def _close_together(out: dict[int, TCPTransport | BaseException]) -> None:
 def test_a_bad_send_buffer_variable_is_a_usage_error(monkeypatch: pytest.MonkeyPatch,
                                                      text: str) -> None:
     monkeypatch.setenv(ENV_SEND_BUFFER, text)
-    with pytest.raises(UsageError, match=ENV_SEND_BUFFER):
+    with raises_usage(ENV_SEND_BUFFER):
         send_buffer_bytes()
-    with pytest.raises(UsageError, match=ENV_SEND_BUFFER):  # a world of one checks it too
+    with raises_usage(ENV_SEND_BUFFER):  # a world of one checks it too
         TCPTransport.create(0, 1, "127.0.0.1", 0)
     assert send_buffer_bytes(4096) == 4096  # an argument wins over the variable
 
 
 @pytest.mark.parametrize("value", [-1, 1 << 31, 1.5, True, "65536"])
 def test_a_bad_send_buffer_argument_is_a_usage_error(value: Any) -> None:
-    with pytest.raises(UsageError, match="send_buffer"):
+    with raises_usage("send_buffer"):
         send_buffer_bytes(value)
-    with pytest.raises(UsageError, match="send_buffer"):
+    with raises_usage("send_buffer"):
         TCPTransport.create(0, 1, "127.0.0.1", 0, send_buffer=value)
 
 
@@ -490,7 +490,7 @@ def test_init_passes_send_buffer_to_the_connections() -> None:
     the value); it belongs to the TCP backend only."""
     got = multiproc_run_world(3, _send_buffers_via_init, shm=False, send_buffer=65536)
     assert got == [[2 * 65536] * 2] * 3 or got == [[65536] * 2] * 3, got
-    with pytest.raises(UsageError, match="send_buffer"):
+    with raises_usage("send_buffer"):
         bitcoll.init("local", send_buffer=65536)
 
 

@@ -40,7 +40,7 @@ def check_store(store: object) -> None:
     if missing:
         raise UsageError(f"store must be a torch.distributed Store or have its methods "
                          f"{', '.join(STORE_METHODS)}; {type(store).__name__} lacks "
-                         f"{', '.join(missing)}")
+                         f"{', '.join(missing)}", argument="store")
 
 
 def _timedelta(deadline: float) -> datetime.timedelta:

@@ -1186,11 +1186,13 @@ class StoreClient:
     def _deadline(self, deadline: float | None) -> float:
         return time.monotonic() + self.default_timeout if deadline is None else deadline
 
-    def _request(self, body: bytes, deadline: float, what: str, grace: float = 0.0) -> bytes:
-        """Send one request and return the reply body (status byte first)."""
+    def _request(self, body: bytes, deadline: float, what: str, grace: float = 0.0,
+                 argument: str | None = None) -> bytes:
+        """Send one request and return the reply body (status byte first); ``argument``: the
+        argument of ``what`` that makes the body too long, if one can."""
         if len(body) > MAX_BODY:
             raise UsageError(f"store {what}: a request of {len(body)} bytes is larger than the "
-                             f"limit of {MAX_BODY}")
+                             f"limit of {MAX_BODY}", argument=argument)
         where = f"{self.address[0]}:{self.address[1]}"
         with self._lock:
             if self._broken is not None:
@@ -1223,7 +1225,7 @@ class StoreClient:
         value = bytes(value)
         if len(value) > MAX_VALUE:
             raise UsageError(f"store set({_show(key)}): a value of {len(value)} bytes is "
-                             f"larger than the limit of {MAX_VALUE}")
+                             f"larger than the limit of {MAX_VALUE}", argument="value")
         self._request(bytes([OP_SET]) + _encode_key(key) + value,
                       self._deadline(deadline), f"set({_show(key)})")
 
@@ -1261,7 +1263,7 @@ class StoreClient:
         dl = self._deadline(deadline)
         while True:
             reply = self._request(bytes([OP_WAIT]) + _U32.pack(_timeout_ms(dl))
-                                  + _encode_keys(klist), dl, "wait", _REPLY_GRACE)
+                                  + _encode_keys(klist), dl, "wait", _REPLY_GRACE, "keys")
             if reply[0] != ST_TIMEOUT:
                 return
             if time.monotonic() >= dl:
@@ -1271,7 +1273,7 @@ class StoreClient:
     def missing(self, keys: Iterable[str], deadline: float | None = None) -> list[str]:
         """Return the keys among ``keys`` that are not set, in order, without waiting."""
         reply = self._request(bytes([OP_MISSING]) + _encode_keys(list(keys)),
-                              self._deadline(deadline), "missing")
+                              self._deadline(deadline), "missing", argument="keys")
         return self._parse_keys(reply, "missing")
 
     @staticmethod

@@ -84,7 +84,7 @@ def send_buffer_bytes(value: int | None = None) -> int:
             value = int(text)
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 31:
         raise UsageError(f"{name} must be a number of bytes from 0 to 2**31 - 1 (0: the "
-                         f"kernel's sizing), got {given}")
+                         f"kernel's sizing), got {given}", argument=name)
     return value
 
 
