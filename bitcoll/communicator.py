@@ -1238,9 +1238,10 @@ class Communicator:
         """Shared front of the four packed collectives on values (see :meth:`sign_allreduce`)."""
         kind, source, levels = codec_args
         with self._validating(name):
-            if kind not in ("majority", "sum"):
-                raise UsageError(f"{name} op must be 'majority' or 'sum', got {kind!r}",
-                                 argument="op")
+            ops = ("majority", "sum", "sign") if source == "sign" else ("sum", "sign")
+            if kind not in ops:
+                raise UsageError(f"{name} op must be {' or '.join(map(repr, ops))}, got "
+                                 f"{kind!r}", argument="op")
             arr, bf16 = to_numpy(x, "x")
             allowed = SIGN_DTYPES if source == "sign" else INT_DTYPES
             if bf16 or arr.dtype not in allowed:
@@ -1252,7 +1253,7 @@ class Communicator:
             lo, hi = (0, n) if gather else block(n, self.size, self.rank)
             shape = arr.shape if gather else (hi - lo,)
             res, flat = output(out, hi - lo, out_dtype, shape,
-                               accept=INT_DTYPES if kind == "sum" else ())
+                               accept=INT_DTYPES if kind != "majority" else ())
             bound = levels * self.size
             if kind == "sum" and bound > np.iinfo(flat.dtype).max:
                 raise UsageError(f"out dtype {flat.dtype} cannot hold sums up to {bound} "
@@ -1398,7 +1399,7 @@ class Communicator:
         name, op, tie, dtype, n, gather = key[:6]
         plan = None
         if isinstance(op, str) and isinstance(tie, str) and isinstance(dtype, np.dtype) and \
-                isinstance(n, int) and op in ("majority", "sum") and tie in TIE_RULES and \
+                isinstance(n, int) and op in ("majority", "sum", "sign") and tie in TIE_RULES and \
                 dtype in SIGN_DTYPES:
             codec_cls = CODECS[op, "sign"]
             widths = codec_cls(1, self.size)
@@ -1408,7 +1409,7 @@ class Communicator:
                 lo, hi = (0, n) if gather else block(n, self.size, self.rank)
                 fields = (op, "sign", 1, tie, dtype.str, n, algo, bool(gather))
                 plan = _PackedPlan(fields, signature(str(name), *fields), codec_cls, TIES[tie],
-                                   run, np.dtype(np.int8 if op == "majority" else np.int32),
+                                   run, np.dtype(np.int32 if op == "sum" else np.int8),
                                    hi - lo, codec_cls.majority)
         if len(self._fast_packed_plans) >= _PLANS_MAX:
             self._fast_packed_plans.clear()
@@ -1478,6 +1479,8 @@ class Communicator:
           gives +1 if ``i + k`` is even, else -1).
         * ``op="sum"``: returns the exact sum over ranks of ``sign(x)`` with ``sign(0) = 0``,
           int32 by default (``out`` may be int8/16/32/64 if it holds ``+-size``).
+        * ``op="sign"``: returns the sign of that exact sum, int8 in {-1, 0, 1} (``out``: any
+          integer dtype); the owners send back 2-bit signs instead of the sums' bits.
 
         NaN in ``x`` raises UsageError naming its index (found while packing, which overlaps
         the sends: the peers get PeerLostError, and no rank returns a result).
@@ -1507,7 +1510,7 @@ class Communicator:
             if done is not None:
                 return done
         return self._packed("sign_allreduce", x, (op, "sign", 1), out,
-                            np.dtype(np.int8 if op == "majority" else np.int32), True, tie,
+                            np.dtype(np.int32 if op == "sum" else np.int8), True, tie,
                             async_op, timeout, algorithm)
 
     @overload
@@ -1536,7 +1539,7 @@ class Communicator:
             if done is not None:
                 return done
         return self._packed("sign_reduce_scatter", x, (op, "sign", 1), out,
-                            np.dtype(np.int8 if op == "majority" else np.int32), False, tie,
+                            np.dtype(np.int32 if op == "sum" else np.int8), False, tie,
                             async_op, timeout, algorithm)
 
     def _levels(self, levels: object) -> int:
@@ -1549,56 +1552,68 @@ class Communicator:
 
     @overload
     def quantized_allreduce(self, q: HostArray, levels: int, out: HostArray | None = None, *,
-                            async_op: Literal[False] = False, timeout: float | None = None,
+                            op: str = "sum", async_op: Literal[False] = False,
+                            timeout: float | None = None,
                             algorithm: str | None = None) -> HostArray: ...
     @overload
     def quantized_allreduce(self, q: HostArray, levels: int, out: HostArray | None = None, *,
-                            async_op: Literal[True], timeout: float | None = None,
+                            op: str = "sum", async_op: Literal[True],
+                            timeout: float | None = None,
                             algorithm: str | None = None) -> Work[Any]: ...
     @overload
     def quantized_allreduce(self, q: HostArray, levels: int, out: HostArray | None = None, *,
-                            async_op: bool, timeout: float | None = None,
+                            op: str = "sum", async_op: bool,
+                            timeout: float | None = None,
                             algorithm: str | None = None) -> Any: ...
     def quantized_allreduce(self, q: HostArray, levels: int, out: HostArray | None = None, *,
-                            async_op: bool = False, timeout: float | None = None,
+                            op: str = "sum", async_op: bool = False,
+                            timeout: float | None = None,
                             algorithm: str | None = None) -> Any:
-        """Exact sum over ranks of integers ``q`` (int8/16/32/64) in ``[-levels, levels]``.
+        """Exact sum over ranks of integers ``q`` (int8/16/32/64) in ``[-levels, levels]``,
+        or its sign.
 
         Each element travels as a ``ceil(log2(2 levels + 1))``-bit field to its block's
-        owner, which sums exactly and all-gathers the sums as
-        ``ceil(log2(2 levels size + 1))``-bit fields. Returns int32 (shape of ``q``; ``out``
-        may be any integer dtype that holds ``+-levels * size``). A value outside the range
-        raises UsageError (its peers get PeerLostError). ``algorithm`` as in
-        :meth:`sign_allreduce`. Requires ``levels * size <= 32767``.
+        owner, which sums exactly. ``op="sum"``: the owner all-gathers the sums as
+        ``ceil(log2(2 levels size + 1))``-bit fields; returns int32 (shape of ``q``; ``out``
+        may be any integer dtype that holds ``+-levels * size``). ``op="sign"``: the owner
+        all-gathers only ``sign(sum)`` in {-1, 0, 1}, as 2-bit fields (the all-gather moves
+        ``2 / ceil(log2(2 levels size + 1))`` of the bytes); returns int8 (``out``: any
+        integer dtype). A value outside the range raises UsageError (its peers get
+        PeerLostError). ``algorithm`` as in :meth:`sign_allreduce`. Requires
+        ``levels * size <= 32767``.
         """
         with self._validating("quantized_allreduce"):
             lv = self._levels(levels)
-        return self._packed("quantized_allreduce", q, ("sum", "int", lv), out,
-                            np.dtype(np.int32), True, "alternate", async_op, timeout,
-                            algorithm)
+        return self._packed("quantized_allreduce", q, (op, "int", lv), out,
+                            np.dtype(np.int8 if op == "sign" else np.int32), True, "alternate",
+                            async_op, timeout, algorithm)
 
     @overload
     def quantized_reduce_scatter(self, q: HostArray, levels: int, out: HostArray | None = None, *,
-                                 async_op: Literal[False] = False, timeout: float | None = None,
+                                 op: str = "sum", async_op: Literal[False] = False,
+                                 timeout: float | None = None,
                                  algorithm: str | None = None) -> HostArray: ...
     @overload
     def quantized_reduce_scatter(self, q: HostArray, levels: int, out: HostArray | None = None, *,
-                                 async_op: Literal[True], timeout: float | None = None,
+                                 op: str = "sum", async_op: Literal[True],
+                                 timeout: float | None = None,
                                  algorithm: str | None = None) -> Work[Any]: ...
     @overload
     def quantized_reduce_scatter(self, q: HostArray, levels: int, out: HostArray | None = None, *,
-                                 async_op: bool, timeout: float | None = None,
+                                 op: str = "sum", async_op: bool,
+                                 timeout: float | None = None,
                                  algorithm: str | None = None) -> Any: ...
     def quantized_reduce_scatter(self, q: HostArray, levels: int, out: HostArray | None = None, *,
-                                 async_op: bool = False, timeout: float | None = None,
+                                 op: str = "sum", async_op: bool = False,
+                                 timeout: float | None = None,
                                  algorithm: str | None = None) -> Any:
         """:meth:`quantized_allreduce`, but rank ``r`` receives only block ``r`` of
         ``bitcoll.partition(q.size, size)`` (1-D)."""
         with self._validating("quantized_reduce_scatter"):
             lv = self._levels(levels)
-        return self._packed("quantized_reduce_scatter", q, ("sum", "int", lv), out,
-                            np.dtype(np.int32), False, "alternate", async_op, timeout,
-                            algorithm)
+        return self._packed("quantized_reduce_scatter", q, (op, "int", lv), out,
+                            np.dtype(np.int8 if op == "sign" else np.int32), False,
+                            "alternate", async_op, timeout, algorithm)
 
     # ------------------------------------------------------------------ packed input and output
     @overload

@@ -262,8 +262,9 @@ def expected_sign_sum(xs: list[Array]) -> Array:
 def packed_sweep(comm: Communicator, seed: int = 0,
                  lengths: tuple[int, ...] = PACKED_LENGTHS,
                  algorithms: tuple[str, ...] = PACKED_ALGOS) -> int:
-    """sign_allreduce / sign_reduce_scatter (majority, every tie rule; sum) and
-    quantized_allreduce / quantized_reduce_scatter against numpy references."""
+    """sign_allreduce / sign_reduce_scatter (majority, every tie rule; sum; sign of the sum)
+    and quantized_allreduce / quantized_reduce_scatter (sum; sign of the sum) against numpy
+    references."""
     p, r = comm.size, comm.rank
     checks = 0
     for n in lengths:
@@ -289,6 +290,13 @@ def packed_sweep(comm: Communicator, seed: int = 0,
                 _eq(comm.sign_reduce_scatter(xs[r], op="sum", algorithm=algo), ssum[lo:hi],
                     f"sign_reduce_scatter sum n={n} {dt} {algo} p={p}")
                 checks += 2
+                if dt == "float32":
+                    sign = np.sign(ssum).astype(np.int8)
+                    _eq(comm.sign_allreduce(xs[r], op="sign", algorithm=algo), sign,
+                        f"sign_allreduce sign n={n} {algo} p={p}")
+                    _eq(comm.sign_reduce_scatter(xs[r], op="sign", algorithm=algo),
+                        sign[lo:hi], f"sign_reduce_scatter sign n={n} {algo} p={p}")
+                    checks += 2
         for levels in (1, 3, 15, 127):
             for qdt in ("int8", "int16", "int64"):
                 if qdt != "int8" and (n > 1000 or levels != 3):
@@ -302,6 +310,14 @@ def packed_sweep(comm: Communicator, seed: int = 0,
                     _eq(comm.quantized_reduce_scatter(qs[r], levels, algorithm=algo),
                         want[lo:hi], f"quantized_reduce_scatter n={n} L={levels} {algo}")
                     checks += 2
+                    if qdt == "int8" and levels in (3, 127):
+                        sign = np.sign(want).astype(np.int8)
+                        _eq(comm.quantized_allreduce(qs[r], levels, op="sign", algorithm=algo),
+                            sign, f"quantized_allreduce sign n={n} L={levels} {algo} p={p}")
+                        _eq(comm.quantized_reduce_scatter(qs[r], levels, op="sign",
+                                                          algorithm=algo),
+                            sign[lo:hi], f"quantized_reduce_scatter sign n={n} L={levels} {algo}")
+                        checks += 2
     return checks
 
 

@@ -94,6 +94,9 @@ def test_closed_communicator_is_an_error() -> None:
     (lambda c: c.broadcast(np.ones(3)[::2]), "x"),
     (lambda c: c.reduce_scatter(np.ones(3), out=np.ones(1)), "out"),
     (lambda c: (lambda b: c.allreduce(b[:-1], out=b[1:]))(np.ones(5)), "out"),
+    (lambda c: c.sign_allreduce(np.ones(3), op="mean"), "op"),
+    (lambda c: c.quantized_allreduce(np.ones(3, np.int8), 2, op="majority"), "op"),
+    (lambda c: c.quantized_reduce_scatter(np.ones(3, np.int8), 2, op="max"), "op"),
 ])
 def test_usage_errors_on_one_rank(call: object, argument: str) -> None:
     comm = bitcoll.init("local")

@@ -262,7 +262,7 @@ def packed_hierarchical(ctx: OpContext, codec: VoteCodec, x: Array, out: Array,
                 for t, land, req in posted:
                     ctx.wait(req)
                     kernels.add_fields(land, total.size, cw[t][0], cw[t][1], total)
-                kernels.pack_fields(total, w_out, codec.bias_out, out=own)
+                codec.finish(total, sub[me], own)
             sends.extend(ctx.isend(plan.owner(t, s), own) for t in range(H) if t != me)
             results[k, s] = (res, reqs)
 

@@ -6,10 +6,10 @@ A codec fixes three things for one packed collective:
   1-bit signs (majority; ``x >= 0`` and ``-0.0`` vote +1), 2-bit ternary signs
   (``sign(x)`` in {-1, 0, 1}), or ``ceil(log2(2 L + 1))``-bit integers in ``[-L, L]``;
 * the **owner's aggregation** of ``p`` packed rows into the result: the majority bit (with
-  the tie rule) or the exact sum, packed in ``w_out`` bits (1 for majority,
-  ``ceil(log2(2 L p + 1))`` for sums, biased by ``L p``);
+  the tie rule), the exact sum, or the exact sum's sign, packed in ``w_out`` bits (1 for
+  majority, ``ceil(log2(2 L p + 1))`` for sums, biased by ``L p``, 2 for signs, biased by 1);
 * the **decoder** of the packed result into the caller's output (int8 +-1 for majority, the
-  sums in the output's integer dtype).
+  sums or signs in the output's integer dtype).
 
 Bit order everywhere: element ``i`` occupies stream bits ``[i w, (i + 1) w)``, little-endian
 (``numpy.packbits(bits, bitorder="little")`` is the 1-bit layout). Segments of a block are
@@ -243,18 +243,60 @@ class TernarySumCodec(SumCodec):
         kernels.unpack_fields(kernels.pack_ternary(x), x.size, 2, 1, out=out, dtype=out.dtype)
 
 
-#: The codec class of each (operation, source of the contributions).
+class _SignOfSum(VoteCodec):
+    """The exact sum's sign in {-1, 0, 1} as the result: the owner sums exactly, then sends
+    only ``sign(sum)`` back, in 2-bit fields biased by 1 (instead of the sum's
+    ``ceil(log2(2 levels size + 1))`` bits). Mixed in before a sum codec."""
+
+    @property
+    def w_out(self) -> int:
+        return 2
+
+    @property
+    def bias_out(self) -> int:
+        return 1
+
+    def combine(self, rows: Array, n: int, first: int, out: Array) -> None:
+        acc = np.zeros(n, dtype=np.int32)
+        for row in rows:
+            kernels.add_fields(row, n, self.w_in, self.bias_in, acc)
+        self.finish(acc, first, out)
+
+    def finish(self, totals: Array, first: int, out: Array) -> None:
+        kernels.pack_fields(np.sign(totals), 2, 1, out=out)
+
+
+@dataclass(frozen=True)
+class SumSignCodec(_SignOfSum, SumCodec):
+    """Integers in ``[-levels, levels]`` (as :class:`SumCodec`); the result is the sign of
+    their exact sum."""
+
+    def _local_values(self, x: Array, out: Array) -> None:
+        np.sign(x, out=out, casting="unsafe")
+
+
+@dataclass(frozen=True)
+class TernarySumSignCodec(_SignOfSum, TernarySumCodec):
+    """Float values as ternary signs (as :class:`TernarySumCodec`); the result is the sign of
+    the exact sum of the signs."""
+
+
+#: The codec class of each (operation, source of the contributions): "majority" (the
+#: majority bit of 1-bit votes), "sum" (the exact sum) and "sign" (the exact sum's sign).
 CODECS: Final[dict[tuple[str, str], type[VoteCodec]]] = {
     ("majority", "sign"): MajorityCodec,
     ("sum", "sign"): TernarySumCodec,
     ("sum", "int"): SumCodec,
+    ("sign", "sign"): TernarySumSignCodec,
+    ("sign", "int"): SumSignCodec,
 }
 
 
 def make_codec(kind: str, source: str, levels: int, size: int, tie: int = kernels.TIE_ALTERNATE,
                tie_call: int = 0, packed_io: bool = False) -> VoteCodec:
-    """The codec of a packed collective: ``kind`` "majority" or "sum" of contributions from
-    ``source`` "sign" (float votes) or "int" (integers in ``[-levels, levels]``); ``packed_io``:
+    """The codec of a packed collective: ``kind`` "majority", "sum" or "sign" (of the sum) of
+    contributions from ``source`` "sign" (float votes) or "int" (integers in
+    ``[-levels, levels]``); ``packed_io``:
     input and output are packed streams. KeyError for a pair :data:`CODECS` lacks (the
     communicator validates ``kind`` first)."""
     return CODECS[kind, source](1 if source == "sign" else levels, size, tie, tie_call,
