@@ -162,7 +162,7 @@ def run(args: argparse.Namespace, comm: bitcoll.Communicator,
             opt: Any = DistributedLion(named, opt_comm, variant=args.optimizer, lr=args.lr,
                                        betas=(0.9, 0.99), weight_decay=args.weight_decay,
                                        levels=args.levels, momentum_sync=args.momentum_sync,
-                                       **kwargs)
+                                       agreement=args.agreement, **kwargs)
             net: nn.Module = model
         else:  # DistributedDataParallel around the model, its optimizer or hook
             init_process_group(args.backend, comm, args.no_comm, args.comm_timeout)

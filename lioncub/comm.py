@@ -94,20 +94,23 @@ class CommLike(Protocol):
     def sign_allreduce(self, x: Array, op: str = "majority", tie: str = "alternate",
                        out: Array | None = None, *, async_op: bool = False,
                        algorithm: str | None = None) -> Any:
-        """Majority (int8 +-1) or exact sum of the signs of ``x`` over the ranks."""
+        """Majority (int8 +-1), exact sum, or the exact sum's sign (``op="sign"``) of the
+        signs of ``x`` over the ranks."""
         ...
 
     @overload
     def quantized_allreduce(self, q: Array, levels: int, out: Array | None = None, *,
-                            async_op: Literal[False] = False,
+                            op: str = "sum", async_op: Literal[False] = False,
                             algorithm: str | None = None) -> Any: ...
     @overload
     def quantized_allreduce(self, q: Array, levels: int, out: Array | None = None, *,
-                            async_op: Literal[True],
+                            op: str = "sum", async_op: Literal[True],
                             algorithm: str | None = None) -> WorkLike: ...
     def quantized_allreduce(self, q: Array, levels: int, out: Array | None = None, *,
-                            async_op: bool = False, algorithm: str | None = None) -> Any:
-        """Exact sum over the ranks of integers ``q`` in ``[-levels, levels]``."""
+                            op: str = "sum", async_op: bool = False,
+                            algorithm: str | None = None) -> Any:
+        """Exact sum over the ranks of integers ``q`` in ``[-levels, levels]``, or its sign
+        (``op="sign"``)."""
         ...
 
 

@@ -221,6 +221,14 @@ class DistributedLion:
         rank 0's (:meth:`broadcast_parameters`). False: the ranks' parameters are compared
         (:meth:`check_replicas`) and, if any rank's differ from rank 0's, every rank raises
         :class:`lioncub.replicas.ReplicaMismatchError` (a UsageError).
+    agreement
+        the exact-sum variants (``dlion-avg``, ``lioncub-sign``, ``lioncub-l1/l0/linf``):
+        whether each step computes the vote agreement ``sum |sum| / (n p levels)`` per tensor
+        (:attr:`last_stats`, the ``"adaptive"`` momentum sync). True: the collective returns
+        the exact sums. False: it returns only their signs, which is all the update needs
+        (the all-gather half of the collective moves 2 bits per element instead of
+        ``ceil(log2(2 levels p + 1))``; ``dlion-avg``, which applies ``sum / p``, always
+        moves sums). None (default): True exactly when the momentum sync needs it.
     replicas
         the arrays that the initial broadcast or check and :meth:`check_replicas` cover, as a
         :class:`lioncub.replicas.ReplicaSet`; default: the parameters, named by ``names``.
@@ -237,8 +245,9 @@ class DistributedLion:
     ``weight_decay``; changing the hyperparameters between steps is allowed), ``variant``,
     ``spec`` (its :class:`lioncub.variants.VariantSpec`), ``strategy`` (its
     :class:`lioncub.strategies.VariantStrategy` object), ``levels`` (effective vote levels:
-    1 for ternary signs), ``buckets``, ``names``, ``momentum_sync``, ``replicas``,
-    ``step_count``, ``last_stats`` (:class:`lioncub.stats.StepStats` of the last step, None
+    1 for ternary signs), ``agreement`` (resolved: whether steps compute it), ``buckets``,
+    ``names``, ``momentum_sync``, ``replicas``, ``step_count``, ``last_stats``
+    (:class:`lioncub.stats.StepStats` of the last step, None
     before the first).
     """
 
@@ -250,7 +259,8 @@ class DistributedLion:
                  bucket_size: int = DEFAULT_BUCKET_BYTES,
                  names: Sequence[str] | None = None, *,
                  broadcast_parameters: bool = True,
-                 replicas: ReplicaSet | None = None, stale: bool = False) -> None:
+                 replicas: ReplicaSet | None = None, stale: bool = False,
+                 agreement: bool | None = None) -> None:
         self.spec = get_spec(variant)
         self.variant = self.spec.name
         self.strategy = self._make_strategy(self.spec)
@@ -314,6 +324,17 @@ class DistributedLion:
                              f"agreement, which variant {self.variant!r} does not produce; "
                              "use dlion-avg, lioncub-sign or a quantized lioncub variant",
                              argument="momentum_sync")
+        if agreement is not None and not isinstance(agreement, bool):
+            raise UsageError(f"agreement must be True, False or None, got {agreement!r}",
+                             argument="agreement")
+        if agreement and not self.strategy.yields_sums:
+            raise UsageError(f"variant {self.variant!r} has no vote agreement (its collective "
+                             "returns no exact sums)", argument="agreement")
+        if agreement is False and self.momentum_sync.needs_agreement:
+            raise UsageError(f"momentum sync {self.momentum_sync.spec()!r} needs the vote "
+                             "agreement; agreement=False turns it off", argument="agreement")
+        self.agreement = self.strategy.yields_sums and (
+            self.momentum_sync.needs_agreement if agreement is None else agreement)
         if isinstance(bucket_size, bool) or not isinstance(bucket_size, (int, np.integer)) \
                 or bucket_size < 4:
             raise UsageError(f"bucket_size must be a number of bytes >= 4, got {bucket_size!r}",
@@ -392,7 +413,7 @@ class DistributedLion:
         """One tiny all-reduce: every rank must have the same layout and settings."""
         fp = fingerprint([tuple(p.shape) for p in self.params], self.buckets, self.variant,
                          self.levels, self.tie, self.momentum_sync.spec(), self.world_size,
-                         self.replicas.layout(), broadcast)
+                         self.replicas.layout(), broadcast, self.agreement)
         probe = np.array([fp, -fp], dtype=np.float64)
         self.comm.allreduce(probe, op="max", out=probe)
         if probe[0] != fp or -probe[1] != fp:
@@ -679,7 +700,7 @@ class DistributedLion:
             self._tie_counter += 1
 
         agreement: dict[int, float] | None = None
-        if self.strategy.yields_sums:
+        if self.agreement:
             denom = self.world_size * self.levels
             agreement = {i: total / (self._sizes[i] * denom) for i, total in sums.items()}
         synced = self._sync_momenta(agreement)

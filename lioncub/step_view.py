@@ -89,6 +89,12 @@ class StepView(Protocol):
         """The effective vote levels (1 unless the strategy :attr:`uses_levels`)."""
         ...
 
+    @property
+    def agreement(self) -> bool:
+        """Whether the step computes the vote agreement (the exact-sum collectives then
+        return the sums, not only their signs)."""
+        ...
+
     def flat_param(self, index: int) -> F32:
         """Parameter ``index`` as a flat float32 view of its memory (updated in place)."""
         ...
@@ -126,6 +132,11 @@ class TorchStepView(Protocol):
     @property
     def levels(self) -> int:
         """The effective vote levels."""
+        ...
+
+    @property
+    def agreement(self) -> bool:
+        """Whether the step computes the vote agreement (as :class:`StepView`)."""
         ...
 
     @property

@@ -260,10 +260,19 @@ class MajorityVote(_LocalDirections):
 
 
 class ExactSum(_LocalDirections):
-    """Base of the variants whose collective returns exact integer vote sums (int16):
-    applies ``lr * sign(sum)`` and records ``sum |sum|`` per tensor."""
+    """Base of the variants whose collective returns exact integer vote sums (int16), or
+    only their signs when neither the update nor the core's agreement needs the sums
+    (:meth:`result_op`): applies ``lr * sign(sum)`` and records ``sum |sum|`` per tensor
+    (meaningful when the sums came back)."""
 
     yields_sums = True
+    #: Whether the update itself needs the sums (not only their signs).
+    needs_sums = False
+
+    def result_op(self, agreement: bool) -> str:
+        """The collective's ``op``: "sum" when the sums are needed (by the update, or for the
+        core's vote ``agreement``), else "sign" (only the sums' signs travel back)."""
+        return "sum" if self.needs_sums or agreement else "sign"
 
     def finish(self, core: StepView, bucket: Bucket, buf: Buffers,
                hypers: Sequence[Hyper], sums: dict[int, int]) -> None:
@@ -286,14 +295,15 @@ class SignSum(ExactSum):
 
     def start(self, core: StepView, bucket: Bucket, buf: Buffers) -> WorkLike:
         n = bucket.size
-        return core.comm.sign_allreduce(buf.f[:n], op="sum", out=buf.s[:n], async_op=True,
-                                        algorithm=self.spec.algorithm)
+        return core.comm.sign_allreduce(buf.f[:n], op=self.result_op(core.agreement), out=buf.s[:n],
+                                        async_op=True, algorithm=self.spec.algorithm)
 
 
 class SignMean(SignSum):
     """The sum of :class:`SignSum` applied as ``lr * sum / p`` (in [-1, 1], not re-signed)."""
 
     kind = "mean"
+    needs_sums = True
 
     def finish(self, core: StepView, bucket: Bucket, buf: Buffers,
                hypers: Sequence[Hyper], sums: dict[int, int]) -> None:
@@ -353,4 +363,5 @@ class QuantizedSum(ExactSum):
         n = bucket.size
         assert buf.q is not None
         return core.comm.quantized_allreduce(buf.q[:n], core.levels, out=buf.s[:n],
-                                             async_op=True, algorithm=self.spec.algorithm)
+                                             op=self.result_op(core.agreement), async_op=True,
+                                             algorithm=self.spec.algorithm)

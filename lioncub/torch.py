@@ -228,7 +228,8 @@ class DistributedLion(Optimizer):
                  names: Sequence[str] | None = None, *,
                  broadcast_parameters: bool = True, backend: str = "auto",
                  momentum_dtype: torch.dtype | None = None, overlap: bool = False,
-                 packing: str = "auto", stale: bool = False) -> None:
+                 packing: str = "auto", stale: bool = False,
+                 agreement: bool | None = None) -> None:
         b1, b2 = _betas(betas)
         check_hyper(lr, b1, b2, weight_decay)
         self._constructed = False
@@ -260,7 +261,8 @@ class DistributedLion(Optimizer):
             "variant": variant, "lr": lr, "betas": (b1, b2), "weight_decay": weight_decay,
             "levels": levels, "tie": tie, "momentum_sync": momentum_sync,
             "bucket_size": bucket_size, "names": core_names,
-            "broadcast_parameters": broadcast_parameters, "replicas": self._replica_set()}
+            "broadcast_parameters": broadcast_parameters, "replicas": self._replica_set(),
+            "agreement": agreement}
         if stale is not False and (self._backend != "numpy" or overlap):
             raise UsageError("stale=True needs the numpy backend (float32 CPU parameters, "
                              "backend='auto' or 'numpy') and overlap=False (the exchange "

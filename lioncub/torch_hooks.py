@@ -292,7 +292,7 @@ class LionCubHookState:
                  momentum_sync: MomentumSync | str | None = None,
                  bucket_size: int = DEFAULT_BUCKET_BYTES,
                  names: Sequence[str] | None = None, *, broadcast_parameters: bool = True,
-                 private: bool | None = None) -> None:
+                 private: bool | None = None, agreement: bool | None = None) -> None:
         if not isinstance(optimizer, LionCubStep):
             raise UsageError(f"optimizer must be a LionCubStep, got {type(optimizer).__name__}",
                              argument="optimizer")
@@ -328,7 +328,7 @@ class LionCubHookState:
             groups, self.comm, variant=variant, lr=first["lr"], betas=first["betas"],
             weight_decay=first["weight_decay"], levels=levels, tie=tie,
             momentum_sync=momentum_sync, bucket_size=bucket_size, names=core_names,
-            broadcast_parameters=broadcast_parameters,
+            broadcast_parameters=broadcast_parameters, agreement=agreement,
             replicas=ReplicaSet([self._host_array(p) for p in tensors], all_names))
         self._index = {id(p): i for i, p in enumerate(self._tensors)}
         self._sizes = [p.numel() for p in self._tensors]
@@ -528,9 +528,11 @@ class LionCubFSDPState(LionCubHookState):
                  levels: int | None = None, tie: str = "alternate",
                  momentum_sync: MomentumSync | str | None = None,
                  bucket_size: int = DEFAULT_BUCKET_BYTES,
-                 names: Sequence[str] | None = None, *, private: bool | None = None) -> None:
+                 names: Sequence[str] | None = None, *, private: bool | None = None,
+                 agreement: bool | None = None) -> None:
         super().__init__(optimizer, comm, variant, levels, tie, momentum_sync, bucket_size,
-                         names, broadcast_parameters=False, private=private)
+                         names, broadcast_parameters=False, private=private,
+                         agreement=agreement)
         self._left: set[int] = set()  # parameters not voted yet in this step
         self._keys = 0
 

@@ -58,6 +58,7 @@ from .lion import Hyper
 from .quantize import multiplier
 from .step_view import TorchStepView
 from .strategies import (
+    ExactSum,
     GlobalAverage,
     MajorityVote,
     QuantizedSum,
@@ -456,6 +457,13 @@ class TorchExactSum(_Packed):
         """``L``: the largest vote magnitude (1: ternary signs)."""
         return 1
 
+    def result_op(self, engine: TorchStepView) -> str:
+        """The host-packed collective's ``op`` (:meth:`lioncub.strategies.ExactSum.result_op`:
+        "sign" when neither the update nor the vote agreement needs the sums)."""
+        base = self.base
+        assert isinstance(base, ExactSum)
+        return base.result_op(engine.agreement)
+
     def widths(self, engine: TorchStepView) -> tuple[int, int]:
         levels = self.vote_levels(engine)
         return field_width(levels), field_width(levels * engine.world_size)
@@ -543,8 +551,8 @@ class TorchSignSum(TorchExactSum):
                    result: np.ndarray[Any, Any]) -> WorkLike:
         comm: Any = engine.comm
         work: WorkLike = comm.sign_allreduce(
-            self.host_c(buf)[:bucket.size].numpy(), op="sum", out=result, async_op=True,
-            algorithm=self.base.spec.algorithm)
+            self.host_c(buf)[:bucket.size].numpy(), op=self.result_op(engine), out=result,
+            async_op=True, algorithm=self.base.spec.algorithm)
         return work
 
 
@@ -699,7 +707,7 @@ class TorchQuantizedSum(TorchExactSum):
         comm: Any = engine.comm
         work: WorkLike = comm.quantized_allreduce(
             buf.host_in.view(torch.int8)[:bucket.size].numpy(), engine.levels, out=result,
-            async_op=True, algorithm=self.base.spec.algorithm)
+            op=self.result_op(engine), async_op=True, algorithm=self.base.spec.algorithm)
         return work
 
 

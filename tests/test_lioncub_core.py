@@ -342,7 +342,9 @@ def test_one_rank_matches_reference(comm: Any, variant: str) -> None:
     ref_m = [np.zeros_like(p) for p in params]
     groups = [{"params": params[:2], "lr": 0.01, "weight_decay": 0.5},
               {"params": params[2:], "betas": (0.8, 0.95)}]
-    opt = lioncub.DistributedLion(groups, comm, variant=variant, lr=0.003, bucket_size=4 * 64)
+    sums = lioncub.SPECS[variant].yields_sums
+    opt = lioncub.DistributedLion(groups, comm, variant=variant, lr=0.003, bucket_size=4 * 64,
+                                  agreement=True if sums else None)
     assert len(opt.buckets) > 1
     rng = np.random.default_rng(5)
     for step in range(12):
@@ -361,7 +363,7 @@ def test_one_rank_matches_reference(comm: Any, variant: str) -> None:
     st = opt.last_stats
     assert st is not None and st.step == 12 and st["step"] == 12
     assert st.bytes_sent == 0 and st.compute_seconds >= 0 and st.comm_seconds >= 0
-    if lioncub.SPECS[variant].yields_sums:
+    if sums:
         assert st.agreement is not None and set(st.agreement) == {"0", "1", "3", "4"}
         assert all(0.0 <= a <= 1.0 for a in st.agreement.values())
     else:
@@ -506,3 +508,19 @@ def test_parallel_kernels_give_the_serial_bits(monkeypatch: pytest.MonkeyPatch) 
     parallel = run()
     assert len(calls) == 5  # every kernel took the parallel path
     assert serial == parallel
+
+
+@pytest.mark.parametrize(("variant", "kwargs"), [
+    ("lioncub-mavo", {"agreement": True}),  # a 1-bit majority has no sums
+    ("lioncub-l1", {"agreement": False, "momentum_sync": "adaptive:0.5"}),
+    ("lioncub-l1", {"agreement": "yes"}),
+])
+def test_agreement_is_checked(comm: Any, variant: str, kwargs: dict[str, Any]) -> None:
+    with raises_usage("agreement"):
+        lioncub.DistributedLion(_model(), comm, variant=variant, **kwargs)
+
+
+@pytest.mark.parametrize("sync", [None, "adaptive:0.5"])
+def test_agreement_follows_the_momentum_sync_by_default(comm: Any, sync: str | None) -> None:
+    opt = lioncub.DistributedLion(_model(), comm, variant="lioncub-l1", momentum_sync=sync)
+    assert opt.agreement is (sync is not None)

@@ -118,10 +118,10 @@ class RecordingComm:
         return self.inner.sign_allreduce(x, op=op, tie=tie, out=out, async_op=async_op,
                                          algorithm=algorithm)
 
-    def quantized_allreduce(self, q: Any, levels: int, out: Any = None, *,
+    def quantized_allreduce(self, q: Any, levels: int, out: Any = None, *, op: str = "sum",
                             async_op: bool = False, algorithm: str | None = None) -> Any:
         self.calls.append("quantized_allreduce")
-        return self.inner.quantized_allreduce(q, levels, out=out, async_op=async_op,
+        return self.inner.quantized_allreduce(q, levels, out=out, op=op, async_op=async_op,
                                               algorithm=algorithm)
 
 

@@ -107,7 +107,8 @@ class DDPOptimizer:
                                    weight_decay=args.weight_decay)
             self.hook_state = LionCubHookState(self.opt, hook_comm, variant=args.optimizer,
                                                levels=args.levels,
-                                               momentum_sync=args.momentum_sync, private=True)
+                                               momentum_sync=args.momentum_sync, private=True,
+                                               agreement=args.agreement)
             self.net.register_comm_hook(self.hook_state, lioncub_hook)
         elif args.hook == "sign":
             self.opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
@@ -121,7 +122,7 @@ class DDPOptimizer:
             self.inner = self.opt = DistributedLion(
                 named, opt_comm, variant=args.optimizer, lr=args.lr, betas=(0.9, 0.99),
                 weight_decay=args.weight_decay, levels=args.levels,
-                momentum_sync=args.momentum_sync)
+                momentum_sync=args.momentum_sync, agreement=args.agreement)
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:

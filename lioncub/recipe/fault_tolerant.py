@@ -131,7 +131,7 @@ def run_fault_tolerant(args: argparse.Namespace,
         return DistributedLion(arrays, comm, variant=args.optimizer, lr=args.lr,
                                betas=(0.9, 0.99), weight_decay=args.weight_decay,
                                levels=args.levels, momentum_sync=args.momentum_sync,
-                               names=names, **kw)
+                               agreement=args.agreement, names=names, **kw)
 
     try:
         threads = args.threads or default_threads(group.comm.local_size)

@@ -103,6 +103,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "every:K, exp:K[:START], early:S[:EVERY], "
                         "adaptive:T[:MIN_INTERVAL[:WARMUP]], optionally followed by "
                         "@GLOB[,GLOB...] (default: the optimizer's own)")
+    g.add_argument("--agreement", action="store_const", const=True, default=None,
+                   help="compute and log the vote agreement of the exact-sum variants at "
+                        "every step (their collective then returns the exact sums instead of "
+                        "only their signs: more bytes); default: only when the momentum sync "
+                        "needs it")
     g.add_argument("--overlap", action="store_true",
                    help="start each bucket's votes and collective during the backward pass as "
                         "soon as its gradients are final (lioncub's overlap=True; the "
