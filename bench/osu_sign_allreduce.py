@@ -18,8 +18,11 @@ measured one after another at each size in the same run:
   on the votes of ``x`` packed beforehand (bit ``i`` = ``x[i] >= 0``), uint8 output packed
   the same way: the collective alone, without the packing and unpacking passes,
 * ``sum/<algo>``: ``comm.sign_allreduce(x, op="sum")`` (int32 output),
+* ``sign/<algo>``: ``comm.sign_allreduce(x, op="sign")`` (the exact sum's sign, int8),
 * ``quantized<L>/<algo>``: ``comm.quantized_allreduce(q, L)`` with int8 ``q`` in
   ``[-L, L]`` (``--levels L``),
+* ``quantized<L>-sign/<algo>`` (``--op qsign``): ``comm.quantized_allreduce(q, L,
+  op="sign")`` (the sum's sign, int8: 2-bit signs instead of the sums in the all-gather),
 * ``float32/allreduce``: ``comm.allreduce(x)`` of the float32 vector (``--compare-float32``),
 * ``floor/pack+unpack`` (``--floor``): no communication, each rank only packs the signs of its
   float32 vector into bits and unpacks bits into its int8 output with bitcoll's kernels. Any
@@ -66,7 +69,7 @@ import osu
 from bitcoll import kernels
 from bitcoll.kernels import reference
 
-OPS = ("majority", "packed", "sum", "quantized")
+OPS = ("majority", "packed", "sum", "sign", "quantized", "qsign")
 MAJORITY_OPS = ("majority", "packed")
 FLOOR = "floor"
 ALGORITHMS = ("default", "direct", "ring", "allgather", "hierarchical")
@@ -143,7 +146,8 @@ class Variant:
             return "float32/allreduce"
         if self.op == FLOOR:
             return "floor/pack+unpack"
-        head = f"quantized{self.levels}" if self.op == "quantized" else self.op
+        head = {"quantized": f"quantized{self.levels}",
+                "qsign": f"quantized{self.levels}-sign"}.get(self.op, self.op)
         return f"{head}/{self.algorithm}"
 
 
@@ -155,11 +159,11 @@ def expected(v: Variant, p: int, start: int, stop: int, tie: str, call: int, ran
         return np.where(float_votes(rank, start, stop) >= 0, 1, -1).astype(np.int8)
     if v.op == "packed":  # the majority, compared after unpacking
         return expected(Variant("majority", v.algorithm), p, start, stop, tie, call, rank)
-    if v.op == "quantized":
+    if v.op in ("quantized", "qsign"):
         acc = np.zeros(stop - start, dtype=np.int32)
         for r in range(p):
             acc += int_votes(r, start, stop, v.levels)
-        return acc
+        return acc if v.op == "quantized" else np.sign(acc).astype(np.int8)
     if v.op == "float32":
         acc_f = np.zeros(stop - start, dtype=np.float32)
         for r in range(p):
@@ -168,12 +172,14 @@ def expected(v: Variant, p: int, start: int, stop: int, tie: str, call: int, ran
     acc = np.zeros(stop - start, dtype=np.int32)
     for r in range(p):
         x = float_votes(r, start, stop)
-        if v.op == "sum":
+        if v.op in ("sum", "sign"):
             acc += np.sign(x).astype(np.int32)
         else:
             acc += np.where(x >= 0, 1, -1).astype(np.int32)
     if v.op == "sum":
         return acc
+    if v.op == "sign":
+        return np.sign(acc).astype(np.int8)
     return reference.majority_of_sums(acc, tie, start + call)
 
 
@@ -186,9 +192,10 @@ class Bench:
         self.n, self.tie = n, tie
         self.x = np.empty(n, dtype=np.float32)
         fill(self.x, lambda a, b: float_votes(rt.rank, a, b))
-        self.q = np.empty(n if "quantized" in ops else 0, dtype=np.int8)
+        self.q = np.empty(n if "quantized" in ops or "qsign" in ops else 0, dtype=np.int8)
         fill(self.q, lambda a, b: int_votes(rt.rank, a, b, levels))
-        self.out_i8 = np.zeros(n if "majority" in ops or FLOOR in ops else 0, dtype=np.int8)
+        self.out_i8 = np.zeros(n if {"majority", "sign", "qsign", FLOOR} & set(ops) else 0,
+                               dtype=np.int8)
         self.bits = np.zeros(kernels.packed_nbytes(n) if FLOOR in ops else 0, dtype=np.uint8)
         packed = "packed" in ops
         self.votes = kernels.pack_signs(self.x) if packed else np.zeros(0, np.uint8)
@@ -216,9 +223,16 @@ class Bench:
         if v.op == "sum":
             o32 = self.out_i32
             return (lambda: comm.sign_allreduce(x, op="sum", out=o32, algorithm=algo)), o32
+        if v.op == "sign":
+            o8 = self.out_i8
+            return (lambda: comm.sign_allreduce(x, op="sign", out=o8, algorithm=algo)), o8
         if v.op == "quantized":
             q, o32, lv = self.q, self.out_i32, v.levels
             return (lambda: comm.quantized_allreduce(q, lv, out=o32, algorithm=algo)), o32
+        if v.op == "qsign":
+            q, o8, lv = self.q, self.out_i8, v.levels
+            return (lambda: comm.quantized_allreduce(q, lv, out=o8, op="sign",
+                                                     algorithm=algo)), o8
         if v.op == FLOOR:
             o8, bits, n = self.out_i8, self.bits, self.n
 
@@ -251,7 +265,8 @@ def parser() -> argparse.ArgumentParser:
                     "sign_allreduce and quantized_allreduce.")
     p.add_argument("--op", type=_list(OPS), default=["majority"], metavar="OPS",
                    help="comma list of majority, packed (majority on packed votes: "
-                        "packed_sign_allreduce), sum, quantized (default majority)")
+                        "packed_sign_allreduce), sum, sign (the sum's sign), quantized, "
+                        "qsign (quantized_allreduce op='sign') (default majority)")
     p.add_argument("--algorithm", type=_list(ALGORITHMS), default=["default"],
                    metavar="ALGOS",
                    help="comma list of default, direct, ring, allgather, hierarchical "
@@ -274,7 +289,7 @@ def run(args: argparse.Namespace, rt: osu.BitcollRuntime) -> None:
     """Measure every variant at every size; print one table per variant on rank 0."""
     schedule = osu.schedule_from_args(args)
     p = rt.size
-    variants = [Variant(op, algo, args.levels if op == "quantized" else 0)
+    variants = [Variant(op, algo, args.levels if op in ("quantized", "qsign") else 0)
                 for op in args.op for algo in args.algorithm]
     if args.floor:
         variants.insert(0, Variant(FLOOR, "local"))

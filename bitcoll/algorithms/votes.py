@@ -260,7 +260,7 @@ class _SignOfSum(VoteCodec):
         acc = np.zeros(n, dtype=np.int32)
         for row in rows:
             kernels.add_fields(row, n, self.w_in, self.bias_in, acc)
-        self.finish(acc, first, out)
+        kernels.pack_fields(np.sign(acc, out=acc), 2, 1, out=out)
 
     def finish(self, totals: Array, first: int, out: Array) -> None:
         kernels.pack_fields(np.sign(totals), 2, 1, out=out)
