@@ -30,8 +30,11 @@ a private file of rank 0's user, which works when every rank runs on one host).
 
 from __future__ import annotations
 
+import logging
 import os
 import re
+import socket
+import threading
 import warnings
 from dataclasses import dataclass
 
@@ -59,8 +62,10 @@ from .topology import usable_cores
 from .transport.base import Transport
 from .transport.local import LocalTransport
 
+_log = logging.getLogger("bitcoll.tcp")
+
 __all__ = ["init", "detect_backend", "TCP_ENV", "SLURM_ENV", "tcp_environment",
-           "expand_hostlist", "TcpEnvironment"]
+           "expand_hostlist", "TcpEnvironment", "warm_up_tcp"]
 
 TCP_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 SLURM_ENV = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_JOB_NODELIST")
@@ -234,6 +239,79 @@ def tcp_environment(environ: dict[str, str] | None = None,
                           size_from, warning)
 
 
+#: Deadline (seconds) of the collectives of :func:`warm_up_tcp`: compiling their kernels on a
+#: cold numba cache takes seconds, tens of seconds on a busy host.
+_WARM_UP_TIMEOUT = 600.0
+_warm_lock = threading.Lock()
+_warmed = False
+
+
+def warm_up_tcp() -> None:
+    """Compile (or load from numba's disk cache) the kernels a TCP communicator's first
+    collectives run, before this process meets its peers: once per process, two
+    communicators of this process, over a socket pair, run the streamed all-gather of
+    :attr:`Communicator.topology` (the native stream kernel, :mod:`bitcoll.kernels.stream`) and
+    a small all-reduce on the frame path (the frame checksums, :mod:`bitcoll.kernels.checksum`).
+
+    A numba kernel is compiled at its first call when numba's cache has no copy of it (a fresh
+    checkout, an edited kernel): seconds, tens of seconds on a busy host. Made in a collective,
+    that time counts against the collective's deadline on the rank that compiles; a rank whose
+    deadline passes during its first stream call gives up at the next quiet poll, while a peer
+    that compiled for longer finds its frames waiting and completes the collective. Here no
+    peer waits and no deadline runs; ranks that compile for about as long meet afterwards with
+    their whole deadlines. ``bitcoll.init`` (TCP backend) and the elastic group
+    (:meth:`bitcoll.elastic.ElasticGroup.start`) call it before their rendezvous. Never raises:
+    after a failure (logged at debug level, logger ``bitcoll.tcp``) the kernels are compiled at
+    their first use, as without it."""
+    global _warmed
+    with _warm_lock:
+        if _warmed:
+            return
+        _warmed = True
+        try:
+            _warm_pair()
+        except Exception as exc:  # the collectives compile their kernels themselves then
+            _log.debug("warming the TCP kernels up failed: %s: %s", type(exc).__name__, exc)
+
+
+def _warm_pair() -> None:
+    """The collectives of :func:`warm_up_tcp` between two communicators of this process."""
+    from .transport.tcp import TCPTransport
+
+    socks = socket.socketpair()
+    comms: list[Communicator] = []
+    errors: list[BaseException] = []
+
+    def run(comm: Communicator) -> None:
+        try:
+            comm.topology  # noqa: B018  (the streamed all-gather every communicator starts with)
+            comm.allgather(np.array([1], np.uint8))  # share_hosts' (bytes: the same kernel)
+            v = np.array([1, -1, 0], np.int64)
+            comm.allreduce(v, op="max", out=v)  # the elastic commit's (frame path)
+        except BaseException as exc:
+            errors.append(exc)
+            if comm.transport.failure is None:
+                comm.transport.abort(f"warm-up failed: {exc}")  # the other side fails now
+
+    try:
+        for r in (0, 1):
+            comms.append(Communicator(
+                TCPTransport(r, 2, {1 - r: socks[r]}, None, 0, checksum=True),
+                timeout=_WARM_UP_TIMEOUT))
+        peer = threading.Thread(target=run, args=(comms[1],), daemon=True,
+                                name="bitcoll-warm-up")
+        peer.start()
+        run(comms[0])
+        peer.join()
+    finally:
+        for c in comms:
+            c.close()
+        for s in socks:
+            s.close()  # (closed already by a transport that took it)
+    if errors:
+        raise errors[0]
+
+
 def _tcp_transport(timeout: float, store: object | None, integrity: bool,
                    send_buffer: int | None, place: tuple[int, int] | None = None,
                    checksum: bool | None = None) -> Transport:
@@ -254,6 +332,8 @@ def _tcp_transport(timeout: float, store: object | None, integrity: bool,
     if te.warning:  # say it now, not only at the deadline
         warnings.warn(f"bitcoll.init: {te.warning} (waiting up to {setup:g} s for them)",
                       RuntimeWarning, stacklevel=3)
+    if te.size > 1:
+        warm_up_tcp()  # kernels compiled before the peers wait on this rank's collectives
     try:
         return TCPTransport.create(te.rank, te.size, te.master_addr, te.master_port or 0,
                                    timeout=setup, store=store, integrity=integrity,

@@ -228,13 +228,18 @@ class _Report:
 
 
 def _load_kernels() -> None:
-    """Load numba's machinery by running one small cached kernel. The first kernel a process
-    runs loads numba's registries, which takes seconds on a busy host; done before the
-    process announces itself, that time does not count against the deadline of its first
-    collective, which the other members wait on."""
+    """Load numba's machinery and the kernels an epoch's first collectives run, before the
+    process announces itself. The first kernel a process runs loads numba's registries, which
+    takes seconds on a busy host, and a kernel numba's cache has no copy of (a fresh checkout,
+    an edited kernel) is compiled at its first call, seconds to tens of seconds: done here,
+    that time does not count against the deadline of the epoch's first collective (the
+    host-key all-gather: the stream kernel), which the other members wait on
+    (:func:`bitcoll.bootstrap.warm_up_tcp`)."""
     from . import kernels
+    from .bootstrap import warm_up_tcp
 
     kernels.pack_signs(np.zeros(8, np.float32))
+    warm_up_tcp()
 
 
 def _proc_start(pid: int) -> int | None:
