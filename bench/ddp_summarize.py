@@ -24,7 +24,10 @@ RATIOS = [("hook1", "nocomm1"), ("hook25", "nocomm"), ("hook1", "nocomm"),
           ("global_gloo", "hook1"), ("global_gloo", "hook25"),
           ("hook_l1_gloo", "nocomm_hook_l1"), ("hook_l1_bitcoll", "nocomm_hook_l1"),
           ("gloo_global", "hook_l1_gloo"), ("gloo_global", "hook_l1_bitcoll"),
-          ("gloo_global", "bitcoll_global"), ("votes_after_backward_l1", "hook_l1_gloo")]
+          ("gloo_global", "bitcoll_global"), ("votes_after_backward_l1", "hook_l1_gloo"),
+          ("hook_l1_bitcoll_signs", "nocomm_hook_l1"), ("hook_l1_bitcoll_sums", "nocomm_hook_l1"),
+          ("gloo_global", "hook_l1_bitcoll_signs"),
+          ("hook_l1_bitcoll_sums", "hook_l1_bitcoll_signs")]
 
 
 class Run:
