@@ -26,6 +26,7 @@ import hashlib
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
@@ -44,6 +45,19 @@ def _run(cmd: list[str], env: dict[str, str] | None = None, timeout: float | Non
     except subprocess.TimeoutExpired:
         print(f"command timed out after {timeout} s", flush=True)
         return 124
+
+
+def _run_captured(cmd: list[str], env: dict[str, str], timeout: float) -> tuple[int, str]:
+    """:func:`_run` with the command's output (stdout and stderr) returned, not printed."""
+    text = "+ " + " ".join(str(c) for c in cmd) + "\n"
+    try:
+        done = subprocess.run(cmd, cwd=ROOT, env=env, timeout=timeout, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, errors="replace")
+    except subprocess.TimeoutExpired as exc:
+        out = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else \
+            (exc.stdout or "")
+        return 124, text + out + f"command timed out after {timeout} s\n"
+    return done.returncode, text + done.stdout
 
 
 def ensure_venv() -> None:
@@ -83,8 +97,13 @@ def _docs_cmd() -> list[str]:
 
 
 def cmd_test() -> int:
+    """The whole suite. The static steps (ruff, mypy twice, the docs build) read the sources
+    only: they run one after another on a background thread beside the single-process pytest
+    run (which leaves much of the second core idle: its ranks start, wait and time out), and
+    their output is printed once that pytest run is over. The MPI runs come last, with
+    nothing beside them (more ranks than cores)."""
     env = _env()
-    steps: list[tuple[str, list[str], float]] = [
+    static: list[tuple[str, list[str], float]] = [
         ("ruff", [str(PY), "-m", "ruff", "check", "bitcoll", "lioncub", "launch", "bench",
                   "tests", "examples", "docs/hooks.py", "train.py", "dev.py"], 300),
         # the files mypy checks (bench/ included) are pyproject.toml's [tool.mypy] files
@@ -93,6 +112,8 @@ def cmd_test() -> int:
         ("mypy (Python 3.10)", [str(PY), "-m", "mypy", "--python-version", "3.10", "-p",
                                 "bitcoll", "-p", "lioncub", "-p", "launch"], 900),
         ("docs (mkdocs build --strict)", _docs_cmd(), 600),
+    ]
+    steps: list[tuple[str, list[str], float]] = [
         ("pytest (single-process and TCP multi-process)",
          [str(PY), "-m", "pytest", "-q", "--color=no", "-m", "not mpi", "tests"], 2400),
     ]
@@ -100,16 +121,40 @@ def cmd_test() -> int:
         steps.append((f"pytest-mpi, {n} ranks",
                       [str(MPIEXEC), "-n", str(n), str(PY), "-m", "pytest", "--with-mpi", "-q",
                        "--color=no", "-m", "mpi", "tests"], 900))
-    failed = []
-    for name, cmd, timeout in steps:
-        print(f"\n=== {name}", flush=True)
-        rc = _run(cmd, env=env, timeout=timeout)
-        if rc != 0:
-            print(f"=== {name}: FAILED (exit {rc})", flush=True)
-            failed.append(name)
-    verdict = "all steps passed" if not failed else "FAILED: " + ", ".join(failed)
+    failed: dict[str, bool] = {}
+    static_done: list[tuple[str, int, str]] = []
+
+    def run_static() -> None:
+        for name, cmd, timeout in static:
+            rc, out = _run_captured(cmd, env, timeout)
+            static_done.append((name, rc, out))
+
+    names = ", ".join(name for name, _, _ in static)
+    print(f"\n=== {names}: in the background (their output follows the pytest run)",
+          flush=True)
+    background = threading.Thread(target=run_static, name="static steps")
+    background.start()
+    try:
+        for i, (name, cmd, timeout) in enumerate(steps):
+            print(f"\n=== {name}", flush=True)
+            rc = _run(cmd, env=env, timeout=timeout)
+            if rc != 0:
+                print(f"=== {name}: FAILED (exit {rc})", flush=True)
+            failed[name] = rc != 0
+            if i == 0:  # the single-process pytest run: the static steps' output
+                background.join()
+                for s_name, s_rc, s_out in static_done:
+                    print(f"\n=== {s_name}\n{s_out}", end="", flush=True)
+                    if s_rc != 0:
+                        print(f"=== {s_name}: FAILED (exit {s_rc})", flush=True)
+                    failed[s_name] = s_rc != 0
+    finally:
+        background.join()
+    order = [name for name, _, _ in static] + [name for name, _, _ in steps]
+    bad = [name for name in order if failed.get(name, True)]
+    verdict = "all steps passed" if not bad else "FAILED: " + ", ".join(bad)
     print("\n=== summary: " + verdict)
-    return 1 if failed else 0
+    return 1 if bad else 0
 
 
 def cmd_docs() -> int:
