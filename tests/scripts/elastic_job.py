@@ -1,7 +1,8 @@
 """An elastic job for ``python -m launch --max-restarts N`` (tests/test_elastic_launch.py):
 every rank sums seeded vectors step by step through bitcoll.elastic; the first incarnation of
 the rank named by ``ELASTIC_VICTIM`` SIGKILLs itself at step 3; at the end rank 0 prints the
-state's checksum and the world size."""
+state's checksum and the world size. :func:`run_job` is the loop, which
+``elastic_torchrun_job.py`` shares."""
 
 from __future__ import annotations
 
@@ -15,34 +16,48 @@ from bitcoll.elastic import ElasticGroup, JobFinished, share_state
 from bitcoll.errors import CommError
 
 STEPS = 12
+N = 1024
 
 
-def main() -> None:
-    try:
-        group = ElasticGroup.from_env(timeout=10.0, dead_after=2.0, join_check=0.02)
-    except JobFinished:
-        return
-    w = np.zeros(1024, np.float32)
-    committed = -1
-    victim = os.environ["RANK"] == os.environ.get("ELASTIC_VICTIM") and \
-        os.environ.get("BITCOLL_RESTART_COUNT") == "0"
+def run_job(group: ElasticGroup, victim: bool, checkpoint: str | None = None
+            ) -> tuple[np.ndarray, int, int]:
+    """Sum ``np.full(N, k)`` at step ``k`` until ``STEPS`` steps are committed with the full
+    world (``WORLD_SIZE``); ``victim``: SIGKILL this process at step 3. ``checkpoint``: a
+    file that rank 0 of each epoch replaces with the state and its step after every
+    committed step, and from which a process of a new generation's epoch 0 resumes (nobody
+    holds the state any more); joiners of a running job receive it from the holders. Returns
+    the state, the last committed step and the step resumed from (-1: none)."""
+    w = np.zeros(N, np.float32)
+    committed = resumed = -1
     full = int(os.environ["WORLD_SIZE"])
+    if checkpoint is not None and group.epoch.number == 0 and os.path.exists(checkpoint):
+        saved = np.fromfile(checkpoint, np.uint8)
+        w[:] = saved[:4 * N].view(np.float32)
+        committed = resumed = int(saved[4 * N:].view(np.int64)[0])
 
-    def settle(epoch: object) -> None:
+    def state() -> np.ndarray:
+        return np.concatenate([w.view(np.uint8), np.array([committed], np.int64).view(np.uint8)])
+
+    def settle() -> None:
         nonlocal committed
         while True:
             try:
                 if group.epoch.joined:
-                    state = np.concatenate([w.view(np.uint8),
-                                            np.array([committed], np.int64).view(np.uint8)])
-                    share_state(group.comm, state, group.epoch.holders)
-                    w[:] = state[:4096].view(np.float32)
-                    committed = int(state[4096:].view(np.int64)[0])
+                    s = state()
+                    share_state(group.comm, s, group.epoch.holders)
+                    w[:] = s[:4 * N].view(np.float32)
+                    committed = int(s[4 * N:].view(np.int64)[0])
                 return
             except CommError:
                 group.recover(committed, False, has_state=False)
 
-    settle(group.epoch)
+    def save() -> None:
+        if checkpoint is not None and group.epoch.rank == 0:
+            tmp = f"{checkpoint}.{os.getpid()}"
+            state().tofile(tmp)
+            os.replace(tmp, checkpoint)
+
+    settle()
     while True:
         k = committed + 1
         pending = None
@@ -52,20 +67,33 @@ def main() -> None:
                 break
             if victim and k == 3:
                 os.kill(os.getpid(), signal.SIGKILL)
-            pending = group.comm.allreduce(np.full(1024, k, np.float32), op="max")
+            pending = group.comm.allreduce(np.full(N, k, np.float32), op="max")
             grow = group.commit(k)
             w += pending
             committed = k
             pending = None
+            save()
             if grow:
                 group.recover(committed)
-                settle(group.epoch)
+                settle()
         except CommError:
             epoch = group.recover(committed, pending is not None)
             if epoch.action == "apply" and pending is not None:
                 w += pending
                 committed += 1
-            settle(epoch)
+                save()
+            settle()
+    return w, committed, resumed
+
+
+def main() -> None:
+    try:
+        group = ElasticGroup.from_env(timeout=10.0, dead_after=2.0, join_check=0.02)
+    except JobFinished:
+        return
+    victim = os.environ["RANK"] == os.environ.get("ELASTIC_VICTIM") and \
+        os.environ.get("BITCOLL_RESTART_COUNT") == "0"
+    w, committed, _ = run_job(group, victim)
     group.finish()
     if group.epoch.rank == 0:
         print(f"done steps={committed + 1} size={group.epoch.size} "
