@@ -122,7 +122,7 @@ class VoteCodec(ABC):
         acc = np.zeros(n, dtype=np.int32)
         for row in rows:
             kernels.add_fields(row, n, self.w_in, self.bias_in, acc)
-        kernels.pack_fields(acc, self.w_out, self.bias_out, out=out)
+        self.finish(acc, first, out)
 
     def finish(self, totals: Array, first: int, out: Array) -> None:
         """Write the packed result of ``totals`` (int32, one partial aggregate of all
@@ -255,12 +255,6 @@ class _SignOfSum(VoteCodec):
     @property
     def bias_out(self) -> int:
         return 1
-
-    def combine(self, rows: Array, n: int, first: int, out: Array) -> None:
-        acc = np.zeros(n, dtype=np.int32)
-        for row in rows:
-            kernels.add_fields(row, n, self.w_in, self.bias_in, acc)
-        kernels.pack_fields(np.sign(acc, out=acc), 2, 1, out=out)
 
     def finish(self, totals: Array, first: int, out: Array) -> None:
         kernels.pack_fields(np.sign(totals), 2, 1, out=out)
