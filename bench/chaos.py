@@ -120,10 +120,17 @@ def join_bench(elements: int, steps: int) -> None:
     params = [np.full(n, 0.01, np.float32) for n in sizes]
 
     built: list[float] = []
+    loaded: list[float] = []
+
+    class Timed(DistributedLion):
+        def load_state_dict(self, state):  # type: ignore[no-untyped-def]
+            t = time.monotonic()
+            super().load_state_dict(state)
+            loaded.append(time.monotonic() - t)
 
     def make(comm, **kw):  # type: ignore[no-untyped-def]
         t = time.monotonic()
-        opt = DistributedLion(params, comm, variant="lioncub-l1", lr=1e-3, **kw)
+        opt = Timed(params, comm, variant="lioncub-l1", lr=1e-3, **kw)
         built.append(time.monotonic() - t)
         return opt
 
@@ -147,7 +154,8 @@ def join_bench(elements: int, steps: int) -> None:
         print(f"join: {elements} parameters, state (parameters + momenta) {state / 1e6:.1f} MB,"
               f" received {got / 1e6:.1f} MB in {took:.3f} s ({took * 125e6 / state:.2f}x the "
               f"state over 1 Gbit; share_state {sum(spans):.3f} s, the optimizer's construction "
-              f"with its replica check {built[-1]:.3f} s), world "
+              f"with its replica check {built[-1]:.3f} s, loading the state "
+              f"{sum(loaded):.3f} s), world "
               f"{group.epoch.size}", flush=True)
     full = int(os.environ["WORLD_SIZE"])
     victim = os.environ.get("RANK") == "1" and os.environ.get("BITCOLL_RESTART_COUNT") == "0"

@@ -12,18 +12,21 @@ bitwise identical stay bitwise identical. Two ways to make sure they start that 
   the checksums are all-gathered (one all-gather of 8 bytes per array), and every rank raises
   the same :class:`ReplicaMismatchError` when any rank's arrays differ from rank 0's.
 
-Checksums: 64-bit BLAKE2b of an array's dtype, shape and raw bytes (C order). Arrays with
-equal bytes always have equal checksums; arrays that differ in any bit have equal checksums
-with probability about ``2**-64``. "Bitwise" is meant literally: ``-0.0`` and ``0.0``, or two
-NaNs with different payloads, count as different values. Hashing runs at about 0.7 GB/s per
-core; the arrays are hashed on ``bitcoll.kernels.get_num_threads()`` threads (each array on
-one).
+Checksums: 64 bits over an array's dtype, shape and raw bytes (C order): the CRC32C
+(Castagnoli, :mod:`bitcoll.kernels.checksum`: the ``crc32`` instruction where the CPU has it)
+in the low half and zlib's CRC-32 (the IEEE polynomial) in the high half. They detect any
+difference of up to 32 adjacent bits; arrays that differ otherwise have equal checksums with
+probability about ``2**-64``. It is a check against accidents (a bug, a flipped bit,
+nondeterminism), not against an adversary. "Bitwise" is meant literally: ``-0.0`` and ``0.0``,
+or two NaNs with different payloads, count as different values. About 3 GB/s per core
+(43 MB: 14 ms, against 48 ms for a 64-bit BLAKE2b, on the 2-core VM); the arrays are hashed
+on ``bitcoll.kernels.get_num_threads()`` threads (each array on one).
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
-import hashlib
+import zlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -32,6 +35,7 @@ import numpy.typing as npt
 
 from bitcoll import kernels
 from bitcoll.errors import UsageError
+from bitcoll.kernels.checksum import crc32c
 
 from .comm import CommLike
 
@@ -48,17 +52,20 @@ _PARALLEL_BYTES = 8 << 20  # below this much data, hash on the calling thread
 
 
 def checksum(a: Array) -> int:
-    """64-bit BLAKE2b of ``a``'s dtype, shape and bytes (C order), as a signed int64 value.
-    Equal for bitwise-identical arrays on any machine with the same byte order."""
-    h = hashlib.blake2b(digest_size=8, person=_PERSON)
-    h.update(repr((a.dtype.str, a.shape)).encode())
-    h.update(np.ascontiguousarray(a).reshape(-1).view(np.uint8).data)
-    return int.from_bytes(h.digest(), "little", signed=True)
+    """The 64-bit checksum of ``a``'s dtype, shape and bytes (C order; module docstring), as
+    a signed int64 value. Equal for bitwise-identical arrays on any machine with the same
+    byte order."""
+    head = _PERSON + repr((a.dtype.str, a.shape)).encode()
+    data = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+    low = int(crc32c(data, crc32c(head)))
+    high = zlib.crc32(data.data, zlib.crc32(head))
+    value = high << 32 | low
+    return value - (1 << 64) if value >= 1 << 63 else value
 
 
 def checksums(arrays: Sequence[Array], threads: int | None = None) -> npt.NDArray[np.int64]:
     """:func:`checksum` of every array, in order (int64). ``threads``: how many arrays are
-    hashed at once (hashlib releases the GIL); default ``bitcoll.kernels.get_num_threads()``
+    hashed at once (both CRCs release the GIL); default ``bitcoll.kernels.get_num_threads()``
     (the kernels' share of the host's cores)."""
     workers = max(1, int(kernels.get_num_threads() if threads is None else threads))
     total = sum(int(a.nbytes) for a in arrays)
