@@ -86,13 +86,22 @@ def run_job(group: ElasticGroup, victim: bool, checkpoint: str | None = None
     return w, committed, resumed
 
 
-def main() -> None:
+def join(restart_variable: str) -> tuple[ElasticGroup, bool] | None:
+    """This process's group (None: the job has finished) and whether it is the victim: the
+    rank named by ``ELASTIC_VICTIM`` in its first incarnation (``restart_variable`` 0)."""
     try:
         group = ElasticGroup.from_env(timeout=10.0, dead_after=2.0, join_check=0.02)
     except JobFinished:
+        return None
+    return group, os.environ["RANK"] == os.environ.get("ELASTIC_VICTIM") and \
+        os.environ.get(restart_variable) == "0"
+
+
+def main() -> None:
+    joined = join("BITCOLL_RESTART_COUNT")
+    if joined is None:
         return
-    victim = os.environ["RANK"] == os.environ.get("ELASTIC_VICTIM") and \
-        os.environ.get("BITCOLL_RESTART_COUNT") == "0"
+    group, victim = joined
     w, committed, _ = run_job(group, victim)
     group.finish()
     if group.epoch.rank == 0:

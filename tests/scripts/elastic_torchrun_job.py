@@ -14,18 +14,14 @@ from __future__ import annotations
 import os
 import zlib
 
-from elastic_job import run_job
-
-from bitcoll.elastic import ElasticGroup, JobFinished
+from elastic_job import join, run_job
 
 
 def main() -> None:
-    try:
-        group = ElasticGroup.from_env(timeout=10.0, dead_after=2.0, join_check=0.02)
-    except JobFinished:
+    joined = join("TORCHELASTIC_RESTART_COUNT")
+    if joined is None:
         return
-    victim = os.environ["RANK"] == os.environ.get("ELASTIC_VICTIM") and \
-        os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0"
+    group, victim = joined
     w, committed, resumed = run_job(group, victim, os.environ["ELASTIC_CHECKPOINT"])
     group.finish()
     line = (f"rank {group.epoch.rank} restart={os.environ.get('TORCHELASTIC_RESTART_COUNT')} "
