@@ -1238,7 +1238,7 @@ class Communicator:
         """Shared front of the four packed collectives on values (see :meth:`sign_allreduce`)."""
         kind, source, levels = codec_args
         with self._validating(name):
-            ops = ("majority", "sum", "sign") if source == "sign" else ("sum", "sign")
+            ops = tuple(op for op, src in CODECS if src == source)
             if kind not in ops:
                 raise UsageError(f"{name} op must be {' or '.join(map(repr, ops))}, got "
                                  f"{kind!r}", argument="op")
@@ -1399,7 +1399,7 @@ class Communicator:
         name, op, tie, dtype, n, gather = key[:6]
         plan = None
         if isinstance(op, str) and isinstance(tie, str) and isinstance(dtype, np.dtype) and \
-                isinstance(n, int) and op in ("majority", "sum", "sign") and tie in TIE_RULES and \
+                isinstance(n, int) and (op, "sign") in CODECS and tie in TIE_RULES and \
                 dtype in SIGN_DTYPES:
             codec_cls = CODECS[op, "sign"]
             widths = codec_cls(1, self.size)
