@@ -98,6 +98,7 @@ import os
 import secrets
 import socket
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -119,6 +120,9 @@ __all__ = ["BACKEND_NAME", "ENV_TRANSPORT", "Options", "BitcollProcessGroup", "B
 BACKEND_NAME = "bitcoll"
 #: Environment variable choosing the data transport of new groups: "tcp" (default) or "mpi".
 ENV_TRANSPORT = "BITCOLL_TORCH_TRANSPORT"
+#: How long a group's shutdown waits for its threads to return (seconds, after its queued
+#: collectives finished and its communicators closed).
+_JOIN_SECONDS = 5.0
 
 Array = npt.NDArray[Any]
 Job = Callable[[], Any]
@@ -289,6 +293,16 @@ class _Worker:
         with self._cond:
             self._stopped = True
             self._cond.notify_all()
+
+    def join(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for the thread to end (after :meth:`stop`).
+
+        A daemon thread still inside torch's C++ code (dropping a Work, completing a
+        future) when the interpreter finalizes is ended by ``pthread_exit``, which aborts
+        the process ("terminate called without an active exception"); joining it here, at
+        the group's shutdown, leaves no such thread behind. A no-op on the thread itself."""
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
 
     def _run(self, item: _Item) -> None:
         job, work, wrap = item
@@ -1113,8 +1127,6 @@ class BitcollProcessGroup(dist.ProcessGroup):
 
     def _monitored(self, limit: float, wait_all: bool) -> None:
         """The body of :meth:`monitored_barrier` (group worker)."""
-        import time
-
         if self._mb_store is None:
             self._mb_store = PrefixStore("bitcoll/monitored_barrier/",
                                          _own_client(self._store))
@@ -1224,6 +1236,11 @@ class BitcollProcessGroup(dist.ProcessGroup):
             if ch.comm is not None:
                 ch.comm.close()
         self._comm.close()
+        # the threads have nothing left but to return (a job still running fails on the
+        # closed communicator): a short bound, never the group's timeout
+        deadline = time.monotonic() + min(self._timeout, _JOIN_SECONDS)
+        for worker in [self._worker, *(ch.worker for ch in channels)]:
+            worker.join(max(0.0, deadline - time.monotonic()))
 
     def abort(self) -> None:
         """Abort the communicator (peers fail at once), then close it."""

@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -505,6 +506,11 @@ def _rank_main(rank: int, size: int, how: str, where: str, scenario: str,
                                     timeout=timeout)
         SCENARIOS[scenario](fails)
         dist.destroy_process_group()
+        # the groups' threads ended with them: none is left to be cut short by pthread_exit
+        # (an abort) when the interpreter finalizes
+        left = [t.name for t in threading.enumerate() if t.name.startswith("bitcoll-")]
+        if left:
+            fails.append(f"threads alive after destroy_process_group: {left}")
     except BaseException:
         fails.append(f"rank {rank} raised:\n{traceback.format_exc()}")
     results.put((rank, fails))

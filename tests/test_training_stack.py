@@ -31,7 +31,8 @@ _LAUNCH_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"
 
 def _env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS}
-    env.update({"NUMBA_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+    env.update({"NUMBA_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+                "PYTHONFAULTHANDLER": "1"})  # an abort prints every thread's stack
     env.update(extra)
     return env
 
