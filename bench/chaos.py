@@ -121,12 +121,18 @@ def join_bench(elements: int, steps: int) -> None:
 
     built: list[float] = []
     loaded: list[float] = []
+    checked: list[float] = []
 
     class Timed(DistributedLion):
         def load_state_dict(self, state):  # type: ignore[no-untyped-def]
             t = time.monotonic()
             super().load_state_dict(state)
             loaded.append(time.monotonic() - t)
+
+        def check_replicas(self) -> None:
+            t = time.monotonic()
+            super().check_replicas()
+            checked.append(time.monotonic() - t)
 
     def make(comm, **kw):  # type: ignore[no-untyped-def]
         t = time.monotonic()
@@ -154,7 +160,7 @@ def join_bench(elements: int, steps: int) -> None:
         print(f"join: {elements} parameters, state (parameters + momenta) {state / 1e6:.1f} MB,"
               f" received {got / 1e6:.1f} MB in {took:.3f} s ({took * 125e6 / state:.2f}x the "
               f"state over 1 Gbit; share_state {sum(spans):.3f} s, the optimizer's construction "
-              f"with its replica check {built[-1]:.3f} s, loading the state "
+              f"{built[-1]:.3f} s, the replica check {sum(checked):.3f} s, loading the state "
               f"{sum(loaded):.3f} s), world "
               f"{group.epoch.size}", flush=True)
     full = int(os.environ["WORLD_SIZE"])

@@ -968,9 +968,10 @@ def _flat_views(arrays: Arrays | None, what: str, dtype: Any = None
     for a in items:
         if not isinstance(a, np.ndarray) or a.ndim != 1 or not a.flags.c_contiguous \
                 or not a.flags.writeable:
-            raise UsageError(f"{what} must be writable C-contiguous 1-D arrays")
+            raise UsageError(f"{what} must be writable C-contiguous 1-D arrays", argument=what)
         if dtype is not None and a.dtype != dtype:
-            raise UsageError(f"{what} must be {np.dtype(dtype).name} arrays, got {a.dtype}")
+            raise UsageError(f"{what} must be {np.dtype(dtype).name} arrays, got {a.dtype}",
+                             argument=what)
     return items
 
 
@@ -989,7 +990,7 @@ def _pieces(arrays: Sequence[npt.NDArray[Any]], start: int, stop: int
 
 
 def share_state(comm: Communicator, state: Arrays, holders: Sequence[int], *,
-                average: Arrays | None = None) -> None:
+                average: Arrays | None = None, out: Arrays | None = None) -> None:
     """The job's state to every rank (collective; the arrays have the same sizes and dtypes
     on every rank).
 
@@ -999,6 +1000,9 @@ def share_state(comm: Communicator, state: Arrays, holders: Sequence[int], *,
     must be identical; the others' are overwritten. ``average`` (float32 arrays, or None)
     ends, on every rank, as the holders' mean (summed in holder order, divided by the number
     of holders), bitwise the same everywhere; the non-holders' values are not read.
+    ``out`` (float32 arrays of the same sizes as ``average``'s, or None: ``average`` itself)
+    receives the mean instead, and ``average`` is then only read: a holder's input survives
+    a failed call, and the mean lands straight where the caller keeps it (no copies).
 
     The holders split both into ``len(holders)`` slices (``numpy.array_split`` order, see
     :mod:`bitcoll.partition`); holder ``i`` *owns* slice ``i``. In one call, without a
@@ -1018,6 +1022,10 @@ def share_state(comm: Communicator, state: Arrays, holders: Sequence[int], *,
         raise UsageError(f"holders must be ranks of the communicator, got {list(holders)}")
     raw = [a.view(np.uint8) for a in _flat_views(state, "state")]
     avg = _flat_views(average, "average", np.float32)
+    dst = _flat_views(out, "out", np.float32) if out is not None else avg
+    if [a.size for a in dst] != [a.size for a in avg]:
+        raise UsageError(f"out must have the sizes of average ({[a.size for a in avg]}), "
+                         f"got {[a.size for a in dst]}", argument="out")
     h = len(hs)
     others = [r for r in range(comm.size) if r not in hs]
     if not others and not avg:
@@ -1033,7 +1041,7 @@ def share_state(comm: Communicator, state: Arrays, holders: Sequence[int], *,
         if me < 0:  # a rank without state: everything comes from the owners
             for i, o in enumerate(hs):
                 reqs += [ctx.irecv(o, v) for v in _pieces(raw, sb[i], sb[i + 1])]
-                reqs += [ctx.irecv(o, v) for v in _pieces(avg, ab[i], ab[i + 1])]
+                reqs += [ctx.irecv(o, v) for v in _pieces(dst, ab[i], ab[i + 1])]
             ctx.wait(*reqs)
             return
         lo, hi = ab[me], ab[me + 1]
@@ -1046,7 +1054,7 @@ def share_state(comm: Communicator, state: Arrays, holders: Sequence[int], *,
                 early += [ctx.irecv(o, parts[i][a:b]) for a, b in itertools.pairwise(cuts)]
         for i, o in enumerate(hs):  # 2. (posted now) the other owners' means
             if o != comm.rank:
-                reqs += [ctx.irecv(o, v) for v in _pieces(avg, ab[i], ab[i + 1])]
+                reqs += [ctx.irecv(o, v) for v in _pieces(dst, ab[i], ab[i + 1])]
         for r in others:  # 1. my slice of the state
             reqs += [ctx.isend(r, v) for v in _pieces(raw, sb[me], sb[me + 1])]
         for i, o in enumerate(hs):  # 1. my contributions to the other slices
@@ -1057,17 +1065,17 @@ def share_state(comm: Communicator, state: Arrays, holders: Sequence[int], *,
             mine = np.concatenate(_pieces(avg, lo, hi)) if hi > lo else \
                 np.zeros(0, np.float32)
             parts[me] = mine
-            total = parts[0].copy()
+            total = parts[0]  # every part is this call's own array (mine: a concatenation)
             for i in range(1, h):
                 total += parts[i]
             total /= np.float32(h)
             pos = 0
-            for v in _pieces(avg, lo, hi):
+            for v in _pieces(dst, lo, hi):
                 v[...] = total[pos:pos + v.size]
                 pos += v.size
             for r in range(comm.size):  # 2. my mean slice to every other rank
                 if r != comm.rank:
-                    reqs += [ctx.isend(r, v) for v in _pieces(avg, lo, hi)]
+                    reqs += [ctx.isend(r, v) for v in _pieces(dst, lo, hi)]
         ctx.wait(*reqs)
 
     comm.run("share_state", (nbytes, nav, tuple(hs)), body, False, None)

@@ -220,7 +220,9 @@ class DistributedLion:
         True (default): after the checks below, every rank's parameters are overwritten with
         rank 0's (:meth:`broadcast_parameters`). False: the ranks' parameters are compared
         (:meth:`check_replicas`) and, if any rank's differ from rank 0's, every rank raises
-        :class:`lioncub.replicas.ReplicaMismatchError` (a UsageError).
+        :class:`lioncub.replicas.ReplicaMismatchError` (a UsageError). None: neither; the
+        caller makes the replicas agree and checks them (as :class:`lioncub.elastic.ElasticLion`
+        does when a joiner's parameters arrive after the optimizer's construction).
     agreement
         the exact-sum variants (``dlion-avg``, ``lioncub-sign``, ``lioncub-l1/l0/linf``):
         whether each step computes the vote agreement ``sum |sum| / (n p levels)`` per tensor
@@ -258,7 +260,7 @@ class DistributedLion:
                  momentum_sync: MomentumSync | str | None = None,
                  bucket_size: int = DEFAULT_BUCKET_BYTES,
                  names: Sequence[str] | None = None, *,
-                 broadcast_parameters: bool = True,
+                 broadcast_parameters: bool | None = True,
                  replicas: ReplicaSet | None = None, stale: bool = False,
                  agreement: bool | None = None) -> None:
         self.spec = get_spec(variant)
@@ -293,8 +295,8 @@ class DistributedLion:
             if len(set(names)) != n:
                 raise UsageError("names must be unique", argument="names")
             self.names = tuple(names)
-        if not isinstance(broadcast_parameters, bool):
-            raise UsageError(f"broadcast_parameters must be True or False, got "
+        if broadcast_parameters is not None and not isinstance(broadcast_parameters, bool):
+            raise UsageError(f"broadcast_parameters must be True, False or None, got "
                              f"{broadcast_parameters!r}", argument="broadcast_parameters")
         if replicas is None:
             replicas = ReplicaSet(self.params, None if names is None else self.names,
@@ -361,7 +363,7 @@ class DistributedLion:
         self._check_agreement_across_ranks(broadcast_parameters)
         if broadcast_parameters:
             self.broadcast_parameters()
-        else:
+        elif broadcast_parameters is not None:
             self.check_replicas()
 
     # ------------------------------------------------------------------ set-up helpers
@@ -409,7 +411,7 @@ class DistributedLion:
             raise UsageError(f"parameter {index} appears twice", argument="params", index=index)
         seen.add(id(p))
 
-    def _check_agreement_across_ranks(self, broadcast: bool) -> None:
+    def _check_agreement_across_ranks(self, broadcast: bool | None) -> None:
         """One tiny all-reduce: every rank must have the same layout and settings."""
         fp = fingerprint([tuple(p.shape) for p in self.params], self.buckets, self.variant,
                          self.levels, self.tie, self.momentum_sync.spec(), self.world_size,
@@ -785,12 +787,14 @@ class DistributedLion:
         self.replicas.check(self.comm)
 
     # ------------------------------------------------------------------ checkpoints
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, *, copy: bool = True) -> dict[str, Any]:
         """This rank's optimizer state (copies): step count, tie counter, per-rank momenta
         (one float32 array per parameter, shaped like it), the sync schedule's state and the
         param groups' hyperparameters. Save one per rank; the "global" variant's momenta
-        are identical on every rank. In stale mode, UsageError while an update is in flight
-        (call :meth:`flush` on every rank first: it is collective)."""
+        are identical on every rank. ``copy=False``: the momenta are :attr:`momenta` (views
+        of the optimizer's own arrays, changed by the next step) instead of copies. In stale
+        mode, UsageError while an update is in flight (call :meth:`flush` on every rank
+        first: it is collective)."""
         self._check_settled("state_dict")
         groups = []
         index = 0
@@ -809,7 +813,7 @@ class DistributedLion:
             "tie": self.tie,
             "step": self._step,
             "tie_counter": self._tie_counter,
-            "momentum": self._momentum_copies(),
+            "momentum": self._momentum_copies() if copy else self.momenta,
             "sync": self.momentum_sync.state_dict(),
             "param_groups": groups,
         }
@@ -861,8 +865,12 @@ class DistributedLion:
                              f"expected {p.shape} / float32", argument="state", index=i)
 
     def _load_momentum(self, i: int, m: Any) -> None:
-        """Overwrite this rank's momentum of parameter ``i`` with ``m`` (checked)."""
-        self._mom[i][:] = np.asarray(m).reshape(-1)
+        """Overwrite this rank's momentum of parameter ``i`` with ``m`` (checked); nothing
+        to copy when ``m`` is that momentum's own memory (a view from :attr:`momenta`)."""
+        src, dst = np.asarray(m).reshape(-1), self._mom[i]
+        if src.size and src.dtype == dst.dtype and src.ctypes.data == dst.ctypes.data:
+            return
+        dst[:] = src
 
     def __repr__(self) -> str:
         return (f"<DistributedLion variant={self.variant} levels={self.levels} "

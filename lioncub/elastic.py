@@ -183,38 +183,40 @@ class ElasticLion:
     def _adopt(self, epoch: Epoch, has_state: bool) -> None:
         comm = self.group.comm
         receiving = not has_state or epoch.rank in epoch.joined
-        got: dict[str, Any] | None = None
-        momenta: list[npt.NDArray[np.float32]] = []
         if epoch.joined:
-            got, momenta = self._share(epoch, receiving)
-        # epoch 0: rank 0's starting weights everywhere; later: every rank must hold the same
-        opt = self.make_optimizer(comm, broadcast_parameters=epoch.number == 0)
-        if epoch.joined:
-            if got is not None and got["scalars"] is not None:
+            # The new optimizer first, unchecked: the joiners' parameters and everyone's
+            # averaged momenta then land straight in its arrays (no staging copies), and the
+            # replicas are checked once they are in.
+            opt = self.make_optimizer(comm, broadcast_parameters=None)
+            momenta: list[Any] = opt.momenta
+            if not all(isinstance(m, np.ndarray) and m.dtype == np.float32
+                       and m.flags.c_contiguous for m in momenta):
+                # an engine on another kind of array: staged through float32 host arrays
+                momenta = [np.zeros(p.shape, np.float32) for p in self.params]
+            got = self._share(epoch, receiving, momenta)
+            opt.check_replicas()
+            if got["scalars"] is not None:
                 merged = self._fit(dict(got["scalars"]), opt)
                 self.committed = int(got["committed"])
             else:  # the holders had no optimizer state yet
-                merged = opt.state_dict()
-            merged["momentum"] = [m.reshape(p.shape) for m, p in
-                                  zip(momenta, self.params, strict=True)]
+                merged = opt.state_dict(copy=False)
+            merged["momentum"] = momenta  # the optimizer's own: loading copies nothing
             opt.load_state_dict(merged)
         else:
-            state = self._committed_state(copy=False)
+            # epoch 0: rank 0's starting weights everywhere; later: every rank holds the same
+            opt = self.make_optimizer(comm, broadcast_parameters=epoch.number == 0)
+            state = self._committed_state()
             if state is not None:
                 opt.load_state_dict(self._fit(state, opt))
         self.opt = opt
         self._state = None  # the optimizer's own state is the committed one
 
-    def _committed_state(self, copy: bool) -> dict[str, Any] | None:
-        """This rank's committed optimizer state (None before it has an optimizer);
-        ``copy``: its momenta are this call's own arrays (they may be overwritten)."""
-        if self._state is None:
-            return self.opt.state_dict() if hasattr(self, "opt") else None
-        if not copy:
+    def _committed_state(self) -> dict[str, Any] | None:
+        """This rank's committed optimizer state (None before it has an optimizer); its
+        momenta may be the optimizer's own arrays: read them, never write them."""
+        if self._state is not None:
             return self._state
-        out = dict(self._state)
-        out["momentum"] = [np.array(m, np.float32) for m in self._state["momentum"]]
-        return out
+        return self.opt.state_dict(copy=False) if hasattr(self, "opt") else None
 
     @staticmethod
     def _fit(state: dict[str, Any], opt: DistributedLion) -> dict[str, Any]:
@@ -223,17 +225,18 @@ class ElasticLion:
         out.update(world_size=opt.world_size, levels=opt.levels, rank=opt.rank)
         return out
 
-    def _share(self, epoch: Epoch, receiving: bool
-               ) -> tuple[dict[str, Any] | None, list[npt.NDArray[np.float32]]]:
+    def _share(self, epoch: Epoch, receiving: bool, out: list[npt.NDArray[np.float32]]
+               ) -> dict[str, Any]:
         """The job's state to the ranks that joined, in one :func:`share_state`: the
         parameters (each holder sends one slice), the holders' counters (a small JSON
-        record) and the holders' average momenta (float32). Returns the record and the
-        momenta (flat)."""
+        record) and the holders' average momenta (float32), which land in ``out`` (the new
+        optimizer's momenta) on every rank; a holder's committed state is only read, so it
+        survives a failure of the call. Returns the record."""
         comm = self.group.comm
         holder = not receiving and epoch.rank in epoch.holders
         state = None
-        if holder:
-            state = self._committed_state(copy=True)
+        if holder:  # read only: no copy of the momenta
+            state = self._committed_state()
         scalars = None if state is None else \
             {k: v for k, v in state.items() if k != "momentum"}
         raw = json.dumps({"scalars": scalars, "committed": self.committed}).encode() \
@@ -242,12 +245,10 @@ class ElasticLion:
         comm.allreduce(n, op="max", out=n)
         buf = np.zeros(int(n[0]), np.uint8)
         buf[:len(raw)] = np.frombuffer(raw, np.uint8)
-        if state is not None:
-            momenta = [np.ascontiguousarray(m, np.float32).reshape(-1)
-                       for m in state["momentum"]]
-        else:
-            momenta = [np.zeros(p.size, np.float32) for p in self.params]
+        dst = [m.reshape(-1) for m in out]
+        src = dst if state is None else \
+            [np.ascontiguousarray(m, np.float32).reshape(-1) for m in state["momentum"]]
         flat = [p.reshape(-1) for p in self.params]
-        share_state(comm, [*flat, buf], epoch.holders, average=momenta)
+        share_state(comm, [*flat, buf], epoch.holders, average=src, out=dst)
         got: dict[str, Any] = json.loads(buf.tobytes().decode())
-        return got, momenta
+        return got

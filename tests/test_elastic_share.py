@@ -29,7 +29,9 @@ def _holder_sets(size: int) -> list[list[int]]:
     return out
 
 
-def _case(size: int, holders: list[int], lengths: tuple[int, ...], seed: int) -> None:
+def _case(size: int, holders: list[int], lengths: tuple[int, ...], seed: int,
+          separate: bool = False) -> None:
+    """``separate``: the mean goes to ``out`` arrays; ``average`` must come back unchanged."""
     rng = np.random.default_rng([seed, size, len(holders), *lengths])
     # the state: arrays of mixed dtypes; the average: float32 arrays of other lengths
     truth = [rng.standard_normal(n).astype(np.float32) if i % 2 == 0 else
@@ -49,8 +51,14 @@ def _case(size: int, holders: list[int], lengths: tuple[int, ...], seed: int) ->
         r = comm.rank
         state = [t.copy() if r in holders else np.full_like(t, 7) for t in truth]
         avg = [m.copy() for m in moms[r]]
-        share_state(comm, state, holders, average=avg)
-        return state, avg
+        if not separate:
+            share_state(comm, state, holders, average=avg)
+            return state, avg
+        out = [np.full_like(m, np.nan) for m in avg]
+        share_state(comm, state, holders, average=avg, out=out)
+        for i, (a, b) in enumerate(zip(avg, moms[r], strict=True)):
+            assert a.tobytes() == b.tobytes(), (size, holders, lengths, r, i, "input changed")
+        return state, out
 
     for r, (state, avg) in enumerate(run_threads(size, rank)):
         for i, (a, b) in enumerate(zip(state, truth, strict=True)):
@@ -65,6 +73,9 @@ def test_state_and_average_reach_every_rank(size: int) -> None:
         for n in LENGTHS:
             _case(size, holders, (n,), seed=1)
         _case(size, holders, (7, 0, 9, 8, 1), seed=2)  # pieces cut across arrays
+        for n in (0, 9, 100_003):  # the mean into separate arrays, the input kept
+            _case(size, holders, (n,), seed=3, separate=True)
+        _case(size, holders, (7, 0, 9, 8, 1), seed=4, separate=True)
 
 
 def test_single_array_and_no_average() -> None:
@@ -91,7 +102,14 @@ def test_bad_arguments_are_refused() -> None:
                 share_state(comm, state, holders, average=avg)
             except UsageError as exc:
                 errors.append(str(exc))
+        for out in ([np.zeros(5, np.float32)], [np.zeros(4, np.float64)]):
+            try:
+                share_state(comm, np.zeros(4, np.float32), [0],
+                            average=[np.zeros(4, np.float32)], out=out)
+            except UsageError as exc:
+                errors.append(exc.argument or "")
         return errors
 
     for errors in run_threads(3, rank):
-        assert len(errors) == 5, errors
+        assert len(errors) == 7, errors
+        assert errors[5:] == ["out", "out"], errors
