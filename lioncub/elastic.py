@@ -32,12 +32,14 @@ How a step runs (:meth:`ElasticLion.step`):
    communicator (``make_optimizer(comm, broadcast_parameters=False)``: its construction
    checks that every rank holds bitwise the same parameters) and this rank's state is
    loaded into it. Only the step in flight is lost.
-5. When processes joined (a restarted rank), they receive the state from the others over
-   the epoch's authenticated connections, in one :func:`bitcoll.elastic.share_state`: the
-   parameters and the step, tie and sync counters (each holder sends one slice straight
-   into the joiners' arrays) and the momenta as their average over the holders (each
-   holder averages one slice and sends it to every rank, so every replica ends with the
-   same momentum). ``check_replicas`` then holds.
+5. When processes joined (a restarted rank), the new optimizer is built first, unchecked
+   (``make_optimizer(comm, broadcast_parameters=None)``); then the joiners receive the
+   state from the others over the epoch's authenticated connections, in one
+   :func:`bitcoll.elastic.share_state`: the parameters and the step, tie and sync counters
+   (each holder sends one slice straight into the joiners' arrays) and the momenta as their
+   average over the holders (each holder averages one slice and sends it to every rank,
+   straight into the new optimizer's momenta, so every replica ends with the same
+   momentum, and no rank copies its state on the way). ``check_replicas`` then runs.
 
 Costs: a copy of the parameters and momenta per step (memory bandwidth, no communication)
 and one all-reduce of 24 bytes per step.
@@ -59,7 +61,8 @@ from .distributed import DistributedLion
 
 __all__ = ["ElasticLion", "MakeOptimizer"]
 
-#: Builds the optimizer over a communicator; receives ``broadcast_parameters`` as a keyword.
+#: Builds the optimizer over a communicator; receives ``broadcast_parameters`` (True, False
+#: or None) as a keyword and passes it on to :class:`DistributedLion`.
 MakeOptimizer = Callable[..., DistributedLion]
 
 
