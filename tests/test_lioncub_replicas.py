@@ -321,6 +321,19 @@ def check_core_mismatch(comm: Any, out: dict[str, Any], store: str) -> None:
     # ranks disagreeing about broadcast_parameters: the construction check says so
     with pytest.raises(UsageError, match="differently"):
         lioncub.DistributedLion(initial_params(), comm, broadcast_parameters=r != 0)
+    # None: neither broadcast nor check (the differing replicas stay as they are) until the
+    # caller checks them; a value that is not True, False or None is refused
+    bad = initial_params()
+    if r == odd:
+        bad[3].reshape(-1)[0] += np.float32(1.0)
+    kept = digest(bad)
+    opt = lioncub.DistributedLion(bad, comm, names=NAMES, broadcast_parameters=None)
+    assert digest(bad) == kept
+    exc = expect_mismatch(opt.check_replicas)
+    assert (exc.rank, exc.index) == (odd, 3), exc
+    with pytest.raises(UsageError) as refused:
+        lioncub.DistributedLion(initial_params(), comm, broadcast_parameters="yes")  # type: ignore[arg-type]
+    assert refused.value.argument == "broadcast_parameters"
 
 
 def _linear(model: torch.nn.Sequential, index: int) -> torch.nn.Linear:
