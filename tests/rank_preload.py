@@ -29,7 +29,8 @@ with contextlib.suppress(Exception):
 # torch where it is installed (the ranks of the torch front ends', hooks' and "bitcoll"
 # backend's tests would each import it: over 1 s of CPU per rank), with the part
 # that torch.optim loads at an optimizer's first use (torch._dynamo, about 1 s more). Imports
-# only: torch starts its thread pools at a first operation, which the server never makes.
-with contextlib.suppress(ImportError):
+# only: torch starts its thread pools at a first operation, which the server never makes. A
+# failed import (torch not installed, or broken) is left to the ranks, as the warm-up is.
+with contextlib.suppress(Exception):
     import torch._dynamo
     import torch.distributed  # noqa: F401
