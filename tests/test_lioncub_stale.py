@@ -99,8 +99,10 @@ def test_torch_front_end_passes_stale_through() -> None:
     from lioncub.torch import DistributedLion as TorchLion
 
     def body(comm: Any) -> None:
-        torch.manual_seed(0)
-        w = torch.nn.Parameter(torch.randn(33))
+        # not the global generator: the ranks are threads, and with one generator a rank
+        # could draw the other's numbers (the construction's broadcast then moves them)
+        gen = torch.Generator().manual_seed(0)
+        w = torch.nn.Parameter(torch.randn(33, generator=gen))
         start = w.detach().clone()
         opt = TorchLion([w], comm, lr=0.1, stale=True)
         w.grad = torch.full((33,), float(comm.rank + 1))
