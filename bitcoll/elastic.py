@@ -167,8 +167,8 @@ _POLL: Final = 0.005
 StoreFactory = Callable[[], RendezvousStore]
 
 #: Called with a protocol point ("formed": a decision names the next epoch, before its
-#: connections are built) and the epoch, when set: the tests' way to fail a process at an
-#: exact point of a transition.
+#: connections are built; "initial": the same for epoch 0) and the epoch, when set: the
+#: tests' way to fail a process at an exact point of a transition.
 _FAULT_HOOK: Callable[[str, Epoch], None] | None = None
 
 
@@ -507,7 +507,11 @@ class ElasticGroup:
         st = self.store
         deadline = time.monotonic() + self.timeout
         if st.add(self._k(f"e/0/claim/{rank}"), 1, deadline) != 1:
-            raise UsageError(f"two processes claim initial rank {rank} of the elastic job")
+            raise UsageError(f"two processes claim initial rank {rank} of the elastic job (a "
+                             "second process started with this RANK, or this one replaces "
+                             "a process of that rank while other processes are still "
+                             "forming the first epoch: start it again once they are gone)",
+                             argument="RANK")
         st.set(self._k(f"e/0/id/{rank}"), self.member_id.encode(), deadline)
         keys = [self._k(f"e/0/id/{r}") for r in range(size)]
         try:
@@ -518,6 +522,8 @@ class ElasticGroup:
                                    f"up within {self.timeout:g} s") from None
         members = tuple(st.get(k, deadline).decode() for k in keys)
         epoch = Epoch(0, members, rank, holders=tuple(range(size)))
+        if _FAULT_HOOK is not None:
+            _FAULT_HOOK("initial", epoch)
         self._establish(epoch, attempt=0, ns=self._k("e/0/mesh/"))
         return epoch
 
@@ -530,7 +536,10 @@ class ElasticGroup:
         nobody is left to take it in: every process of the job was replaced at once, as
         torchrun's agent does when one worker fails (it stops and restarts the whole worker
         group). It then starts generation ``g + 1``, where the processes of the new start form
-        epoch 0 from their ``RANK`` order, instead of waiting as joiners of a dead job."""
+        epoch 0 from their ``RANK`` order, instead of waiting as joiners of a dead job. The
+        same holds before the first epoch formed (no ``current``): when this process's initial
+        rank was claimed before and every process that registered for epoch 0 is gone, the
+        whole start was replaced while it formed."""
         st = self.store
         key = self._base + "generation"
         while True:
@@ -538,8 +547,12 @@ class ElasticGroup:
             gen = int(raw) if raw is not None else 0
             self.generation = gen
             self._p = self._base if gen == 0 else f"{self._base}g{gen}/"
-            if st.try_get(self._k("current")) is None or \
-                    st.try_get(self._k("finished")) is not None or not self._all_gone():
+            if st.try_get(self._k("finished")) is not None:
+                return
+            if st.try_get(self._k("current")) is not None:
+                if not self._all_gone(self._roster()):
+                    return
+            elif not self._initial_gone():
                 return
             # One process of the new start moves the job on (a slow one that saw generation
             # ``gen`` gone must not set it back later); the others read it again.
@@ -548,14 +561,29 @@ class ElasticGroup:
                            self.member_id, gen, gen + 1)
                 st.set(key, str(gen + 1).encode())
 
-    def _all_gone(self) -> bool:
-        """True when every member of the newest epoch of this generation (``roster``) is gone:
-        dead on this host, or its heartbeat did not move for ``dead_after`` seconds (watched
-        from now). False as soon as one heartbeat moves."""
+    def _roster(self) -> list[str]:
+        """The members of the newest epoch of this generation (empty before the first)."""
         raw = self.store.try_get(self._k("roster"))
-        if raw is None:
+        return [] if raw is None else list(json.loads(raw)["members"])
+
+    def _initial_gone(self) -> bool:
+        """True when this process's initial rank was claimed in this generation before (an
+        earlier incarnation started forming epoch 0 and was replaced before it formed) and
+        every process that registered for epoch 0 is gone: the whole start was replaced (a
+        launcher restarting every rank), so nobody is left to form epoch 0 with."""
+        rank, size = self._initial
+        if self.store.try_get(self._k(f"e/0/claim/{rank}")) is None:
             return False
-        members = [m for m in json.loads(raw)["members"] if not _gone_here(m)]
+        ids = [self.store.try_get(self._k(f"e/0/id/{r}")) for r in range(size)]
+        return self._all_gone([i.decode() for i in ids if i is not None])
+
+    def _all_gone(self, members: list[str]) -> bool:
+        """True when every one of ``members`` (member ids; at least one) is gone: dead on this
+        host, or its heartbeat did not move for ``dead_after`` seconds (watched from now).
+        False as soon as one heartbeat moves."""
+        if not members:
+            return False
+        members = [m for m in members if not _gone_here(m)]
         keys = [self._k(f"hb/{m}") for m in members]
         first = {k: self.store.try_get(k) for k in keys}
         end = time.monotonic() + self.dead_after

@@ -43,3 +43,24 @@ def test_rank_0_dies_and_comes_back() -> None:
     for k in range(steps):
         w += np.float32(k)
     assert f"size=3 crc={zlib.crc32(w.tobytes())}" in done[0], done[0]
+
+
+@pytest.mark.timeout(120)
+def test_every_rank_dies_while_the_first_epoch_forms() -> None:
+    """All first incarnations die once epoch 0 is decided (before any connection of it is
+    built): the restarted processes find every member of the dead epoch gone, start a new
+    generation, form epoch 0 among themselves and run the job to the end."""
+    env = dict(os.environ, ELASTIC_DIE_FORMING="1", NUMBA_NUM_THREADS="1")
+    env.pop("BITCOLL_SECRET", None)
+    env.pop("ELASTIC_VICTIM", None)
+    proc = subprocess.run([sys.executable, "-m", "launch", "-n", "3", "--max-restarts", "3",
+                           str(SCRIPT)], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=100)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    restarts = [line for line in proc.stderr.splitlines() if "killed by SIGKILL; restart" in line]
+    assert len(restarts) == 3, proc.stderr
+    w = np.zeros(1024, np.float32)
+    for k in range(12):
+        w += np.float32(k)
+    done = [line for line in proc.stdout.splitlines() if "done steps=" in line]
+    assert done == [f"[rank 0] done steps=12 size=3 crc={zlib.crc32(w.tobytes())}"], proc.stdout

@@ -1,7 +1,9 @@
 """An elastic job for ``python -m launch --max-restarts N`` (tests/test_elastic_launch.py):
 every rank sums seeded vectors step by step through bitcoll.elastic; the first incarnation of
 the rank named by ``ELASTIC_VICTIM`` SIGKILLs itself at step 3; at the end rank 0 prints the
-state's checksum and the world size. :func:`run_job` is the loop, which
+state's checksum and the world size. With ``ELASTIC_DIE_FORMING=1`` every rank's first
+incarnation SIGKILLs itself once epoch 0 is decided, before its connections are built.
+:func:`run_job` is the loop, which
 ``elastic_torchrun_job.py`` shares."""
 
 from __future__ import annotations
@@ -89,6 +91,14 @@ def run_job(group: ElasticGroup, victim: bool, checkpoint: str | None = None
 def join(restart_variable: str) -> tuple[ElasticGroup, bool] | None:
     """This process's group (None: the job has finished) and whether it is the victim: the
     rank named by ``ELASTIC_VICTIM`` in its first incarnation (``restart_variable`` 0)."""
+    if os.environ.get("ELASTIC_DIE_FORMING") == "1" and os.environ.get(restart_variable) == "0":
+        from bitcoll import elastic
+
+        def die(point: str, epoch: elastic.Epoch) -> None:  # every first incarnation dies
+            if point == "initial":  # once epoch 0 is decided
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        elastic._FAULT_HOOK = die
     try:
         group = ElasticGroup.from_env(timeout=10.0, dead_after=2.0, join_check=0.02)
     except JobFinished:
