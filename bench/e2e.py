@@ -17,7 +17,10 @@ configurations (``--configs``):
 
 * ``global``, ``dlion-mavo``, ``lioncub-mavo``, ``lioncub-l1``: ``--optimizer NAME``;
 * ``lioncub-l1+exp4``: ``--optimizer lioncub-l1 --momentum-sync exp:4`` (momenta averaged at
-  exponentially spaced steps, which costs float32 all-reduces of the momenta).
+  exponentially spaced steps, which costs float32 all-reduces of the momenta);
+* not in the default set, torch DDP: ``ddp-gloo-global`` (``--backend gloo --optimizer
+  global``: DDP's float32 average over gloo, then Lion) and ``ddp-hook-lioncub-l1``
+  (``--backend bitcoll --hook --optimizer lioncub-l1``: the votes inside DDP's backward).
 
 The *compute floor* is ``train.py --no-comm --optimizer global`` with the same model, per-rank
 batch and pinning (run once, on the first rate's testbed: it sends nothing, so the link does
@@ -59,7 +62,12 @@ CONFIGS: dict[str, list[str]] = {
     "lioncub-mavo": ["--optimizer", "lioncub-mavo"],
     "lioncub-l1": ["--optimizer", "lioncub-l1"],
     "lioncub-l1+exp4": ["--optimizer", "lioncub-l1", "--momentum-sync", "exp:4"],
+    # torch DDP: gloo's float32 gradient average then Lion, against Lion Cub's votes inside
+    # DDP's backward over the bitcoll torch backend (not in the default set)
+    "ddp-gloo-global": ["--backend", "gloo", "--optimizer", "global"],
+    "ddp-hook-lioncub-l1": ["--backend", "bitcoll", "--hook", "--optimizer", "lioncub-l1"],
 }
+DEFAULT_CONFIGS = ("global", "dlion-mavo", "lioncub-mavo", "lioncub-l1", "lioncub-l1+exp4")
 FLOOR = "compute floor"
 FLOOR_ARGS = ["--optimizer", "global", "--no-comm"]
 DEFAULT_RATES = ("100mbit", "1gbit", "10gbit")
@@ -211,7 +219,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--rates", nargs="+", default=list(DEFAULT_RATES),
                    help="link rates, run in this order")
-    p.add_argument("--configs", nargs="*", choices=list(CONFIGS), default=list(CONFIGS),
+    p.add_argument("--configs", nargs="*", choices=list(CONFIGS), default=list(DEFAULT_CONFIGS),
                    help="optimizer configurations (none: only the compute floor)")
     p.add_argument("--no-floor", action="store_true", help="skip the compute floor run")
     p.add_argument("--hosts", type=int, default=4, help="emulated hosts (one rank each)")
