@@ -11,9 +11,13 @@ would alter them."""
 
 from __future__ import annotations
 
+import array
 import contextlib
+import fcntl
 import os
+import select
 import socket
+import termios
 import threading
 import time
 from typing import Any
@@ -26,7 +30,7 @@ from tcp_world import free_port, set_up_two
 from test_integrity import _DictStore
 
 from bitcoll.errors import PeerLostError, ProtocolError, UsageError
-from bitcoll.kernels.checksum import CHECKSUM_BYTES
+from bitcoll.kernels.checksum import CHECKSUM_BYTES, frame_checksum
 from bitcoll.transport.base import HEADER_SIZE, FrameHeader
 from bitcoll.transport.tcp.transport import TCPTransport, _Rendezvous
 
@@ -121,6 +125,87 @@ def test_a_flipped_bit_fails_the_receive_naming_the_link(flip: int | None,
     finally:
         t0.close()
         t1.close()
+
+
+def _unread(sock: socket.socket) -> int:
+    """Bytes waiting in ``sock``'s receive queue (FIONREAD)."""
+    out = array.array("i", [0])
+    fcntl.ioctl(sock.fileno(), termios.FIONREAD, out)
+    return out[0]
+
+
+def _raw_to(checksum: bool = True) -> tuple[socket.socket, TCPTransport]:
+    """Rank 1 built by hand and the raw socket of rank 0's side: the test writes rank 0's
+    bytes itself."""
+    a0, b1 = socket.socketpair()
+    t1 = TCPTransport(1, 2, {0: b1}, _Rendezvous(_DictStore(), "t/", b"k" * 32, "test"), 7,
+                      close_timeout=2.0, checksum=checksum)
+    return a0, t1
+
+
+SMALL = 24  # payload bytes of the frames cut at every position
+
+
+@pytest.mark.parametrize("consume", [False, True], ids=["irecv", "consume"])
+@pytest.mark.parametrize("bad", [False, True], ids=["intact", "altered"])
+def test_a_frame_cut_anywhere_is_delivered_or_refused_whole(consume: bool, bad: bool) -> None:
+    """A frame that arrives in two pieces, cut after every byte of its header, payload and
+    checksum (the receiver reads the first piece before the second is written): intact, it
+    is delivered whole; with its last checksum byte altered, it fails with ProtocolError.
+    The receiver reads a payload's end and its checksum in one call where both are there, so
+    every split of the trailer between two reads is covered."""
+    payload = bytes(range(100, 100 + SMALL))
+    for cut in range(1, HEADER_SIZE + SMALL + CHECKSUM_BYTES):
+        a0, t1 = _raw_to()
+        try:
+            header = FrameHeader(seq=1, step=0, signature=9, length=SMALL)
+            head = header.pack()
+            tail = bytearray(frame_checksum(head, memoryview(payload)))
+            if bad:
+                tail[-1] ^= 0x01
+            frame = head + payload + bytes(tail)
+            got = bytearray(SMALL)
+            if consume:
+                def sink(offset: int, chunk: memoryview, got: bytearray = got) -> None:
+                    got[offset:offset + len(chunk)] = chunk
+
+                recv = t1.irecv_consume(0, SMALL, header, sink)
+            else:
+                recv = t1.irecv(0, memoryview(got), header)
+            a0.sendall(frame[:cut])
+            end = time.monotonic() + 20
+            while _unread(t1._peers[0].sock):  # rank 1 has read the first piece
+                assert time.monotonic() < end, f"cut {cut}: the first piece was never read"
+                t1.progress()
+                select.select([], [], [], 0.001)
+            assert not recv.done(), f"cut {cut}: done before its last bytes"
+            a0.sendall(frame[cut:])
+            if bad:
+                with pytest.raises(ProtocolError, match="failed its checksum"):
+                    recv.wait(time.monotonic() + 20)
+                continue
+            recv.wait(time.monotonic() + 20)
+            assert bytes(got) == payload, f"cut {cut}"
+            assert t1.stats.snapshot()["bytes_received"] == len(frame)
+        finally:
+            t1.close()
+            a0.close()
+
+
+def test_an_abort_reason_longer_than_the_posted_receive_is_read_whole() -> None:
+    """An abort notice whose reason runs past the posted receive's buffer (the bytes after
+    it land where a checksum would): the reason is reported whole."""
+    a0, t1 = _raw_to()
+    try:
+        recv = t1.irecv(0, memoryview(bytearray(8)), FrameHeader(1, 0, 9, 8))
+        reason = "the reason runs well past eight bytes"
+        a0.sendall(FrameHeader(0, 0, 0, len(reason), kind=2).pack() + reason.encode())
+        with pytest.raises(PeerLostError) as info:
+            recv.wait(time.monotonic() + 20)
+        assert str(info.value) == f"rank 0 aborted: {reason}"
+    finally:
+        t1.close()
+        a0.close()
 
 
 def test_without_the_checksum_a_flipped_bit_is_delivered() -> None:

@@ -78,6 +78,19 @@ def test_values_and_chaining_match_the_reference(hardware: bool) -> None:
     assert inc.digest() == reference(b).to_bytes(4, "little")
 
 
+def test_frame_checksum_is_the_crc_of_header_then_payload() -> None:
+    """The transport's per-frame trailer: the little-endian CRC32C of the header and the
+    payload as one byte string, for every length (bytes, bytearray and memoryview inputs)."""
+    rng = np.random.default_rng(11)
+    for n in LENGTHS:
+        head = bytes(rng.integers(0, 256, 40, dtype=np.uint8))
+        payload = bytearray(rng.integers(0, 256, n, dtype=np.uint8).tobytes())
+        want = (reference(head + bytes(payload)) if n <= 30_000
+                else C.crc32c(payload, C.crc32c(head))).to_bytes(4, "little")
+        assert C.frame_checksum(head, memoryview(payload)) == want, n
+        assert C.frame_checksum(bytearray(head), memoryview(payload)[:n]) == want, n
+
+
 def test_bad_input_is_a_usage_error() -> None:
     with raises_usage("data"):
         C.crc32c(12)

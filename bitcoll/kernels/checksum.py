@@ -37,7 +37,8 @@ from numba.extending import intrinsic
 from ..errors import UsageError
 from .bits import _helper, _kernel
 
-__all__ = ["crc32c", "crc32c_update", "crc32c_hw", "crc32c_sw", "HARDWARE", "CHECKSUM_BYTES"]
+__all__ = ["crc32c", "crc32c_update", "crc32c_hw", "crc32c_sw", "frame_checksum", "HARDWARE",
+           "CHECKSUM_BYTES"]
 
 #: Bytes of a frame's checksum on the wire (little-endian CRC32C).
 CHECKSUM_BYTES: Final = 4
@@ -303,6 +304,21 @@ def _crc_hw_array(crc: int, a: Any) -> Any:
 @_kernel()
 def _crc_sw_array(crc: int, a: Any) -> Any:
     return crc32c_sw(crc, a.ctypes.data, a.shape[0])
+
+
+@_kernel()
+def _crc_frame(head: Any, payload: Any) -> Any:
+    c = crc32c_update(0, head.ctypes.data, head.shape[0])
+    return crc32c_update(c, payload.ctypes.data, payload.shape[0])
+
+
+def frame_checksum(head: bytes | bytearray | memoryview, payload: memoryview) -> bytes:
+    """The trailer of a TCP data frame: the little-endian CRC32C of ``head`` followed by
+    ``payload`` (:data:`CHECKSUM_BYTES` bytes; equal to
+    ``crc32c(payload, crc32c(head)).to_bytes(4, "little")``). Both must be flat byte buffers
+    (the transport's frame views): one kernel call, no argument checks, for the per-frame path."""
+    value = _crc_frame(np.frombuffer(head, np.uint8), np.frombuffer(payload, np.uint8))
+    return int(value).to_bytes(CHECKSUM_BYTES, "little")
 
 
 def _bytes_of(data: object) -> np.ndarray[Any, np.dtype[np.uint8]]:

@@ -174,7 +174,7 @@ from ...errors import (
     UsageError,
 )
 from ...kernels import stream as stream_kernel
-from ...kernels.checksum import CHECKSUM_BYTES, Crc32c, crc32c
+from ...kernels.checksum import CHECKSUM_BYTES, Crc32c, crc32c, frame_checksum
 from ...kernels.stream import Status as StreamStatus
 from ..base import (
     HEADER_SIZE,
@@ -318,10 +318,12 @@ class _Peer(PeerLink[_TCPRequest]):
         self.notice: bytes | None = None
         self.rx_phase = RxPhase.HEADER
         self.rx_got = 0
+        self.rx_tail = 0  # trailer bytes read with the end of the payload (into ``tag``)
         self.rx_header: FrameHeader | None = None
         self.hbuf = bytearray(HEADER_SIZE)
         self.hview = memoryview(self.hbuf)
         self.tag = bytearray(FRAME_TAG_BYTES)
+        self.tview = memoryview(self.tag)
         self.bounce = memoryview(bytearray(CONSUME_CHUNK_BYTES))  # irecv_consume's buffer
         # Frame integrity (None when off): keys and frame counters of each direction; the
         # MAC lock keeps outgoing counters in isend order.
@@ -530,7 +532,7 @@ class TCPTransport(LinkTransport):
         req = _TCPRequest(self, peer, header, mv, True)
         if p.key_out is None:
             if self.checksum:
-                req.tail = crc32c(mv, crc32c(req.head)).to_bytes(CHECKSUM_BYTES, "little")
+                req.tail = frame_checksum(req.head, mv)
             self._submit(p, req)
         else:
             with p.mac_lock:  # counters in submission order
@@ -921,8 +923,10 @@ class TCPTransport(LinkTransport):
                         return Want.HELPER
                     got = p.rx_got
                     if got == 0 and req is not None and req.consume is None and len(req.view):
-                        # The header and whatever part of the payload is here, in one call.
-                        n = sock.recvmsg_into((p.hview, req.view), 0,
+                        # The header and whatever part of the payload (and its trailer) is
+                        # here, in one call.
+                        n = sock.recvmsg_into((p.hview, req.view, p.tview[:self._trailer])
+                                              if self._trailer else (p.hview, req.view), 0,
                                               0 if blocking else DONTWAIT)[0]
                     else:
                         n = sock.recv_into(p.hview[got:], HEADER_SIZE - got, flags)
@@ -955,16 +959,20 @@ class TCPTransport(LinkTransport):
                     assert req is not None and p.rx_header is not None
                     n = p.rx_header.length
                     if req.consume is not None and n <= len(p.bounce):
-                        # One piece: read it whole into the bounce buffer, then consume it.
+                        # One piece: read it whole into the bounce buffer (with the trailer
+                        # when it is there too), then consume it.
                         got = p.rx_got
                         if got < n:
-                            k = sock.recv_into(p.bounce[got:n], n - got, flags)
+                            k = self._read_body(sock, p.bounce[got:n], p, flags)
                             if k == 0:
                                 self._eof(p, between_frames=False)
                                 return Want.IDLE
-                            p.rx_got = got = got + k
+                            p.rx_got = got = min(got + k, n)
                             if got == n:
                                 self._deliver(p, req, 0, p.bounce[:n])
+                                tail = p.rx_tail
+                                self._payload_done(p, req, tail)
+                                continue
                     elif req.consume is not None:
                         if not blocking:
                             return Want.HELPER
@@ -972,17 +980,17 @@ class TCPTransport(LinkTransport):
                             return Want.IDLE
                     else:
                         got = p.rx_got
-                        n = sock.recv_into(req.view[got:], len(req.view) - got, flags)
+                        n = self._read_body(sock, req.view[got:], p, flags)
                         if n == 0:
                             self._eof(p, between_frames=False)
                             return Want.IDLE
-                        p.rx_got = got + n
+                        p.rx_got = min(got + n, len(req.view))
                     if p.rx_got == p.rx_header.length:
-                        self._payload_done(p, req)
+                        self._payload_done(p, req, p.rx_tail)
                 else:  # TAG
                     assert req is not None
                     got = p.rx_got
-                    n = sock.recv_into(memoryview(p.tag)[got:], self._trailer - got, flags)
+                    n = sock.recv_into(p.tview[got:], self._trailer - got, flags)
                     if n == 0:
                         self._eof(p, between_frames=False)
                         return Want.IDLE
@@ -1012,8 +1020,8 @@ class TCPTransport(LinkTransport):
             p.rx_mac = tag_hasher(p.key_in, p.count_in, bytes(p.hbuf))
         elif self.checksum and req.consume is not None:
             p.rx_mac = Crc32c(p.hbuf)
-        if early == header.length and req.consume is None:
-            self._payload_done(p, req)
+        if early >= header.length and req.consume is None:
+            self._payload_done(p, req, early - header.length)
 
     def _mismatch(self, p: _Peer, header: FrameHeader, expected: FrameHeader) -> bool:
         """Whether the data header ``header`` from ``p`` differs from ``expected``; if it
@@ -1030,14 +1038,28 @@ class TCPTransport(LinkTransport):
                    PeerLostError(aborted, rank=self.rank, peer=p.rank))
         return True
 
-    def _payload_done(self, p: _Peer, req: _TCPRequest) -> None:
-        """The payload is in: BODY -> TAG (integrity or checksum on) or complete the
-        frame."""
+    def _payload_done(self, p: _Peer, req: _TCPRequest, tail: int = 0) -> None:
+        """The payload is in, and ``tail`` bytes of its trailer (read with it into ``p.tag``):
+        BODY -> TAG (integrity or checksum on; checked at once when the whole trailer is
+        in) or complete the frame."""
+        p.rx_tail = 0
         if self._trailer:
             p.rx_phase = RxPhase.TAG
-            p.rx_got = 0
+            p.rx_got = tail
+            if tail == self._trailer:
+                self._check_tag(p, req)
             return
         self._complete(p, req, 0)
+
+    def _read_body(self, sock: socket.socket, view: memoryview, p: _Peer, flags: int) -> int:
+        """Read into ``view`` (the rest of a payload) what is there, and with the checksum or
+        tag on, the beginning of the trailer after it in the same call (into ``p.tag``; how
+        many of its bytes: ``p.rx_tail``). Returns the bytes read (0: end of file)."""
+        if not self._trailer:
+            return sock.recv_into(view, len(view), flags)
+        n: int = sock.recvmsg_into((view, p.tview[:self._trailer]), 0, flags)[0]
+        p.rx_tail = max(0, n - len(view))
+        return n
 
     def _complete(self, p: _Peer, req: _TCPRequest, extra: int) -> None:
         """The frame of ``req`` (the oldest posted receive) is complete: -> HEADER."""
@@ -1101,7 +1123,7 @@ class TCPTransport(LinkTransport):
             want = p.rx_mac.digest()
             p.rx_mac = None
         else:
-            want = crc32c(req.view, crc32c(p.hbuf)).to_bytes(CHECKSUM_BYTES, "little")
+            want = frame_checksum(p.hbuf, req.view)
         if want != bytes(p.tag[:CHECKSUM_BYTES]):
             self._fail(self._checksum_error(p.rank, req.header))
             return
@@ -1117,7 +1139,8 @@ class TCPTransport(LinkTransport):
 
     def _abort_notice(self, p: _Peer, header: FrameHeader, req: _TCPRequest | None,
                       early: int) -> None:
-        """``p`` sent an ABORT frame; ``early`` bytes of its reason landed in ``req.view``.
+        """``p`` sent an ABORT frame; ``early`` bytes of its reason landed in ``req.view``
+        (and past its end, in ``p.tag``).
         With frame integrity on, its tag must verify: a notice that does not is a
         ProtocolError (not sent by ``p``: its text is not shown), one cut short is a lost
         connection."""
@@ -1133,7 +1156,8 @@ class TCPTransport(LinkTransport):
         have = 0
         if req is not None and early > 0:
             have = min(early, n)
-            raw[:have] = req.view[:have]
+            landed = bytes(req.view[:have]) + bytes(p.tag[:max(0, have - len(req.view))])
+            raw[:have] = landed[:have]
         # The notice was written with one call: the rest is (nearly always) here already.
         end = time.monotonic() + ABORT_STORE_SECONDS
         view = memoryview(raw)
