@@ -316,8 +316,11 @@ def frame_checksum(head: bytes | bytearray | memoryview, payload: memoryview) ->
     """The trailer of a TCP data frame: the little-endian CRC32C of ``head`` followed by
     ``payload`` (:data:`CHECKSUM_BYTES` bytes; equal to
     ``crc32c(payload, crc32c(head)).to_bytes(4, "little")``). Both must be flat byte buffers
-    (the transport's frame views): one kernel call, no argument checks, for the per-frame path."""
-    value = _crc_frame(np.frombuffer(head, np.uint8), np.frombuffer(payload, np.uint8))
+    (the transport's frame views): one kernel call, no argument checks, for the per-frame path.
+    Both are read as read-only arrays, whatever they are, so the kernel has one specialization
+    (the one :func:`bitcoll.bootstrap.warm_up_tcp` compiles before a job's first collective)."""
+    value = _crc_frame(np.frombuffer(memoryview(head).toreadonly(), np.uint8),
+                       np.frombuffer(memoryview(payload).toreadonly(), np.uint8))
     return int(value).to_bytes(CHECKSUM_BYTES, "little")
 
 
