@@ -318,7 +318,6 @@ class _Peer(PeerLink[_TCPRequest]):
         self.notice: bytes | None = None
         self.rx_phase = RxPhase.HEADER
         self.rx_got = 0
-        self.rx_tail = 0  # trailer bytes read with the end of the payload (into ``tag``)
         self.rx_header: FrameHeader | None = None
         self.hbuf = bytearray(HEADER_SIZE)
         self.hview = memoryview(self.hbuf)
@@ -958,21 +957,19 @@ class TCPTransport(LinkTransport):
                 elif phase is RxPhase.BODY:
                     assert req is not None and p.rx_header is not None
                     n = p.rx_header.length
+                    tail = 0  # trailer bytes read with the payload's end
                     if req.consume is not None and n <= len(p.bounce):
                         # One piece: read it whole into the bounce buffer (with the trailer
                         # when it is there too), then consume it.
                         got = p.rx_got
                         if got < n:
-                            k = self._read_body(sock, p.bounce[got:n], p, flags)
+                            k, tail = self._read_body(sock, p.bounce[got:n], p, flags)
                             if k == 0:
                                 self._eof(p, between_frames=False)
                                 return Want.IDLE
                             p.rx_got = got = min(got + k, n)
                             if got == n:
                                 self._deliver(p, req, 0, p.bounce[:n])
-                                tail = p.rx_tail
-                                self._payload_done(p, req, tail)
-                                continue
                     elif req.consume is not None:
                         if not blocking:
                             return Want.HELPER
@@ -980,13 +977,13 @@ class TCPTransport(LinkTransport):
                             return Want.IDLE
                     else:
                         got = p.rx_got
-                        n = self._read_body(sock, req.view[got:], p, flags)
+                        n, tail = self._read_body(sock, req.view[got:], p, flags)
                         if n == 0:
                             self._eof(p, between_frames=False)
                             return Want.IDLE
                         p.rx_got = min(got + n, len(req.view))
                     if p.rx_got == p.rx_header.length:
-                        self._payload_done(p, req, p.rx_tail)
+                        self._payload_done(p, req, tail)
                 else:  # TAG
                     assert req is not None
                     got = p.rx_got
@@ -1042,7 +1039,6 @@ class TCPTransport(LinkTransport):
         """The payload is in, and ``tail`` bytes of its trailer (read with it into ``p.tag``):
         BODY -> TAG (integrity or checksum on; checked at once when the whole trailer is
         in) or complete the frame."""
-        p.rx_tail = 0
         if self._trailer:
             p.rx_phase = RxPhase.TAG
             p.rx_got = tail
@@ -1051,15 +1047,15 @@ class TCPTransport(LinkTransport):
             return
         self._complete(p, req, 0)
 
-    def _read_body(self, sock: socket.socket, view: memoryview, p: _Peer, flags: int) -> int:
+    def _read_body(self, sock: socket.socket, view: memoryview, p: _Peer,
+                   flags: int) -> tuple[int, int]:
         """Read into ``view`` (the rest of a payload) what is there, and with the checksum or
-        tag on, the beginning of the trailer after it in the same call (into ``p.tag``; how
-        many of its bytes: ``p.rx_tail``). Returns the bytes read (0: end of file)."""
+        tag on, the beginning of the trailer after it in the same call (into ``p.tag``).
+        Returns the bytes read (0: end of file) and how many of them are trailer bytes."""
         if not self._trailer:
-            return sock.recv_into(view, len(view), flags)
+            return sock.recv_into(view, len(view), flags), 0
         n: int = sock.recvmsg_into((view, p.tview[:self._trailer]), 0, flags)[0]
-        p.rx_tail = max(0, n - len(view))
-        return n
+        return n, max(0, n - len(view))
 
     def _complete(self, p: _Peer, req: _TCPRequest, extra: int) -> None:
         """The frame of ``req`` (the oldest posted receive) is complete: -> HEADER."""
