@@ -258,7 +258,8 @@ class NativeCollectives(Protocol):
         when every rank passed the same ``seq`` and ``signature``, row r of ``payloads``
         starting with rank r's ``payload`` (at most ``record_bytes - 16`` bytes)."""
 
-    def prepared_records(self, nbytes: int) -> Callable[[int, int, memoryview, float], bool]:
+    def prepared_records(self, nbytes: int
+                         ) -> Callable[[int, int, bytes | memoryview, float], bool]:
         """:meth:`exchange_records` for payloads of exactly ``nbytes`` bytes, checked once:
         ``run(seq, signature, payload, deadline)`` returns ``agree``; the payloads are then
         in :attr:`record_payloads`."""

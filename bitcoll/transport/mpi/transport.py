@@ -945,11 +945,12 @@ class MPITransport(Transport):
             self._await(req, (), _RECORDS, deadline)
         return self._heads.tobytes() == head * self.size
 
-    def prepared_records(self, nbytes: int) -> Callable[[int, int, memoryview, float], bool]:
+    def prepared_records(self, nbytes: int
+                         ) -> Callable[[int, int, bytes | memoryview, float], bool]:
         """:meth:`exchange_records` for payloads of exactly ``nbytes`` bytes, its checks done
         once (the all-reduce fast path's inline plans): ``run(seq, signature, payload,
         deadline)`` returns ``agree``; the payloads are in :attr:`record_payloads` as there.
-        ``payload`` must be a byte memoryview of ``nbytes`` bytes. UsageError now when
+        ``payload``: ``nbytes`` bytes (bytes, or a byte memoryview). UsageError now when
         ``nbytes`` does not fit a record; errors per call as :meth:`exchange_records`."""
         end = RECORD_HEADER_BYTES + nbytes
         if not 0 <= nbytes <= self.record_bytes - RECORD_HEADER_BYTES:
@@ -958,7 +959,7 @@ class MPITransport(Transport):
                              argument="nbytes")
         rec, pack, gather = self._rec_mv, _RECORD_HEADER.pack, self._gather_records
 
-        def run(seq: int, signature: int, payload: memoryview, deadline: float) -> bool:
+        def run(seq: int, signature: int, payload: bytes | memoryview, deadline: float) -> bool:
             rec[RECORD_HEADER_BYTES:end] = payload
             head = pack(seq, signature)
             rec[:RECORD_HEADER_BYTES] = head
