@@ -1388,7 +1388,7 @@ class Communicator:
                     tie_call = self._majority_calls
                     self._majority_calls += 1
             seq = self._turn()
-            codec = plan.codec(1, self.size, plan.tie, tie_call)
+            codec = plan.codecs[tie_call & 1]
             xf = x if x.ndim == 1 else x.reshape(-1)
             flat = res if res.ndim == 1 else res.reshape(-1)
             self._execute(name, plan.fields, seq, plan.signature,
@@ -1416,9 +1416,12 @@ class Communicator:
             if run is not None:
                 lo, hi = (0, n) if gather else block(n, self.size, self.rank)
                 fields = (op, "sign", 1, tie, dtype.str, n, algo, bool(gather))
-                plan = _PackedPlan(fields, signature(str(name), *fields), codec_cls, TIES[tie],
-                                   run, np.dtype(np.int32 if op == "sum" else np.int8),
-                                   hi - lo, codec_cls.majority)
+                # The tie rule reads only the parity of the call counter: one codec per parity.
+                codecs = (codec_cls(1, self.size, TIES[tie], 0),
+                          codec_cls(1, self.size, TIES[tie], 1))
+                plan = _PackedPlan(fields, signature(str(name), *fields), codecs, run,
+                                   np.dtype(np.int32 if op == "sum" else np.int8), hi - lo,
+                                   codec_cls.majority)
         if len(self._fast_packed_plans) >= _PLANS_MAX:
             self._fast_packed_plans.clear()
         self._fast_packed_plans[key] = plan
@@ -1807,10 +1810,10 @@ class _PackedPlan(NamedTuple):
     """The call's signature fields, as :meth:`Communicator._packed` makes them."""
     signature: int
     """``signature(name, *fields)``."""
-    codec: type[VoteCodec]
-    """The codec class; each call makes its codec with the call's majority tie counter."""
-    tie: int
-    """The tie rule (a kernels.TIE_* constant)."""
+    codecs: tuple[VoteCodec, VoteCodec]
+    """The codec for an even and an odd majority call counter (the tie rule alternates with
+    the counter's parity, nothing else of it is read: :data:`bitcoll.kernels.TIE_ALTERNATE`);
+    codecs are immutable, so the plan keeps them."""
     run: Callable[..., None]
     """The algorithm, a flat one (:data:`_FLAT_PACKED`)."""
     out_dtype: np.dtype[Any]
