@@ -101,12 +101,13 @@ def _slug(label: str) -> str:
 
 
 def launch_command(launcher: str, ranks: int, train_args: Sequence[str],
-                   netbed: str | None = None) -> list[str]:
+                   netbed: str | None = None, rtt_ms: float = 0.0) -> list[str]:
     """The command that starts ``train.py`` with ``train_args`` on ``ranks`` ranks (on the
-    emulated Ethernet testbed with links of rate ``netbed`` when given; TCP only)."""
+    emulated Ethernet testbed with links of rate ``netbed`` when given, ``rtt_ms`` > 0 adding
+    that round trip; TCP only)."""
     py = sys.executable
     if netbed is not None:
-        return [*netbed_tool.invocation(ranks, netbed), str(TRAIN), *train_args]
+        return [*netbed_tool.invocation(ranks, netbed, rtt_ms=rtt_ms), str(TRAIN), *train_args]
     if launcher == "tcp":
         return [py, "-m", "launch", "-n", str(ranks), str(TRAIN), *train_args]
     mpiexec = Path(py).with_name("mpiexec")
@@ -116,7 +117,7 @@ def launch_command(launcher: str, ranks: int, train_args: Sequence[str],
 
 def run_one(spec: Spec, seed: int, steps: int, ranks: int, launcher: str, extra: list[str],
             logdir: Path, timeout: float, reuse: bool = False,
-            netbed: str | None = None) -> Outcome:
+            netbed: str | None = None, rtt_ms: float = 0.0) -> Outcome:
     """Run one configuration; its console output goes to ``logdir/<slug>-seed<S>.txt``.
 
     ``reuse``: when the JSON log of an earlier run with the same command line exists, load it
@@ -126,8 +127,9 @@ def run_one(spec: Spec, seed: int, steps: int, ranks: int, launcher: str, extra:
     log = logdir / f"{stem}.json"
     train_args = [*spec.args, "--seed", str(seed), "--steps", str(steps), "--json-log",
                   str(log), "--no-progress", *extra]
-    cmd = launch_command(launcher, ranks, train_args, netbed)
-    where = [launcher] if netbed is None else ["netbed", netbed]
+    cmd = launch_command(launcher, ranks, train_args, netbed, rtt_ms)
+    where = [launcher] if netbed is None else \
+        ["netbed", netbed, *([f"rtt {rtt_ms:g} ms"] if rtt_ms else [])]
     if reuse and log.exists():
         try:
             record = plot_curves.load_log(log)

@@ -9,6 +9,7 @@ Usage (root: the testbed needs network namespaces, see bench/netbed.py)::
     python bench/e2e.py --rates 1gbit --configs global lioncub-l1 --batch-size 16 \\
         --seq-len 128 --steps 8 --out results/e2e/default_batch
     python bench/e2e.py --reuse ...                       # keep runs already in --out
+    BITCOLL_SEND_BUFFER=0 python bench/e2e.py --rates 100mbit --rtt 50 ...  # far links
 
 Every run is ``python bench/netbed.py --hosts H --rate RATE train.py --model M --batch-size B
 --seq-len T --steps S ... --json-log ...`` (one emulated host per rank, hosts
@@ -43,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import sys
 from collections.abc import Sequence
@@ -223,6 +225,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="optimizer configurations (none: only the compute floor)")
     p.add_argument("--no-floor", action="store_true", help="skip the compute floor run")
     p.add_argument("--hosts", type=int, default=4, help="emulated hosts (one rank each)")
+    p.add_argument("--rtt", type=float, default=0.0, metavar="MS",
+                   help="round trip added to every link (bench/netbed.py --rtt; far links "
+                   "also want BITCOLL_SEND_BUFFER=0 in the environment)")
     p.add_argument("--model", default="small", help="train.py --model")
     p.add_argument("--batch-size", type=int, default=2, help="sequences per rank")
     p.add_argument("--seq-len", type=int, default=64)
@@ -243,6 +248,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             netbed_tool.parse_rate(r)
     except ValueError as exc:
         p.error(str(exc))
+    if args.rtt < 0:
+        p.error("--rtt must be >= 0")
     common = ["--model", args.model, "--batch-size", str(args.batch_size), "--seq-len",
               str(args.seq_len), "--lr", str(args.lr), "--eval-every", str(args.eval_every),
               "--eval-batches", str(args.eval_batches), *extra]
@@ -259,7 +266,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         logdir.mkdir(parents=True, exist_ok=True)
         print(f"[{i}/{len(jobs)}] {spec.label} at {rate} ...", end=" ", flush=True)
         o = compare.run_one(spec, args.seed, args.steps, args.hosts, "tcp", common, logdir,
-                            args.timeout, args.reuse, rate)
+                            args.timeout, args.reuse, rate, args.rtt)
         console = o.log.with_suffix(".txt")
         if len(commands) < 3 and console.exists():  # the floor's and one optimizer's command
             head = console.read_text().split("\n", 1)[0]
@@ -278,8 +285,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup = ""
     if first_rec is not None:
         run, cfg = first_rec["run"], first_rec["config"]
+        rtt = f", {args.rtt:g} ms round trips added by the delay line" if args.rtt else ""
+        if "BITCOLL_SEND_BUFFER" in os.environ:
+            rtt += f", BITCOLL_SEND_BUFFER={os.environ['BITCOLL_SEND_BUFFER']}"
         setup = (f"{args.hosts} emulated hosts (bench/netbed.py: one network namespace and one "
-                 f"rank each, hosts pinned to their share of the cores, "
+                 f"rank each, hosts pinned to their share of the cores{rtt}, "
                  f"{run.get('threads_per_rank')} torch thread(s) per rank); model "
                  f"`{cfg.get('model')}` ({run.get('n_params', 0) / 1e6:.2f}M parameters), "
                  f"batch {cfg.get('batch_size')} x {cfg.get('seq_len')} characters per rank, "
@@ -293,8 +303,9 @@ def main(argv: Sequence[str] | None = None) -> int:
          "failed": failed}, indent=1) + "\n")
     if points:
         plot(points, args.rates, args.out / "e2e.png",
-             f"train.py --model {args.model}, {args.hosts} hosts, batch {args.batch_size} x "
-             f"{args.seq_len} per rank", args.target_loss)
+             f"train.py --model {args.model}, {args.hosts} hosts"
+             f"{f', {args.rtt:g} ms round trips' if args.rtt else ''}, batch "
+             f"{args.batch_size} x {args.seq_len} per rank", args.target_loss)
     print()
     print(text)
     return 0 if not failed else 1

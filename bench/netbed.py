@@ -254,11 +254,12 @@ def remove_stale() -> list[str]:
     return stale
 
 
-def invocation(hosts: int, rate: str, mpi: bool = False) -> list[str]:
+def invocation(hosts: int, rate: str, mpi: bool = False, rtt_ms: float = 0.0) -> list[str]:
     """The command line prefix that runs a job on a testbed of ``hosts`` hosts with links of
-    ``rate`` (``mpi``: ranks started by mpiexec); append the script and its arguments."""
+    ``rate`` (``mpi``: ranks started by mpiexec; ``rtt_ms`` > 0: that round trip added by the
+    delay line, ``--rtt``); append the script and its arguments."""
     return [sys.executable, os.path.abspath(__file__), *(["--mpi"] if mpi else []),
-            "--hosts", str(hosts), "--rate", rate]
+            "--hosts", str(hosts), "--rate", rate, *(["--rtt", f"{rtt_ms:g}"] if rtt_ms else [])]
 
 
 def host_cpus(k: int, hosts: int, cores: Sequence[int]) -> list[int]:

@@ -244,6 +244,9 @@ def test_comparison_on_the_testbed_command() -> None:
     assert cmd[1:] == [str(ROOT / "bench" / "netbed.py"), "--hosts", "4", "--rate", "1gbit",
                        str(ROOT / "train.py"), "--steps", "3"]
     assert compare.launch_command("tcp", 2, ["--steps", "3"])[1:4] == ["-m", "launch", "-n"]
+    far = compare.launch_command("tcp", 4, ["--steps", "3"], "100mbit", 50.0)
+    assert far[1:] == [str(ROOT / "bench" / "netbed.py"), "--hosts", "4", "--rate", "100mbit",
+                       "--rtt", "50", str(ROOT / "train.py"), "--steps", "3"]
     with pytest.raises(SystemExit):
         compare.main(["--netbed", "1gbit", "--launcher", "mpi"])
 
