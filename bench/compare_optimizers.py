@@ -191,11 +191,54 @@ def _gap(gaps: Sequence[float]) -> str:
     return f"{_mean(gaps):+.2f}% ± {statistics.stdev(gaps):.2f}"
 
 
+def first_at_or_below(record: dict[str, Any], target: float) -> dict[str, Any] | None:
+    """The first evaluation of a train.py JSON log whose validation loss is at or below
+    ``target`` (as ``train.py --target-loss`` finds it), or None."""
+    return next((e for e in record["evals"] if e["val_loss"] <= target), None)
+
+
+def _time_to_target(outcomes: Sequence[Outcome], specs: Sequence[Spec],
+                    target: float) -> list[str]:
+    """The report's table of the time to a validation loss: per configuration, the seeds
+    that reached ``target``, the step and the seconds of steps (sum of step times up to that
+    evaluation, evaluations left out) at which they did, and Global Lion's seconds over these,
+    paired by seed."""
+    hits: dict[str, dict[int, tuple[int, float]]] = {s.label: {} for s in specs}
+    runs: dict[str, int] = {s.label: 0 for s in specs}
+    for o in outcomes:
+        if o.record is None:
+            continue
+        runs[o.spec.label] += 1
+        e = first_at_or_below(o.record, target)
+        if e is not None:
+            hits[o.spec.label][o.seed] = (int(e["step"]), float(e["step_seconds"]))
+    base = hits.get(BASELINE, {})
+    lines = [f"Time to a validation loss of {target:g} (the first evaluation at or below it; "
+             "seconds of steps: the step times up to it, evaluations left out; 'faster than "
+             "global': Global Lion's seconds over this configuration's, seed by seed):", "",
+             "| optimizer | seeds that reached it | step | seconds of steps | faster than "
+             "global |", "|---|---|---|---|---|"]
+    for spec in specs:
+        got = hits[spec.label]
+        if not got:
+            lines.append(f"| {spec.label} | 0 of {runs[spec.label]} | - | - | - |")
+            continue
+        ratios = [base[k][1] / v[1] for k, v in sorted(got.items()) if k in base and v[1] > 0]
+        lines.append(
+            f"| {spec.label} | {len(got)} of {runs[spec.label]} | "
+            f"{_pm([float(v[0]) for v in got.values()], '.0f')} | "
+            f"{_pm([v[1] for v in got.values()], '.1f')} s | "
+            f"{_pm(ratios, '.2f') + 'x' if ratios else '-'} |")
+    return [*lines, ""]
+
+
 def summarize(outcomes: Sequence[Outcome], specs: Sequence[Spec], command: str,
               ranks: int, launcher: str, steps: int, seeds: Sequence[int],
-              netbed: str | None = None, image_format: str = "png") -> str:
-    """The markdown report: set-up, main table, verdicts, per-seed table; the figures are
-    linked as ``loss_curves*.<image_format>``."""
+              netbed: str | None = None, image_format: str = "png",
+              target: float | None = None) -> str:
+    """The markdown report: set-up, main table, verdicts, the time to a validation loss of
+    ``target`` when given, per-seed table; the figures are linked as
+    ``loss_curves*.<image_format>``."""
     by_label: dict[str, list[dict[str, Any]]] = {s.label: [] for s in specs}
     for o in outcomes:
         if o.record is not None:
@@ -253,6 +296,8 @@ def summarize(outcomes: Sequence[Outcome], specs: Sequence[Spec], command: str,
               "averaged over ranks and steps; comm is the time the optimizer spent in its "
               "collectives. \"vs global\" is the relative gap to Global Lion's final "
               "validation loss with the same seed (mean ± standard deviation over seeds).", ""]
+    if target is not None:
+        lines += _time_to_target(outcomes, specs, target)
     cub = val_by_seed.get(LION_CUB, {})
     maj = val_by_seed.get(MAJORITY, {})
     gaps = _paired_gaps(cub, base)
@@ -341,6 +386,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--title", default="Lion Cub vs. Global Lion and Distributed Lion")
     parser.add_argument("--format", choices=plot_curves.FORMATS, default=plot_curves.FORMATS[0],
                         help="image format of the loss-curve figures")
+    parser.add_argument("--target-loss", type=float, default=None, metavar="LOSS",
+                        help="also tabulate the time to this validation loss per "
+                             "configuration (the runs are not changed: with --reuse, a new "
+                             "target needs no new runs)")
     parser.add_argument("--reuse", action="store_true",
                         help="keep the results of runs already in --out/logs whose train.py "
                              "command line is unchanged instead of running them again")
@@ -393,7 +442,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             plot_curves.save_figure(runs, args.out / f"{name}.{args.format}", args.title,
                                     subtitle, xaxis, skip=skip, fmt=args.format)
     report = summarize(outcomes, specs, command, args.ranks, args.launcher, args.steps,
-                       args.seeds, args.netbed, args.format)
+                       args.seeds, args.netbed, args.format, args.target_loss)
     (args.out / "results.md").write_text(report)
     (args.out / "outcomes.json").write_text(json.dumps(
         [{"label": o.spec.label, "args": o.spec.args, "seed": o.seed, "returncode": o.returncode,

@@ -107,8 +107,7 @@ def point_of(rate: str, config: str, record: dict[str, Any], log: Path,
     """The figures of one ``train.py`` log; the target is found as ``train.py --target-loss``
     finds it (first evaluation at or below it), so that it can change without new runs."""
     s = record["summary"]
-    hit = next((e for e in record["evals"] if target is not None and e["val_loss"] <= target),
-               None)
+    hit = None if target is None else compare.first_at_or_below(record, target)
     return Point(rate, config, s["mean_step_time"], s["mean_forward_backward_time"],
                  s["mean_optimizer_time"], s["mean_comm_time"], s["bytes_sent_per_step"],
                  s["final_val_loss"], None if hit is None else int(hit["step"]),

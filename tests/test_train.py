@@ -238,6 +238,35 @@ def test_comparison_report(one_rank_log: dict[str, Any], tmp_path: Path) -> None
     assert "with a 100mbit link to a bridge (bench/netbed.py)" in netbed
 
 
+def test_comparison_time_to_target(one_rank_log: dict[str, Any], tmp_path: Path) -> None:
+    """The time-to-loss table: the first evaluation at or below the target, per seed; the
+    seeds that never reach it counted; Global Lion's seconds over each run's, paired by
+    seed."""
+    compare = _load("compare_optimizers", ROOT / "bench" / "compare_optimizers.py")
+    specs = [compare.Spec(name, ["--optimizer", name]) for name in ("global", "lioncub-l1")]
+    # (seed, label) -> evaluations as (step, seconds of steps, validation loss)
+    curves = {(0, "global"): [(10, 4.0, 3.0), (20, 8.0, 2.5), (30, 12.0, 2.4)],
+              (1, "global"): [(10, 6.0, 2.9), (20, 12.0, 2.45)],
+              (0, "lioncub-l1"): [(10, 1.0, 2.6), (20, 2.0, 2.5)],
+              (1, "lioncub-l1"): [(10, 2.0, 2.7), (20, 4.0, 2.6)]}
+    outcomes = []
+    for (seed, label), evals in curves.items():
+        rec = json.loads(json.dumps(one_rank_log))
+        rec["evals"] = [{"step": k, "step_seconds": t, "val_loss": v} for k, t, v in evals]
+        spec = next(s for s in specs if s.label == label)
+        outcomes.append(compare.Outcome(spec, seed, tmp_path / f"{label}{seed}.json", 0, 1.0,
+                                        rec))
+    assert compare.first_at_or_below(outcomes[0].record, 2.5)["step"] == 20
+    assert compare.first_at_or_below(outcomes[0].record, 2.0) is None
+    report = compare.summarize(outcomes, specs, "cmd", 4, "tcp", STEPS, [0, 1], target=2.5)
+    assert "Time to a validation loss of 2.5" in report
+    assert "| global | 2 of 2 | 20 ± 0 | 10.0 ± 2.8 s | 1.00 ± 0.00x |" in report
+    # seed 0 only: 8.0 s against 2.0 s
+    assert "| lioncub-l1 | 1 of 2 | 20 | 2.0 s | 4.00x |" in report
+    assert "Time to a validation loss" not in compare.summarize(
+        outcomes, specs, "cmd", 4, "tcp", STEPS, [0, 1])
+
+
 def test_comparison_on_the_testbed_command() -> None:
     compare = _load("compare_optimizers", ROOT / "bench" / "compare_optimizers.py")
     cmd = compare.launch_command("tcp", 4, ["--steps", "3"], "1gbit")
