@@ -850,7 +850,8 @@ class Communicator:
             flat = res if res.ndim == 1 else res.reshape(-1)
             if plan.records is not None:
                 # Over MPI no frames move, so no OpContext; errors as in _execute. The inline
-                # plan's closure is called here, not through _mpi_planned: a tenth of its cost.
+                # plan's closure is called here directly: one call level less on the smallest
+                # all-reduces, where every call level shows.
                 deadline = time.monotonic() + limit
                 inline = plan.inline
                 try:
@@ -1788,11 +1789,11 @@ class _Plan(NamedTuple):
 
 def _inline_allreduce(records: Callable[[int, int, bytes | memoryview, float], bool], sig: int,
                       reduce: GatheredReduce) -> Callable[[int, Array, Array, float], bool]:
-    """The whole "inline" all-reduce #``seq`` of a C-contiguous ``x`` into a 1-D ``out``
-    (the plan's dtype and count): the argument check carrying ``x``'s bytes, then the local
-    reduction of the gathered vectors. Returns False, having written nothing, when the
-    records disagree."""
-
+    """The whole "inline" all-reduce #``seq`` of ``x`` (the plan's dtype and count, any
+    layout, read in C order) into a 1-D ``out`` of the same dtype and count (it may be ``x``'s
+    memory: ``x`` is read before anything is written): the argument check carrying ``x``'s
+    bytes, then the local reduction of the gathered vectors. Returns False, having written
+    nothing, when the records disagree; errors as the records exchange."""
     reduce_into = reduce.run
 
     def run(seq: int, x: Array, out: Array, deadline: float) -> bool:
