@@ -284,11 +284,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup = ""
     if first_rec is not None:
         run, cfg = first_rec["run"], first_rec["config"]
-        rtt = f", {args.rtt:g} ms round trips added by the delay line" if args.rtt else ""
+        links = f", {args.rtt:g} ms round trips added by the delay line" if args.rtt else ""
         if "BITCOLL_SEND_BUFFER" in os.environ:
-            rtt += f", BITCOLL_SEND_BUFFER={os.environ['BITCOLL_SEND_BUFFER']}"
+            links += f", BITCOLL_SEND_BUFFER={os.environ['BITCOLL_SEND_BUFFER']}"
         setup = (f"{args.hosts} emulated hosts (bench/netbed.py: one network namespace and one "
-                 f"rank each, hosts pinned to their share of the cores{rtt}, "
+                 f"rank each, hosts pinned to their share of the cores{links}, "
                  f"{run.get('threads_per_rank')} torch thread(s) per rank); model "
                  f"`{cfg.get('model')}` ({run.get('n_params', 0) / 1e6:.2f}M parameters), "
                  f"batch {cfg.get('batch_size')} x {cfg.get('seq_len')} characters per rank, "

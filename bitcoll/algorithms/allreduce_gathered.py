@@ -34,7 +34,8 @@ class GatheredReduce:
 
     ``rows``: a ``(p, n)`` array (p >= 1) whose rows are C-contiguous; it is read at each
     call, so it may be a view of a buffer that is refilled between calls. The views of the
-    rows and the avg divisor are made once here, so a call costs one or two ufunc calls.
+    rows and the avg divisor are made once here, so a call costs one or two ufunc calls (one
+    per row when the rows hold one element each: see ``_each``).
     """
 
     __slots__ = ("_divisor", "_each", "_first", "_rows", "_second", "_ufunc", "run")

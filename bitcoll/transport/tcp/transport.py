@@ -307,7 +307,7 @@ class _Peer(PeerLink[_TCPRequest]):
     frame integrity. ``lock`` also guards ``partial``; the reader-token holder owns every
     ``rx_*`` field."""
 
-    def __init__(self, rank: int, sock: socket.socket) -> None:
+    def __init__(self, rank: int, sock: socket.socket, trailer: int) -> None:
         super().__init__(rank)
         self.sock = sock
         self.fd = sock.fileno()
@@ -322,7 +322,7 @@ class _Peer(PeerLink[_TCPRequest]):
         self.hbuf = bytearray(HEADER_SIZE)
         self.hview = memoryview(self.hbuf)
         self.tag = bytearray(FRAME_TAG_BYTES)
-        self.tview = memoryview(self.tag)
+        self.tview = memoryview(self.tag)[:trailer]  # where a data frame's trailer is read
         self.bounce = memoryview(bytearray(CONSUME_CHUNK_BYTES))  # irecv_consume's buffer
         # Frame integrity (None when off): keys and frame counters of each direction; the
         # MAC lock keeps outgoing counters in isend order.
@@ -369,7 +369,8 @@ class TCPTransport(LinkTransport):
         self._store: RendezvousStore | None = None if rendezvous is None else rendezvous.store
         self._groups = 0  # sub-groups made so far (their key namespaces)
         self._init_links(pipe=bool(socks))
-        self._peers: dict[int, _Peer] = {p: _Peer(p, s) for p, s in socks.items()}
+        self._peers: dict[int, _Peer] = {p: _Peer(p, s, self._trailer)
+                                           for p, s in socks.items()}
         if integrity and rendezvous is not None:
             for peer in self._peers.values():
                 peer.key_out = auth.mac(rendezvous.secret, "frame-key", job_id, rank, peer.rank)
@@ -924,7 +925,7 @@ class TCPTransport(LinkTransport):
                     if got == 0 and req is not None and req.consume is None and len(req.view):
                         # The header and whatever part of the payload (and its trailer) is
                         # here, in one call.
-                        n = sock.recvmsg_into((p.hview, req.view, p.tview[:self._trailer])
+                        n = sock.recvmsg_into((p.hview, req.view, p.tview)
                                               if self._trailer else (p.hview, req.view), 0,
                                               0 if blocking else DONTWAIT)[0]
                     else:
@@ -1054,7 +1055,7 @@ class TCPTransport(LinkTransport):
         Returns the bytes read (0: end of file) and how many of them are trailer bytes."""
         if not self._trailer:
             return sock.recv_into(view, len(view), flags), 0
-        n: int = sock.recvmsg_into((view, p.tview[:self._trailer]), 0, flags)[0]
+        n: int = sock.recvmsg_into((view, p.tview), 0, flags)[0]
         return n, max(0, n - len(view))
 
     def _complete(self, p: _Peer, req: _TCPRequest, extra: int) -> None:
