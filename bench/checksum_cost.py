@@ -18,7 +18,10 @@ for large sizes), ``sign`` (``sign_allreduce`` of float32 votes, majority, packe
 wire). Sizes are bytes of float32 input per rank.
 
 Rank 0 prints, per collective and size, the minimum (the least disturbed loop) and the median
-time of each setting over the rounds, and the cost ``on / off - 1`` in percent of each.
+time of each setting over the rounds, and the cost ``on / off - 1`` in percent of each; then
+the paired cost: the median over the rounds of each round's ``on / off - 1`` (the two loops
+of a round ran moments apart, so a drift of the machine's speed between rounds cancels), with
+the quartiles of those per-round costs.
 Exit status 0, 2 for bad arguments; an error ends every rank with a traceback.
 """
 
@@ -124,14 +127,18 @@ def main(argv: list[str] | None = None) -> int:
           "rounds, each timing the checksum on and off (alternating which goes first) over "
           "the same number of calls; time = slowest rank's mean per call (ms)")
     print(f"# {'collective':<10} {'size':>8} {'iters':>5} {'on min':>9} {'off min':>9} "
-          f"{'cost%':>7} {'on med':>9} {'off med':>9} {'cost%':>7}")
+          f"{'cost%':>7} {'on med':>9} {'off med':>9} {'cost%':>7} {'paired%':>8} "
+          f"{'quartiles%':>15}")
     for collective, nbytes, iters, times in rows:
         on, off = times[True], times[False]
         lo = (min(on) / min(off) - 1) * 100
         med = (float(np.median(on)) / float(np.median(off)) - 1) * 100
+        pairs = (np.asarray(on) / np.asarray(off) - 1) * 100
+        q1, q2, q3 = (float(v) for v in np.percentile(pairs, (25, 50, 75)))
         print(f"  {collective:<10} {osu.fmt_bytes(nbytes):>8} {iters:>5} {min(on) * 1e3:>9.3f} "
               f"{min(off) * 1e3:>9.3f} {lo:>+7.2f} {float(np.median(on)) * 1e3:>9.3f} "
-              f"{float(np.median(off)) * 1e3:>9.3f} {med:>+7.2f}", flush=True)
+              f"{float(np.median(off)) * 1e3:>9.3f} {med:>+7.2f} {q2:>+8.2f} "
+              f"{f'{q1:+.1f}..{q3:+.1f}':>15}", flush=True)
     return 0
 
 

@@ -251,7 +251,7 @@ def warm_up_tcp() -> None:
     collectives run, before this process meets its peers: once per process, two
     communicators of this process, over a socket pair, run the streamed all-gather of
     :attr:`Communicator.topology` (the native stream kernel, :mod:`bitcoll.kernels.stream`) and
-    a small all-reduce on the frame path (the frame checksums, :mod:`bitcoll.kernels.checksum`).
+    a small all-reduce on the frame path.
 
     A numba kernel is compiled at its first call when numba's cache has no copy of it (a fresh
     checkout, an edited kernel): seconds, tens of seconds on a busy host. Made in a collective,

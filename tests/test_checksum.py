@@ -75,21 +75,32 @@ def _pair(flip_at: int | None, checksum: bool) -> tuple[TCPTransport, TCPTranspo
     return t0, t1
 
 
-N = 1000  # float32 elements of each frame
-FRAME = HEADER_SIZE + 4 * N + CHECKSUM_BYTES
+N = 1000  # float32 elements of each frame in the tests below
+#: Where the flip goes, in a frame of ``n`` float32 elements (first frame unless named).
+FLIPS: dict[str, Any] = {
+    "none": lambda n: None,
+    "payload": lambda n: HEADER_SIZE + 5,
+    "last-byte": lambda n: HEADER_SIZE + 4 * n - 1,
+    "checksum": lambda n: HEADER_SIZE + 4 * n + 2,
+    "second-frame": lambda n: HEADER_SIZE + 4 * n + CHECKSUM_BYTES + HEADER_SIZE + 7,
+}
 
 
+@pytest.mark.parametrize("n", [N, 100_003], ids=["small", "late"])
 @pytest.mark.parametrize("consume", [False, True], ids=["irecv", "consume"])
-@pytest.mark.parametrize("flip", [None, HEADER_SIZE + 5, HEADER_SIZE + 4 * N - 1,
-                                  HEADER_SIZE + 4 * N + 2, FRAME + HEADER_SIZE + 7],
-                         ids=["none", "payload", "last-byte", "checksum", "second-frame"])
-def test_a_flipped_bit_fails_the_receive_naming_the_link(flip: int | None,
-                                                         consume: bool) -> None:
+@pytest.mark.parametrize("where", list(FLIPS))
+def test_a_flipped_bit_fails_the_receive_naming_the_link(where: str, consume: bool,
+                                                         n: int) -> None:
     """Two frames 0 -> 1; a flip in a payload or a checksum fails rank 1 with ProtocolError
     naming the link and the frame, rank 0 with the abort it is sent; none: both frames
-    arrive intact and the counters include the checksums."""
+    arrive intact and the counters include the checksums. Small frames carry a checksum
+    computed before the send; large ones (400 KB, from LATE_CHECKSUM_BYTES) one computed
+    while the payload drains, and are received in many pieces, each checksummed as it
+    arrives."""
+    flip = FLIPS[where](n)
+    frame = HEADER_SIZE + 4 * n + CHECKSUM_BYTES
     t0, t1 = _pair(flip, True)
-    payloads = [np.arange(N, dtype=np.float32) + k for k in range(2)]
+    payloads = [np.arange(n, dtype=np.float32) + k for k in range(2)]
     try:
         for seq, payload in enumerate(payloads, 1):
             header = FrameHeader(seq=seq, step=0, signature=9, length=payload.nbytes)
@@ -104,7 +115,7 @@ def test_a_flipped_bit_fails_the_receive_naming_the_link(flip: int | None,
                 recv = t1.irecv(0, view.data, header)
             t0.isend(1, payload.view(np.uint8).data, header)
             deadline = time.monotonic() + 20
-            if flip is None or flip >= FRAME * seq:
+            if flip is None or flip >= frame * seq:
                 recv.wait(deadline)
                 np.testing.assert_array_equal(got, payload)
                 continue
@@ -120,7 +131,7 @@ def test_a_flipped_bit_fails_the_receive_naming_the_link(flip: int | None,
             return
         assert flip is None
         sent, got_stats = t0.stats.snapshot(), t1.stats.snapshot()
-        assert sent["bytes_sent"] == got_stats["bytes_received"] == 2 * FRAME
+        assert sent["bytes_sent"] == got_stats["bytes_received"] == 2 * frame
         assert sent["messages_sent"] == got_stats["messages_received"] == 2
     finally:
         t0.close()

@@ -222,6 +222,10 @@ __all__ = ["TCPTransport", "SEND_BUFFER_BYTES", "RECEIVE_BUFFER_BYTES", "PeerSta
 #: Piece size of :meth:`TCPTransport.irecv_consume`: small enough to stay in a core's L2
 #: cache between the kernel's copy and the consumer's read.
 CONSUME_CHUNK_BYTES: Final = 256 << 10
+#: A checksummed send of at least this many payload bytes writes its payload first and
+#: computes the checksum while the payload drains to the wire (the trailer follows); smaller
+#: ones compute it first, so header, payload and trailer leave in one system call.
+LATE_CHECKSUM_BYTES: Final = 64 << 10
 #: How long an abort spends at most writing its reason into the store.
 ABORT_STORE_SECONDS: Final = 0.5
 #: Default of ``close_timeout``: how long ``close()`` waits for queued sends and for the
@@ -282,7 +286,7 @@ class _TCPRequest(FrameRequest):
     itself (:meth:`TCPTransport._drive`); ``wait`` of a send first hands the posted receives
     to the receiver threads."""
 
-    __slots__ = ("head", "sent", "tail")
+    __slots__ = ("head", "late", "sent", "tail")
 
     def __init__(self, owner: TCPTransport, peer: int, header: FrameHeader, view: memoryview,
                  is_send: bool) -> None:
@@ -290,6 +294,7 @@ class _TCPRequest(FrameRequest):
         self.head = header.pack() if is_send else b""
         self.tail = b""  # the frame's trailer (sends): integrity tag or checksum
         self.sent = 0  # bytes of a send already written by isend itself
+        self.late = False  # a send whose checksum is still to be computed (``tail`` empty)
 
     def parts(self) -> list[bytes | memoryview]:
         """What a send writes: header, payload, tag (empty pieces left out)."""
@@ -532,7 +537,10 @@ class TCPTransport(LinkTransport):
         req = _TCPRequest(self, peer, header, mv, True)
         if p.key_out is None:
             if self.checksum:
-                req.tail = frame_checksum(req.head, mv)
+                if len(mv) >= LATE_CHECKSUM_BYTES:
+                    req.late = True  # computed once the payload is on its way
+                else:
+                    req.tail = frame_checksum(req.head, mv)
             self._submit(p, req)
         else:
             with p.mac_lock:  # counters in submission order
@@ -546,6 +554,7 @@ class TCPTransport(LinkTransport):
         # Nothing queued or being written to this peer: write the frame right here (no
         # thread woken).
         if not p.claim_send():
+            self._late_checksum(req)
             p.send_q.put(req)
             return
         try:
@@ -560,12 +569,18 @@ class TCPTransport(LinkTransport):
             req._finish(self._failure)
             return
         parts = req.parts()
-        total = HEADER_SIZE + len(req.view) + len(req.tail)
         try:
             sent = send_some(p.sock, parts, NOSIGNAL | DONTWAIT)
+            if req.late:
+                # Header and payload (what the socket took of them) are on their way: the
+                # checksum is computed while they drain, then the trailer follows.
+                self._late_checksum(req)
+                if sent == HEADER_SIZE + len(req.view):
+                    sent += send_some(p.sock, [req.tail], NOSIGNAL | DONTWAIT)
         except OSError as exc:
             req._finish(self._os_error(p, exc))
             return
+        total = HEADER_SIZE + len(req.view) + len(req.tail)
         if sent == total:
             p.count_sent += 1
             self.stats.add_sent(total)
@@ -576,6 +591,13 @@ class TCPTransport(LinkTransport):
             p.partial = sent > 0
             p.queued += 1
         p.send_q.put(req)
+
+    @staticmethod
+    def _late_checksum(req: _TCPRequest) -> None:
+        """Compute the trailer of a send whose checksum was left for later (``req.late``)."""
+        if req.late:
+            req.tail = frame_checksum(req.head, req.view)
+            req.late = False
 
     def _write_queued(self, p: _Peer, req: _TCPRequest) -> BitcollError | None:
         """The sender thread's part (``LinkTransport._send_loop``): finish a frame ``isend``
@@ -982,6 +1004,8 @@ class TCPTransport(LinkTransport):
                         if n == 0:
                             self._eof(p, between_frames=False)
                             return Want.IDLE
+                        if p.rx_mac is not None:
+                            p.rx_mac.update(req.view[got:got + n - tail])
                         p.rx_got = min(got + n, len(req.view))
                     if p.rx_got == p.rx_header.length:
                         self._payload_done(p, req, tail)
@@ -1014,10 +1038,15 @@ class TCPTransport(LinkTransport):
             return
         p.rx_phase = RxPhase.BODY
         p.rx_got = early
-        if p.key_in is not None and req.consume is not None:
-            p.rx_mac = tag_hasher(p.key_in, p.count_in, bytes(p.hbuf))
-        elif self.checksum and req.consume is not None:
+        if p.key_in is not None:
+            if req.consume is not None:
+                p.rx_mac = tag_hasher(p.key_in, p.count_in, bytes(p.hbuf))
+        elif self.checksum:
+            # The checksum follows the bytes as they arrive (each piece while the next is on
+            # the wire), so only the last piece's part waits at the frame's end.
             p.rx_mac = Crc32c(p.hbuf)
+            if early and req.consume is None:
+                p.rx_mac.update(req.view[:min(early, header.length)])
         if early >= header.length and req.consume is None:
             self._payload_done(p, req, early - header.length)
 
@@ -1116,11 +1145,8 @@ class TCPTransport(LinkTransport):
     def _check_sum(self, p: _Peer, req: _TCPRequest) -> None:
         """The checksum of ``req``'s frame is in ``p.tag``: verify it (TAG -> HEADER), or fail
         the transport with ProtocolError naming the link."""
-        if req.consume is not None:
-            want = p.rx_mac.digest()
-            p.rx_mac = None
-        else:
-            want = frame_checksum(p.hbuf, req.view)
+        want = p.rx_mac.digest()  # fed as the header and payload arrived (_match, _advance)
+        p.rx_mac = None
         if want != bytes(p.tag[:CHECKSUM_BYTES]):
             self._fail(self._checksum_error(p.rank, req.header))
             return
