@@ -283,9 +283,7 @@ class ExactSum(_LocalDirections):
                hypers: Sequence[Hyper], out: F32, sums: dict[int, int]) -> None:
         """``u = sign(sum)``."""
         for s in bucket.slots:
-            total = buf.s[s.offset:s.stop]
-            np.sign(total, out=out[s.offset:s.stop])
-            sums[s.index] = int(np.abs(total).sum(dtype=np.int64))
+            sums[s.index] = kernels.sign_into(buf.s[s.offset:s.stop], out[s.offset:s.stop])
 
 
 class SignSum(ExactSum):

@@ -453,7 +453,7 @@ def field_values(rng: np.random.Generator, n: int, width: int, bias: int,
 # Every (width, dtype) pair compiles its own kernels, so the tests below share a few pairs:
 # int32 values/results at every width, every dtype at width 7 (pack) and 9 (unpack), and the
 # parallel variants at PARALLEL_WIDTHS only.
-PARALLEL_WIDTHS = [3, 8, 13]
+PARALLEL_WIDTHS = [2, 3, 8, 13]
 
 
 def check_fields_roundtrip(n: int, width: int, bias: int, seed: int) -> None:
@@ -488,11 +488,12 @@ def test_fields_roundtrip_parallel(n: int, width: int, seed: int, data: st.DataO
         check_fields_roundtrip(n, width, bias, seed)
 
 
+@pytest.mark.parametrize("width", [2, 7], ids=["byte-aligned", "general"])
 @SETTINGS
 @given(n=lengths, seed=seeds, dtype=st.sampled_from(INT_DTYPES),
        bias_kind=st.sampled_from(["zero", "mid", "neg"]))
-def test_pack_fields_value_dtypes(n: int, seed: int, dtype: Any, bias_kind: str) -> None:
-    width = 7
+def test_pack_fields_value_dtypes(width: int, n: int, seed: int, dtype: Any,
+                                  bias_kind: str) -> None:
     bias = {"zero": 0, "mid": 1 << (width - 1), "neg": -3}[bias_kind]
     rng = np.random.default_rng(seed)
     v = field_values(rng, n, width, bias, dtype)
@@ -520,11 +521,12 @@ def test_unpack_fields_out_dtypes(n: int, seed: int, dtype: Any) -> None:
     np.testing.assert_array_equal(out, got)
 
 
+@pytest.mark.parametrize(("width", "bias"), [(4, 5), (9, 300)], ids=["byte-aligned", "general"])
 @SETTINGS
 @given(n=lengths, seed=seeds, dtype=st.sampled_from([np.int16, np.int32, np.int64]))
-def test_add_fields_acc_dtypes_wrap(n: int, seed: int, dtype: Any) -> None:
+def test_add_fields_acc_dtypes_wrap(width: int, bias: int, n: int, seed: int,
+                                    dtype: Any) -> None:
     rng = np.random.default_rng(seed)
-    width, bias = 9, 300
     packed = K.pack_fields(field_values(rng, n, width, bias, np.int32), width, bias)
     info = np.iinfo(dtype)
     acc = rng.integers(info.min, info.max, n, endpoint=True, dtype=dtype)  # sums wrap
@@ -545,7 +547,7 @@ def test_pack_fields_out_of_range(mode: str, data: st.DataObject, n: int, seed: 
     else:
         width, dtype = data.draw(st.one_of(
             st.tuples(st.integers(1, 16), st.just(np.int32)),
-            st.tuples(st.just(7), st.sampled_from(INT_DTYPES))))
+            st.tuples(st.sampled_from([2, 4, 7]), st.sampled_from(INT_DTYPES))))
     rng = np.random.default_rng(seed)
     bias = data.draw(st.sampled_from([0, 1 << (width - 1), -3]), label="bias")
     v = field_values(rng, n, width, bias, dtype)

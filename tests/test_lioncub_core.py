@@ -126,6 +126,14 @@ def test_kernels_equal_numpy_expressions() -> None:
     assert kernels.apply_sign(got, s, f32(0.01), f32(0.999)) == int(np.abs(s).sum())
     assert np.array_equal(got, want)
 
+    for dt, n in ((np.int16, 1001), (np.int8, 7), (np.int16, 0),
+                  (np.int16, kernels.PARALLEL_MIN_ELEMENTS + 3 * kernels.BLOCK + 5)):
+        si = rng.integers(-5, 6, n).astype(dt)
+        u = np.full(n, np.nan, np.float32)
+        assert kernels.sign_into(si, u) == int(np.abs(si.astype(np.int64)).sum()), (dt, n)
+        # bit for bit numpy's sign (+0.0 where the sum is 0)
+        assert np.array_equal(u.view(np.uint32), np.sign(si).astype(np.float32).view(np.uint32))
+
     got = p.copy()
     kernels.apply_mean(got, s, f32(0.01), f32(1.0), f32(5))
     assert np.array_equal(got, p - f32(0.01) * (s.astype(np.float32) / f32(5)))
