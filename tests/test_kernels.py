@@ -758,3 +758,9 @@ def test_fit_threads_to_host(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(K, "_nb_set_num_threads", lambda n: None)
     K.set_num_threads(5)
     assert K.fit_threads_to_host(4) == 5  # the explicit choice stays
+
+
+def test_int_range_is_iinfo() -> None:
+    for dt in (*INT_DTYPES, np.uint8, np.uint64):
+        info = np.iinfo(dt)
+        assert K.int_range(np.dtype(dt)) == (int(info.min), int(info.max))

@@ -158,7 +158,7 @@ class VoteCodec(ABC):
 
     def _decode_values(self, packed: Array, dst: Array) -> None:
         """The sums in ``dst``'s integer dtype."""
-        if (1 << self.w_out) - 1 - self.bias_out <= np.iinfo(dst.dtype).max:
+        if (1 << self.w_out) - 1 - self.bias_out <= kernels.int_range(dst.dtype)[1]:
             kernels.unpack_fields(packed, dst.size, self.w_out, self.bias_out, out=dst,
                                   dtype=dst.dtype)
         else:

@@ -61,6 +61,7 @@ __all__ = [
     "PARALLEL_MIN_ELEMENTS",
     "parallel_slot",
     "MAX_FIELD_WIDTH",
+    "int_range",
     "packed_nbytes",
     "pack_signs",
     "unpack_signs",
@@ -226,6 +227,14 @@ def _dispatch(n: int, serial: Callable[..., int], parallel: Callable[..., int],
 # --------------------------------------------------------------------------------------------
 # Argument checks
 # --------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=64)
+def int_range(dt: np.dtype[Any]) -> tuple[int, int]:
+    """``(min, max)`` of the integer dtype ``dt`` (``np.iinfo`` costs microseconds to build:
+    once per dtype)."""
+    info = np.iinfo(dt)
+    return int(info.min), int(info.max)
 
 
 def _as_int(v: object, name: str) -> int:
@@ -621,8 +630,8 @@ def pack_fields(values: npt.NDArray[np.integer[Any]], width: int, bias: int,
     b, lo, hi = _field_range(w, bias)
     n = v.size
     res = _out(out, np.dtype(np.uint8), packed_nbytes(n, w))
-    info = np.iinfo(v.dtype)
-    lo_c, hi_c = max(lo, int(info.min)), min(hi, int(info.max))
+    dmin, dmax = int_range(v.dtype)
+    lo_c, hi_c = max(lo, dmin), min(hi, dmax)
     if lo_c > hi_c:  # no value of this dtype is valid
         err = 0 if n else -1
     else:
@@ -652,8 +661,8 @@ def unpack_fields(packed: npt.NDArray[np.uint8], n: int, width: int, bias: int,
     a = _bits_input(packed, packed_nbytes(n, w), "packed")
     dt = _out_dtype(dtype, _FIELD_OUT_DTYPES)
     if dt.kind in "iu":
-        info = np.iinfo(dt)
-        if lo < info.min or hi > info.max:
+        dmin, dmax = int_range(dt)
+        if lo < dmin or hi > dmax:
             raise UsageError(f"{w}-bit fields with bias {b} give values in [{lo}, {hi}], "
                              f"which do not fit in {dt}", argument="dtype")
     res = _out(out, dt, n)
