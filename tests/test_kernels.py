@@ -761,6 +761,7 @@ def test_fit_threads_to_host(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_int_range_is_iinfo() -> None:
+    dt: Any
     for dt in INT_DTYPES:
-        info = np.iinfo(np.dtype(dt))
+        info = np.iinfo(dt)
         assert K.int_range(np.dtype(dt)) == (int(info.min), int(info.max))
