@@ -45,8 +45,8 @@ from numba.extending import intrinsic
 from ..errors import UsageError
 from .bits import _helper, _kernel
 
-__all__ = ["crc32c", "crc32c_update", "crc32c_hw", "crc32c_sw", "frame_checksum", "HARDWARE",
-           "CHECKSUM_BYTES"]
+__all__ = ["crc32c", "crc32c_raw", "crc32c_update", "crc32c_hw", "crc32c_sw", "frame_checksum",
+           "HARDWARE", "CHECKSUM_BYTES"]
 
 #: Bytes of a frame's checksum on the wire (little-endian CRC32C).
 CHECKSUM_BYTES: Final = 4
@@ -314,9 +314,11 @@ def _crc_sw_array(crc: int, a: Any) -> Any:
     return crc32c_sw(crc, a.ctypes.data, a.shape[0])
 
 
-#: ``crc(data, value=0)``: the C CRC32C over any C-contiguous buffer, continuing ``value``
-#: (releases the GIL from 32 KiB).
-_c_crc: Final[Callable[..., int]] = _crc32c_c.crc32c
+#: ``crc32c_raw(data, value=0)``: the C CRC32C of ``data`` (a flat C-contiguous buffer),
+#: continuing ``value``; no argument checks, for the transport's per-frame path (releases the
+#: GIL from 32 KiB).
+crc32c_raw: Final[Callable[..., int]] = _crc32c_c.crc32c
+_c_crc = crc32c_raw
 
 
 def frame_checksum(head: bytes | bytearray | memoryview, payload: memoryview) -> bytes:

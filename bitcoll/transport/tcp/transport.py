@@ -174,7 +174,7 @@ from ...errors import (
     UsageError,
 )
 from ...kernels import stream as stream_kernel
-from ...kernels.checksum import CHECKSUM_BYTES, Crc32c, crc32c, frame_checksum
+from ...kernels.checksum import CHECKSUM_BYTES, Crc32c, crc32c, crc32c_raw, frame_checksum
 from ...kernels.stream import Status as StreamStatus
 from ..base import (
     HEADER_SIZE,
@@ -338,6 +338,7 @@ class _Peer(PeerLink[_TCPRequest]):
         self.count_sent = 0  # frames written completely (``send_lock``): an abort's number
         self.mac_lock = threading.Lock()
         self.rx_mac: Any = None  # the tag hasher of the frame being consumed
+        self.rx_sum = -1  # the checksum so far of a frame received into its view (-1: none)
 
 
 # --------------------------------------------------------------------------------------------
@@ -1004,8 +1005,8 @@ class TCPTransport(LinkTransport):
                         if n == 0:
                             self._eof(p, between_frames=False)
                             return Want.IDLE
-                        if p.rx_mac is not None:
-                            p.rx_mac.update(req.view[got:got + n - tail])
+                        if p.rx_sum >= 0:
+                            p.rx_sum = crc32c_raw(req.view[got:got + n - tail], p.rx_sum)
                         p.rx_got = min(got + n, len(req.view))
                     if p.rx_got == p.rx_header.length:
                         self._payload_done(p, req, tail)
@@ -1044,9 +1045,11 @@ class TCPTransport(LinkTransport):
         elif self.checksum:
             # The checksum follows the bytes as they arrive (each piece while the next is on
             # the wire), so only the last piece's part waits at the frame's end.
-            p.rx_mac = Crc32c(p.hbuf)
-            if early and req.consume is None:
-                p.rx_mac.update(req.view[:min(early, header.length)])
+            if req.consume is not None:
+                p.rx_mac = Crc32c(p.hbuf)
+            else:
+                p.rx_sum = crc32c_raw(req.view if early >= header.length else
+                                      req.view[:early], crc32c_raw(p.hbuf))
         if early >= header.length and req.consume is None:
             self._payload_done(p, req, early - header.length)
 
@@ -1145,9 +1148,14 @@ class TCPTransport(LinkTransport):
     def _check_sum(self, p: _Peer, req: _TCPRequest) -> None:
         """The checksum of ``req``'s frame is in ``p.tag``: verify it (TAG -> HEADER), or fail
         the transport with ProtocolError naming the link."""
-        want = p.rx_mac.digest()  # fed as the header and payload arrived (_match, _advance)
-        p.rx_mac = None
-        if want != bytes(p.tag[:CHECKSUM_BYTES]):
+        # Fed as the header and payload arrived (_match, _advance; _consume_piece).
+        if req.consume is None:
+            ok = p.rx_sum == int.from_bytes(p.tview, "little")
+            p.rx_sum = -1
+        else:
+            ok = p.rx_mac.digest() == bytes(p.tview)
+            p.rx_mac = None
+        if not ok:
             self._fail(self._checksum_error(p.rank, req.header))
             return
         self._complete(p, req, CHECKSUM_BYTES)
