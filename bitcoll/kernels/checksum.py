@@ -16,11 +16,11 @@ Two implementations, one result:
   Mark Adler's ``crc32c.c``).
 * **Software** (any CPU): slicing-by-8 tables.
 
-A whole frame (:func:`frame_checksum`, :class:`Crc32c`) goes to the ``crc32c`` package (C,
-the same instruction where the CPU has it, ARMv8's too): a call costs about 0.25 us there
-against 1-2.7 us for a numba call and its argument conversions, which is most of the cost of a
-small frame's checksum (``bench/checksum_cost.py``). Its result is the same value
-(``tests/test_checksum_kernel.py``).
+A whole frame or a piece of one (:func:`frame_checksum`, :data:`crc32c_raw`) goes to the
+``crc32c`` package (C, the same instruction where the CPU has it, ARMv8's too): a call costs
+about 0.25 us there against 1-2.7 us for a numba call and its argument conversions, which is
+most of the cost of a small frame's checksum (``bench/checksum_cost.py``). Its result is the
+same value (``tests/test_checksum_kernel.py``).
 
 What it detects, for one frame (header, payload) of fewer than 2**31 bits (256 MiB): every
 error of one or two flipped bits, every error flipping an odd number of bits (the polynomial
@@ -318,7 +318,6 @@ def _crc_sw_array(crc: int, a: Any) -> Any:
 #: continuing ``value``; no argument checks, for the transport's per-frame path (releases the
 #: GIL from 32 KiB).
 crc32c_raw: Final[Callable[..., int]] = _crc32c_c.crc32c
-_c_crc = crc32c_raw
 
 
 def frame_checksum(head: bytes | bytearray | memoryview, payload: memoryview) -> bytes:
@@ -327,7 +326,7 @@ def frame_checksum(head: bytes | bytearray | memoryview, payload: memoryview) ->
     ``crc32c(payload, crc32c(head)).to_bytes(4, "little")``). Both must be flat C-contiguous
     byte buffers (the transport's frame views): two C calls, no argument checks, for the
     per-frame path."""
-    return _c_crc(payload, _c_crc(head)).to_bytes(CHECKSUM_BYTES, "little")
+    return crc32c_raw(payload, crc32c_raw(head)).to_bytes(CHECKSUM_BYTES, "little")
 
 
 def _bytes_of(data: object) -> np.ndarray[Any, np.dtype[np.uint8]]:
@@ -356,21 +355,3 @@ def crc32c(data: object, value: int = 0, *, hardware: bool | None = None) -> int
     if hw and not HARDWARE and not _cpu_has_sse42():
         raise UsageError("this CPU has no SSE4.2 crc32 instruction", argument="hardware")
     return int((_crc_hw_array if hw else _crc_sw_array)(value, a))
-
-
-class Crc32c:
-    """An incremental CRC32C with the interface of a hash object (``update``, ``digest``),
-    for the frame paths that feed a frame's bytes as they pass."""
-
-    __slots__ = ("value",)
-
-    def __init__(self, data: object = b"") -> None:
-        self.value = _c_crc(data)
-
-    def update(self, data: object) -> None:
-        """Continue with ``data`` (a flat C-contiguous buffer)."""
-        self.value = _c_crc(data, self.value)
-
-    def digest(self, length: int = CHECKSUM_BYTES) -> bytes:
-        """The little-endian value (``length`` must be :data:`CHECKSUM_BYTES`)."""
-        return self.value.to_bytes(CHECKSUM_BYTES, "little")[:length]

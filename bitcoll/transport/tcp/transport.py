@@ -174,7 +174,7 @@ from ...errors import (
     UsageError,
 )
 from ...kernels import stream as stream_kernel
-from ...kernels.checksum import CHECKSUM_BYTES, Crc32c, crc32c, crc32c_raw, frame_checksum
+from ...kernels.checksum import CHECKSUM_BYTES, crc32c, crc32c_raw, frame_checksum
 from ...kernels.stream import Status as StreamStatus
 from ..base import (
     HEADER_SIZE,
@@ -338,7 +338,7 @@ class _Peer(PeerLink[_TCPRequest]):
         self.count_sent = 0  # frames written completely (``send_lock``): an abort's number
         self.mac_lock = threading.Lock()
         self.rx_mac: Any = None  # the tag hasher of the frame being consumed
-        self.rx_sum = -1  # the checksum so far of a frame received into its view (-1: none)
+        self.rx_sum = -1  # the checksum so far of the frame being received (-1: none)
 
 
 # --------------------------------------------------------------------------------------------
@@ -1045,11 +1045,10 @@ class TCPTransport(LinkTransport):
         elif self.checksum:
             # The checksum follows the bytes as they arrive (each piece while the next is on
             # the wire), so only the last piece's part waits at the frame's end.
-            if req.consume is not None:
-                p.rx_mac = Crc32c(p.hbuf)
-            else:
+            p.rx_sum = crc32c_raw(p.hbuf)
+            if early and req.consume is None:
                 p.rx_sum = crc32c_raw(req.view if early >= header.length else
-                                      req.view[:early], crc32c_raw(p.hbuf))
+                                      req.view[:early], p.rx_sum)
         if early >= header.length and req.consume is None:
             self._payload_done(p, req, early - header.length)
 
@@ -1118,12 +1117,14 @@ class TCPTransport(LinkTransport):
         return True
 
     def _deliver(self, p: _Peer, req: _TCPRequest, pos: int, chunk: memoryview) -> None:
-        """Hand ``chunk`` (payload bytes from ``pos``) to the frame's tag hasher and to
-        ``req.consume`` (:meth:`LinkTransport._consume_piece`: ConsumerFailed when it
+        """Hand ``chunk`` (payload bytes from ``pos``) to the frame's tag hasher or checksum
+        and to ``req.consume`` (:meth:`LinkTransport._consume_piece`: ConsumerFailed when it
         raises)."""
         assert req.consume is not None
         if p.rx_mac is not None:
             p.rx_mac.update(chunk)
+        elif p.rx_sum >= 0:
+            p.rx_sum = crc32c_raw(chunk, p.rx_sum)
         self._consume_piece(p.rank, req.consume, pos, chunk)
 
     def _check_tag(self, p: _Peer, req: _TCPRequest) -> None:
@@ -1148,13 +1149,9 @@ class TCPTransport(LinkTransport):
     def _check_sum(self, p: _Peer, req: _TCPRequest) -> None:
         """The checksum of ``req``'s frame is in ``p.tag``: verify it (TAG -> HEADER), or fail
         the transport with ProtocolError naming the link."""
-        # Fed as the header and payload arrived (_match, _advance; _consume_piece).
-        if req.consume is None:
-            ok = p.rx_sum == int.from_bytes(p.tview, "little")
-            p.rx_sum = -1
-        else:
-            ok = p.rx_mac.digest() == bytes(p.tview)
-            p.rx_mac = None
+        # Fed as the header and payload arrived (_match, _advance, _deliver).
+        ok = p.rx_sum == int.from_bytes(p.tview, "little")
+        p.rx_sum = -1
         if not ok:
             self._fail(self._checksum_error(p.rank, req.header))
             return
