@@ -687,8 +687,33 @@ def _first_bad(values: Any, i0: int, i1: int, lo: np.uint64, span: np.uint64) ->
 
 
 @_inline_ir()
+def _pack_aligned(values: Any, out: Any, g0: int, g1: int, lo: np.uint64, span: np.uint64,
+                  off: np.uint64, W: int) -> int:
+    """:func:`_pack_groups` for a width that divides 8 (1, 2, 4, 8): byte by byte, each
+    byte ``8 / W`` whole fields, the validity check folded over the range (a loop LLVM
+    vectorizes). An invalid element may leave garbage in its byte; the caller reports it."""
+    per = 8 // W
+    bad: Any = False
+    for j in range(g0 * W, g1 * W):
+        b = np.uint64(0)
+        for k in range(per):
+            d = np.uint64(values[j * per + k]) - lo
+            bad |= d > span
+            b |= (d + off) << np.uint64(W * k)
+        out[j] = np.uint8(b & _B8)
+    if bad:
+        return _first_bad(values, 8 * g0, 8 * g1, lo, span)
+    return -1
+
+
+@_inline_ir()
 def _pack_groups(values: Any, out: Any, g0: int, g1: int, lo: np.uint64, span: np.uint64,
                  off: np.uint64, W: int) -> int:
+    """Pack groups ``[g0, g1)`` of 8 elements (``W`` bytes each); the first invalid index
+    of the range, or -1. Widths that divide 8 take :func:`_pack_aligned` (``W`` is a
+    constant there: one branch is compiled)."""
+    if 8 % W == 0:
+        return _pack_aligned(values, out, g0, g1, lo, span, off, W)
     for g in range(g0, g1):
         lw = np.uint64(0)
         hw = np.uint64(0)
@@ -704,26 +729,6 @@ def _pack_groups(values: Any, out: Any, g0: int, g1: int, lo: np.uint64, span: n
             out[o + b] = np.uint8((lw >> np.uint64(8 * b)) & _B8)
         for b in range(8, W):
             out[o + b] = np.uint8((hw >> np.uint64(8 * (b - 8))) & _B8)
-    return -1
-
-
-@_inline_ir()
-def _pack_aligned(values: Any, out: Any, g0: int, g1: int, lo: np.uint64, span: np.uint64,
-                off: np.uint64, W: int) -> int:
-    """:func:`_pack_groups` for a width that divides 8 (1, 2, 4, 8): byte by byte, each
-    byte ``8 / W`` whole fields, the validity check folded over the range (a loop LLVM
-    vectorizes). An invalid element may leave garbage in its byte; the caller reports it."""
-    per = 8 // W
-    bad: Any = False
-    for j in range(g0 * W, g1 * W):
-        b = np.uint64(0)
-        for k in range(per):
-            d = np.uint64(values[j * per + k]) - lo
-            bad |= d > span
-            b |= (d + off) << np.uint64(W * k)
-        out[j] = np.uint8(b & _B8)
-    if bad:
-        return _first_bad(values, 8 * g0, 8 * g1, lo, span)
     return -1
 
 
@@ -752,8 +757,31 @@ def _pack_tail(values: Any, out: Any, lo: np.uint64, span: np.uint64, off: np.ui
 
 
 @_inline_ir()
+def _unpack_aligned(packed: Any, out: Any, g0: int, g1: int, bias: np.int64, accumulate: bool,
+                    W: int) -> None:
+    """:func:`_unpack_groups` for a width that divides 8: byte by byte."""
+    per = 8 // W
+    fmask = (np.uint64(1) << np.uint64(W)) - np.uint64(1)
+    if accumulate:
+        for j in range(g0 * W, g1 * W):
+            b = np.uint64(packed[j])
+            for k in range(per):
+                out[j * per + k] += np.int64((b >> np.uint64(W * k)) & fmask) - bias
+    else:
+        for j in range(g0 * W, g1 * W):
+            b = np.uint64(packed[j])
+            for k in range(per):
+                out[j * per + k] = np.int64((b >> np.uint64(W * k)) & fmask) - bias
+
+
+@_inline_ir()
 def _unpack_groups(packed: Any, out: Any, g0: int, g1: int, bias: np.int64, accumulate: bool,
                    W: int) -> None:
+    """Unpack groups ``[g0, g1)`` of 8 fields; widths that divide 8 take
+    :func:`_unpack_aligned`."""
+    if 8 % W == 0:
+        _unpack_aligned(packed, out, g0, g1, bias, accumulate, W)
+        return
     for g in range(g0, g1):
         o = g * W
         lw = np.uint64(0)
@@ -768,24 +796,6 @@ def _unpack_groups(packed: Any, out: Any, g0: int, g1: int, bias: np.int64, accu
         else:
             for k in range(8):
                 out[8 * g + k] = _get_field(lw, hw, k, W) - bias
-
-
-@_inline_ir()
-def _unpack_aligned(packed: Any, out: Any, g0: int, g1: int, bias: np.int64, accumulate: bool,
-                  W: int) -> None:
-    """:func:`_unpack_groups` for a width that divides 8: byte by byte."""
-    per = 8 // W
-    fmask = (np.uint64(1) << np.uint64(W)) - np.uint64(1)
-    if accumulate:
-        for j in range(g0 * W, g1 * W):
-            b = np.uint64(packed[j])
-            for k in range(per):
-                out[j * per + k] += np.int64((b >> np.uint64(W * k)) & fmask) - bias
-    else:
-        for j in range(g0 * W, g1 * W):
-            b = np.uint64(packed[j])
-            for k in range(per):
-                out[j * per + k] = np.int64((b >> np.uint64(W * k)) & fmask) - bias
 
 
 @_inline_ir()
@@ -836,16 +846,11 @@ def _make_field_kernels(width: int) -> FieldKernels:
     # The kernels' only closure variable is this int: numba compiles it in as a constant and
     # keys its on-disk cache on it, so each width is compiled once per machine.
     W = width
-    # Widths that divide a byte take the byte-by-byte loops (a constant: numba keeps one).
-    BYTES = 8 % width == 0
 
     @_kernel()
     def pack_serial(values: Any, out: Any, lo: np.uint64, span: np.uint64,
                     off: np.uint64) -> int:
-        if BYTES:
-            e = _pack_aligned(values, out, 0, values.size // 8, lo, span, off, W)
-        else:
-            e = _pack_groups(values, out, 0, values.size // 8, lo, span, off, W)
+        e = _pack_groups(values, out, 0, values.size // 8, lo, span, off, W)
         if e >= 0:
             return e
         return _pack_tail(values, out, lo, span, off, W)
@@ -857,21 +862,14 @@ def _make_field_kernels(width: int) -> FieldKernels:
         nchunks = (ngroups + chunk - 1) // chunk
         errs = np.empty(nchunks + 1, np.int64)
         for c in prange(nchunks):
-            if BYTES:
-                errs[c] = _pack_aligned(values, out, c * chunk, min(ngroups, (c + 1) * chunk),
-                                      lo, span, off, W)
-            else:
-                errs[c] = _pack_groups(values, out, c * chunk, min(ngroups, (c + 1) * chunk),
-                                       lo, span, off, W)
+            errs[c] = _pack_groups(values, out, c * chunk, min(ngroups, (c + 1) * chunk),
+                                   lo, span, off, W)
         errs[nchunks] = _pack_tail(values, out, lo, span, off, W)
         return _first_error(errs)
 
     @_kernel()
     def unpack_serial(packed: Any, out: Any, bias: np.int64, accumulate: bool) -> int:
-        if BYTES:
-            _unpack_aligned(packed, out, 0, out.size // 8, bias, accumulate, W)
-        else:
-            _unpack_groups(packed, out, 0, out.size // 8, bias, accumulate, W)
+        _unpack_groups(packed, out, 0, out.size // 8, bias, accumulate, W)
         _unpack_tail(packed, out, bias, accumulate, W)
         return 0
 
@@ -881,12 +879,8 @@ def _make_field_kernels(width: int) -> FieldKernels:
         ngroups = out.size // 8
         nchunks = (ngroups + chunk - 1) // chunk
         for c in prange(nchunks):
-            if BYTES:
-                _unpack_aligned(packed, out, c * chunk, min(ngroups, (c + 1) * chunk), bias,
-                              accumulate, W)
-            else:
-                _unpack_groups(packed, out, c * chunk, min(ngroups, (c + 1) * chunk), bias,
-                               accumulate, W)
+            _unpack_groups(packed, out, c * chunk, min(ngroups, (c + 1) * chunk), bias,
+                           accumulate, W)
         _unpack_tail(packed, out, bias, accumulate, W)
         return 0
 
