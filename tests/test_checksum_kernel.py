@@ -193,7 +193,10 @@ def _run(work: np.ndarray, src: np.ndarray, sends: list[tuple[int, int, bool, in
     got = bytearray()
 
     def peer() -> None:
-        b.sendall(incoming)
+        try:
+            b.sendall(incoming)
+        except (BrokenPipeError, ConnectionResetError):
+            return  # the stream stopped at a bad frame and shut its end (nothing more to read)
         while len(got) < out_len:
             chunk = b.recv(1 << 20)
             if not chunk:
