@@ -49,7 +49,7 @@ from .algorithms.barrier_dissemination import barrier_dissemination
 from .algorithms.broadcast_tree import broadcast_tree
 from .algorithms.context import OpContext, Slot
 from .algorithms.hierarchical import allreduce_hierarchical, packed_hierarchical
-from .algorithms.sign_allreduce_allgather import packed_allgather
+from .algorithms.sign_allreduce_allgather import PreparedMajority, packed_allgather
 from .algorithms.sign_allreduce_direct import packed_direct
 from .algorithms.sign_allreduce_ring import packed_ring
 from .algorithms.votes import CODECS, TIES, VoteCodec, field_width, make_codec
@@ -58,6 +58,7 @@ from .arguments import call_signature, mismatch_text
 from .arrays import BFLOAT16, HostArray, bf16_tensor, to_numpy, type_name
 from .config import DEFAULT_TIMEOUT, MAX_SUM_RANGE
 from .errors import BitcollError, CommError, PeerLostError, ProtocolError, UsageError
+from .kernels import PARALLEL_MIN_ELEMENTS
 from .layout import packed_stream
 from .ops import FLOAT_DTYPES, SUPPORTED_DTYPES, ReduceOp, check_dtype, parse_op
 from .partition import block, block_bounds
@@ -1414,6 +1415,10 @@ class Communicator:
             widths = codec_cls(1, self.size)
             algo = self._packed_choice(n, widths.w_in, widths.w_out, bool(gather), False)
             run = _FLAT_PACKED.get(algo)
+            if algo == "allgather" and codec_cls.majority and gather and \
+                    n < PARALLEL_MIN_ELEMENTS:
+                # Its kernels prepared for this shape: no argument checks per call.
+                run = PreparedMajority(self.size, n, dtype, np.dtype(np.int8))
             if run is not None:
                 lo, hi = (0, n) if gather else block(n, self.size, self.rank)
                 fields = (op, "sign", 1, tie, dtype.str, n, algo, bool(gather))

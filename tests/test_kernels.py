@@ -355,6 +355,58 @@ def test_count_planes_errors() -> None:
         K.majority_of_counts(packed, [0, 0, 0], 0, 16, K.TIE_POSITIVE)
 
 
+@SETTINGS
+@given(n=lengths, p=st.integers(1, 9), seed=seeds,
+       tie=st.sampled_from([K.TIE_POSITIVE, K.TIE_NEGATIVE, K.TIE_ALTERNATE]),
+       offset=st.integers(-5, 2**40), fdt=st.sampled_from(FLOATS),
+       odt=st.sampled_from(SIGN_DTYPES))
+def test_sign_votes_prepared_matches_the_checked_kernels(n: int, p: int, seed: int, tie: int,
+                                                         offset: int, fdt: Any,
+                                                         odt: Any) -> None:
+    """SignVotes (prepared once, unchecked calls) packs like pack_signs and decides like
+    majority followed by unpack_signs, bit for bit, ties and signed zeros included."""
+    rng = np.random.default_rng(seed)
+    votes = K.SignVotes(n, fdt, p, odt)
+    assert (votes.n, votes.p, votes.nbytes) == (n, p, K.packed_nbytes(n))
+    x = rng.standard_normal(n).astype(fdt)
+    x[rng.random(n) < 0.1] = 0.0
+    x[rng.random(n) < 0.1] = -0.0
+    row = np.full(votes.nbytes, 0xAB, np.uint8)
+    votes.pack(x, row)
+    np.testing.assert_array_equal(row, K.pack_signs(x))
+    packed = random_packed(rng, p, n)
+    if p % 2 == 0:  # ties everywhere but where a tenth of the bytes are redrawn
+        packed[p // 2:] = ~packed[: p // 2]
+        flip = rng.random(packed.shape) < 0.1
+        packed[flip] = rng.integers(0, 256, int(flip.sum()), dtype=np.uint8)
+    bits = np.full(votes.nbytes, 0xCD, np.uint8)
+    out = np.full(n, 7, odt)
+    votes.decide(packed, tie, offset, bits, out)
+    want = R.majority(packed, n, tie, offset)
+    np.testing.assert_array_equal(bits, want)
+    np.testing.assert_array_equal(out, K.unpack_signs(want, n, dtype=odt))
+
+
+def test_sign_votes_checks_its_shape_once_and_names_nans() -> None:
+    with raises_usage("p", match="p must be >= 1"):
+        K.SignVotes(8, np.float32, 0, np.int8)
+    with raises_usage("in_dtype", match="in_dtype must be float16, float32 or float64"):
+        K.SignVotes(8, np.int32, 2, np.int8)
+    with raises_usage("out_dtype", match="out_dtype uint8 not supported"):
+        K.SignVotes(8, np.float32, 2, np.uint8)
+    with raises_usage("in_dtype/out_dtype"):
+        K.SignVotes(8, "no such dtype", 2, np.int8)
+    with raises_usage("n", match="must be below"):
+        K.SignVotes(K.PARALLEL_MIN_ELEMENTS, np.float32, 2, np.int8)
+    with raises_usage("n", match="n must be >= 0"):
+        K.SignVotes(-1, np.float32, 2, np.int8)
+    votes = K.SignVotes(9, np.float64, 3, np.float32)
+    x = np.zeros(9)
+    x[[4, 6]] = np.nan
+    with raises_usage("x", index=4, match="NaN in vote input at index 4"):
+        votes.pack(x, np.empty(2, np.uint8))
+
+
 def test_majority_tie_rules_explicit() -> None:
     # p = 2: element i votes (+1, -1) -> tie everywhere; (+1, +1) -> +1; (-1, -1) -> -1
     a = np.array([1, 1, 1, 1, 0, 1, 0, 1, 1], bool)

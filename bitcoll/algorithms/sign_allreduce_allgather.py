@@ -27,10 +27,11 @@ import numpy.typing as npt
 
 from .. import kernels
 from ..partition import block
+from ..transport.base import Request
 from .context import OpContext, Slot
 from .votes import VoteCodec
 
-__all__ = ["packed_allgather"]
+__all__ = ["PreparedMajority", "packed_allgather"]
 
 Array = npt.NDArray[Any]
 
@@ -50,14 +51,7 @@ def packed_allgather(ctx: OpContext, codec: VoteCodec, x: Array, out: Array,
     rows = work[:p * nb].reshape(p, nb)
     res = work[p * nb:]
     codec.encode(x, 0, n, rows[0])
-    sends = []
-    d = 1
-    while d < p:  # Bruck's all-gather: rows[i] ends up holding rank (r + i) mod p's row
-        cnt = min(d, p - d)
-        req = ctx.irecv((r + d) % p, rows[d:d + cnt])
-        sends.append(ctx.isend((r - d) % p, rows[:cnt]))
-        ctx.wait(req)
-        d *= 2
+    sends = _gather_rows(ctx, rows)
     if start == 0 and hi == n:
         sub = rows
     else:
@@ -67,3 +61,49 @@ def packed_allgather(ctx: OpContext, codec: VoteCodec, x: Array, out: Array,
         res = kernels.extract_bits(res, (lo - start) * w_out, (hi - lo) * w_out)
     codec.decode(res, out, 0, hi - lo)
     ctx.wait(*sends)
+
+
+def _gather_rows(ctx: OpContext, rows: Array) -> list[Request]:
+    """Bruck's all-gather of row 0 of ``rows`` (``uint8[p, nbytes]``): afterwards ``rows[i]``
+    holds rank ``(r + i) mod p``'s row. Returns the sends, still to be waited for."""
+    p, r = ctx.size, ctx.rank
+    sends = []
+    d = 1
+    while d < p:
+        cnt = min(d, p - d)
+        req = ctx.irecv((r + d) % p, rows[d:d + cnt])
+        sends.append(ctx.isend((r - d) % p, rows[:cnt]))
+        ctx.wait(req)
+        d *= 2
+    return sends
+
+
+class PreparedMajority:
+    """:func:`packed_allgather` for the majority all-reduce of one shape (``n`` float votes
+    of ``in_dtype`` on ``p`` ranks, ``+1``/``-1`` of ``out_dtype`` on every rank,
+    ``n < kernels.PARALLEL_MIN_ELEMENTS``), its kernels prepared once
+    (:class:`bitcoll.kernels.SignVotes`): the same frames and results, minus the per-call
+    argument checks of the codec's kernels (the communicator's cached plan of small sign
+    all-reduces; it has checked the arrays it passes). Same call as :func:`packed_allgather`
+    with a :class:`~bitcoll.algorithms.votes.MajorityCodec` of values and ``gather`` true;
+    raises like it (UsageError naming the first NaN)."""
+
+    __slots__ = ("_votes",)
+
+    def __init__(self, p: int, n: int, in_dtype: np.dtype[Any], out_dtype: np.dtype[Any]
+                 ) -> None:
+        self._votes = kernels.SignVotes(n, in_dtype, p, out_dtype)
+
+    def __call__(self, ctx: OpContext, codec: VoteCodec, x: Array, out: Array, gather: bool,
+                 n: int | None = None) -> None:
+        votes = self._votes
+        p, nb = votes.p, votes.nbytes
+        work = ctx.scratch(Slot.GATHER_WORK, (p + 1) * nb, _U8)
+        rows = work[:p * nb].reshape(p, nb)
+        votes.pack(x, rows[0])
+        sends = _gather_rows(ctx, rows)
+        votes.decide(rows, codec.tie, codec.tie_call, work[p * nb:], out)
+        ctx.wait(*sends)
+
+
+_U8 = np.dtype(np.uint8)

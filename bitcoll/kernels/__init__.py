@@ -69,6 +69,7 @@ __all__ = [
     "count_planes",
     "majority",
     "majority_of_counts",
+    "SignVotes",
     "pack_fields",
     "unpack_fields",
     "add_fields",
@@ -467,6 +468,87 @@ def _sign_values_of(dt: np.dtype[Any], scale: object) -> tuple[int, int]:
             raise UsageError(f"scale {scale!r} is not finite in {dt}", argument="scale")
     raw = vals.view(ut)
     return int(raw[0]), int(raw[1])
+
+
+class SignVotes:
+    """The sign-vote kernels prepared for one shape: ``n`` elements of the float ``in_dtype``
+    (float16/32/64) packed as votes, ``p`` packed vote vectors decided into ``+1``/``-1`` of
+    ``out_dtype`` (int8/16/32/64, float16/32/64), with ``n < PARALLEL_MIN_ELEMENTS`` (the
+    serial kernels). Everything is checked here, once (UsageError); the methods then only run
+    their kernel, which is what a small sign all-reduce needs: the per-call checks of
+    :func:`pack_signs`, :func:`majority` and :func:`unpack_signs` cost more than their work
+    at a few thousand elements.
+
+    The methods do **not** check their arrays: each must be exactly as described (a wrong
+    one gives wrong results or corrupts memory, as a numba kernel would). For callers that
+    made the arrays themselves; everyone else calls the checked functions.
+    """
+
+    __slots__ = (
+        "_in_view",
+        "_masks",
+        "_neg",
+        "_out_view",
+        "_planes",
+        "_pos",
+        "_shifts",
+        "n",
+        "nbytes",
+        "p",
+    )
+
+    def __init__(self, n: int, in_dtype: npt.DTypeLike, p: int, out_dtype: npt.DTypeLike
+                 ) -> None:
+        self.n = n = _length(n)
+        if n >= PARALLEL_MIN_ELEMENTS:
+            raise UsageError(f"SignVotes runs the serial kernels: n must be below "
+                             f"{PARALLEL_MIN_ELEMENTS}, got {n}", argument="n")
+        self.p = p = _as_int(p, "p")
+        if p < 1:
+            raise UsageError(f"p must be >= 1, got {p}", argument="p")
+        try:
+            dt_in, dt = np.dtype(in_dtype), np.dtype(out_dtype)
+        except TypeError as exc:
+            raise UsageError(f"invalid dtype: {exc}", argument="in_dtype/out_dtype") from exc
+        typed = _FLOAT_MASKS.get(dt_in)
+        if typed is None:
+            raise UsageError(f"in_dtype must be float16, float32 or float64, got {dt_in}",
+                             argument="in_dtype")
+        self._in_view, *masks = typed
+        self._masks = tuple(masks)
+        if dt not in _SIGN_OUT_DTYPES:
+            raise UsageError(f"out_dtype {dt} not supported; expected one of: "
+                             f"{', '.join(str(d) for d in _SIGN_OUT_DTYPES)}",
+                             argument="out_dtype")
+        pos, neg = _sign_values(dt, 1)
+        self._out_view = ut = _UNSIGNED_OF_SIZE[dt.itemsize]
+        self._pos, self._neg = ut(pos), ut(neg)
+        self.nbytes = (n + 7) // 8
+        self._shifts = np.zeros(p, np.int64)
+        self._planes = p.bit_length()
+
+    def pack(self, x: npt.NDArray[np.floating[Any]], out: npt.NDArray[np.uint8]) -> None:
+        """:func:`pack_signs` of ``x`` (``in_dtype[n]``, C-contiguous) into ``out``
+        (``uint8[nbytes]``, C-contiguous, writeable). Raises UsageError on a NaN, naming
+        the first NaN's index."""
+        sign, absm, inf = self._masks
+        err = _k.pack_votes_serial(x.view(self._in_view), out, sign, absm, inf, False)
+        if err >= 0:
+            raise UsageError(f"NaN in vote input at index {err}", argument="x",
+                             index=int(err))
+
+    def decide(self, packed: npt.NDArray[np.uint8], tie: int, tie_offset: int,
+               bits: npt.NDArray[np.uint8], out: npt.NDArray[Any]) -> None:
+        """:func:`majority` of ``packed`` (``uint8[p, nbytes]``, C-contiguous) with the tie
+        rule ``tie`` (one of the ``TIE_*`` constants) at offset ``tie_offset``, written as
+        packed bits to ``bits`` (``uint8[nbytes]``, writeable) and as ``+1``/``-1`` to
+        ``out`` (``out_dtype[n]``, C-contiguous, writeable), in one kernel call."""
+        p = self.p
+        planes = self._planes
+        _k.majority_signs_serial(packed, self._shifts, bits, out.view(self._out_view), self.n,
+                                 planes + 1, (1 << planes) - (p // 2 + 1),
+                                 _TIE_MASKS[TIE_NEGATIVE if p % 2 else tie, tie_offset % 2],
+                                 self._pos, self._neg)
 
 
 def count_votes(packed: npt.NDArray[np.uint8], n: int,

@@ -43,6 +43,7 @@ __all__ = [
     "count_votes_parallel",
     "majority_serial",
     "majority_parallel",
+    "majority_signs_serial",
     "FieldKernels",
     "field_kernels",
     "extract_bits",
@@ -582,6 +583,17 @@ def majority_serial(packed: Any, shifts: Any, out: Any, n: int, nplanes: int, in
     counts ``2**shifts[r]`` votes; returns 0."""
     _majority_words(packed, shifts, out, n, 0, (packed.shape[1] + 7) // 8, nplanes, init,
                     tie_mask)
+    return 0
+
+
+@_kernel()
+def majority_signs_serial(packed: Any, shifts: Any, bits: Any, out: Any, n: int, nplanes: int,
+                          init: int, tie_mask: np.uint64, pos: Any, neg: Any) -> int:
+    """:func:`majority_serial` into ``bits``, then :func:`unpack_signs_serial` of ``bits``
+    into ``out`` (one call where a small vote needs its result as values); returns 0."""
+    _majority_words(packed, shifts, bits, n, 0, (packed.shape[1] + 7) // 8, nplanes, init,
+                    tie_mask)
+    _unpack_bytes(bits, out, 0, (out.size + 7) // 8, pos, neg)
     return 0
 
 
