@@ -21,7 +21,10 @@ Rank 0 prints, per collective and size, the minimum (the least disturbed loop) a
 time of each setting over the rounds, and the cost ``on / off - 1`` in percent of each; then
 the paired cost: the median over the rounds of each round's ``on / off - 1`` (the two loops
 of a round ran moments apart, so a drift of the machine's speed between rounds cancels), with
-the quartiles of those per-round costs.
+the quartiles of those per-round costs; and the process CPU time per call (all threads,
+mean over ranks; microseconds) of each setting, median over the rounds, with the paired
+difference (median over the rounds of on - off): the CPU the checksum costs, steadier than
+the latency on a busy machine.
 Exit status 0, 2 for bad arguments; an error ends every rank with a traceback.
 """
 
@@ -80,14 +83,18 @@ def _open(checksum: bool, port_shift: int, timeout: float) -> Any:
     return comm
 
 
-def _time(comm: Any, op: Any, iters: int) -> float:
-    """The slowest rank's mean seconds per call of ``iters`` calls after a barrier."""
+def _time(comm: Any, op: Any, iters: int) -> tuple[float, float]:
+    """The slowest rank's mean seconds per call of ``iters`` calls after a barrier, and the
+    ranks' mean process CPU seconds (all threads) per call."""
     comm.barrier()
+    cpu = time.process_time()
     start = time.perf_counter()
     for _ in range(iters):
         op()
     took = (time.perf_counter() - start) / iters
-    return float(comm.allgather(np.array([took], np.float64)).max())
+    cpu = (time.process_time() - cpu) / iters
+    got = comm.allgather(np.array([took, cpu], np.float64)).reshape(-1, 2)
+    return float(got[:, 0].max()), float(got[:, 1].mean())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -114,10 +121,13 @@ def main(argv: list[str] | None = None) -> int:
                         op()
                 iters = max(args.min_iterations, args.iter_bytes // max(nbytes, 1))
                 times: dict[bool, list[float]] = {True: [], False: []}
+                cpus: dict[bool, list[float]] = {True: [], False: []}
                 for r in range(args.rounds):
                     for setting in ((True, False) if r % 2 == 0 else (False, True)):
-                        times[setting].append(_time(comms[setting], ops[setting], iters))
-                rows.append((collective, nbytes, iters, times))
+                        took, cpu = _time(comms[setting], ops[setting], iters)
+                        times[setting].append(took)
+                        cpus[setting].append(cpu)
+                rows.append((collective, nbytes, iters, times, cpus))
     finally:
         for c in comms.values():
             c.close()
@@ -128,8 +138,8 @@ def main(argv: list[str] | None = None) -> int:
           "the same number of calls; time = slowest rank's mean per call (ms)")
     print(f"# {'collective':<10} {'size':>8} {'iters':>5} {'on min':>9} {'off min':>9} "
           f"{'cost%':>7} {'on med':>9} {'off med':>9} {'cost%':>7} {'paired%':>8} "
-          f"{'quartiles%':>15}")
-    for collective, nbytes, iters, times in rows:
+          f"{'quartiles%':>15} {'cpu on':>8} {'cpu off':>8} {'cpu +us':>8}")
+    for collective, nbytes, iters, times, cpus in rows:
         on, off = times[True], times[False]
         lo = (min(on) / min(off) - 1) * 100
         med = (float(np.median(on)) / float(np.median(off)) - 1) * 100
@@ -138,7 +148,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {collective:<10} {osu.fmt_bytes(nbytes):>8} {iters:>5} {min(on) * 1e3:>9.3f} "
               f"{min(off) * 1e3:>9.3f} {lo:>+7.2f} {float(np.median(on)) * 1e3:>9.3f} "
               f"{float(np.median(off)) * 1e3:>9.3f} {med:>+7.2f} {q2:>+8.2f} "
-              f"{f'{q1:+.1f}..{q3:+.1f}':>15}", flush=True)
+              f"{f'{q1:+.1f}..{q3:+.1f}':>15} {float(np.median(cpus[True])) * 1e6:>8.1f} "
+              f"{float(np.median(cpus[False])) * 1e6:>8.1f} "
+              f"{float(np.median(np.subtract(cpus[True], cpus[False]))) * 1e6:>+8.1f}",
+              flush=True)
     return 0
 
 
