@@ -25,10 +25,15 @@ rounds per side):
 
 A figure fails when it is worse than the stored one by more than its tolerance (the noise seen
 between runs on the reference machine); a failed suite is measured once more and the better
-of the two runs counts, so one disturbed run does not fail the gate. ``--calibrate N`` runs
-every suite N times and stores, per figure, the median of the runs as the reference and
-``max(MIN_TOLERANCE, NOISE_FACTOR * (worst - median) / median)`` as its tolerance, with the
-runs themselves (``"runs"``), so the tolerance is the noise measured, not a guess.
+of the two runs counts, so one disturbed run does not fail the gate. With ``--against TREE``
+the verdict that decides is the paired one: a figure fails when it is worse than TREE's, measured
+in the same run, by more than its tolerance (both sides measured once more first, the better
+run of each counting). A machine slower than the one the stored figures came from makes
+both trees worse than stored alike: those figures are named, and do not fail the gate.
+``--calibrate N`` runs every suite N times and stores, per figure, the median of the runs as
+the reference and ``max(MIN_TOLERANCE, NOISE_FACTOR * (worst - median) / median)`` as its
+tolerance, with the runs themselves (``"runs"``), so the tolerance is the noise measured, not
+a guess.
 
 Exit status: 0 when no figure got worse, 1 naming every figure that did, 2 for bad options.
 """
@@ -179,30 +184,55 @@ def main(argv: list[str] | None = None) -> int:
         if suite == "wire" and not _netns_allowed():
             print("# wire: skipped (needs root and network namespaces)", flush=True)
             continue
+        other: dict[str, float] = {}
         if args.against is not None:
-            base.update(run_suite(suite, args.against.resolve()))
+            other = run_suite(suite, args.against.resolve())
         got = run_suite(suite)
         bad = [k for k, v in got.items()
                if k in known and v > known[k]["ratio"] * (1 + known[k]["tolerance"])]
+        if args.against is not None:
+            bad = [k for k, v in got.items() if k in other and v > other[k] * (1 + _tol(known, k))]
         if bad and not args.update:
-            print(f"# {suite}: {', '.join(bad)} worse than stored; measuring again", flush=True)
+            what = "the other tree's" if args.against is not None else "stored"
+            print(f"# {suite}: {', '.join(bad)} worse than {what}; measuring again", flush=True)
+            if args.against is not None:
+                again_other = run_suite(suite, args.against.resolve())
+                other = {k: min(v, again_other.get(k, v)) for k, v in other.items()}
             again = run_suite(suite)
             got = {k: min(v, again.get(k, v)) for k, v in got.items()}
+        base.update(other)
         now.update(got)
-    against = f"{'against':>10}" if args.against is not None else ""
-    print(f"# {'figure':<32}{'stored':>10}{against}{'now':>10}{'limit':>10}  verdict")
+    slow: list[str] = []  # worse than stored in both trees
+    if args.against is None:
+        print(f"# {'figure':<32}{'stored':>10}{'now':>10}{'limit':>10}  verdict")
+    else:
+        print(f"# {'figure':<32}{'stored':>10}{'against':>10}{'now':>10}{'limit':>10}  "
+              "verdict (limit: against + tolerance)")
     for name, value in now.items():
         ref = known.get(name)
-        other = "" if args.against is None else \
-            f"{base[name]:>10.3f}" if name in base else f"{'-':>10}"
-        if ref is None:
-            print(f"{name:<34}{'-':>10}{other}{value:>10.3f}{'-':>10}  new")
-            continue
-        limit = ref["ratio"] * (1 + ref["tolerance"])
-        verdict = "WORSE" if value > limit else "ok"
+        if args.against is None:
+            if ref is None:
+                print(f"{name:<34}{'-':>10}{value:>10.3f}{'-':>10}  new")
+                continue
+            limit = ref["ratio"] * (1 + ref["tolerance"])
+            verdict = "WORSE" if value > limit else "ok"
+            print(f"{name:<34}{ref['ratio']:>10.3f}{value:>10.3f}{limit:>10.3f}  {verdict}")
+        else:
+            stored_txt = f"{ref['ratio']:>10.3f}" if ref is not None else f"{'-':>10}"
+            if name not in base:
+                print(f"{name:<34}{stored_txt}{'-':>10}{value:>10.3f}{'-':>10}  new")
+                continue
+            limit = base[name] * (1 + _tol(known, name))
+            verdict = "WORSE" if value > limit else "ok"
+            if ref is not None and verdict == "ok":
+                ref_limit = ref["ratio"] * (1 + ref["tolerance"])
+                if value > ref_limit and base[name] > ref_limit:
+                    slow.append(name)
+                    verdict = "ok (both trees worse than stored)"
+            print(f"{name:<34}{stored_txt}{base[name]:>10.3f}{value:>10.3f}{limit:>10.3f}  "
+                  f"{verdict}")
         if verdict == "WORSE":
             worse.append(name)
-        print(f"{name:<34}{ref['ratio']:>10.3f}{other}{value:>10.3f}{limit:>10.3f}  {verdict}")
     if args.update:
         for name, value in now.items():
             tol = known.get(name, {}).get("tolerance", 0.25)  # the calibrated noise stays
@@ -211,11 +241,21 @@ def main(argv: list[str] | None = None) -> int:
         FIGURES.write_text(json.dumps(stored, indent=1) + "\n")
         print(f"# stored {len(now)} figures in {FIGURES.relative_to(ROOT)}")
         return 0
+    if slow:
+        print("# worse than stored in both trees (a slower machine than the stored figures', "
+              "or a regression older than the other tree): " + ", ".join(slow))
     if worse:
-        print("FAILED: worse than stored beyond noise: " + ", ".join(worse))
+        what = "the other tree's" if args.against is not None else "stored"
+        print(f"FAILED: worse than {what} beyond noise: " + ", ".join(worse))
         return 1
-    print("gate passed: no figure worse than stored")
+    print("gate passed: no figure worse than " +
+          ("the other tree's" if args.against is not None else "stored"))
     return 0
+
+
+def _tol(known: dict[str, dict[str, Any]], name: str) -> float:
+    """The tolerance of figure ``name`` (its calibrated noise; 25% for a figure not stored)."""
+    return float(known.get(name, {}).get("tolerance", 0.25))
 
 
 if __name__ == "__main__":

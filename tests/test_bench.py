@@ -714,3 +714,49 @@ def test_gate_calibration_stores_the_median_and_the_measured_noise(
         with pytest.raises(SystemExit) as exc:
             gate.main(["--only", "loopback", *bad])
         assert exc.value.code == 2
+
+
+def test_gate_against_another_tree_judges_the_pair(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """``bench/gate.py --against TREE``: the verdict compares each figure with TREE's from the
+    same run (a regression beyond the tolerance fails, after both are measured once more); a
+    figure worse than stored in both trees (a slower machine) is named and passes. Without
+    ``--against`` the stored figures decide. The suites are recorded figures (nothing is
+    timed)."""
+    import gate
+
+    figures = tmp_path / "gate_figures.json"
+    figures.write_text(json.dumps({"figures": {"a": {"ratio": 1.0, "tolerance": 0.1}}}))
+    monkeypatch.setattr(gate, "FIGURES", figures)
+    monkeypatch.setattr(gate, "ROOT", tmp_path)
+    other_tree = tmp_path / "other"
+    calls: list[str] = []
+
+    def recorded(mine: list[float], theirs: list[float]) -> None:
+        seqs = {"now": iter(mine), "other": iter(theirs)}
+
+        def run_suite(suite: str, tree: Path = tmp_path) -> dict[str, float]:
+            side = "other" if tree == other_tree else "now"
+            calls.append(side)
+            return {"a": next(seqs[side])}
+
+        calls.clear()
+        monkeypatch.setattr(gate, "run_suite", run_suite)
+
+    against = ["--only", "loopback", "--against", str(other_tree)]
+    recorded([2.05], [2.0])  # both slower than stored, alike: the machine
+    assert gate.main(against) == 0
+    out = capsys.readouterr().out
+    assert "ok (both trees worse than stored)" in out and "gate passed" in out
+    assert calls == ["other", "now"]
+    recorded([1.5, 1.4], [1.0, 1.1])  # this tree slower than the other, twice: a regression
+    assert gate.main(against) == 1
+    assert "FAILED: worse than the other tree's beyond noise: a" in capsys.readouterr().out
+    assert calls == ["other", "now", "other", "now"]
+    recorded([1.5, 1.05], [1.0, 1.0])  # one disturbed run: the better one counts
+    assert gate.main(against) == 0
+    capsys.readouterr()
+    recorded([1.5, 1.5], [])  # without --against: the stored figure decides
+    assert gate.main(["--only", "loopback"]) == 1
+    assert "FAILED: worse than stored beyond noise: a" in capsys.readouterr().out
+    assert calls == ["now", "now"]
