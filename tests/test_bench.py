@@ -749,6 +749,9 @@ def test_gate_against_another_tree_judges_the_pair(tmp_path: Path, monkeypatch: 
     out = capsys.readouterr().out
     assert "ok (both trees worse than stored)" in out and "gate passed" in out
     assert calls == ["other", "now"]
+    recorded([1.15], [1.05])  # worse than stored, within the noise of the other tree
+    assert gate.main(against) == 0
+    assert "ok (worse than stored, within the noise of against)" in capsys.readouterr().out
     recorded([1.5, 1.4], [1.0, 1.1])  # this tree slower than the other, twice: a regression
     assert gate.main(against) == 1
     assert "FAILED: worse than the other tree's beyond noise: a" in capsys.readouterr().out
