@@ -134,6 +134,22 @@ _TIE_MASKS = {(TIE_NEGATIVE, 0): np.uint64(0), (TIE_NEGATIVE, 1): np.uint64(0),
               (TIE_ALTERNATE, 0): np.uint64(_EVEN_BITS),
               (TIE_ALTERNATE, 1): np.uint64(_EVEN_BITS << 1)}
 _NO_SHIFTS: dict[int, npt.NDArray[np.int64]] = {}  # p -> zeros(p): one vote per row
+
+
+def _no_shifts(p: int) -> npt.NDArray[np.int64]:
+    """``zeros(p)`` (int64), cached: the shifts of ``p`` rows of one vote each."""
+    shifts = _NO_SHIFTS.get(p)
+    if shifts is None:
+        shifts = _NO_SHIFTS.setdefault(p, np.zeros(p, np.int64))
+    return shifts
+
+
+def _vote_counter(p: int) -> tuple[int, int]:
+    """The majority kernels' vertical counter for ``p`` votes: ``(planes, init)``, with
+    ``2**(planes - 1) > p`` and the counter started at ``init`` so that its top plane is set
+    exactly where more than half of the votes are +1."""
+    top = p.bit_length()
+    return top + 1, (1 << top) - (p // 2 + 1)
 #: output dtype -> (unsigned view, raw bits of +1, raw bits of -1), typed (scale 1).
 _UNIT_SIGNS: dict[np.dtype[Any], tuple[Any, Any, Any]] = {}
 
@@ -485,11 +501,12 @@ class SignVotes:
     """
 
     __slots__ = (
+        "_counter",
         "_in_view",
         "_masks",
         "_neg",
+        "_odd",
         "_out_view",
-        "_planes",
         "_pos",
         "_shifts",
         "n",
@@ -524,8 +541,9 @@ class SignVotes:
         self._out_view = ut = _UNSIGNED_OF_SIZE[dt.itemsize]
         self._pos, self._neg = ut(pos), ut(neg)
         self.nbytes = (n + 7) // 8
-        self._shifts = np.zeros(p, np.int64)
-        self._planes = p.bit_length()
+        self._shifts = _no_shifts(p)
+        self._counter = _vote_counter(p)
+        self._odd = p % 2 == 1  # no ties
 
     def pack(self, x: npt.NDArray[np.floating[Any]], out: npt.NDArray[np.uint8]) -> None:
         """:func:`pack_signs` of ``x`` (``in_dtype[n]``, C-contiguous) into ``out``
@@ -543,11 +561,10 @@ class SignVotes:
         rule ``tie`` (one of the ``TIE_*`` constants) at offset ``tie_offset``, written as
         packed bits to ``bits`` (``uint8[nbytes]``, writeable) and as ``+1``/``-1`` to
         ``out`` (``out_dtype[n]``, C-contiguous, writeable), in one kernel call."""
-        p = self.p
-        planes = self._planes
+        planes, init = self._counter
         _k.majority_signs_serial(packed, self._shifts, bits, out.view(self._out_view), self.n,
-                                 planes + 1, (1 << planes) - (p // 2 + 1),
-                                 _TIE_MASKS[TIE_NEGATIVE if p % 2 else tie, tie_offset % 2],
+                                 planes, init,
+                                 _TIE_MASKS[TIE_NEGATIVE if self._odd else tie, tie_offset % 2],
                                  self._pos, self._neg)
 
 
@@ -584,11 +601,8 @@ def majority(packed: npt.NDArray[np.uint8], n: int, tie: int, tie_offset: int = 
                 out.size == nb and 0 <= tie <= TIE_ALTERNATE and \
                 packed.flags.c_contiguous and (flags := out.flags).c_contiguous and \
                 flags.writeable:
-            shifts = _NO_SHIFTS.get(p)
-            if shifts is None:
-                shifts = _NO_SHIFTS.setdefault(p, np.zeros(p, np.int64))
-            planes = p.bit_length()
-            _k.majority_serial(packed, shifts, out, n, planes + 1, (1 << planes) - (p // 2 + 1),
+            planes, init = _vote_counter(p)
+            _k.majority_serial(packed, _no_shifts(p), out, n, planes, init,
                                _TIE_MASKS[TIE_NEGATIVE if p % 2 else tie, tie_offset % 2])
             return out
     n = _length(n)
@@ -597,7 +611,7 @@ def majority(packed: npt.NDArray[np.uint8], n: int, tie: int, tie_offset: int = 
     if p < 1:
         raise UsageError("majority needs at least one vote vector (packed has 0 rows)",
                          argument="packed")
-    return _majority(a, np.zeros(p, np.int64), p, n, tie, tie_offset, out)
+    return _majority(a, _no_shifts(p), p, n, tie, tie_offset, out)
 
 
 def majority_of_counts(planes: npt.NDArray[np.uint8], shifts: Sequence[int], votes: int,
@@ -642,11 +656,10 @@ def _majority(a: npt.NDArray[np.uint8], shifts: npt.NDArray[np.int64], p: int, n
         tie_mask = _ALL64
     else:
         tie_mask = _EVEN_BITS if offset % 2 == 0 else _EVEN_BITS << 1
-    planes = p.bit_length()  # 2**planes > p
-    init = (1 << planes) - (p // 2 + 1)
+    planes, init = _vote_counter(p)
     res = _out(out, np.dtype(np.uint8), packed_nbytes(n))
     _dispatch(n, _k.majority_serial, _k.majority_parallel,
-              (a, shifts, res, n, planes + 1, init, np.uint64(tie_mask)),
+              (a, shifts, res, n, planes, init, np.uint64(tie_mask)),
               _CHUNK_ELEMENTS // 64)
     return res
 
