@@ -178,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     known: dict[str, dict[str, Any]] = stored.get("figures", {})
     if args.calibrate:
         return _calibrate(suites, args.calibrate, stored, known)
+    reference = "the other tree's" if args.against is not None else "stored"  # what decides
     now: dict[str, float] = {}
     base: dict[str, float] = {}
     worse: list[str] = []
@@ -194,8 +195,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.against is not None:
             bad = [k for k, v in got.items() if k in other and v > other[k] * (1 + _tol(known, k))]
         if bad and not args.update:
-            what = "the other tree's" if args.against is not None else "stored"
-            print(f"# {suite}: {', '.join(bad)} worse than {what}; measuring again", flush=True)
+            print(f"# {suite}: {', '.join(bad)} worse than {reference}; measuring again",
+                  flush=True)
             if args.against is not None:
                 again_other = run_suite(suite, args.against.resolve())
                 other = {k: min(v, again_other.get(k, v)) for k, v in other.items()}
@@ -247,11 +248,9 @@ def main(argv: list[str] | None = None) -> int:
         print("# worse than stored but not than the other tree (a slower machine than the "
               "stored figures', or a regression older than the other tree): " + ", ".join(slow))
     if worse:
-        what = "the other tree's" if args.against is not None else "stored"
-        print(f"FAILED: worse than {what} beyond noise: " + ", ".join(worse))
+        print(f"FAILED: worse than {reference} beyond noise: " + ", ".join(worse))
         return 1
-    print("gate passed: no figure worse than " +
-          ("the other tree's" if args.against is not None else "stored"))
+    print(f"gate passed: no figure worse than {reference}")
     return 0
 
 
