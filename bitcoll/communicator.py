@@ -1272,7 +1272,10 @@ class Communicator:
                                              gather)
 
         def check() -> None:
-            if source == "int" and n and (vec.min() < -levels or vec.max() > levels):
+            # Over several ranks the codec's packing pass checks [-levels, levels] (every
+            # algorithm encodes every element before a peer can complete); one rank copies.
+            if source == "int" and n and self.size == 1 and \
+                    (vec.min() < -levels or vec.max() > levels):
                 bad = int(np.argmax((vec < -levels) | (vec > levels)))
                 raise UsageError(f"{name}: value {int(vec[bad])} at index {bad} is "
                                  f"outside [-{levels}, {levels}]", argument="q", index=bad)
@@ -1595,9 +1598,9 @@ class Communicator:
         may be any integer dtype that holds ``+-levels * size``). ``op="sign"``: the owner
         all-gathers only ``sign(sum)`` in {-1, 0, 1}, as 2-bit fields (the all-gather moves
         ``2 / ceil(log2(2 levels size + 1))`` of the bytes); returns int8 (``out``: any
-        integer dtype). A value outside the range raises UsageError (its peers get
-        PeerLostError). ``algorithm`` as in :meth:`sign_allreduce`. Requires
-        ``levels * size <= 32767``.
+        integer dtype). A value outside the range raises UsageError naming one such element
+        (found in the packing pass; its peers get PeerLostError). ``algorithm`` as in
+        :meth:`sign_allreduce`. Requires ``levels * size <= 32767``.
         """
         with self._validating("quantized_allreduce"):
             lv = self._levels(levels)

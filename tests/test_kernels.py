@@ -616,7 +616,56 @@ def test_pack_fields_out_of_range(mode: str, data: st.DataObject, n: int, seed: 
         K.pack_fields(v, width, bias)
 
 
+@pytest.mark.parametrize("mode", MODES)
+@SETTINGS
+@given(data=st.data(), n=st.integers(0, 500), seed=seeds,
+       dtype=st.sampled_from(INT_DTYPES), width=st.sampled_from([1, 2, 4, 7, 8]))
+def test_pack_fields_valid_range(mode: str, data: st.DataObject, n: int, seed: int,
+                                 dtype: Any, width: int) -> None:
+    """``valid=(lo, hi)`` narrows the accepted values inside the field's range, in the same
+    pass: the fields of an accepted vector are those without ``valid``; otherwise the first
+    value outside ``[lo, hi]`` is named (1-byte values take byte lanes: the range must hold
+    modulo 2**8 too)."""
+    if mode == "parallel" and width not in PARALLEL_WIDTHS:
+        return
+    bias = data.draw(st.sampled_from([0, 1 << (width - 1), -3]), label="bias")
+    info = np.iinfo(dtype)
+    flo = max(-bias, int(info.min))
+    fhi = min((1 << width) - 1 - bias, int(info.max))
+    if flo > fhi:
+        return
+    lo = data.draw(st.integers(flo, fhi), label="lo")
+    hi = data.draw(st.integers(lo, fhi), label="hi")
+    rng = np.random.default_rng(seed)
+    v = rng.integers(lo, hi, n, endpoint=True).astype(dtype)
+    outside = [x for x in (lo - 1, hi + 1, flo, fhi, int(info.min), int(info.max))
+               if info.min <= x <= info.max and not lo <= x <= hi]
+    where: list[int] = []
+    if n and outside and data.draw(st.booleans(), label="spoil"):
+        where = sorted(data.draw(st.sets(st.integers(0, n - 1), min_size=1, max_size=3)))
+        for i in where:
+            v[i] = data.draw(st.sampled_from(outside))
+    with dispatch_mode(mode):
+        if where:
+            with raises_usage("values", index=where[0]):
+                K.pack_fields(v, width, bias, valid=(lo, hi))
+        else:
+            np.testing.assert_array_equal(K.pack_fields(v, width, bias, valid=(lo, hi)),
+                                          R.pack_fields(v, width, bias))
+
+
 def test_pack_fields_extreme_values() -> None:
+    # values whose wrap-around modulo 2**8, 2**16 or 2**32 would land inside the range must
+    # be rejected (only 1-byte values are packed in byte lanes)
+    for dtype, x in ((np.int16, 256), (np.int16, -32768), (np.uint16, 257), (np.int32, 1 << 16),
+                     (np.int64, 1 << 32), (np.uint32, (1 << 32) - 255)):
+        for width in (1, 2, 4, 7, 8):
+            w: npt.NDArray[Any] = np.zeros(19, dtype)  # two groups of 8 (the vector loop), a tail
+            w[1], w[9] = 1, x
+            with raises_usage("values", index=9):
+                K.pack_fields(w, width, 0)
+            with raises_usage("values", index=9):
+                K.pack_fields(w, width, 0, valid=(0, 1))
     # values whose 64-bit wrap-around would land inside the range must still be rejected
     v = np.array([0, 2**64 - 1], np.uint64)
     with raises_usage("values", index=1):

@@ -7,11 +7,15 @@ threads over the in-process transport; small packed segments give every vector s
 pipeline segments, and the NaN sits at the first or last element of the rank's own block,
 of a peer's block, or in the middle. "default" is the call without ``algorithm=`` (the
 communicator's lean path for small vectors, else the cost model's pick).
+
+The quantized all-reduce's range check works the same way: a value outside
+``[-levels, levels]`` (one its field could still hold, or not) is found while packing.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -35,10 +39,10 @@ def _nan_index(where: str, p: int) -> int:
             "peer-last": peer[1] - 1, "middle": N // 2}[where]
 
 
-def _outcomes(hosts: tuple[int, ...], call: str, op: str, algorithm: str,
-              nan_at: int) -> list[Any]:
-    """Every rank (host ``hosts[r]``) calls ``call``; rank 0's input has a NaN at ``nan_at``.
-    Returns per rank the exception's type, or the result when it returned one."""
+def _outcomes(hosts: tuple[int, ...], call: str, algorithm: str,
+              inputs: Callable[[int], np.ndarray[Any, Any]], **kwargs: Any) -> list[Any]:
+    """Every rank ``r`` (host ``hosts[r]``) calls ``call`` on ``inputs(r)``. Returns per rank
+    the exception's type, or the result when it returned one."""
     p = len(hosts)
     world = _World(p)
     comms = [Communicator(InprocTransport(world, r), timeout=60.0, packed_segment_bytes=64,
@@ -46,12 +50,10 @@ def _outcomes(hosts: tuple[int, ...], call: str, op: str, algorithm: str,
     got: list[Any] = [None] * p
 
     def rank(r: int) -> None:
-        x = np.random.default_rng(r).standard_normal(N).astype(np.float32)
-        if r == 0:
-            x[nan_at] = np.nan
+        x = inputs(r)
         try:
             chosen = None if algorithm == "default" else algorithm
-            got[r] = getattr(comms[r], call)(x, op=op, algorithm=chosen)
+            got[r] = getattr(comms[r], call)(x, algorithm=chosen, **kwargs)
         except (UsageError, PeerLostError) as exc:
             got[r] = exc
 
@@ -62,6 +64,17 @@ def _outcomes(hosts: tuple[int, ...], call: str, op: str, algorithm: str,
         t.join(120)
     assert not any(t.is_alive() for t in threads), "a rank is still waiting"
     return got
+
+
+def _rank0_failed(got: list[Any], argument: str, index: int) -> None:
+    """Rank 0 raised UsageError naming ``argument`` and ``index``; every peer PeerLostError
+    naming rank 0."""
+    assert isinstance(got[0], UsageError), got[0]
+    assert got[0].argument == argument and got[0].index == index, got[0]
+    assert f"index {index}" in str(got[0]), got[0]
+    for r, outcome in enumerate(got[1:], 1):
+        assert isinstance(outcome, PeerLostError), (r, outcome)
+        assert outcome.peer == 0 or "rank 0" in str(outcome), (r, outcome)
 
 
 #: (algorithm, host of every rank): flat worlds of 2-5 ranks, and two-level ones.
@@ -81,9 +94,53 @@ WORLDS: list[tuple[str, tuple[int, ...]]] = [
 def test_a_nan_fails_every_rank(algorithm: str, hosts: tuple[int, ...], call: str, op: str,
                                 where: str) -> None:
     nan_at = _nan_index(where, len(hosts))
-    got = _outcomes(hosts, call, op, algorithm, nan_at)
-    assert isinstance(got[0], UsageError), got[0]
-    assert got[0].argument == "x" and f"index {nan_at}" in str(got[0])
-    for r, outcome in enumerate(got[1:], 1):
-        assert isinstance(outcome, PeerLostError), (r, outcome)
-        assert outcome.peer == 0 or "rank 0" in str(outcome), (r, outcome)
+
+    def inputs(r: int) -> np.ndarray[Any, Any]:
+        x = np.random.default_rng(r).standard_normal(N).astype(np.float32)
+        if r == 0:
+            x[nan_at] = np.nan
+        return x
+
+    _rank0_failed(_outcomes(hosts, call, algorithm, inputs, op=op), "x", nan_at)
+
+
+@pytest.mark.parametrize(("levels", "dtype", "bad"), [
+    (1, np.int8, 2),  # fits the 2-bit field (values -1..2), outside [-1, 1]
+    (1, np.int16, 300),  # fits no field
+    (2, np.int32, -3),  # the 3-bit field holds -2..5
+])
+@pytest.mark.parametrize("where", ["own-first", "peer-last"])
+@pytest.mark.parametrize("call", ["quantized_allreduce", "quantized_reduce_scatter"])
+@pytest.mark.parametrize(("algorithm", "hosts"), WORLDS,
+                         ids=[f"{a}-{''.join(map(str, h))}" for a, h in WORLDS])
+def test_a_value_outside_the_levels_fails_every_rank(algorithm: str, hosts: tuple[int, ...],
+                                                     call: str, where: str, levels: int,
+                                                     dtype: type, bad: int) -> None:
+    at = _nan_index(where, len(hosts))
+
+    def inputs(r: int) -> np.ndarray[Any, Any]:
+        q: np.ndarray[Any, Any] = np.random.default_rng(r).integers(-levels, levels + 1,
+                                                                     N).astype(dtype)
+        if r == 0:
+            q[at] = bad
+        return q
+
+    got = _outcomes(hosts, call, algorithm, inputs, levels=levels)
+    _rank0_failed(got, "q", at)
+    assert f"value {bad} at index {at} of q is outside [-{levels}, {levels}]" in str(got[0])
+
+
+@pytest.mark.parametrize("levels", [1, 3])
+def test_the_edges_of_the_levels_pass(levels: int) -> None:
+    """Values at -levels and +levels are inside: the packing pass's range is exact."""
+    def inputs(r: int) -> np.ndarray[Any, Any]:
+        q = np.full(N, levels if r % 2 else -levels, np.int8)
+        q[::7] = -q[::7]
+        return q
+
+    for algorithm, hosts in WORLDS[:8]:
+        got = _outcomes(hosts, "quantized_allreduce", algorithm, inputs, levels=levels)
+        want = sum(inputs(r).astype(np.int64) for r in range(len(hosts)))
+        for r, res in enumerate(got):
+            assert isinstance(res, np.ndarray), (algorithm, hosts, r, res)
+            np.testing.assert_array_equal(res, want)

@@ -119,8 +119,12 @@ class VoteCodec(ABC):
     def combine(self, rows: Array, n: int, first: int, out: Array) -> None:
         """Aggregate ``rows`` (uint8 ``(p, nbytes)``, one packed contribution per rank) for
         ``n`` elements whose first global index is ``first``; write the packed result."""
-        acc = np.zeros(n, dtype=np.int32)
-        for row in rows:
+        if not len(rows):
+            acc = np.zeros(n, dtype=np.int32)
+        else:  # the first row written, not added to zeros: no pass to clear the totals
+            acc = kernels.unpack_fields(rows[0], n, self.w_in, self.bias_in,
+                                        out=np.empty(n, np.int32))
+        for row in rows[1:]:
             kernels.add_fields(row, n, self.w_in, self.bias_in, acc)
         self.finish(acc, first, out)
 
@@ -228,7 +232,16 @@ class SumCodec(VoteCodec):
     result is their exact sum."""
 
     def _encode_values(self, x: Array, out: Array) -> None:
-        kernels.pack_fields(x, self.w_in, self.bias_in, out=out)
+        # The range [-levels, levels] is checked in the packing pass (a value outside it
+        # raises UsageError naming the element), not by a pass of its own.
+        try:
+            kernels.pack_fields(x, self.w_in, self.bias_in, out=out,
+                                valid=(-self.levels, self.levels))
+        except UsageError as exc:
+            assert exc.index is not None
+            raise UsageError(f"value {int(x[exc.index])} at index {exc.index} of q is "
+                             f"outside [-{self.levels}, {self.levels}]", argument="q",
+                             index=exc.index) from None
 
 
 @dataclass(frozen=True)

@@ -712,17 +712,23 @@ def _field_range(width: int, bias: object) -> tuple[int, int, int]:
 
 
 def pack_fields(values: npt.NDArray[np.integer[Any]], width: int, bias: int,
-                out: npt.NDArray[np.uint8] | None = None) -> npt.NDArray[np.uint8]:
+                out: npt.NDArray[np.uint8] | None = None, *,
+                valid: tuple[int, int] | None = None) -> npt.NDArray[np.uint8]:
     """Pack ``values[i] + bias`` as ``width``-bit fields into ``uint8[ceil(n*width/8)]``.
 
     ``values`` is any 1-D integer array (int8..int64, uint8..uint64), ``1 <= width <= 16``.
-    Every field must lie in ``[0, 2**width - 1]``; the first element that does not raises
-    :class:`UsageError` naming its index and value (found in the packing pass; ``out`` may
-    then be partly written).
+    Every field must lie in ``[0, 2**width - 1]``, and with ``valid=(lo, hi)`` every value in
+    ``[lo, hi]`` too (a range inside the field's, checked in the same pass: a quantized
+    all-reduce's ``[-levels, levels]`` where ``2 levels + 1`` is not a power of two); the
+    first element that does not raises :class:`UsageError` naming its index and value
+    (found in the packing pass; ``out`` may then be partly written).
     """
     v = _vector(values, "values", _INT_DTYPES)
     w = _width(width)
     b, lo, hi = _field_range(w, bias)
+    if valid is not None:
+        vlo, vhi = (_as_int(e, "valid") for e in valid)
+        lo, hi = max(lo, vlo), min(hi, vhi)
     n = v.size
     res = _out(out, np.dtype(np.uint8), packed_nbytes(n, w))
     dmin, dmax = int_range(v.dtype)
@@ -735,9 +741,10 @@ def pack_fields(values: npt.NDArray[np.integer[Any]], width: int, bias: int,
         err = _dispatch(n, kern.pack_serial, kern.pack_parallel, args,
                         _CHUNK_ELEMENTS // _k.GROUP)
     if err >= 0:
-        raise UsageError(f"value {int(v[err])} at index {err} does not fit in a {w}-bit field "
-                         f"with bias {b} (values must lie in [{lo}, {hi}])",
-                         argument="values", index=int(err))
+        what = (f"does not fit in a {w}-bit field with bias {b}" if valid is None else
+                "is outside the valid range")
+        raise UsageError(f"value {int(v[err])} at index {err} {what} (values must lie in "
+                         f"[{lo}, {hi}])", argument="values", index=int(err))
     return res
 
 

@@ -698,6 +698,34 @@ def _first_bad(values: Any, i0: int, i1: int, lo: np.uint64, span: np.uint64) ->
     return -1
 
 
+def _lane(values: Any, x: Any) -> Any:
+    """``x`` (uint64) in the width of ``values``' elements: uint8 for 1-byte values, else
+    ``x`` itself (in kernels only)."""
+    raise RuntimeError("_lane can only be called from a numba kernel")
+
+
+def _lane_typer(values: Any, x: Any) -> Any:
+    # For 1-byte values the pack's arithmetic is exact modulo 2**8: the valid range
+    # [lo, lo + span] lies inside the dtype's 256 values (pack_fields clips it), so
+    # ``values[i] - lo`` (mod 2**8) <= span holds exactly for the valid elements, as it does
+    # modulo 2**64. Typed uint8, LLVM vectorizes the pack in byte lanes (64 per AVX-512
+    # register) instead of widening every element to 64 bits: 10.75M int8 at 2 bits took
+    # 3.15 ms in uint64 lanes.
+    if values.dtype.bitwidth == 8:
+        def narrow(values: Any, x: Any) -> Any:
+            return np.uint8(x)
+
+        return narrow
+
+    def wide(values: Any, x: Any) -> Any:
+        return x
+
+    return wide
+
+
+overload(_lane, jit_options={"nogil": True}, inline="always")(_lane_typer)
+
+
 @_inline_ir()
 def _pack_aligned(values: Any, out: Any, g0: int, g1: int, lo: np.uint64, span: np.uint64,
                   off: np.uint64, W: int) -> int:
@@ -706,12 +734,14 @@ def _pack_aligned(values: Any, out: Any, g0: int, g1: int, lo: np.uint64, span: 
     vectorizes). An invalid element may leave garbage in its byte; the caller reports it."""
     per = 8 // W
     bad: Any = False
+    span_l = _lane(values, span)
+    off_l = _lane(values, off)
     for j in range(g0 * W, g1 * W):
         b = np.uint64(0)
         for k in range(per):
-            d = np.uint64(values[j * per + k]) - lo
-            bad |= d > span
-            b |= (d + off) << np.uint64(W * k)
+            d = _lane(values, np.uint64(values[j * per + k]) - lo)
+            bad |= d > span_l
+            b |= np.uint64(d + off_l) << np.uint64(W * k)
         out[j] = np.uint8(b & _B8)
     if bad:
         return _first_bad(values, 8 * g0, 8 * g1, lo, span)
