@@ -756,21 +756,22 @@ def _pack_groups(values: Any, out: Any, g0: int, g1: int, lo: np.uint64, span: n
     constant there: one branch is compiled)."""
     if 8 % W == 0:
         return _pack_aligned(values, out, g0, g1, lo, span, off, W)
+    bad: Any = False
+    span_l = _lane(values, span)
     for g in range(g0, g1):
         lw = np.uint64(0)
         hw = np.uint64(0)
-        bad: Any = False
         for k in range(8):
-            d = np.uint64(values[8 * g + k]) - lo
-            bad |= d > span
-            lw, hw = _put_field(lw, hw, d + off, k, W)
-        if bad:
-            return _first_bad(values, 8 * g, 8 * g + 8, lo, span)
+            d = _lane(values, np.uint64(values[8 * g + k]) - lo)
+            bad |= d > span_l
+            lw, hw = _put_field(lw, hw, np.uint64(d) + off, k, W)
         o = g * W
         for b in range(min(W, 8)):
             out[o + b] = np.uint8((lw >> np.uint64(8 * b)) & _B8)
         for b in range(8, W):
             out[o + b] = np.uint8((hw >> np.uint64(8 * (b - 8))) & _B8)
+    if bad:
+        return _first_bad(values, 8 * g0, 8 * g1, lo, span)
     return -1
 
 
