@@ -62,6 +62,9 @@ class Slot(enum.IntEnum):
     GATHER_WORK = 11
     """:mod:`~bitcoll.algorithms.sign_allreduce_allgather`: every rank's packed row, then the
     packed result."""
+    PACKED_TOTALS = 12
+    """:mod:`~bitcoll.algorithms.sign_allreduce_direct`: the owner's int32 totals of one
+    segment (:meth:`~bitcoll.algorithms.votes.VoteCodec.combine`'s work)."""
 
 
 class OpContext:

@@ -127,7 +127,9 @@ def packed_direct(ctx: OpContext, codec: VoteCodec, x: Array, out: Array,
         own = result[r]
         assert own is not None
         buf = own[o0:o1]
-        codec.combine(mine, hi - lo, bounds[r] + lo, buf)
+        work = None if codec.majority else \
+            ctx.scratch(Slot.PACKED_TOTALS, hi - lo, np.dtype(np.int32))
+        codec.combine(mine, hi - lo, bounds[r] + lo, buf, work)
         if gather:
             sends.extend(ctx.isend(j, buf) for j in peers)
             posted = []

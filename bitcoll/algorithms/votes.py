@@ -116,14 +116,19 @@ class VoteCodec(ABC):
             text = str(exc).replace(f"index {exc.index}", f"index {lo + exc.index}")
             raise UsageError(text, argument=exc.argument, index=lo + exc.index) from None
 
-    def combine(self, rows: Array, n: int, first: int, out: Array) -> None:
+    def combine(self, rows: Array, n: int, first: int, out: Array,
+                work: Array | None = None) -> None:
         """Aggregate ``rows`` (uint8 ``(p, nbytes)``, one packed contribution per rank) for
-        ``n`` elements whose first global index is ``first``; write the packed result."""
+        ``n`` elements whose first global index is ``first``; write the packed result.
+        ``work``: int32, exactly ``n`` elements, overwritten (a caller's reused buffer: no
+        fresh pages per call), or None for a new one."""
+        if work is None:
+            work = np.empty(n, np.int32)
         if not len(rows):
-            acc = np.zeros(n, dtype=np.int32)
+            work.fill(0)
+            acc = work
         else:  # the first row written, not added to zeros: no pass to clear the totals
-            acc = kernels.unpack_fields(rows[0], n, self.w_in, self.bias_in,
-                                        out=np.empty(n, np.int32))
+            acc = kernels.unpack_fields(rows[0], n, self.w_in, self.bias_in, out=work)
         for row in rows[1:]:
             kernels.add_fields(row, n, self.w_in, self.bias_in, acc)
         self.finish(acc, first, out)
@@ -131,7 +136,7 @@ class VoteCodec(ABC):
     def finish(self, totals: Array, first: int, out: Array) -> None:
         """Write the packed result of ``totals`` (int32, one partial aggregate of all
         ``size`` contributions per element, as :meth:`count_field` of ``size`` describes)
-        for elements whose first global index is ``first``."""
+        for elements whose first global index is ``first``. ``totals`` may be overwritten."""
         kernels.pack_fields(totals, self.w_out, self.bias_out, out=out)
 
     def decode(self, packed: Array, out: Array, lo: int, hi: int) -> None:
@@ -204,7 +209,9 @@ class MajorityCodec(VoteCodec):
         bits, no bias."""
         return max(1, contributions.bit_length()), 0
 
-    def combine(self, rows: Array, n: int, first: int, out: Array) -> None:
+    def combine(self, rows: Array, n: int, first: int, out: Array,
+                work: Array | None = None) -> None:
+        # Counts the rows' bits in the kernel: no totals, ``work`` is not used.
         kernels.majority(rows, n, self.tie, first + self.tie_call, out=out)
 
     def finish(self, totals: Array, first: int, out: Array) -> None:
@@ -270,7 +277,8 @@ class _SignOfSum(VoteCodec):
         return 1
 
     def finish(self, totals: Array, first: int, out: Array) -> None:
-        kernels.pack_fields(np.sign(totals), 2, 1, out=out)
+        # In place: the totals are the caller's work (no new array, no fresh pages).
+        kernels.pack_fields(np.sign(totals, out=totals), 2, 1, out=out)
 
 
 @dataclass(frozen=True)
