@@ -20,8 +20,9 @@ Definitions
 * **Quantized sums.** ``packed_quantized_allreduce`` takes values in ``[-L, L]`` as fields of
   ``w_in = field_width(L) = ceil(log2(2 L + 1))`` bits with bias ``L``, and returns the sums
   over ``p`` ranks as fields of ``w_out = field_width(L p)`` bits with bias ``L p``:
-  ``pack_fields(q, field_width(L), L)`` in, ``unpack_fields(s, n, field_width(L * p), L * p)``
-  out.
+  ``pack_fields(q, field_width(L), L, valid=(-L, L))`` in (``valid`` refuses a value outside
+  ``[-L, L]`` that the field could still hold), ``unpack_fields(s, n, field_width(L * p),
+  L * p)`` out.
 * **Padding.** The bits after the last element, up to the byte boundary, are written as 0 by
   every function here and by the collectives, and ignored when read.
 
@@ -112,17 +113,20 @@ def unpack_signs(bits: HostArray, count: int, out: Array | None = None,
 
 
 def pack_fields(values: HostArray, width: int, bias: int = 0,
-                out: npt.NDArray[np.uint8] | None = None) -> npt.NDArray[np.uint8]:
+                out: npt.NDArray[np.uint8] | None = None, *,
+                valid: tuple[int, int] | None = None) -> npt.NDArray[np.uint8]:
     """Pack ``values[i] + bias`` as ``width``-bit fields (``1 <= width <= 16``) into
     ``uint8[ceil(count * width / 8)]``.
 
     ``values``: any integer dtype. Every ``values[i] + bias`` must lie in
-    ``[0, 2**width - 1]``, else UsageError naming the first index that does not. For the
-    quantized collectives: ``pack_fields(q, field_width(levels), levels)``.
+    ``[0, 2**width - 1]``, and with ``valid=(lo, hi)`` every ``values[i]`` in ``[lo, hi]``
+    too (checked in the same pass), else UsageError naming the first index that does not.
+    For the quantized collectives: ``pack_fields(q, field_width(levels), levels,
+    valid=(-levels, levels))``.
     """
     from . import kernels
 
-    return kernels.pack_fields(_values(values, "values"), width, bias, out=out)
+    return kernels.pack_fields(_values(values, "values"), width, bias, out=out, valid=valid)
 
 
 def unpack_fields(packed: HostArray, count: int, width: int, bias: int = 0,

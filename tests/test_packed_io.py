@@ -65,6 +65,14 @@ def test_layout_errors() -> None:
         layout.pack_signs(np.array([1.0, -1.0, np.nan]))
     with raises_usage("values", 1):  # the first value outside the field
         layout.pack_fields(np.array([0, 4]), 2, 0)
+    # levels 1: the 2-bit field holds -1..2; valid= refuses the 2 in the same pass
+    q = np.zeros(21, np.int8)
+    q[[3, 13]] = 2
+    assert np.array_equal(layout.pack_fields(q, 2, 1), pack_fields_ref(q, 2, 1))
+    with raises_usage("values", 3):
+        layout.pack_fields(q, 2, 1, valid=(-1, 1))
+    with raises_usage("valid"):
+        layout.pack_fields(q, 2, 1, valid=(-1, 1.5))  # type: ignore[arg-type]
     with raises_usage("bits"):  # not uint8
         layout.unpack_signs(np.zeros(2, np.int8), 9)
     with raises_usage("bits"):  # 3 bytes for 9 votes
