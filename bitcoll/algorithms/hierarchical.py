@@ -143,7 +143,7 @@ def packed_hierarchical(ctx: OpContext, codec: VoteCodec, x: Array, out: Array,
     g = len(local)
     sb = plan.slice_bounds()
     mine = [s for s in range(G) if plan.owner(me, s) == r]
-    w_in, b_in, w_out = codec.w_in, codec.bias_in, codec.w_out
+    w_in, w_out = codec.w_in, codec.w_out
     cw = [codec.count_field(len(members[t])) for t in range(H)]
     wc, bc = cw[me]
     seg = segment_elements(ctx.segment_bytes, max(w_in, w_out, max(w for w, _ in cw)))
@@ -225,10 +225,7 @@ def packed_hierarchical(ctx: OpContext, codec: VoteCodec, x: Array, out: Array,
                     land = np.empty(nbytes(x1 - x0, cw[t][0]), np.uint8)  # w-bit fields
                     posted.append((t, land, ctx.irecv(plan.owner(t, s), land)))
             assert counts_buf is not None
-            acc = counts_buf[k % 2, mine.index(s), :b - a]
-            acc[:] = 0
-            for row in buf:
-                kernels.add_fields(row, b - a, w_in, b_in, acc)
+            acc = codec.totals(buf, b - a, counts_buf[k % 2, mine.index(s), :b - a])
             packed = kernels.pack_fields(acc, wc, bc)
             for t in range(H):
                 if t != me:

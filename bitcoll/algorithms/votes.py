@@ -122,16 +122,21 @@ class VoteCodec(ABC):
         ``n`` elements whose first global index is ``first``; write the packed result.
         ``work``: int32, exactly ``n`` elements, overwritten (a caller's reused buffer: no
         fresh pages per call), or None for a new one."""
-        if work is None:
-            work = np.empty(n, np.int32)
+        self.finish(self.totals(rows, n, np.empty(n, np.int32) if work is None else work),
+                    first, out)
+
+    def totals(self, rows: Array, n: int, work: Array) -> Array:
+        """The exact sums over ``rows`` (uint8 ``(r, nbytes)``, packed contributions at
+        ``w_in`` bits) of ``n`` elements, written to ``work`` (int32[n], its contents
+        ignored) and returned. The first row is written, not added to zeros: no pass to
+        clear the totals."""
         if not len(rows):
             work.fill(0)
-            acc = work
-        else:  # the first row written, not added to zeros: no pass to clear the totals
-            acc = kernels.unpack_fields(rows[0], n, self.w_in, self.bias_in, out=work)
+            return work
+        kernels.unpack_fields(rows[0], n, self.w_in, self.bias_in, out=work)
         for row in rows[1:]:
-            kernels.add_fields(row, n, self.w_in, self.bias_in, acc)
-        self.finish(acc, first, out)
+            kernels.add_fields(row, n, self.w_in, self.bias_in, work)
+        return work
 
     def finish(self, totals: Array, first: int, out: Array) -> None:
         """Write the packed result of ``totals`` (int32, one partial aggregate of all
