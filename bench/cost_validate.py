@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     for nbytes in args.sizes:
         n = nbytes // 4
         v = np.random.default_rng(rt.rank).standard_normal(n).astype(np.float32)
-        call = Call(count=n, segment_bytes=comm.packed_segment_bytes) \
+        call = Call(count=n, segment_bytes=comm.packed_segment_bytes or 0) \
             if args.collective == "packed" else \
             Call(nbytes=nbytes, segment_bytes=comm.segment_bytes)
         names = [a.name for a in candidates(args.collective, group, call)]

@@ -21,7 +21,10 @@ rounds per side):
 * ``mpi_allreduce_vs_mpi4py_{8B,64K}``: bitcoll over MPI against mpi4py's ``Allreduce``;
 * ``majority_64M_p2_vs_wire``: the default majority all-reduce of 64M elements on the emulated
   testbed (2 hosts, 1 Gbit links, one core each) against the wire bound, the bytes each rank
-  sends over the probed link rate (needs root and network namespaces; skipped otherwise).
+  sends over the probed link rate (needs root and network namespaces; skipped otherwise). The
+  ranks' cost model is told the probed rate (``netbed.py --model-link``), as a user of a 1 Gbit
+  cluster configures it or ``python -m bitcoll.probe`` measures it: the planner chooses the
+  pipeline's segment by the link.
 
 A figure fails when it is worse than the stored one by more than its tolerance (the noise seen
 between runs on the reference machine); a failed suite is measured once more and the better
@@ -69,7 +72,7 @@ def _command(suite: str) -> list[str]:
         mpiexec = Path(py).parent / "mpiexec"
         return [str(mpiexec if mpiexec.exists() else "mpiexec"), "-n", "2", py, worker, "mpi"]
     return [py, str(ROOT / "bench" / "netbed.py"), "--hosts", "2", "--rate", "1gbit",
-            "--probe", worker, "wire"]
+            "--probe", "--model-link", worker, "wire"]
 
 
 def run_suite(suite: str, tree: Path = ROOT, timeout: float = 600.0) -> dict[str, float]:

@@ -52,7 +52,11 @@ see their host's share instead of oversubscribing the machine.
 Before the job the testbed prints one line, ``netbed: H hosts x P ranks, links RATE (tbf burst
 B), bitcoll TCP, hosts pinned to their share of the cores``; with ``--probe`` it first sends 64
 MiB from host 1 to host 0 over one TCP connection (``bench/netbed_helpers.py``) and prints the
-measured rate (``netbed: probe host 1 -> host 0: X Gbit/s``). A failing host is reported on
+measured rate (``netbed: probe host 1 -> host 0: X Gbit/s``). ``--model-link`` tells the
+ranks' cost model (:mod:`bitcoll.plan`) that rate (else the nominal one) and the added round
+trip through ``BITCOLL_COST_REMOTE_BANDWIDTH`` and ``BITCOLL_COST_REMOTE_LATENCY``, as a user
+of such a cluster would configure it or ``python -m bitcoll.probe`` on two hosts would
+measure it; without it the ranks plan with the model they find. A failing host is reported on
 stderr (``netbed: host 1 exited with status 3; stopped the other hosts``) after its launcher's
 own report.
 
@@ -286,6 +290,16 @@ def job_environment(base: Mapping[str, str]) -> dict[str, str]:
     return env
 
 
+def model_link(env: Mapping[str, str], gbit: float, rtt_ms: float) -> dict[str, str]:
+    """The cost model's link fields for a link of ``gbit`` Gbit/s with ``rtt_ms`` of round
+    trip (``--model-link``), as ``BITCOLL_COST_*`` variables; those ``env`` already sets
+    stay the user's."""
+    out = {"BITCOLL_COST_REMOTE_BANDWIDTH": f"{gbit * 1e9 / 8:.6g}"}
+    if rtt_ms > 0:
+        out["BITCOLL_COST_REMOTE_LATENCY"] = f"{rtt_ms / 2e3:.6g}"
+    return {k: v for k, v in out.items() if k not in env}
+
+
 def mpi_env(env: dict[str, str]) -> dict[str, str]:
     """``env`` plus what makes MPICH use TCP on ``eth0`` between the namespaces (they share
     the hostname and /dev/shm, so MPICH would otherwise take its shared-memory path)."""
@@ -423,6 +437,10 @@ def parser() -> argparse.ArgumentParser:
                    help="do not pin each host's processes to its share of the cores")
     p.add_argument("--probe", action="store_true",
                    help="measure one TCP stream host 1 -> host 0 before the job")
+    p.add_argument("--model-link", action="store_true",
+                   help="tell the ranks' cost model the link, as a user of such a cluster "
+                        "would (BITCOLL_COST_REMOTE_BANDWIDTH: the probed rate with --probe, "
+                        "else the nominal one; with --rtt also BITCOLL_COST_REMOTE_LATENCY)")
     p.add_argument("--grace-period", type=float, default=DEFAULT_GRACE, metavar="SECONDS",
                    help="time between SIGTERM and SIGKILL when stopping the job (default 5)")
     p.add_argument("-m", "--module", action="store_true",
@@ -499,11 +517,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                  + (f", {args.loss:g}% frame loss" if args.loss else "")
                  if bed.delayed else ""),
               flush=True)
+        gbit = parse_rate(args.rate) / 1e9
         if args.probe:
-            print(f"netbed: probe host 1 -> host 0: {probe(bed):.3f} Gbit/s", flush=True)
+            gbit = probe(bed)
+            print(f"netbed: probe host 1 -> host 0: {gbit:.3f} Gbit/s", flush=True)
         if not target:
             return 0
         env = job_environment(os.environ)
+        if args.model_link:
+            env.update(model_link(env, gbit, args.rtt))
+            print(f"netbed: the ranks' cost model is told the link: {gbit:.3f} Gbit/s"
+                  + (f", {args.rtt / 2:g} ms one way" if args.rtt else ""), flush=True)
         cpus = None
         if not args.no_pin:
             usable = sorted(os.sched_getaffinity(0))

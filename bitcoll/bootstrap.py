@@ -41,7 +41,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from .communicator import (
-    DEFAULT_PACKED_SEGMENT_BYTES,
     DEFAULT_SEGMENT_BYTES,
     REMOTE_SEGMENT_BYTES,
     Communicator,
@@ -362,7 +361,7 @@ def _agreed_model(comm: Communicator) -> CostModel:
 
 def init(backend: str = "auto", timeout: float = DEFAULT_TIMEOUT,
          segment_bytes: int | None = None,
-         packed_segment_bytes: int = DEFAULT_PACKED_SEGMENT_BYTES, *,
+         packed_segment_bytes: int | None = None, *,
          comm: object | None = None, store: object | None = None,
          integrity: bool | None = None, shm: bool | None = None,
          two_level: bool | None = None, send_buffer: int | None = None,
@@ -375,8 +374,9 @@ def init(backend: str = "auto", timeout: float = DEFAULT_TIMEOUT,
     every blocking operation, connection set-up included. ``segment_bytes``: the wire segment
     size of the dense ring algorithms (default: 32 MiB when every rank runs on one host, 4 MiB
     when they span several, :data:`~bitcoll.communicator.REMOTE_SEGMENT_BYTES`);
-    ``packed_segment_bytes``: that of the
-    packed-bit pipelines (default 1 MiB). Every rank must pass the same values.
+    ``packed_segment_bytes``: that of the packed-bit pipelines (default None: the planner
+    chooses it per call, :func:`bitcoll.plan.segment_for`). Every rank must pass the same
+    values.
     ``comm``: an mpi4py communicator (e.g. ``MPI.COMM_WORLD.Split(...)``): the MPI backend on
     a private duplicate of it (collective over ``comm``). ``store``: a torch.distributed
     ``Store`` (duck-typed: ``set``/``get``/``add``/``wait``) for the TCP backend's rendezvous;

@@ -62,7 +62,7 @@ from .kernels import PARALLEL_MIN_ELEMENTS
 from .layout import packed_stream
 from .ops import FLOAT_DTYPES, SUPPORTED_DTYPES, ReduceOp, check_dtype, parse_op
 from .partition import block, block_bounds
-from .plan import DEFAULT_MODEL, Call, CostModel, Group, choose, group_of
+from .plan import DEFAULT_MODEL, Call, CostModel, Group, choose, group_of, segment_for
 from .topology import Topology, digest, host_key
 from .transport.base import NativeCollectives, TrafficStats, Transport
 from .work import Work
@@ -89,8 +89,9 @@ soon as it is reduced). 4 hosts on the 10 Gbit testbed, 3 interleaved rounds, 64
 (one segment per block either way): 37-39 ms both. (An earlier series on a busier machine had
 found 32 MiB 12-15% faster there.)"""
 DEFAULT_PACKED_SEGMENT_BYTES = 1 << 20
-"""Wire segment of the packed-bit pipelines: 1 MiB of packed signs is 8M elements, so a
-64M-element sign all-reduce on 4 ranks packs, counts and decodes in 2 segments per block."""
+"""Wire segment of the packed-bit pipelines for :meth:`Communicator.run` with
+``packed=True`` where ``packed_segment_bytes`` is None. The packed collectives themselves
+take the planner's segment per call (:func:`bitcoll.plan.segment_for`)."""
 #: Over MPI, at or below this many bytes the dense all-reduce's default is MPI's own
 #: all-reduce (after the one fixed-size argument check every all-reduce over MPI starts with),
 #: above it bitcoll's ring, streamed (:meth:`~bitcoll.transport.mpi.MPITransport.stream`): see
@@ -249,8 +250,9 @@ class Communicator:
     messages this rank handed to / took from its transport, headers included; ``reset()``
     zeroes them), ``timeout`` (default deadline in seconds), ``segment_bytes`` (wire segment
     size of the dense ring algorithms) and ``packed_segment_bytes`` (wire segment size of the
-    packed-bit pipelines). Every rank must use the same segment sizes (frames of different
-    lengths fail the collective with ProtocolError).
+    packed-bit pipelines; None, the default: the planner's per call,
+    :func:`bitcoll.plan.segment_for`). Every rank must use the same segment sizes (frames of
+    different lengths fail the collective with ProtocolError).
 
     ``topology``: which ranks share a host (:class:`~bitcoll.topology.Topology` of this rank,
     the same ``hosts`` on every rank) when the caller knows it; default None: exchanged on
@@ -262,7 +264,7 @@ class Communicator:
 
     def __init__(self, transport: Transport, timeout: float = DEFAULT_TIMEOUT,
                  segment_bytes: int = DEFAULT_SEGMENT_BYTES,
-                 packed_segment_bytes: int = DEFAULT_PACKED_SEGMENT_BYTES,
+                 packed_segment_bytes: int | None = None,
                  topology: Topology | None = None, two_level: bool = True,
                  cost_model: CostModel = DEFAULT_MODEL) -> None:
         if not isinstance(two_level, bool):
@@ -303,7 +305,8 @@ class Communicator:
         self._plans_on = transport.size > 1
         self._plans: dict[tuple[object, ...], _Plan | None] = {}
         self._mpi_plans: dict[tuple[object, ...], _Plan | None] = {}
-        self._packed_plans: dict[tuple[object, ...], str] = {}  # _packed_choice's answers
+        # _packed_choice's answers: (algorithm, segment bytes)
+        self._packed_plans: dict[tuple[object, ...], tuple[str, int]] = {}
         # The synchronous sign collectives' plans, see _fast_packed.
         self._fast_packed_plans: dict[tuple[object, ...], _PackedPlan | None] = {}
         self.cost_model = cost_model
@@ -537,25 +540,31 @@ class Communicator:
         self._segment_bytes = _check_segment("segment_bytes", value)
 
     @property
-    def packed_segment_bytes(self) -> int:
-        """Wire segment size in bytes of the packed-bit pipelines (>= 1)."""
+    def packed_segment_bytes(self) -> int | None:
+        """Wire segment size in bytes of the packed-bit pipelines (>= 1), or None (the
+        default): the planner chooses it per call from the cost model
+        (:func:`bitcoll.plan.segment_for`: small segments where the link is the bottleneck,
+        large ones where the CPU is)."""
         return self._packed_segment_bytes
 
     @packed_segment_bytes.setter
-    def packed_segment_bytes(self, value: int) -> None:
-        self._packed_segment_bytes = _check_segment("packed_segment_bytes", value)
+    def packed_segment_bytes(self, value: int | None) -> None:
+        self._packed_segment_bytes = None if value is None else \
+            _check_segment("packed_segment_bytes", value)
 
     def run(self, name: str, fields: tuple[object, ...], body: Callable[[OpContext], T],
-            async_op: bool, timeout: float | None, packed: bool = False, *,
+            async_op: bool, timeout: float | None, packed: bool | int = False, *,
             checks_itself: bool = False) -> T | Work[T]:
         """Run one collective: assign its sequence number, then execute ``body`` now or on the
         worker thread. Any error aborts the communicator (every peer fails fast) unless the
         world has one rank, a UsageError for ``timeout`` (not a positive number of seconds)
         too: it is an argument check like those of :meth:`_validating`. Public for the
         packed-bit collectives and extensions.
-        ``packed``: the context's segment size is ``packed_segment_bytes`` instead of
-        ``segment_bytes``. ``checks_itself``: over MPI, ``body`` makes the argument check
-        itself (:meth:`_exchange`, with its data as the payload) instead of before it."""
+        ``packed``: the context's segment size is ``packed_segment_bytes`` (or
+        :data:`DEFAULT_PACKED_SEGMENT_BYTES` where that is None) instead of ``segment_bytes``;
+        a positive int: that segment size. ``checks_itself``: over MPI, ``body`` makes the
+        argument check itself (:meth:`_exchange`, with its data as the payload) instead of
+        before it."""
         if timeout is None:
             self._check_usable()
             limit = self.timeout
@@ -563,10 +572,16 @@ class Communicator:
             # The peers are in (or on their way into) this collective: tell them.
             with self._validating(name):
                 limit = _check_timeout(timeout)
+        if packed is False:
+            seg = self._segment_bytes
+        elif packed is True:
+            seg = self._packed_segment_bytes or DEFAULT_PACKED_SEGMENT_BYTES
+        else:
+            seg = _check_segment("packed", packed)
         if not self._call_lock.acquire(blocking=False):
             self._concurrent_call(name)
         try:
-            return self._run_locked(name, fields, body, async_op, limit, packed, checks_itself)
+            return self._run_locked(name, fields, body, async_op, limit, seg, checks_itself)
         finally:
             self._call_lock.release()
 
@@ -584,14 +599,14 @@ class Communicator:
 
     def _run_locked(self, name: str, fields: tuple[object, ...],
                     body: Callable[[OpContext], T], async_op: bool, limit: float,
-                    packed: bool, checks_itself: bool = False) -> T | Work[T]:
+                    seg: int, checks_itself: bool = False) -> T | Work[T]:
         seq = self._turn()
         sig = signature(name, *fields)
         checked = self._nt is not None and self.size > 1 and not checks_itself
         if async_op:
             def execute() -> T:
                 self._check_usable()  # queued: the communicator may have failed since
-                return self._execute(name, fields, seq, sig, body, limit, packed, checked)
+                return self._execute(name, fields, seq, sig, body, limit, seg, checked)
 
             if self._executor is None:
                 self._executor = cf.ThreadPoolExecutor(1, thread_name_prefix="bitcoll")
@@ -599,7 +614,7 @@ class Communicator:
             self._last = fut
             return Work(fut, f"{name} #{seq}")
         self._drain()
-        return self._execute(name, fields, seq, sig, body, limit, packed, checked)
+        return self._execute(name, fields, seq, sig, body, limit, seg, checked)
 
     def _number_from_here(self) -> None:
         """Set-up is over (:func:`bitcoll.init`): the next collective is #0, so that a
@@ -619,12 +634,12 @@ class Communicator:
         return seq
 
     def _execute(self, name: str, fields: tuple[object, ...], seq: int, sig: int,
-                 body: Callable[[OpContext], T], limit: float, packed: bool,
+                 body: Callable[[OpContext], T], limit: float, seg: int,
                  checked: bool) -> T:
         """Run collective ``name`` #``seq`` (signature ``sig``) on this thread within ``limit``
-        seconds: over MPI the argument check first when ``checked``, then ``body``; any error
-        goes through :meth:`_failed`. The one execution path of every collective."""
-        seg = self._packed_segment_bytes if packed else self._segment_bytes
+        seconds, its context's segment ``seg`` bytes: over MPI the argument check first when
+        ``checked``, then ``body``; any error goes through :meth:`_failed`. The one execution
+        path of every collective."""
         self._transport.collective = name
         ctx = OpContext(self._transport, seq, sig, time.monotonic() + limit, seg,
                         self._scratch)
@@ -865,7 +880,7 @@ class Communicator:
                 return res
             self._execute("allreduce", plan.fields, seq, plan.signature,
                           functools.partial(self._planned, plan, xf, flat, res is x), limit,
-                          False, self._nt is not None)
+                          self._segment_bytes, self._nt is not None)
         finally:
             lock.release()
         return res
@@ -1268,8 +1283,8 @@ class Communicator:
             if kind == "sum" and bound > np.iinfo(flat.dtype).max:
                 raise UsageError(f"out dtype {flat.dtype} cannot hold sums up to {bound} "
                                  f"(levels {levels} x {self.size} ranks)", argument="out")
-            codec, algo = self._packed_codec(kind, source, levels, tie, algorithm, False, n,
-                                             gather)
+            codec, algo, seg = self._packed_codec(kind, source, levels, tie, algorithm, False,
+                                                  n, gather)
 
         def check() -> None:
             # Over several ranks the codec's packing pass checks [-levels, levels] (every
@@ -1280,46 +1295,50 @@ class Communicator:
                 raise UsageError(f"{name}: value {int(vec[bad])} at index {bad} is "
                                  f"outside [-{levels}, {levels}]", argument="q", index=bad)
 
-        fields = (kind, source, levels, tie, vec.dtype.str, n, algo, gather)
-        return self._run_packed(name, fields, codec, algo, vec, flat, res, n, gather, check,
-                                async_op, timeout)
+        fields = (kind, source, levels, tie, vec.dtype.str, n, algo, gather, seg)
+        return self._run_packed(name, fields, codec, algo, seg, vec, flat, res, n, gather,
+                                check, async_op, timeout)
 
     def _packed_codec(self, kind: str, source: str, levels: int, tie: str,
                       algorithm: str | None, packed_io: bool, count: int, gather: bool
-                      ) -> tuple[VoteCodec, str]:
-        """The tie rule and algorithm checked, the majority call counted: the call's codec
-        and algorithm (the last step of a packed collective's validation)."""
+                      ) -> tuple[VoteCodec, str, int]:
+        """The tie rule and algorithm checked, the majority call counted: the call's codec,
+        algorithm and segment bytes (the last step of a packed collective's validation)."""
         if tie not in TIE_RULES:
             raise UsageError(f"unknown tie rule {tie!r}; expected one of "
                              f"{', '.join(TIE_RULES)}", argument="tie")
         widths = make_codec(kind, source, levels, self.size, packed_io=packed_io)
-        auto = "" if algorithm not in (None, "auto") else \
-            self._packed_choice(count, widths.w_in, widths.w_out, gather, packed_io)
-        algo = self._algorithm("packed", algorithm, auto)
+        forced = self._algorithm("packed", algorithm, "")
+        algo, seg = self._packed_choice(count, widths.w_in, widths.w_out, gather, packed_io,
+                                        forced)
         tie_call = 0
         if kind == "majority":
             with self._lock:
                 tie_call = self._majority_calls
                 self._majority_calls += 1
-        return make_codec(kind, source, levels, self.size, TIES[tie], tie_call, packed_io), algo
+        codec = make_codec(kind, source, levels, self.size, TIES[tie], tie_call, packed_io)
+        return codec, algo, seg
 
     def _packed_choice(self, count: int, w_in: int, w_out: int, gather: bool,
-                       packed_io: bool) -> str:
-        """The planner's algorithm for a packed collective (:func:`bitcoll.plan.choose`),
-        cached per arguments (the cache is emptied when the model or the topology changes)."""
-        key = (count, w_in, w_out, gather, packed_io, self._packed_segment_bytes)
-        algo = self._packed_plans.get(key)
-        if algo is None:
-            algo = choose("packed", self._model, self.plan_group,
-                          Call(count=count, w_in=w_in, w_out=w_out, gather=gather,
-                               packed_io=packed_io, segment_bytes=self._packed_segment_bytes))
+                       packed_io: bool, forced: str = "") -> tuple[str, int]:
+        """The planner's algorithm (:func:`bitcoll.plan.choose`; ``forced``: that one) and
+        its segment bytes (``packed_segment_bytes``, or :func:`bitcoll.plan.segment_for`'s
+        where that is None) for a packed collective, cached per arguments (the cache is
+        emptied when the model or the topology changes)."""
+        key = (count, w_in, w_out, gather, packed_io, self._packed_segment_bytes, forced)
+        hit = self._packed_plans.get(key)
+        if hit is None:
+            call = Call(count=count, w_in=w_in, w_out=w_out, gather=gather,
+                        packed_io=packed_io, segment_bytes=self._packed_segment_bytes or 0)
+            algo = forced or choose("packed", self._model, self.plan_group, call)
+            hit = algo, segment_for("packed", algo, self._model, self.plan_group, call)
             if len(self._packed_plans) >= _PLANS_MAX:
                 self._packed_plans.clear()
-            self._packed_plans[key] = algo
-        return algo
+            self._packed_plans[key] = hit
+        return hit
 
     def _run_packed(self, name: str, fields: tuple[object, ...], codec: VoteCodec, algo: str,
-                    vec: Array, flat: Array, res: Any, n: int, gather: bool,
+                    seg: int, vec: Array, flat: Array, res: Any, n: int, gather: bool,
                     check: Callable[[], None], async_op: bool, timeout: float | None) -> Any:
         """Run a validated packed collective: ``check()`` (the input's range, a UsageError
         on this rank), then the algorithm, which reads ``vec`` and writes ``flat`` through
@@ -1341,7 +1360,7 @@ class Communicator:
                 run_algo(ctx, codec, vec, flat, gather, n)
             return res
 
-        return self.run(name, fields, body, async_op, timeout, packed=True)
+        return self.run(name, fields, body, async_op, timeout, packed=seg)
 
     def _fast_packed(self, name: str, x: Array, op: object, tie: object, out: object,
                      timeout: float | None, gather: bool) -> Any:
@@ -1399,7 +1418,7 @@ class Communicator:
             self._execute(name, plan.fields, seq, plan.signature,
                           functools.partial(plan.run, codec=codec, x=xf, out=flat,
                                             gather=gather, n=xf.size),
-                          limit, True, self._nt is not None)
+                          limit, plan.segment, self._nt is not None)
         finally:
             self._call_lock.release()
         return res
@@ -1416,7 +1435,7 @@ class Communicator:
                 dtype in SIGN_DTYPES:
             codec_cls = CODECS[op, "sign"]
             widths = codec_cls(1, self.size)
-            algo = self._packed_choice(n, widths.w_in, widths.w_out, bool(gather), False)
+            algo, seg = self._packed_choice(n, widths.w_in, widths.w_out, bool(gather), False)
             run = _FLAT_PACKED.get(algo)
             if algo == "allgather" and codec_cls.majority and gather and \
                     n < PARALLEL_MIN_ELEMENTS:
@@ -1424,13 +1443,13 @@ class Communicator:
                 run = PreparedMajority(self.size, n, dtype, np.dtype(np.int8))
             if run is not None:
                 lo, hi = (0, n) if gather else block(n, self.size, self.rank)
-                fields = (op, "sign", 1, tie, dtype.str, n, algo, bool(gather))
+                fields = (op, "sign", 1, tie, dtype.str, n, algo, bool(gather), seg)
                 # The tie rule reads only the parity of the call counter: one codec per parity.
                 codecs = (codec_cls(1, self.size, TIES[tie], 0),
                           codec_cls(1, self.size, TIES[tie], 1))
                 plan = _PackedPlan(fields, signature(str(name), *fields), codecs, run,
                                    np.dtype(np.int32 if op == "sum" else np.int8), hi - lo,
-                                   codec_cls.majority)
+                                   codec_cls.majority, seg)
         if len(self._fast_packed_plans) >= _PLANS_MAX:
             self._fast_packed_plans.clear()
         self._fast_packed_plans[key] = plan
@@ -1454,8 +1473,8 @@ class Communicator:
             res, flat = output(out, ((hi - lo) * w_out + 7) // 8, np.dtype(np.uint8))
             if flat.size and vec.size and np.shares_memory(flat, vec):
                 raise UsageError(f"out overlaps {arg}; pass a separate array", argument="out")
-            codec, algo = self._packed_codec(kind, "int" if kind == "sum" else "sign", levels,
-                                             tie, algorithm, True, n, gather)
+            codec, algo, seg = self._packed_codec(kind, "int" if kind == "sum" else "sign",
+                                                  levels, tie, algorithm, True, n, gather)
 
         def check() -> None:
             if kind != "sum" or not n:
@@ -1470,9 +1489,9 @@ class Communicator:
                                  f"{2 * levels}] (fields hold value + {levels}, values lie "
                                  f"in [-{levels}, {levels}])", argument=arg, index=bad)
 
-        fields = (kind, levels, tie, "packed", n, algo, gather)
-        return self._run_packed(name, fields, codec, algo, vec, flat, res, n, gather, check,
-                                async_op, timeout)
+        fields = (kind, levels, tie, "packed", n, algo, gather, seg)
+        return self._run_packed(name, fields, codec, algo, seg, vec, flat, res, n, gather,
+                                check, async_op, timeout)
 
     @overload
     def sign_allreduce(self, x: HostArray, op: str = "majority", tie: str = "alternate",
@@ -1831,6 +1850,8 @@ class _PackedPlan(NamedTuple):
     """Elements of this rank's output."""
     majority: bool
     """Whether the call counts as a majority call (the tie counter)."""
+    segment: int
+    """The pipeline's segment bytes (:meth:`Communicator._packed_choice`)."""
 
 
 #: The packed algorithms that need nothing but the call (not the hosts).

@@ -67,7 +67,8 @@ import numpy.typing as npt
 from .errors import UsageError
 
 __all__ = ["Group", "Call", "CostModel", "Algorithm", "REGISTRY", "DEFAULT_MODEL", "choose",
-           "predict", "candidates", "group_of", "load_model", "model_path", "ENV_COST_MODEL"]
+           "predict", "segment_for", "candidates", "group_of", "load_model", "model_path",
+           "ENV_COST_MODEL", "SEGMENT_CHOICES", "DEFAULT_SEGMENT"]
 
 #: Environment variable naming the cost model's cache file.
 ENV_COST_MODEL: Final = "BITCOLL_COST_MODEL"
@@ -105,7 +106,8 @@ class Call:
     """One collective call: ``nbytes`` of a dense vector, or ``count`` elements of a packed
     one with ``w_in``-bit votes and ``w_out``-bit results (``gather``: all-reduce, else
     reduce-scatter; ``packed_io``: the input is already packed, nothing to pack or decode);
-    ``segment_bytes``: the pipelines' segment size."""
+    ``segment_bytes``: the pipelines' segment size, 0 for the planner's choice
+    (:func:`segment_for`)."""
 
     nbytes: int = 0
     count: int = 0
@@ -113,7 +115,7 @@ class Call:
     w_out: int = 1
     gather: bool = True
     packed_io: bool = False
-    segment_bytes: int = 1 << 20
+    segment_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -125,7 +127,9 @@ class CostModel:
     taking one from it; the rates are one core's; ``host_cores`` the cores of a host that
     its ranks share (:func:`group_of` divides them among the host's ranks);
     ``switch_latency`` what a wait adds when a host runs more ranks than it has cores (the
-    peer that sends must first be scheduled)."""
+    peer that sends must first be scheduled); ``segment_cpu`` what each message of a
+    pipeline's further segments costs a rank on top of ``message_cpu`` (the hand-offs to the
+    transport's threads and the waits of one more pipeline stage, on the rank's core)."""
 
     local_latency: float = 25e-6
     local_bandwidth: float = 8.0e9
@@ -140,6 +144,7 @@ class CostModel:
     repack_rate: float = 2.5e8
     host_cores: float = 1.0
     switch_latency: float = 100e-6
+    segment_cpu: float = 100e-6
 
     def as_array(self) -> npt.NDArray[np.float64]:
         """The fields in declaration order (to send to other ranks)."""
@@ -190,6 +195,11 @@ def _checked(values: Mapping[str, object]) -> dict[str, float]:
 
 #: The reference machine's figures (2-core x86 VM; see docs/cost-model.md).
 DEFAULT_MODEL: Final = CostModel()
+#: The segment sizes (bytes of packed data per block and segment) the planner chooses the
+#: pipelines' from (:func:`segment_for`).
+SEGMENT_CHOICES: Final = tuple((128 << 10) << i for i in range(6))  # 128 KiB .. 4 MiB
+#: The segment of an algorithm that is not pipelined (it does not use one).
+DEFAULT_SEGMENT: Final = 1 << 20
 
 
 # ---------------------------------------------------------------------------- the formulas
@@ -266,8 +276,16 @@ def _packed_allgather(m: CostModel, g: Group, c: Call) -> float:
 
 
 def _segments(c: Call, p: int, width: int) -> int:
-    seg = max(64, c.segment_bytes * 8 // max(1, width))
+    seg = max(64, (c.segment_bytes or DEFAULT_SEGMENT) * 8 // max(1, width))
     return max(1, -(-c.count // p // seg))
+
+
+def _stages(m: CostModel, g: Group, messages: int, segments: int) -> float:
+    """The CPU that a pipeline's segments after the first add: each of their ``messages``
+    (sent and received) costs ``segment_cpu`` on the rank's share of a core. What makes
+    smaller segments dearer where the CPU is the bottleneck; where the link is, a smaller
+    segment shortens the pipeline's fill and drain instead."""
+    return 2 * messages * (segments - 1) / segments * m.segment_cpu / g.cores_per_rank
 
 
 def _pipeline(stages_cpu: float, wire: float, segments: int, latency: float) -> float:
@@ -296,7 +314,7 @@ def _packed_direct(m: CostModel, g: Group, c: Call) -> float:
     phases = 2 if c.gather else 1
     msgs = phases * (p - 1) * k
     cpu = (_pack(m, g, c) + _count(m, g, p, c.count / p) + _decode(m, g, c)
-           + 2 * msgs * m.message_cpu)
+           + 2 * msgs * m.message_cpu + _stages(m, g, msgs, k))
     return m.call_cpu + _pipeline(cpu, wire, k, phases * (a + _waits(m, g, p - 1)))
 
 
@@ -324,7 +342,7 @@ def _packed_hier(m: CostModel, g: Group, c: Call) -> float:
     between = (h - 1) / h * c.count * (w_c + c.w_out) / 8 / br
     msgs = k * (2 * (loc - 1) + 2 * (h - 1))
     cpu = (_pack(m, g, c) + _count(m, g, loc + h, c.count / loc) + _decode(m, g, c)
-           + 2 * msgs * m.message_cpu)
+           + 2 * msgs * m.message_cpu + _stages(m, g, msgs, k))
     return m.call_cpu + _pipeline(cpu, inside + between, k,
                                   2 * (al + _waits(m, g, loc - 1) + ar + _waits(m, g, h - 1)))
 
@@ -345,6 +363,7 @@ class Algorithm:
     name: str
     cost: Callable[[CostModel, Group, Call], float]
     eligible: Callable[[Group, Call], bool] = lambda g, c: True
+    pipelined: bool = False
 
 
 def group_of(size: int, hosts: tuple[int, ...] | None, model: CostModel,
@@ -377,9 +396,9 @@ REGISTRY: Final[tuple[Algorithm, ...]] = (
     Algorithm("allreduce", "ring", _dense_ring, _several),
     Algorithm("allreduce", "hierarchical", _dense_hier, _layered),
     Algorithm("packed", "allgather", _packed_allgather),
-    Algorithm("packed", "direct", _packed_direct),
+    Algorithm("packed", "direct", _packed_direct, pipelined=True),
     Algorithm("packed", "ring", _packed_ring, _several),
-    Algorithm("packed", "hierarchical", _packed_hier, _layered),
+    Algorithm("packed", "hierarchical", _packed_hier, _layered, pipelined=True),
     Algorithm("reduce_scatter", "ring", _dense_ring),
     Algorithm("allgather", "ring", _dense_ring),
     Algorithm("broadcast", "tree", _one_round),
@@ -395,14 +414,48 @@ def candidates(collective: str, group: Group, call: Call) -> list[Algorithm]:
     return [a for a in REGISTRY if a.collective == collective and a.eligible(group, call)]
 
 
-def predict(collective: str, name: str, model: CostModel, group: Group, call: Call) -> float:
-    """The model's time in seconds of algorithm ``name`` of ``collective``; UsageError for an
-    algorithm the registry does not know."""
+def _registered(collective: str, name: str) -> Algorithm:
     algo = _BY_KEY.get((collective, name))
     if algo is None:
         raise UsageError(f"no cost formula for {collective} algorithm {name!r}",
                          argument="name")
-    return algo.cost(model, group, call)
+    return algo
+
+
+def _best_segment(algo: Algorithm, model: CostModel, group: Group, call: Call
+                  ) -> tuple[int, float]:
+    """(segment bytes, predicted seconds) of ``algo`` on ``call``: the call's own segment
+    when it names one, else the cheapest of :data:`SEGMENT_CHOICES` (the larger on a near
+    tie); :data:`DEFAULT_SEGMENT` for an algorithm that is not pipelined."""
+    if call.segment_bytes > 0:
+        return call.segment_bytes, algo.cost(model, group, call)
+    if not algo.pipelined:
+        return DEFAULT_SEGMENT, algo.cost(model, group, call)
+    best, best_cost = 0, math.inf
+    for seg in reversed(SEGMENT_CHOICES):
+        cost = algo.cost(model, group, dataclasses.replace(call, segment_bytes=seg))
+        if cost < best_cost * (1 - 1e-9):
+            best, best_cost = seg, cost
+    return best, best_cost
+
+
+def predict(collective: str, name: str, model: CostModel, group: Group, call: Call) -> float:
+    """The model's time in seconds of algorithm ``name`` of ``collective`` (a pipeline at the
+    call's segment size, or at :func:`segment_for`'s when the call leaves it at 0);
+    UsageError for an algorithm the registry does not know."""
+    return _best_segment(_registered(collective, name), model, group, call)[1]
+
+
+def segment_for(collective: str, name: str, model: CostModel, group: Group, call: Call
+                ) -> int:
+    """The segment size in bytes that algorithm ``name`` of ``collective`` runs ``call`` with:
+    ``call.segment_bytes`` when it is set, else the one of :data:`SEGMENT_CHOICES` the model
+    predicts fastest. Where the link is the bottleneck a small segment wins (the pipeline
+    fills and drains sooner: a 64M-element majority on two 1 Gbit hosts took 1.05x the wire
+    bound with 1 MiB segments and 1.003x with 128 KiB); where the CPU is, a large one (fewer
+    stages: 1 MiB was 1.22x faster than 128 KiB on two 10 Gbit hosts of one core each). Pure,
+    like :func:`choose`. UsageError for an algorithm the registry does not know."""
+    return _best_segment(_registered(collective, name), model, group, call)[0]
 
 
 def choose(collective: str, model: CostModel, group: Group, call: Call) -> str:
@@ -410,7 +463,7 @@ def choose(collective: str, model: CostModel, group: Group, call: Call) -> str:
     Pure: the same answer on every rank given the same model, group and call."""
     best, best_cost = "", math.inf
     for algo in candidates(collective, group, call):
-        cost = algo.cost(model, group, call)
+        cost = _best_segment(algo, model, group, call)[1]
         if cost < best_cost * (1 - 1e-9):  # a near tie goes to the first registered
             best, best_cost = algo.name, cost
     if not best:

@@ -79,7 +79,7 @@ def test_packed_collectives_mpi(comm: Communicator) -> None:
     packed_sweep(comm)
     comm.packed_segment_bytes = 8  # 64-element segments: multi-segment pipeline on every block
     packed_sweep(comm, lengths=(65, 1031))
-    comm.packed_segment_bytes = bitcoll.DEFAULT_PACKED_SEGMENT_BYTES
+    comm.packed_segment_bytes = None
     packed_bandwidth(comm)
 
 

@@ -60,7 +60,7 @@ def _packed(comm: Communicator) -> dict[str, Any]:
     packed_sweep(comm)
     comm.packed_segment_bytes = 8  # 64-element segments: multi-segment pipeline on every block
     packed_sweep(comm, lengths=(65, 1031))
-    comm.packed_segment_bytes = bitcoll.DEFAULT_PACKED_SEGMENT_BYTES
+    comm.packed_segment_bytes = None
     return packed_bandwidth(comm)
 
 

@@ -354,6 +354,7 @@ def _tcp_world(comm: Communicator) -> dict[str, Any]:
                     make_codec("sum", "int", 31, p).count_field(widest)[0]))}
     for kind, (two_level, direct, width) in runs.items():
         sent, msgs, local = _remote_sent(comm, two_level)
+        assert comm.packed_segment_bytes is not None  # set by the caller: a fixed pipeline
         seg = segment_elements(comm.packed_segment_bytes, width)
         payload, count = _between_hosts_bytes(hosts, r, n, kind, 31, seg)
         # Between hosts the frames are TCP's: header and checksum (its frame_overhead).

@@ -99,6 +99,25 @@ def test_one_secret_for_the_whole_job() -> None:
     assert netbed.job_environment({"BITCOLL_SECRET": "s"})["BITCOLL_SECRET"] == "s"
 
 
+def test_model_link_tells_the_cost_model_the_link() -> None:
+    """``--model-link``: the link's rate (and half the round trip) as the cost model's
+    variables, which the ranks' bitcoll.plan.load_model reads; the user's own stay."""
+    from bitcoll.plan import load_model
+
+    env = netbed.model_link({}, 0.96, 0.0)
+    assert env == {"BITCOLL_COST_REMOTE_BANDWIDTH": "1.2e+08"}
+    model = load_model({"BITCOLL_COST_MODEL": "/nonexistent/model.json", **env})
+    assert model.remote_bandwidth == 1.2e8
+    delayed = netbed.model_link({}, 0.1, 50.0)
+    assert float(delayed["BITCOLL_COST_REMOTE_LATENCY"]) == 0.025
+    assert float(delayed["BITCOLL_COST_REMOTE_BANDWIDTH"]) == 1.25e7
+    assert "BITCOLL_COST_REMOTE_BANDWIDTH" not in netbed.model_link(
+        {"BITCOLL_COST_REMOTE_BANDWIDTH": "5e8"}, 1.0, 0.0)
+    ap = netbed.parser()
+    args, _ = netbed.parse_command_line(ap, ["--model-link", "x.py"])
+    assert args.model_link
+
+
 def test_job_reports_the_host_that_failed_first(tmp_path: Path,
                                                 capsys: pytest.CaptureFixture[str]) -> None:
     # Plain processes stand in for the hosts' launchers (no namespaces needed). Hosts 0 and 2

@@ -156,7 +156,7 @@ def _tcp_world(comm: Communicator) -> tuple[list[int], dict[str, Any]]:
     _, digests = packed_io_sweep(comm)
     comm.packed_segment_bytes = 8
     packed_io_sweep(comm, lengths=(65, 1031), levels_list=(7,))
-    comm.packed_segment_bytes = bitcoll.DEFAULT_PACKED_SEGMENT_BYTES
+    comm.packed_segment_bytes = None
     unpacked, packed = packed_bandwidth(comm), packed_bandwidth(comm, packed=True)
     assert packed == unpacked
     return digests, packed

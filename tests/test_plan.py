@@ -15,7 +15,9 @@ from multiproc import run_world
 import bitcoll
 from bitcoll.plan import (
     DEFAULT_MODEL,
+    DEFAULT_SEGMENT,
     REGISTRY,
+    SEGMENT_CHOICES,
     Call,
     CostModel,
     Group,
@@ -24,6 +26,7 @@ from bitcoll.plan import (
     group_of,
     load_model,
     predict,
+    segment_for,
 )
 
 GBIT = 1.25e8  # bytes per second of a 1 Gbit link
@@ -54,6 +57,57 @@ def test_direct_time_is_near_the_wire_bound_when_the_link_is_slow() -> None:
     allgather = predict("packed", "allgather", ONE_GBIT, group, Call(count=n))
     assert wire < direct < 1.1 * wire
     assert allgather > 1.1 * wire
+
+
+def test_the_segment_follows_the_bottleneck() -> None:
+    """The pipeline's segment is the planner's: small where the link is the bottleneck (the
+    pipeline fills and drains sooner), larger where the CPU is (fewer stages); one segment
+    per block of one host's ranks; a call that names its segment keeps it; algorithms that
+    do not pipeline get the default."""
+    n = 64 << 20
+    call = Call(count=n)
+    two_hosts = Group(2, hosts=2)
+    slow = segment_for("packed", "direct", ONE_GBIT, two_hosts, call)
+    fast = segment_for("packed", "direct", DEFAULT_MODEL, two_hosts, call)
+    assert slow in SEGMENT_CHOICES and fast in SEGMENT_CHOICES
+    assert slow <= 256 << 10 < 1 << 20 <= fast
+    # the choice is the cheapest prediction among the choices, and predict() uses it
+    costs = {seg: predict("packed", "direct", ONE_GBIT, two_hosts,
+                          Call(count=n, segment_bytes=seg)) for seg in SEGMENT_CHOICES}
+    assert costs[slow] == min(costs.values())
+    assert predict("packed", "direct", ONE_GBIT, two_hosts, call) == costs[slow]
+    # one host with more ranks than cores: the whole block (2 MiB of signs) in one segment
+    crowded = group_of(4, None, DEFAULT_MODEL.replace(host_cores=2.0))
+    assert segment_for("packed", "direct", DEFAULT_MODEL, crowded, call) >= 2 << 20
+    assert segment_for("packed", "direct", ONE_GBIT, two_hosts,
+                       Call(count=n, segment_bytes=12345)) == 12345
+    assert segment_for("packed", "allgather", ONE_GBIT, two_hosts, call) == DEFAULT_SEGMENT
+    with raises_usage("name"):
+        segment_for("packed", "bogus", ONE_GBIT, two_hosts, call)
+
+
+def test_communicators_run_the_planners_segment() -> None:
+    """A communicator without a packed segment of its own runs the planner's (its frames show
+    it); one set on the communicator wins; None gives the choice back to the planner."""
+    n = 3 << 20  # 2 ranks: blocks of 1.5M votes, 192 KiB of signs each
+
+    def body(comm: bitcoll.Communicator) -> list[int]:
+        x = np.random.default_rng(comm.rank).standard_normal(n).astype(np.float32)
+        sent = []
+        for model, seg in ((DEFAULT_MODEL.replace(segment_cpu=1.0), None),
+                           (DEFAULT_MODEL.replace(local_bandwidth=1e6), None),
+                           (DEFAULT_MODEL.replace(local_bandwidth=1e6), 64 << 10)):
+            comm.cost_model = model
+            comm.packed_segment_bytes = seg
+            comm.stats.reset()
+            comm.sign_allreduce(x, algorithm="direct")
+            sent.append(comm.stats.snapshot()["messages_sent"])
+        return sent
+
+    for sent in run_threads(2, body):
+        # costly stages: one segment per block (a frame per phase); a slow link: the
+        # smallest segments (2 of 128 KiB per block); 64 KiB set on the communicator: 3
+        assert sent == [2, 4, 6], sent
 
 
 @pytest.mark.parametrize("p", [1, 2, 3, 4, 5, 8, 64, 1024])

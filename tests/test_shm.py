@@ -597,7 +597,7 @@ def _sweeps(comm: Communicator) -> tuple[str, list[int], int]:
     n += packed_sweep(comm, lengths=(65, 100_003), algorithms=("direct", "allgather"))
     comm.packed_segment_bytes = 8
     n += packed_sweep(comm, lengths=(4099,), algorithms=("direct",))
-    comm.packed_segment_bytes = bitcoll.DEFAULT_PACKED_SEGMENT_BYTES
+    comm.packed_segment_bytes = None
     packed_bandwidth(comm)  # exact byte counts through comm.stats
     assert t.stats_remote.snapshot()["bytes_sent"] == 0  # every peer through shared memory
     assert comm.stats.snapshot() == t.stats_local.snapshot()
