@@ -2,8 +2,8 @@
 ``sign_allreduce`` of ``-m`` float32 elements with each fixed segment of ``--segments`` and
 with the planner's (``packed_segment_bytes=None``), in interleaved rounds (the order reversed
 every other round), best round per row; rank 0 prints one JSON line per row: the segment
-(``"auto"``: the planner's, with the bytes it chose), microseconds per call and the bytes
-this rank sent per call.
+(``"auto"``: the planner's, with the bytes it chose), the algorithm the planner ran it with,
+microseconds per call and the bytes this rank sent per call.
 
 ::
 
@@ -56,14 +56,17 @@ def main(argv: list[str] | None = None) -> int:
                 best[seg] = min(best[seg], t.avg_us)
                 sent[seg] = t.wire_bytes or 0.0
         if rt.rank == 0:
-            call = Call(count=n)
-            algo = choose("packed", comm.cost_model, comm.plan_group, call)
-            chosen = segment_for("packed", algo, comm.cost_model, comm.plan_group, call)
+            model, group = comm.cost_model, comm.plan_group
             for seg in rows:
-                print(json.dumps({"segment": seg if seg is not None else "auto",
-                                  **({"chosen": chosen, "algorithm": algo} if seg is None
-                                     else {}),
-                                  "us": round(best[seg]), "bytes": sent[seg]}), flush=True)
+                # The algorithm each row ran: with a fixed segment the planner may prefer one
+                # that does not pipeline (the all-gather at small segments).
+                call = Call(count=n, segment_bytes=seg or 0)
+                algo = choose("packed", model, group, call)
+                extra = {} if seg is not None else {
+                    "chosen": segment_for("packed", algo, model, group, call)}
+                print(json.dumps({"segment": seg if seg is not None else "auto", **extra,
+                                  "algorithm": algo, "us": round(best[seg]),
+                                  "bytes": sent[seg]}), flush=True)
     finally:
         rt.close()
     return 0
