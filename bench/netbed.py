@@ -56,7 +56,9 @@ measured rate (``netbed: probe host 1 -> host 0: X Gbit/s``). ``--model-link`` t
 ranks' cost model (:mod:`bitcoll.plan`) that rate (else the nominal one) and the added round
 trip through ``BITCOLL_COST_REMOTE_BANDWIDTH`` and ``BITCOLL_COST_REMOTE_LATENCY``, as a user
 of such a cluster would configure it or ``python -m bitcoll.probe`` on two hosts would
-measure it; without it the ranks plan with the model they find. A failing host is reported on
+measure it, and, where more hosts than cores share the machine, each host's share of a core
+through ``BITCOLL_COST_HOST_CORES`` (a rank pinned to a shared core would count it as its
+own); without it the ranks plan with the model they find. A failing host is reported on
 stderr (``netbed: host 1 exited with status 3; stopped the other hosts``) after its launcher's
 own report.
 
@@ -290,13 +292,17 @@ def job_environment(base: Mapping[str, str]) -> dict[str, str]:
     return env
 
 
-def model_link(env: Mapping[str, str], gbit: float, rtt_ms: float) -> dict[str, str]:
+def model_link(env: Mapping[str, str], gbit: float, rtt_ms: float,
+               host_cores: float | None = None) -> dict[str, str]:
     """The cost model's link fields for a link of ``gbit`` Gbit/s with ``rtt_ms`` of round
-    trip (``--model-link``), as ``BITCOLL_COST_*`` variables; those ``env`` already sets
-    stay the user's."""
+    trip (``--model-link``), and ``host_cores`` (a host's share of the machine's cores where
+    the hosts share cores: a process pinned to a core it shares sees one core of its own), as
+    ``BITCOLL_COST_*`` variables; those ``env`` already sets stay the user's."""
     out = {"BITCOLL_COST_REMOTE_BANDWIDTH": f"{gbit * 1e9 / 8:.6g}"}
     if rtt_ms > 0:
         out["BITCOLL_COST_REMOTE_LATENCY"] = f"{rtt_ms / 2e3:.6g}"
+    if host_cores is not None:
+        out["BITCOLL_COST_HOST_CORES"] = f"{host_cores:.6g}"
     return {k: v for k, v in out.items() if k not in env}
 
 
@@ -440,7 +446,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model-link", action="store_true",
                    help="tell the ranks' cost model the link, as a user of such a cluster "
                         "would (BITCOLL_COST_REMOTE_BANDWIDTH: the probed rate with --probe, "
-                        "else the nominal one; with --rtt also BITCOLL_COST_REMOTE_LATENCY)")
+                        "else the nominal one; with --rtt also BITCOLL_COST_REMOTE_LATENCY; "
+                        "where pinned hosts share cores, BITCOLL_COST_HOST_CORES: a host's "
+                        "share)")
     p.add_argument("--grace-period", type=float, default=DEFAULT_GRACE, metavar="SECONDS",
                    help="time between SIGTERM and SIGKILL when stopping the job (default 5)")
     p.add_argument("-m", "--module", action="store_true",
@@ -524,14 +532,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not target:
             return 0
         env = job_environment(os.environ)
-        if args.model_link:
-            env.update(model_link(env, gbit, args.rtt))
-            print(f"netbed: the ranks' cost model is told the link: {gbit:.3f} Gbit/s"
-                  + (f", {args.rtt / 2:g} ms one way" if args.rtt else ""), flush=True)
         cpus = None
+        share: float | None = None
         if not args.no_pin:
             usable = sorted(os.sched_getaffinity(0))
             cpus = [host_cpus(k, args.hosts, usable) for k in range(args.hosts)]
+            if args.hosts > len(usable):
+                share = len(usable) / args.hosts
+        if args.model_link:
+            env.update(model_link(env, gbit, args.rtt, share))
+            print(f"netbed: the ranks' cost model is told the link: {gbit:.3f} Gbit/s"
+                  + (f", {args.rtt / 2:g} ms one way" if args.rtt else "")
+                  + (f", {share:g} cores per host" if share is not None else ""), flush=True)
         if mpiexec is not None:
             cmd = mpi_command(bed, mpiexec, args.nproc_per_host, target, cpus)
             return Job([cmd], mpi_env(env), args.grace_period, names=["mpiexec"]).run()

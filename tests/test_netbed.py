@@ -113,6 +113,11 @@ def test_model_link_tells_the_cost_model_the_link() -> None:
     assert float(delayed["BITCOLL_COST_REMOTE_BANDWIDTH"]) == 1.25e7
     assert "BITCOLL_COST_REMOTE_BANDWIDTH" not in netbed.model_link(
         {"BITCOLL_COST_REMOTE_BANDWIDTH": "5e8"}, 1.0, 0.0)
+    shared = netbed.model_link({}, 10.0, 0.0, host_cores=0.5)
+    assert load_model({"BITCOLL_COST_MODEL": "/nonexistent/model.json",
+                       **shared}).host_cores == 0.5
+    assert "BITCOLL_COST_HOST_CORES" not in netbed.model_link(
+        {"BITCOLL_COST_HOST_CORES": "4"}, 10.0, 0.0, host_cores=0.5)
     ap = netbed.parser()
     args, _ = netbed.parse_command_line(ap, ["--model-link", "x.py"])
     assert args.model_link
