@@ -118,6 +118,16 @@ def test_segment_sizes_are_checked(attr: str, value: object) -> None:
     assert getattr(comm, attr) == 100
 
 
+def test_none_gives_the_packed_segment_back_to_the_planner() -> None:
+    comm = bitcoll.init("local", packed_segment_bytes=4096)
+    assert comm.packed_segment_bytes == 4096
+    comm.packed_segment_bytes = None
+    assert comm.packed_segment_bytes is None
+    assert bitcoll.init("local").packed_segment_bytes is None
+    with raises_usage("segment_bytes"):  # the dense segment has no planner's choice
+        comm.segment_bytes = None  # type: ignore[assignment]
+
+
 def test_read_only_out_is_an_error() -> None:
     out = np.zeros(3)
     out.flags.writeable = False
