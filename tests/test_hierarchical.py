@@ -248,8 +248,10 @@ def test_dense_allreduce_inproc(hosts: tuple[int, ...]) -> None:
         y = x.copy()
         assert comm.allreduce(y, out=y, algorithm="hierarchical") is y
         assert np.array_equal(y, want)
-        # The default above 64 KiB is two-level: the same bits as asking for it.
-        big = float_input(10, comm.rank, 40_000, "float32")
+        # Where the planner's default is two-level: the same bits as asking for it.
+        big = float_input(10, comm.rank, 160_000, "float32")
+        assert choose("allreduce", comm.cost_model, comm.plan_group,
+                      Call(nbytes=big.nbytes)) == "hierarchical"
         assert np.array_equal(comm.allreduce(big), comm.allreduce(big, algorithm="hierarchical"))
         return checks
 

@@ -152,6 +152,25 @@ def test_latency_bound_dense_all_reduce_takes_recursive_doubling() -> None:
         assert choose("allreduce", DEFAULT_MODEL, group, Call(nbytes=256 << 20)) == "ring"
 
 
+def test_a_wait_queues_behind_every_rank_that_shares_the_core() -> None:
+    """switch_wait: nothing with a core per rank, one switch_latency up to half a core, then
+    one per other rank on the core; on 2 hosts of 4 ranks with a core each (a quarter per
+    rank) a 64K-element majority takes the all-gather's 3 rounds, as measured on the testbed
+    (the two-level algorithm's 4 phases of waits took 1.7-2.2x its time)."""
+    m = DEFAULT_MODEL
+    s = m.switch_latency
+    assert m.switch_wait(None) == 0.0
+    assert m.switch_wait(Group(4, 1, 4, 1.0)) == 0.0
+    assert m.switch_wait(Group(3, 1, 3, 2 / 3)) == s
+    assert m.switch_wait(Group(4, 1, 4, 0.5)) == s
+    assert m.switch_wait(Group(8, 2, 4, 0.25)) == pytest.approx(3 * s)
+    assert m.link(True, Group(8, 2, 4, 0.25))[0] == pytest.approx(m.remote_latency + 3 * s)
+    one_gbit = m.replace(remote_bandwidth=1.2e8)
+    two_by_four = Group(8, 2, 4, 0.25)
+    assert choose("packed", one_gbit, two_by_four, Call(count=64 << 10)) == "allgather"
+    assert choose("packed", one_gbit, two_by_four, Call(count=64 << 20)) == "hierarchical"
+
+
 def test_group_of_counts_hosts_ranks_and_cores() -> None:
     model = DEFAULT_MODEL.replace(host_cores=2)
     g = group_of(5, (0, 0, 1, 0, 1), model)

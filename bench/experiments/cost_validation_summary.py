@@ -3,42 +3,93 @@ file and size, the planner's pick, its predicted / measured time and its measure
 fastest algorithm measured (``!`` outside 15% and 5%), then the counts.
 
     python bench/experiments/cost_validation_summary.py results/cost_model/validation
+    python bench/experiments/cost_validation_summary.py --replan results/cost_model/validation
+
+``--replan``: the pick and the prediction of today's :mod:`bitcoll.plan`, from the model and
+the group each file names in its header, against the times the file measured: how a change
+of the formulas fares on the stored measurements (fields a file's model does not name take
+today's defaults).
 """
 
 from __future__ import annotations
 
+import argparse
 import re
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from bitcoll.plan import Call, CostModel, Group, choose, predict
+
 _ROW = re.compile(r"^(?:\[rank 0\] )?(\d+)\s+(\w+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s*([*+-]*)")
+_MODEL = re.compile(r"# model: CostModel\(([^)]*)\)")
+_GROUP = re.compile(r"validation: (\w+), Group\(([^)]*)\)")
+
+
+def _fields(text: str) -> dict[str, str]:
+    return dict(item.split("=", 1) for item in text.split(", "))
+
+
+def _replanner(text: str) -> tuple[str, CostModel, Group] | None:
+    """The collective, model and group a file's header names (None: no header)."""
+    m, g = _MODEL.search(text), _GROUP.search(text)
+    if m is None or g is None:
+        return None
+    known = set(CostModel.__dataclass_fields__)
+    model = CostModel.from_mapping({k: float(v) for k, v in _fields(m.group(1)).items()
+                                    if k in known})
+    gf = _fields(g.group(2))
+    group = Group(int(gf["size"]), int(gf["hosts"]), int(gf["per_host"]),
+                  float(gf["cores_per_rank"]), gf.get("two_level", "True") == "True")
+    return g.group(1), model, group
 
 
 def main(argv: list[str]) -> int:
-    folder = Path(argv[0])
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("folder", type=Path)
+    ap.add_argument("--replan", action="store_true",
+                    help="pick and predict with today's planner instead of the file's marks")
+    args = ap.parse_args(argv)
     within = good = total = 0
-    for path in sorted(folder.glob("h*.txt")):
+    for path in sorted(args.folder.glob("h*.txt")):
+        text = path.read_text()
         sizes: dict[int, dict[str, tuple[float, float, str]]] = {}
-        for line in path.read_text().splitlines():
+        for line in text.splitlines():
             m = _ROW.match(line.strip())
             if m:
                 size, algo, meas, pred, _, mark = m.groups()
                 sizes.setdefault(int(size), {})[algo] = (float(meas), float(pred), mark)
+        plan = _replanner(text) if args.replan else None
+        if args.replan and plan is None:
+            print(f"{path.stem:24s} (no model or group in the header: skipped)")
+            continue
         cells = []
         for size, algos in sorted(sizes.items()):
-            picks = [a for a, (_, _, mark) in algos.items() if "*" in mark]
-            if not picks:
-                continue
-            meas, pred, _ = algos[picks[0]]
+            if plan is not None:
+                collective, model, group = plan
+                call = Call(count=size // 4) if collective == "packed" else Call(nbytes=size)
+                pick = choose(collective, model, group, call)
+                if pick not in algos:
+                    continue
+                meas = algos[pick][0]
+                pred = predict(collective, pick, model, group, call) * 1e6
+            else:
+                picks = [a for a, (_, _, mark) in algos.items() if "*" in mark]
+                if not picks:
+                    continue
+                pick = picks[0]
+                meas, pred, _ = algos[pick]
             best = min(v[0] for v in algos.values())
             r, q = pred / meas, meas / best
             total += 1
             within += abs(r - 1) <= 0.15
             good += q <= 1.05
-            cells.append(f"{size}:{picks[0][:4]} {r:.2f}{'!' if abs(r - 1) > 0.15 else ''}"
+            cells.append(f"{size}:{pick[:4]} {r:.2f}{'!' if abs(r - 1) > 0.15 else ''}"
                          f"/{q:.2f}{'!' if q > 1.05 else ''}")
         print(f"{path.stem:24s} " + "  ".join(cells))
-    print(f"picks within 15%: {within}/{total}; pick within 5% of best: {good}/{total}")
+    print(f"predictions within 15%: {within}/{total}; pick within 5% of best: {good}/{total}")
     return 0
 
 
