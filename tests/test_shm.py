@@ -587,6 +587,10 @@ def test_shm_setting() -> None:
 def _sweeps(comm: Communicator) -> tuple[str, list[int], int]:
     t = comm.transport
     assert isinstance(t, HybridTransport) and comm.backend == "tcp"
+    # Every pair's names are gone once its side 1 has accepted, which its set-up does before
+    # it returns: after a barrier no rank is still in set-up (before it, another pair's
+    # offer may still be waiting for its side 1).
+    comm.barrier()
     assert not _leftovers(t.job_id)
     comm.stats.reset()
     n = dense_sweep(comm, lengths=(0, 1, 1000, 300_007), dtypes=("float32", "int8"))
@@ -686,9 +690,11 @@ def _victim(rank: int, size: int, port: int, q: Any, second: int) -> None:
     comm = bitcoll.init("tcp", timeout=60, shm=True)
     t = comm.transport
     assert isinstance(t, HybridTransport)
-    q.put((rank, "job", t.job_id, len(_leftovers(t.job_id))))
     x = np.ones(2 << 20, np.float32)  # 8 MiB: blocks large enough for single copy
     comm.allreduce(x)
+    # Counted once every rank has finished its set-up (they all took part in the
+    # all-reduce): before, another pair's offer may still wait for its side 1.
+    q.put((rank, "job", t.job_id, len(_leftovers(t.job_id))))
     if rank == 1:
         os.kill(os.getpid(), signal.SIGKILL)  # between two collectives, segments mapped
     try:
