@@ -62,7 +62,16 @@ from .kernels import PARALLEL_MIN_ELEMENTS
 from .layout import packed_stream
 from .ops import FLOAT_DTYPES, SUPPORTED_DTYPES, ReduceOp, check_dtype, parse_op
 from .partition import block, block_bounds
-from .plan import DEFAULT_MODEL, Call, CostModel, Group, choose, group_of, segment_for
+from .plan import (
+    DEFAULT_MODEL,
+    DEFAULT_SEGMENT,
+    Call,
+    CostModel,
+    Group,
+    choose,
+    group_of,
+    segment_for,
+)
 from .topology import Topology, digest, host_key
 from .transport.base import NativeCollectives, TrafficStats, Transport
 from .work import Work
@@ -88,10 +97,12 @@ soon as it is reduced). 4 hosts on the 10 Gbit testbed, 3 interleaved rounds, 64
 156-167 ms against 170-185 ms with 32 MiB; 256 MiB: 618-652 against 648-756 ms; 16 MiB
 (one segment per block either way): 37-39 ms both. (An earlier series on a busier machine had
 found 32 MiB 12-15% faster there.)"""
-DEFAULT_PACKED_SEGMENT_BYTES = 1 << 20
+DEFAULT_PACKED_SEGMENT_BYTES = DEFAULT_SEGMENT
 """Wire segment of the packed-bit pipelines for :meth:`Communicator.run` with
-``packed=True`` where ``packed_segment_bytes`` is None. The packed collectives themselves
-take the planner's segment per call (:func:`bitcoll.plan.segment_for`)."""
+``packed=True`` where ``packed_segment_bytes`` is None: the planner's segment of a packed
+algorithm that does not pipeline (:data:`bitcoll.plan.DEFAULT_SEGMENT`, 1 MiB). The packed
+collectives themselves take the planner's segment per call
+(:func:`bitcoll.plan.segment_for`)."""
 #: Over MPI, at or below this many bytes the dense all-reduce's default is MPI's own
 #: all-reduce (after the one fixed-size argument check every all-reduce over MPI starts with),
 #: above it bitcoll's ring, streamed (:meth:`~bitcoll.transport.mpi.MPITransport.stream`): see
