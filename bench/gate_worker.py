@@ -48,14 +48,17 @@ def _iters(nbytes: int) -> tuple[int, int]:
 
 
 def loopback(rt: osu.BitcollRuntime) -> None:
-    """bitcoll's float32 all-reduce against gloo's (in place, both), and the packed majority
-    all-reduce against bitcoll's own float32 all-reduce of the same elements."""
+    """bitcoll's float32 all-reduce against gloo's (in place, both), the packed majority
+    all-reduce against bitcoll's own float32 all-reduce of the same elements, and the torch
+    backend's ``dist.all_reduce``: against the communicator behind it (what the torch layer
+    adds) and against gloo's."""
     import torch
     import torch.distributed as dist
 
     gloo = osu.open_runtime("gloo", timeout=120.0)
     comm = rt.comm
     try:
+        _torch_layer(rt, gloo)
         for nbytes, label in ((8, "8B"), (1 << 20, "1M"), (16 << 20, "16M")):
             x = np.zeros(nbytes // 4, np.float32)
             t = torch.zeros(nbytes // 4, dtype=torch.float32)
@@ -71,6 +74,28 @@ def loopback(rt: osu.BitcollRuntime) -> None:
                     *_iters(4 * n))
     finally:
         gloo.close()
+
+
+def _torch_layer(rt: osu.BitcollRuntime, gloo: osu.Runtime) -> None:
+    """``dist.all_reduce`` on a group of the "bitcoll" backend (the default group is gloo's):
+    8 B against the group's own Communicator called directly on the same memory, 1 MiB
+    against gloo's."""
+    import torch
+    import torch.distributed as dist
+
+    import bitcoll.torch
+
+    group = dist.new_group(backend="bitcoll")
+    inner = bitcoll.torch.communicator_of(group)
+    t = torch.zeros(2, dtype=torch.float32)
+    x = t.numpy()
+    _paired("torch_allreduce_vs_direct_8B", (rt, partial(dist.all_reduce, t, group=group)),
+            (rt, partial(inner.allreduce, x, out=x)), *_iters(8))
+    t = torch.zeros(1 << 18, dtype=torch.float32)
+    ref = torch.zeros(1 << 18, dtype=torch.float32)
+    _paired("torch_allreduce_vs_gloo_1M", (rt, partial(dist.all_reduce, t, group=group)),
+            (gloo, partial(dist.all_reduce, ref)), *_iters(1 << 20))
+    dist.destroy_process_group(group)
 
 
 def mpi(rt: osu.BitcollRuntime) -> None:

@@ -37,10 +37,13 @@ torch calls a backend from the user's thread and from the autograd thread (DDP's
 So every process group owns one worker thread that runs its collectives one at a time in the
 order they were issued; each call returns at once with a :class:`BitcollWork` (``wait``,
 ``is_completed``, ``get_future``: a ``torch.futures.Future`` completed with the output
-tensors). A synchronous torch call (``async_op=False``) is issue + ``wait``; a ``wait`` on the
-collective that is next in line while none is running runs it on the waiting thread itself
-(still one at a time, in issue order), and a synchronous call does not even wake the worker
-thread (torch passes ``asyncOp=False`` in its options): no thread hand-off on that path.
+tensors). A synchronous torch call (``async_op=False``; torch passes ``asyncOp=False`` in its
+options) runs on the calling thread at once when no collective of the group is queued or
+running, and returns its work finished; behind queued ones it is queued without waking the
+worker thread, and the ``wait`` that follows runs it on the waiting thread once it is next
+(still one at a time, in issue order): no thread hand-off on that path. A synchronous
+``all_reduce`` of one contiguous CPU tensor (float16/32/64, int8-64, uint8) by SUM, AVG, MIN
+or MAX is reduced in place through a numpy view, without staging.
 Collectives of different groups run on different threads, concurrently. Code that wants to
 call the group's :class:`~bitcoll.Communicator` itself (:func:`communicator_of`) while torch
 collectives on the group may be in flight uses :func:`submit`, which queues the call behind
@@ -173,20 +176,28 @@ class BitcollWork(_C10dWork):
     tensors, a list) or failed by the thread that ran the collective.
     """
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, pending: bool = True) -> None:
         super().__init__()
         self._name = name
         # Held until the collective finished: a waiter acquires and releases it (cheaper
         # than a threading.Event, which costs a Condition per collective).
         self._gate = threading.Lock()
-        self._gate.acquire()
+        if pending:
+            self._gate.acquire()
         self._lock = threading.Lock()
-        self._done = False  # the outcome is recorded (under _lock)
-        self._finished = False  # ... and the future completed: waiters may go
+        self._done = not pending  # the outcome is recorded (under _lock)
+        self._finished = not pending  # ... and the future completed: waiters may go
         self._error: BaseException | None = None
         self._value: Any = None
         self._future: Future[Any] | None = None  # made by get_future (most calls need none)
         self._worker: _Worker | None = None
+
+    @classmethod
+    def completed(cls, name: str, value: Any, error: BaseException | None) -> BitcollWork:
+        """A work finished already, with ``value`` (or failed with ``error``)."""
+        work = cls(name, pending=False)
+        work._value, work._error = value, error
+        return work
 
     def _finish(self, value: Any, error: BaseException | None) -> None:
         with self._lock:
@@ -278,6 +289,31 @@ class _Worker:
             if wake:
                 self._cond.notify()
         return work
+
+    def run_now(self, job: Job, work: BitcollWork,
+                wrap: Callable[[BaseException], BaseException]) -> bool:
+        """Run ``job`` on this thread at once when no job is queued or running (a synchronous
+        call: ``work`` is finished on return); False, with nothing done, otherwise."""
+        if not self.claim():
+            return False
+        self._run((job, work, wrap))
+        return True
+
+    def claim(self) -> bool:
+        """Take the turn when no job is queued or running (True): the caller runs its own
+        collective on its thread, then gives it back with :meth:`release`. False otherwise."""
+        with self._cond:
+            if self._busy or self._pending:
+                return False
+            self._busy = True
+            return True
+
+    def release(self) -> None:
+        """Give back a turn taken by :meth:`claim` (wakes the thread for a job queued since)."""
+        with self._cond:
+            self._busy = False
+            if self._pending:
+                self._cond.notify()
 
     def try_run(self, work: BitcollWork) -> None:
         """Run ``work``'s job on this thread if it is the next one and none is running."""
@@ -386,6 +422,9 @@ def _typed(t: torch.Tensor) -> Any:
     return flat.numpy()
 
 
+#: The dtypes whose CPU tensors bitcoll reduces as numpy views of the same type.
+_NUMPY_DTYPES = frozenset({torch.float16, torch.float32, torch.float64, torch.int8, torch.int16,
+                           torch.int32, torch.int64, torch.uint8})
 _INTS = {torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.uint16,
          torch.uint32, torch.uint64}
 _R = dist.ReduceOp
@@ -599,6 +638,7 @@ class BitcollProcessGroup(dist.ProcessGroup):
     def __init__(self, comm: Communicator, store: Any, rank: int, size: int,
                  timeout: float, group_name: str) -> None:
         super().__init__(rank, size)  # type: ignore[call-arg]  # the stub lacks this form
+        self._me, self._p = rank, size  # rank() and size() are calls into C++
         self._comm = comm
         self._store = store
         self._timeout = timeout
@@ -639,19 +679,25 @@ class BitcollProcessGroup(dist.ProcessGroup):
 
     # -------------------------------------------------------------- machinery
     def _wrap(self, what: str) -> Callable[[BaseException], BaseException]:
-        rank, group = self.rank(), self._group_name
+        rank, group = self._me, self._group_name
         return lambda exc: _dist_error(exc, rank, group, what)
 
     def _submit(self, what: str, job: Job, opts: Any = None) -> BitcollWork:
         """Queue ``job`` (returns the future's value) on this group's worker. ``opts``: the
-        call's options; ``opts.asyncOp`` False (torch's ``async_op=False``, whose caller
-        waits at once) leaves the worker thread asleep (see :meth:`_Worker.submit`)."""
+        call's options; with ``opts.asyncOp`` False (torch's ``async_op=False``, whose caller
+        waits at once) the job runs on the calling thread right away when no other job is
+        queued or running (the work is returned finished), else it is queued without waking
+        the worker thread (see :meth:`_Worker.submit`)."""
         if self._closed:
-            raise UsageError(f"bitcoll rank {self.rank()}: process group "
+            raise UsageError(f"bitcoll rank {self._me}: process group "
                              f"{self._group_name!r} was shut down")
-        wake = opts is None or bool(getattr(opts, "asyncOp", True))
-        return self._worker.submit(job, BitcollWork(f"{what} on group {self._group_name!r}"),
-                                   self._wrap(what), wake)
+        work = BitcollWork(f"{what} on group {self._group_name!r}")
+        wrap = self._wrap(what)
+        if opts is None or getattr(opts, "asyncOp", True):
+            return self._worker.submit(job, work, wrap)
+        if not self._worker.run_now(job, work, wrap):
+            self._worker.submit(job, work, wrap, wake=False)
+        return work
 
     def _check(self, what: str, fn: Callable[[], Any]) -> Any:
         """Argument checks on the caller's thread: errors name the rank."""
@@ -687,6 +733,10 @@ class BitcollProcessGroup(dist.ProcessGroup):
     # -------------------------------------------------------------- all-reduce
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> BitcollWork:  # type: ignore[override]
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        if len(tensors) == 1:
+            lean = self._lean_allreduce(tensors, op, opts)
+            if lean is not None:
+                return lean
         plans = self._check("allreduce", lambda: [_reduction(op, t.dtype) for t in tensors])
         staged = [_Staged(t) for t in tensors]
 
@@ -697,6 +747,41 @@ class BitcollProcessGroup(dist.ProcessGroup):
             return list(tensors)
 
         return self._submit("allreduce", job, opts)
+
+    def _lean_allreduce(self, tensors: list[torch.Tensor], op: Any,
+                        opts: Any) -> BitcollWork | None:
+        """The all-reduce of one contiguous CPU tensor of a dtype numpy holds
+        (``_NUMPY_DTYPES``) by an op bitcoll's all-reduce runs (its plan cached already), in
+        place through a numpy view made now, without staging: run on this thread at once when
+        the call is synchronous and no job is queued or running (the work is returned
+        finished), queued otherwise. None when the call does not qualify (the general path
+        then checks and stages it)."""
+        src = tensors[0]
+        red = _PLANS.get((_op_type(op), src.dtype))
+        if red is None or red.fold is not None or red.factor is not None or \
+                src.dtype not in _NUMPY_DTYPES or not src.is_cpu or not src.is_contiguous():
+            return None
+        x = (src.detach() if src.requires_grad else src).numpy()
+        if x.ndim != 1:
+            x = x.reshape(-1)
+        comm, how = self._comm, red.op or "sum"
+
+        def job() -> list[torch.Tensor]:
+            comm.allreduce(x, how, out=x)
+            return list(tensors)
+
+        worker = self._worker
+        if opts is None or opts.asyncOp or self._closed or not worker.claim():
+            return self._submit("allreduce", job, opts)
+        error = None
+        try:
+            job()
+        except BaseException as exc:  # raised by the work's wait, as from the worker
+            error = _dist_error(exc, self._me, self._group_name, "allreduce")
+        finally:
+            worker.release()
+        return BitcollWork.completed(f"allreduce on group {self._group_name!r}",
+                                     list(tensors), error)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor],
                             opts: Any = None) -> BitcollWork:

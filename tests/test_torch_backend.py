@@ -123,16 +123,20 @@ def _sweep(group: Any, dtypes: list[Any], lengths: list[int], fails: list[str],
             for op in _ops(dtype):
                 prows = [_values(r, dtype, n, salt, -2, 3) for r in range(p)] \
                     if op == R.PRODUCT else rows
-                if n % 2:
-                    big = torch.zeros(2 * n, dtype=dtype)
-                    x = big[::2]
-                    x.copy_(prows[me])
-                else:
-                    x = prows[me].clone()
-                dist.all_reduce(x, op=_torch_op(op), group=group)
                 want = _reference(prows, op, dtype)
-                if not _same(x, want, dtype, exact=op not in (R.AVG, "premul")):
-                    fails.append(f"all_reduce {op} {tag}: {x[:5]} != {want[:5]}")
+                # contiguous (the second call of an op and dtype takes the lean path), and
+                # for odd n a strided view as well
+                for strided in (False, True)[:1 + n % 2]:
+                    if strided:
+                        big = torch.zeros(2 * n, dtype=dtype)
+                        x = big[::2]
+                        x.copy_(prows[me])
+                    else:
+                        x = prows[me].clone()
+                    dist.all_reduce(x, op=_torch_op(op), group=group)
+                    if not _same(x, want, dtype, exact=op not in (R.AVG, "premul")):
+                        fails.append(f"all_reduce {op} {tag} strided={strided}: {x[:5]} != "
+                                     f"{want[:5]}")
             # async all_reduce: the future's value is the output
             x = rows[me].clone()
             work = dist.all_reduce(x, group=group, async_op=True)
@@ -415,7 +419,52 @@ def _monitored(fails: list[str]) -> None:
         bt.monitored_barrier(timeout=datetime.timedelta(seconds=TIMEOUT))  # in step again
 
 
+def _lean(fails: list[str]) -> None:
+    """The synchronous all-reduce of one contiguous tensor runs on the calling thread at once
+    when nothing is queued, but never ahead of a job queued before it; shapes it handles
+    (0-d, a parameter that requires grad, one element of a strided tensor)."""
+    import bitcoll.torch as bt
+
+    p, me = dist.get_world_size(), dist.get_rank()
+    total = p * (p - 1) // 2
+    for x in (torch.tensor(float(me)), torch.full((3,), float(me), requires_grad=True),
+              torch.zeros(8)[3:4].fill_(me), torch.full((2, 3), me, dtype=torch.int64)):
+        dist.all_reduce(x)
+        if not bool((x == total).all()):
+            fails.append(f"lean all_reduce of shape {tuple(x.shape)}: {x}")
+    started, go = threading.Event(), threading.Event()
+    order: list[str] = []
+
+    def first(comm: Any) -> None:
+        started.set()
+        go.wait(TIMEOUT)
+        order.append("submitted")
+
+    fut = bt.submit(first)
+    started.wait(TIMEOUT)
+    y = torch.full((5,), float(me))
+
+    def sync_call() -> None:
+        dist.all_reduce(y)
+        order.append("sync")
+
+    caller = threading.Thread(target=sync_call)
+    caller.start()
+    worker = bt._group(None)._worker
+    deadline = time.monotonic() + TIMEOUT
+    while not worker._pending and caller.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.001)  # until the call is queued (or, wrongly, ran ahead)
+    if not worker._pending or not caller.is_alive():
+        fails.append(f"a synchronous all_reduce ran ahead of a queued job: {order}")
+    go.set()
+    caller.join(TIMEOUT)
+    fut.wait()
+    if order != ["submitted", "sync"] or not bool((y == total).all()):
+        fails.append(f"order {order}, result {y}")
+
+
 def _scenario_small(fails: list[str]) -> None:
+    _lean(fails)
     _sweep(None, SMALL_DTYPES, [0, 1, 9, 1001], fails)
     _p2p_and_objects(fails)
     _monitored(fails)
