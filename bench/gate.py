@@ -19,6 +19,8 @@ rounds per side):
   against its own float32 all-reduce of the same elements (the packed collective moves 32x
   fewer bytes, so it should never be slower);
 * ``mpi_allreduce_vs_mpi4py_{8B,64K}``: bitcoll over MPI against mpi4py's ``Allreduce``;
+* ``torch_allreduce_vs_direct_8B``: ``dist.all_reduce`` on a group of the "bitcoll" torch
+  backend against the Communicator behind it on the same memory (what the torch layer adds);
 * ``majority_64M_p2_vs_wire``: the default majority all-reduce of 64M elements on the emulated
   testbed (2 hosts, 1 Gbit links, one core each) against the wire bound, the bytes each rank
   sends over the probed link rate (needs root and network namespaces; skipped otherwise). The

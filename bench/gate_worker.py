@@ -50,15 +50,15 @@ def _iters(nbytes: int) -> tuple[int, int]:
 def loopback(rt: osu.BitcollRuntime) -> None:
     """bitcoll's float32 all-reduce against gloo's (in place, both), the packed majority
     all-reduce against bitcoll's own float32 all-reduce of the same elements, and the torch
-    backend's ``dist.all_reduce``: against the communicator behind it (what the torch layer
-    adds) and against gloo's."""
+    backend's ``dist.all_reduce`` against the communicator behind it (what the torch layer
+    adds)."""
     import torch
     import torch.distributed as dist
 
     gloo = osu.open_runtime("gloo", timeout=120.0)
     comm = rt.comm
     try:
-        _torch_layer(rt, gloo)
+        _torch_layer(rt)
         for nbytes, label in ((8, "8B"), (1 << 20, "1M"), (16 << 20, "16M")):
             x = np.zeros(nbytes // 4, np.float32)
             t = torch.zeros(nbytes // 4, dtype=torch.float32)
@@ -76,10 +76,11 @@ def loopback(rt: osu.BitcollRuntime) -> None:
         gloo.close()
 
 
-def _torch_layer(rt: osu.BitcollRuntime, gloo: osu.Runtime) -> None:
-    """``dist.all_reduce`` on a group of the "bitcoll" backend (the default group is gloo's):
-    8 B against the group's own Communicator called directly on the same memory, 1 MiB
-    against gloo's."""
+def _torch_layer(rt: osu.BitcollRuntime) -> None:
+    """``dist.all_reduce`` of 8 B on a group of the "bitcoll" backend (the default group is
+    gloo's) against the group's own Communicator called directly on the same memory: what the
+    torch layer adds to a call (its checks, work object and any staging). Larger calls are
+    left out: at 1 MiB the pair's ratio moved between 0.91 and 1.36 from run to run."""
     import torch
     import torch.distributed as dist
 
@@ -91,10 +92,6 @@ def _torch_layer(rt: osu.BitcollRuntime, gloo: osu.Runtime) -> None:
     x = t.numpy()
     _paired("torch_allreduce_vs_direct_8B", (rt, partial(dist.all_reduce, t, group=group)),
             (rt, partial(inner.allreduce, x, out=x)), *_iters(8))
-    t = torch.zeros(1 << 18, dtype=torch.float32)
-    ref = torch.zeros(1 << 18, dtype=torch.float32)
-    _paired("torch_allreduce_vs_gloo_1M", (rt, partial(dist.all_reduce, t, group=group)),
-            (gloo, partial(dist.all_reduce, ref)), *_iters(1 << 20))
     dist.destroy_process_group(group)
 
 

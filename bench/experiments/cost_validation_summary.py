@@ -8,7 +8,11 @@ fastest algorithm measured (``!`` outside 15% and 5%), then the counts.
 ``--replan``: the pick and the prediction of today's :mod:`bitcoll.plan`, from the model and
 the group each file names in its header, against the times the file measured: how a change
 of the formulas fares on the stored measurements (fields a file's model does not name take
-today's defaults).
+today's defaults). ``--set FIELD=VALUE`` (with ``--replan``, repeatable) overrides a field of
+every file's model: how a change of a parameter fares::
+
+    python bench/experiments/cost_validation_summary.py --replan --set switch_latency=2e-4 \
+        results/cost_model/validation
 """
 
 from __future__ import annotations
@@ -31,14 +35,15 @@ def _fields(text: str) -> dict[str, str]:
     return dict(item.split("=", 1) for item in text.split(", "))
 
 
-def _replanner(text: str) -> tuple[str, CostModel, Group] | None:
-    """The collective, model and group a file's header names (None: no header)."""
+def _replanner(text: str, overrides: dict[str, float]) -> tuple[str, CostModel, Group] | None:
+    """The collective, model (with ``overrides``) and group a file's header names (None: no
+    header)."""
     m, g = _MODEL.search(text), _GROUP.search(text)
     if m is None or g is None:
         return None
     known = set(CostModel.__dataclass_fields__)
-    model = CostModel.from_mapping({k: float(v) for k, v in _fields(m.group(1)).items()
-                                    if k in known})
+    fields = {k: float(v) for k, v in _fields(m.group(1)).items() if k in known}
+    model = CostModel.from_mapping({**fields, **overrides})
     gf = _fields(g.group(2))
     group = Group(int(gf["size"]), int(gf["hosts"]), int(gf["per_host"]),
                   float(gf["cores_per_rank"]), gf.get("two_level", "True") == "True")
@@ -51,7 +56,17 @@ def main(argv: list[str]) -> int:
     ap.add_argument("folder", type=Path)
     ap.add_argument("--replan", action="store_true",
                     help="pick and predict with today's planner instead of the file's marks")
+    ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                    help="with --replan: override a field of every file's cost model")
     args = ap.parse_args(argv)
+    overrides: dict[str, float] = {}
+    for item in args.set:
+        field, _, value = item.partition("=")
+        if field not in CostModel.__dataclass_fields__ or not value:
+            ap.error(f"--set {item!r}: FIELD=VALUE with a field of CostModel")
+        overrides[field] = float(value)
+    if overrides and not args.replan:
+        ap.error("--set needs --replan")
     within = good = total = 0
     for path in sorted(args.folder.glob("h*.txt")):
         text = path.read_text()
@@ -61,7 +76,7 @@ def main(argv: list[str]) -> int:
             if m:
                 size, algo, meas, pred, _, mark = m.groups()
                 sizes.setdefault(int(size), {})[algo] = (float(meas), float(pred), mark)
-        plan = _replanner(text) if args.replan else None
+        plan = _replanner(text, overrides) if args.replan else None
         if args.replan and plan is None:
             print(f"{path.stem:24s} (no model or group in the header: skipped)")
             continue
