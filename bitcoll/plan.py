@@ -144,7 +144,7 @@ class CostModel:
     reduce_rate: float = 4.0e9
     repack_rate: float = 2.5e8
     host_cores: float = 1.0
-    switch_latency: float = 100e-6
+    switch_latency: float = 200e-6
     segment_cpu: float = 100e-6
 
     def as_array(self) -> npt.NDArray[np.float64]:

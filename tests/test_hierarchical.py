@@ -248,10 +248,12 @@ def test_dense_allreduce_inproc(hosts: tuple[int, ...]) -> None:
         y = x.copy()
         assert comm.allreduce(y, out=y, algorithm="hierarchical") is y
         assert np.array_equal(y, want)
-        # Where the planner's default is two-level: the same bits as asking for it.
-        big = float_input(10, comm.rank, 160_000, "float32")
-        assert choose("allreduce", comm.cost_model, comm.plan_group,
-                      Call(nbytes=big.nbytes)) == "hierarchical"
+        # Where the planner's default is two-level: the same bits as asking for it (the
+        # crossover moves up where ranks share this machine's cores).
+        n = next(k for k in (160_000, 640_000, 2_560_000)
+                 if choose("allreduce", comm.cost_model, comm.plan_group,
+                           Call(nbytes=4 * k)) == "hierarchical")
+        big = float_input(10, comm.rank, n, "float32")
         assert np.array_equal(comm.allreduce(big), comm.allreduce(big, algorithm="hierarchical"))
         return checks
 
