@@ -376,10 +376,12 @@ class _Staged:
     def __init__(self, t: torch.Tensor, copy_in: bool = True) -> None:
         self.orig = t
         src = t.detach()
-        if src.device.type == "cpu" and src.is_contiguous():
+        if src.device.type == "cpu" and src.is_contiguous() and not src.is_neg() and \
+                not src.is_conj():
             self.host, self.copied = src, False
-        elif copy_in:
-            self.host, self.copied = src.to("cpu").contiguous(), True
+        elif copy_in:  # a negated or conjugated view: its values, materialized
+            self.host = src.resolve_neg().resolve_conj().to("cpu").contiguous()
+            self.copied = True
             if self.host.data_ptr() == src.data_ptr() and self.host.numel():
                 self.host = self.host.clone()
         else:
@@ -759,7 +761,8 @@ class BitcollProcessGroup(dist.ProcessGroup):
         src = tensors[0]
         red = _PLANS.get((_op_type(op), src.dtype))
         if red is None or red.fold is not None or red.factor is not None or \
-                src.dtype not in _NUMPY_DTYPES or not src.is_cpu or not src.is_contiguous():
+                src.dtype not in _NUMPY_DTYPES or not src.is_cpu or not src.is_contiguous() \
+                or src.is_neg():  # a negated view has no numpy view: the general path copies
             return None
         x = (src.detach() if src.requires_grad else src).numpy()
         if x.ndim != 1:

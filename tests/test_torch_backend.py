@@ -428,7 +428,8 @@ def _lean(fails: list[str]) -> None:
     p, me = dist.get_world_size(), dist.get_rank()
     total = p * (p - 1) // 2
     for x in (torch.tensor(float(me)), torch.full((3,), float(me), requires_grad=True),
-              torch.zeros(8)[3:4].fill_(me), torch.full((2, 3), me, dtype=torch.int64)):
+              torch.zeros(8)[3:4].fill_(me), torch.full((2, 3), me, dtype=torch.int64),
+              torch._neg_view(torch.full((3,), -float(me)))):
         dist.all_reduce(x)
         if not bool((x == total).all()):
             fails.append(f"lean all_reduce of shape {tuple(x.shape)}: {x}")
