@@ -176,28 +176,20 @@ class BitcollWork(_C10dWork):
     tensors, a list) or failed by the thread that ran the collective.
     """
 
-    def __init__(self, name: str, pending: bool = True) -> None:
+    def __init__(self, name: str) -> None:
         super().__init__()
         self._name = name
         # Held until the collective finished: a waiter acquires and releases it (cheaper
         # than a threading.Event, which costs a Condition per collective).
         self._gate = threading.Lock()
-        if pending:
-            self._gate.acquire()
+        self._gate.acquire()
         self._lock = threading.Lock()
-        self._done = not pending  # the outcome is recorded (under _lock)
-        self._finished = not pending  # ... and the future completed: waiters may go
+        self._done = False  # the outcome is recorded (under _lock)
+        self._finished = False  # ... and the future completed: waiters may go
         self._error: BaseException | None = None
         self._value: Any = None
         self._future: Future[Any] | None = None  # made by get_future (most calls need none)
         self._worker: _Worker | None = None
-
-    @classmethod
-    def completed(cls, name: str, value: Any, error: BaseException | None) -> BitcollWork:
-        """A work finished already, with ``value`` (or failed with ``error``)."""
-        work = cls(name, pending=False)
-        work._value, work._error = value, error
-        return work
 
     def _finish(self, value: Any, error: BaseException | None) -> None:
         with self._lock:
@@ -294,26 +286,12 @@ class _Worker:
                 wrap: Callable[[BaseException], BaseException]) -> bool:
         """Run ``job`` on this thread at once when no job is queued or running (a synchronous
         call: ``work`` is finished on return); False, with nothing done, otherwise."""
-        if not self.claim():
-            return False
-        self._run((job, work, wrap))
-        return True
-
-    def claim(self) -> bool:
-        """Take the turn when no job is queued or running (True): the caller runs its own
-        collective on its thread, then gives it back with :meth:`release`. False otherwise."""
         with self._cond:
             if self._busy or self._pending:
                 return False
             self._busy = True
-            return True
-
-    def release(self) -> None:
-        """Give back a turn taken by :meth:`claim` (wakes the thread for a job queued since)."""
-        with self._cond:
-            self._busy = False
-            if self._pending:
-                self._cond.notify()
+        self._run((job, work, wrap))
+        return True
 
     def try_run(self, work: BitcollWork) -> None:
         """Run ``work``'s job on this thread if it is the next one and none is running."""
@@ -640,7 +618,7 @@ class BitcollProcessGroup(dist.ProcessGroup):
     def __init__(self, comm: Communicator, store: Any, rank: int, size: int,
                  timeout: float, group_name: str) -> None:
         super().__init__(rank, size)  # type: ignore[call-arg]  # the stub lacks this form
-        self._me, self._p = rank, size  # rank() and size() are calls into C++
+        self._me = rank  # rank() is a call into C++
         self._comm = comm
         self._store = store
         self._timeout = timeout
@@ -755,9 +733,9 @@ class BitcollProcessGroup(dist.ProcessGroup):
         """The all-reduce of one contiguous CPU tensor of a dtype numpy holds
         (``_NUMPY_DTYPES``) by an op bitcoll's all-reduce runs (its plan cached already), in
         place through a numpy view made now, without staging: run on this thread at once when
-        the call is synchronous and no job is queued or running (the work is returned
-        finished), queued otherwise. None when the call does not qualify (the general path
-        then checks and stages it)."""
+        the call is synchronous and no job is queued or running (:meth:`_submit`), queued
+        otherwise. None when the call does not qualify (the general path then checks and
+        stages it)."""
         src = tensors[0]
         red = _PLANS.get((_op_type(op), src.dtype))
         if red is None or red.fold is not None or red.factor is not None or \
@@ -773,18 +751,7 @@ class BitcollProcessGroup(dist.ProcessGroup):
             comm.allreduce(x, how, out=x)
             return list(tensors)
 
-        worker = self._worker
-        if opts is None or opts.asyncOp or self._closed or not worker.claim():
-            return self._submit("allreduce", job, opts)
-        error = None
-        try:
-            job()
-        except BaseException as exc:  # raised by the work's wait, as from the worker
-            error = _dist_error(exc, self._me, self._group_name, "allreduce")
-        finally:
-            worker.release()
-        return BitcollWork.completed(f"allreduce on group {self._group_name!r}",
-                                     list(tensors), error)
+        return self._submit("allreduce", job, opts)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor],
                             opts: Any = None) -> BitcollWork:
