@@ -731,14 +731,14 @@ class BitcollProcessGroup(dist.ProcessGroup):
     def _lean_allreduce(self, tensors: list[torch.Tensor], op: Any,
                         opts: Any) -> BitcollWork | None:
         """The all-reduce of one contiguous CPU tensor of a dtype numpy holds
-        (``_NUMPY_DTYPES``) by an op bitcoll's all-reduce runs (its plan cached already), in
-        place through a numpy view made now, without staging: run on this thread at once when
-        the call is synchronous and no job is queued or running (:meth:`_submit`), queued
-        otherwise. None when the call does not qualify (the general path then checks and
-        stages it)."""
+        (``_NUMPY_DTYPES``) by an op bitcoll's all-reduce runs (its plan cached already, which
+        a PREMUL_SUM's never is), in place through a numpy view made now, without staging: run
+        on this thread at once when the call is synchronous and no job is queued or running
+        (:meth:`_submit`), queued otherwise. None when the call does not qualify (the general
+        path then checks and stages it)."""
         src = tensors[0]
         red = _PLANS.get((_op_type(op), src.dtype))
-        if red is None or red.fold is not None or red.factor is not None or \
+        if red is None or red.fold is not None or \
                 src.dtype not in _NUMPY_DTYPES or not src.is_cpu or not src.is_contiguous() \
                 or src.is_neg():  # a negated view has no numpy view: the general path copies
             return None

@@ -444,17 +444,25 @@ def _lean(fails: list[str]) -> None:
     fut = bt.submit(first)
     started.wait(TIMEOUT)
     y = torch.full((5,), float(me))
+    worker = bt._group(None)._worker
+    moved = threading.Event()  # the call was queued, or (wrongly) it finished
+    queue_it = worker.submit
+
+    def submit(*args: Any, **kwargs: Any) -> Any:
+        work = queue_it(*args, **kwargs)
+        moved.set()
+        return work
 
     def sync_call() -> None:
         dist.all_reduce(y)
         order.append("sync")
+        moved.set()
 
+    worker.submit = submit  # type: ignore[method-assign]
     caller = threading.Thread(target=sync_call)
     caller.start()
-    worker = bt._group(None)._worker
-    deadline = time.monotonic() + TIMEOUT
-    while not worker._pending and caller.is_alive() and time.monotonic() < deadline:
-        time.sleep(0.001)  # until the call is queued (or, wrongly, ran ahead)
+    moved.wait(TIMEOUT)
+    worker.submit = queue_it  # type: ignore[method-assign]
     if not worker._pending or not caller.is_alive():
         fails.append(f"a synchronous all_reduce ran ahead of a queued job: {order}")
     go.set()
