@@ -784,7 +784,7 @@ class Communicator:
                 return res
             if algo == "inline":
                 plan = self._mpi_plan(vec.dtype, vec.size, rop)
-                assert plan is not None and plan.inline is not None  # "auto" chose inline
+                assert plan is not None and plan.mpi is not None  # "auto" chose inline
                 self._planned(plan, vec, flat, inplace, ctx)
                 return res
             if not inplace:
@@ -815,14 +815,14 @@ class Communicator:
             fields = (op.value, dtype.str, size, "inline")
             rows = nt.record_payloads[:, :nbytes].view(dtype)
             sig = signature("allreduce", *fields)
-            records = nt.prepared_records(nbytes)
-            plan = _Plan(fields, sig, mpi_op, None, op, records=records,
-                         inline=_inline_allreduce(records, sig, GatheredReduce(rows, op)))
+            plan = _Plan(fields, sig, op, _inline_allreduce(
+                nt.prepared_records(nbytes), sig, GatheredReduce(rows, op)))
         elif nbytes <= NATIVE_ALLREDUCE_MAX_BYTES and nt.reducible(dtype, mpi_op):
             fields = (op.value, dtype.str, size, "native")
+            sig = signature("allreduce", *fields)
             divisor = np.asarray(self.size, dtype=dtype) if op is ReduceOp.AVG else None
-            plan = _Plan(fields, signature("allreduce", *fields), mpi_op, divisor, op,
-                         nt.prepared_allreduce(dtype, mpi_op), nt.prepared_records(0))
+            plan = _Plan(fields, sig, op, _native_allreduce(
+                nt.prepared_checked_allreduce(dtype, size, mpi_op), sig, divisor))
         if len(plans) >= _PLANS_MAX:
             plans.clear()
         plans[key] = plan
@@ -873,22 +873,21 @@ class Communicator:
                     return None  # the general path waits for it
                 self._last = None
             seq = self._turn()
-            xf = x if x.ndim == 1 else x.reshape(-1)
-            flat = res if res.ndim == 1 else res.reshape(-1)
-            if plan.records is not None:
-                # Over MPI no frames move, so no OpContext; errors as in _execute. The inline
-                # plan's closure is called here directly: one call level less on the smallest
+            mpi = plan.mpi
+            if mpi is not None:
+                # Over MPI no frames move, so no OpContext; errors as in _execute. The plan's
+                # closure is called here directly, on the caller's own arrays (a persistent
+                # MPI all-reduce is kept for them): one call level less on the smallest
                 # all-reduces, where every call level shows.
                 deadline = time.monotonic() + limit
-                inline = plan.inline
                 try:
-                    if inline is None:
-                        self._mpi_planned(plan, seq, xf, flat, res is x, deadline)
-                    elif not inline(seq, xf, flat, deadline):
+                    if not mpi(seq, x, res, deadline):
                         self._mismatch(seq, deadline, "allreduce", plan.fields)
                 except BaseException as exc:
                     self._failed(exc, "allreduce", seq)
                 return res
+            xf = x if x.ndim == 1 else x.reshape(-1)
+            flat = res if res.ndim == 1 else res.reshape(-1)
             self._execute("allreduce", plan.fields, seq, plan.signature,
                           functools.partial(self._planned, plan, xf, flat, res is x), limit,
                           self._segment_bytes, self._nt is not None)
@@ -900,35 +899,17 @@ class Communicator:
                  ctx: OpContext) -> None:
         """The body of a planned all-reduce: ``x`` (1-D) reduced into ``flat`` (1-D; the same
         array when ``inplace``) as ``plan`` says: bitcoll's algorithm, or (the general path's
-        "inline") :meth:`_mpi_planned`."""
-        if plan.records is not None:
-            self._mpi_planned(plan, ctx.seq, x, flat, inplace, ctx.deadline)
+        "inline") the plan's whole all-reduce over MPI; the agreed ProtocolError when its
+        argument check finds a mismatch."""
+        if plan.mpi is not None:
+            if not plan.mpi(ctx.seq, flat if inplace else x, flat, ctx.deadline):
+                self._mismatch(ctx.seq, ctx.deadline, "allreduce", plan.fields)
         elif plan.fields[3] == "ring":  # out of place: no copy (see the ring)
             allreduce_ring(ctx, flat, plan.op, src=None if inplace else x)
         else:
             if not inplace:
                 np.copyto(flat, x)
             allreduce_recursive_doubling(ctx, flat, plan.op)
-
-    def _mpi_planned(self, plan: _Plan, seq: int, x: Array, flat: Array, inplace: bool,
-                     deadline: float) -> None:
-        """An MPI plan's whole all-reduce #``seq``: the argument check (carrying ``x`` when
-        "inline"), then the local reduction of the gathered records or MPI's own all-reduce
-        ("native"); ``x`` and ``flat`` as in :meth:`_planned`. The agreed ProtocolError on a
-        mismatch."""
-        assert plan.records is not None
-        inline = plan.inline
-        if inline is not None:
-            if not inline(seq, x, flat, deadline):
-                self._mismatch(seq, deadline, "allreduce", plan.fields)
-            return
-        if not plan.records(seq, plan.signature, _NO_PAYLOAD, deadline):
-            self._mismatch(seq, deadline, "allreduce", plan.fields)
-        assert plan.native is not None
-        # In place, send and recv must be the same object (MPI_IN_PLACE).
-        plan.native(flat if inplace else x, flat, deadline)
-        if plan.divisor is not None:
-            np.divide(flat, plan.divisor, out=flat)
 
     def _fast_plan(self, key: tuple[np.dtype[Any], int, object]) -> _Plan | None:
         """The fast path's plan for its key ``(dtype, count, op as passed)``, cached under that
@@ -945,7 +926,7 @@ class Communicator:
             algo = self._auto_allreduce(dtype, size, False, rop) if plan is None else ""
             if algo in ("recursive_doubling", "ring"):
                 fields = (rop.value, dtype.str, size, algo)
-                plan = _Plan(fields, signature("allreduce", *fields), "", None, rop)
+                plan = _Plan(fields, signature("allreduce", *fields), rop)
         if len(self._plans) >= _PLANS_MAX:
             self._plans.clear()
         self._plans[key] = plan
@@ -1809,37 +1790,52 @@ class _Plan(NamedTuple):
     "recursive_doubling" or "ring")."""
     signature: int
     """``signature("allreduce", *fields)``."""
-    mpi_op: str
-    """MPI's op: "sum" (also for avg), "max" or "min"."""
-    divisor: Array | None
-    """Native avg: the world size in the dtype (the sum is divided by it); else None."""
     op: ReduceOp
     """The reduction."""
-    native: Callable[[Array, Array, float], None] | None = None
-    """"native": MPI's all-reduce with its checks done
-    (:meth:`~bitcoll.transport.base.NativeCollectives.prepared_allreduce`); else None."""
-    records: Callable[[int, int, bytes | memoryview, float], bool] | None = None
-    """Over MPI ("inline" and "native"): the argument check, carrying the vector when inline
-    (:meth:`~bitcoll.transport.base.NativeCollectives.prepared_records`); else None."""
-    inline: Callable[[int, Array, Array, float], bool] | None = None
-    """Over MPI, "inline": the whole all-reduce (:func:`_inline_allreduce`); else None."""
+    mpi: Callable[[int, Array, Array, float], bool] | None = None
+    """Over MPI ("inline" and "native"): the whole all-reduce #``seq`` of ``x`` into ``out``,
+    argument check included, ``run(seq, x, out, deadline)``: :func:`_inline_allreduce` or
+    :func:`_native_allreduce`. Else None."""
 
 
 def _inline_allreduce(records: Callable[[int, int, bytes | memoryview, float], bool], sig: int,
                       reduce: GatheredReduce) -> Callable[[int, Array, Array, float], bool]:
-    """The whole "inline" all-reduce #``seq`` of ``x`` (the plan's dtype and count, any
-    layout, read in C order) into a 1-D ``out`` of the same dtype and count (it may be ``x``'s
-    memory: ``x`` is read before anything is written): the argument check carrying ``x``'s
-    bytes, then the local reduction of the gathered vectors. Returns False, having written
-    nothing, when the records disagree; errors as the records exchange."""
+    """The whole "inline" all-reduce #``seq`` of ``x`` into ``out`` (C-contiguous, the plan's
+    dtype and count, any shape; ``out`` may be ``x`` or share its memory: ``x`` is read before
+    anything is written): the argument check carrying ``x``'s bytes, then the local reduction
+    of the gathered vectors. Returns False, having written nothing, when the records disagree;
+    errors as the records exchange."""
     reduce_into = reduce.run
 
     def run(seq: int, x: Array, out: Array, deadline: float) -> bool:
         if not records(seq, sig, x.tobytes(), deadline):
             return False
-        reduce_into(out)
+        reduce_into(out if out.ndim == 1 else out.reshape(-1))
         return True
     return run
+
+
+def _native_allreduce(checked: Callable[[int, int, Array, Array, float], bool], sig: int,
+                      divisor: Array | None) -> Callable[[int, Array, Array, float], bool]:
+    """The whole "native" all-reduce #``seq`` of ``x`` into ``out`` (C-contiguous, the plan's
+    dtype and count, any shape; ``out is x`` in place, else not overlapping): the transport's
+    argument check then MPI's all-reduce
+    (:meth:`~bitcoll.transport.base.NativeCollectives.prepared_checked_allreduce`), then
+    avg's division by ``divisor`` (else None). Returns False, having written nothing, when
+    the records disagree; errors as the transport's."""
+    def run(seq: int, x: Array, out: Array, deadline: float) -> bool:
+        return checked(seq, sig, x, out, deadline)
+
+    if divisor is None:
+        return run
+    by = divisor
+
+    def run_avg(seq: int, x: Array, out: Array, deadline: float) -> bool:
+        if not checked(seq, sig, x, out, deadline):
+            return False
+        np.divide(out, by, out=out)
+        return True
+    return run_avg
 
 
 class _PackedPlan(NamedTuple):
@@ -1870,7 +1866,6 @@ _FLAT_PACKED: dict[str, Callable[..., None]] = {
     "direct": packed_direct, "ring": packed_ring, "allgather": packed_allgather}
 
 _UNPLANNED: Any = object()  # a key not in the plan cache yet
-_NO_PAYLOAD = memoryview(b"")  # an argument check that carries nothing
 
 #: Most cached all-reduce plans per communicator (one per dtype, count and op in use).
 _PLANS_MAX = 256

@@ -131,6 +131,75 @@ def test_mpi_native_fast_path_in_place_and_shaped() -> None:
                     np.testing.assert_array_equal(got, y)
                 _check_reduction(comm, y, rows, op)
 
+def _made_everywhere(comm: Communicator, made: int) -> int:
+    """``made`` (persistent all-reduces this rank made), checked to be the same on every rank."""
+    every = comm.allgather(np.array([made], np.int64))
+    assert (every == made).all(), every
+    return made
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+def test_mpi_native_persistent_allreduce_stays_in_step() -> None:
+    """MPI's own all-reduce on arrays used again runs as a persistent MPI collective, made and
+    started in step on every rank: the last rank alternating its ``out`` between two arrays
+    makes every rank fall back to a plain all-reduce or make a new one (in the same calls: the
+    count of made ones agrees), out of place, in place, 2-D, with avg's division, and with
+    the strided general path on one rank; every result is the seeded reduction. A plan
+    holds the arrays of its persistent all-reduce (numpy refuses to resize them in place:
+    MPI keeps their address); more plans than a transport
+    keeps (the oldest are freed) stay right; close frees them all."""
+    from bitcoll.transport.mpi.persistent import PERSISTENT_ALLREDUCES
+
+    with bitcoll.init("mpi", timeout=60) as comm:
+        t = comm._transport
+        persist = t._persist  # type: ignore[attr-defined]
+        last = comm.rank == comm.size - 1
+        n = (t.record_bytes - 16) // 4 + 9  # type: ignore[attr-defined]  # past the records
+        for dtype, op in (("int32", "sum"), ("float64", "max"), ("float32", "avg")):
+            rows = [_mpi_ranks_data(r, n, dtype) for r in range(comm.size)]
+            x = rows[comm.rank].copy()
+            out, other = np.empty_like(x), np.empty_like(x)
+            want = comm.allreduce(x.copy(), op=op)  # new arrays: a plain all-reduce
+            _check_reduction(comm, want, rows, op)
+            before = persist._made
+            for i in range(12):
+                target = other if last and i % 3 == 2 else out
+                assert comm.allreduce(x, op=op, out=target) is target
+                np.testing.assert_array_equal(target, want)
+            # calls 0, 2, 6, 8 plain (a new pair of arrays somewhere), 1, 5, 7, 11 make one,
+            # 3, 4, 9, 10 start the one every rank holds
+            assert _made_everywhere(comm, persist._made - before) == 4
+            np.testing.assert_array_equal(x, rows[comm.rank])  # input untouched
+            square = np.empty((1, n), x.dtype)  # owns its memory: numpy could resize it
+            for _ in range(3):  # in place, 2-D: the same objects again
+                np.copyto(square, x.reshape(1, n))
+                assert comm.allreduce(square, op=op, out=square) is square
+                np.testing.assert_array_equal(square.reshape(-1), want)
+            strided = np.repeat(x, 2)[::2]
+            for _ in range(3):  # the general path on one rank (its record has no bid)
+                src = strided if last else x
+                np.testing.assert_array_equal(comm.allreduce(src, op=op, out=out), want)
+            with pytest.raises(ValueError, match="referenced"):
+                square.resize(n + 1)  # held by the plan's persistent all-reduce
+        spare = np.zeros((1, n), np.int32)
+        spare.resize(n + 1)  # (numpy resizes an array nothing else holds)
+        for k in range(PERSISTENT_ALLREDUCES + 6):
+            v = np.full(n + k, comm.rank + k, np.int64)
+            for _ in range(3):
+                assert comm.allreduce(v, out=v) is v
+                np.copyto(v, comm.rank + k)
+        assert len(persist._live) <= PERSISTENT_ALLREDUCES
+        first = np.full(n, comm.rank, np.int64)
+        for _ in range(3):  # a plan whose persistent all-reduce was freed
+            np.testing.assert_array_equal(comm.allreduce(first), comm.size * (comm.size - 1) // 2)
+            assert comm.allreduce(first, out=first) is first
+            np.testing.assert_array_equal(first, comm.size * (comm.size - 1) // 2)
+            first[:] = comm.rank
+        assert persist._live
+    assert not persist._live and not persist.available
+
+
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(120)
 def test_mpi_default_ring_fast_and_general_paths_agree() -> None:

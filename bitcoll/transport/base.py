@@ -283,6 +283,15 @@ class NativeCollectives(Protocol):
         writable, and either the same array or not overlapping. UsageError now when
         :meth:`reducible` is False."""
 
+    def prepared_checked_allreduce(self, dtype: np.dtype[Any], count: int, op: str
+                                   ) -> Callable[[int, int, npt.NDArray[Any], npt.NDArray[Any],
+                                                  float], bool]:
+        """The argument check then MPI's all-reduce of ``count`` elements of ``dtype`` with
+        ``op``, prepared once: ``run(seq, signature, send, recv, deadline)`` returns False,
+        having reduced nothing, when the records disagree, else reduces ``send`` into ``recv``
+        (arrays as :meth:`prepared_allreduce` requires; ``recv is send``: in place) and
+        returns True. UsageError now when :meth:`reducible` is False."""
+
     def native_reduce_scatter(self, send: npt.NDArray[Any], recv: npt.NDArray[Any],
                               counts: list[int], op: str, deadline: float) -> None:
         """Rank r receives block r (``counts[r]`` elements) of ``op(send of every rank)``."""
