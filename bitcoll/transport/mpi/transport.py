@@ -932,7 +932,10 @@ class MPITransport(Transport):
         in_place, lock, comm, persist = self._mpi.IN_PLACE, self._lock, self._comm, self._persist
         mpi_exception = self._mpi.Exception
         last: list[Persistent | None] = [None]  # the plan's persistent all-reduce
-        seen: list[tuple[weakref.ref[Any], weakref.ref[Any]] | None] = [None]  # last arrays
+        # The arrays of the plan's last call without a persistent all-reduce: ``send``'s id
+        # and a weak reference to ``recv`` (an array made for one call, as ``out=None``
+        # makes, is gone by the next, so its place cannot be mistaken for it).
+        seen: list[tuple[int, weakref.ref[Any]] | None] = [None]
 
         def what() -> str:
             return f"allreduce({op}, {dtype}[{count}])"
@@ -945,11 +948,11 @@ class MPITransport(Transport):
             else:
                 held = None
                 was = seen[0]
-                if was is not None and was[0]() is send and was[1]() is recv:
+                if was is not None and was[1]() is recv and was[0] == id(send):
                     bid = REPEAT_BID
                 else:
                     bid = NO_BID
-                    seen[0] = (weakref.ref(send), weakref.ref(recv))
+                    seen[0] = (id(send), weakref.ref(recv))
             if not records(seq, signature, bid, deadline):
                 return False
             sendspec = in_place if send is recv else [send, mpitype]
