@@ -733,7 +733,11 @@ class Communicator:
         inside the argument check every collective over MPI starts with, and each rank reduces
         the gathered vectors itself in rank order (:mod:`bitcoll.algorithms.allreduce_gathered`):
         one MPI collective in all, every rank the same bits, float16 included. This is the
-        default (``algorithm`` left at "auto"); forcing an algorithm turns it off.
+        default (``algorithm`` left at "auto"); forcing an algorithm turns it off. Larger ones,
+        up to :data:`NATIVE_ALLREDUCE_MAX_BYTES`, are the check then MPI's own all-reduce: a
+        persistent MPI collective once the same ``x`` and ``out`` come again on every rank,
+        which then keeps references to those two arrays (at most 64 such pairs per
+        communicator, and until :meth:`close`; numpy refuses to resize them in place).
 
         Example, 2 ranks: rank 0 ``x=[1, 2]``, rank 1 ``x=[3, 4]`` → both get ``[4, 6]``.
         """
