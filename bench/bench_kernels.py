@@ -75,6 +75,16 @@ def main(argv: list[str] | None = None) -> int:
         acc2 = np.zeros(n, dtype=np.int32)
         return R.add_fields(fields, n, w, half, acc2)
 
+    rows = np.stack([K.pack_fields(rng.integers(-half, half, size=n).astype(values.dtype),
+                                   w, half) for _ in range(p)])
+    out_sign = np.empty(K.packed_nbytes(n, 2), dtype=np.uint8)
+
+    def four_passes() -> Any:  # what the exact sum's sign took before sum_sign_fields
+        K.unpack_fields(rows[0], n, w, half, out=out_i32)
+        for row in rows[1:]:
+            K.add_fields(row, n, w, half, out_i32)
+        return K.pack_fields(np.sign(out_i32, out=out_i32), 2, 1, out=out_sign)
+
     # (name, input bytes, kernel, numpy equivalent)
     cases: list[tuple[str, int, Callable[[], Any], Callable[[], Any]]] = [
         ("pack_signs float32", x.nbytes,
@@ -104,6 +114,11 @@ def main(argv: list[str] | None = None) -> int:
         (f"add_fields w={w} += int32", fields.nbytes,
          lambda: K.add_fields(fields, n, w, half, acc),
          np_add_fields),
+        (f"sum_sign_fields w={w} p={p}", rows.nbytes,
+         lambda: K.sum_sign_fields(rows, n, w, half, out=out_sign),
+         lambda: R.sum_sign_fields(rows, n, w, half)),
+        (f"unpack+add+sign+pack w={w} p={p}", rows.nbytes, four_passes,
+         lambda: R.sum_sign_fields(rows, n, w, half)),
     ]
 
     print(f"command: {' '.join(shlex.quote(a) for a in ['python', *sys.argv])}")

@@ -24,7 +24,8 @@ Per step the script takes the forward, backward and optimizer-step wall times, a
 future completed (the vote arrived and the update direction was written), both from the
 start of backward. Output (rank 0): one line per step, then the medians over the steps after
 the first ``--skip`` (DDP rebuilds its buckets after the first iteration): ``step``,
-``forward``, ``backward``, ``optimizer`` (ms), and per bucket ``ready``/``done`` (ms) with
+``forward``, ``backward``, ``optimizer``, ``cpu`` (the process's CPU time over the step, all
+threads; ms), and per bucket ``ready``/``done`` (ms) with
 its size. ``--json`` writes every rank-0 figure to a file.
 """
 
@@ -116,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     for step in range(args.steps):
         x = torch.randint(0, 256, (args.batch_size, args.seq_len + 1), generator=g)
         events.clear()
+        c0 = time.process_time()
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         loss = token_loss(net, x[:, :-1], x[:, 1:])
@@ -127,18 +129,20 @@ def main(argv: list[str] | None = None) -> int:
         t3 = time.perf_counter()
         rec: dict[str, Any] = {"step": step, "total": t3 - t0, "forward": t1 - t0,
                                "backward": t2 - t1, "optimizer": t3 - t2,
+                               "cpu": time.process_time() - c0,
                                "loss": float(loss.item()), "buckets": sorted(events)}
         steps.append(rec)
         if rank == 0:
             print(f"step {step:3d}  {1e3 * rec['total']:7.1f} ms  fwd {1e3 * rec['forward']:6.1f}"
-                  f"  bwd {1e3 * rec['backward']:6.1f}  opt {1e3 * rec['optimizer']:5.1f}  "
+                  f"  bwd {1e3 * rec['backward']:6.1f}  opt {1e3 * rec['optimizer']:5.1f}"
+                  f"  cpu {1e3 * rec['cpu']:6.1f}  "
                   + "  ".join(f"b{b}[{n / 1e6:.2f}M] {1e3 * r:.0f}->{1e3 * d:.0f}"
                               for b, n, r, d in rec["buckets"]), flush=True)
     if state is not None:
         state.close()
     kept = steps[args.skip:] or steps
     summary: dict[str, Any] = {k: 1e3 * statistics.median(s[k] for s in kept)
-                               for k in ("total", "forward", "backward", "optimizer")}
+                               for k in ("total", "forward", "backward", "optimizer", "cpu")}
     per_bucket: dict[int, list[tuple[int, float, float]]] = {}
     for s in kept:
         for b, n, r, d in s["buckets"]:
@@ -153,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"# {' '.join([os.path.basename(sys.executable), *sys.argv])}")
         print(f"# median over steps {args.skip}..{args.steps - 1}: step "
               f"{summary['total']:.1f} ms, forward {summary['forward']:.1f}, backward "
-              f"{summary['backward']:.1f}, optimizer {summary['optimizer']:.1f}")
+              f"{summary['backward']:.1f}, optimizer {summary['optimizer']:.1f}, process CPU "
+              f"{summary['cpu']:.1f} (all threads)")
         for b, v in summary["buckets"].items():
             print(f"#   bucket {b}: {v['elements'] / 1e6:.2f}M elements, ready "
                   f"{v['ready_ms']:.1f} ms, done {v['done_ms']:.1f} ms after backward began")

@@ -540,6 +540,85 @@ def test_fields_roundtrip_parallel(n: int, width: int, seed: int, data: st.DataO
         check_fields_roundtrip(n, width, bias, seed)
 
 
+SUM_SIGN_WIDTHS = [1, 2, 3, 8, 16]  # 2: the 64-bit lane path; 1, 8: byte-aligned; 3, 16: general
+SUM_SIGN_ROWS = [0, 1, 2, 3, 4, 5, 8, 42, 43]  # 42: the most the 2-bit lane path sums
+
+
+def check_sum_sign(rows: int, n: int, width: int, bias: int, seed: int) -> None:
+    """sum_sign_fields of random rows (fields at both extremes, random padding bits, which
+    must be ignored) against the reference, with and without ``out``."""
+    rng = np.random.default_rng(seed)
+    nb = K.packed_nbytes(n, width)
+    packed = rng.integers(0, 256, size=(rows, nb), dtype=np.uint8)
+    if rows and n:  # some elements with every row at one extreme
+        for i in range(rows):
+            packed[i, : nb // 4] = packed[0, : nb // 4]
+    want = R.sum_sign_fields(packed, n, width, bias)
+    got = K.sum_sign_fields(packed, n, width, bias)
+    assert got.shape == (K.packed_nbytes(n, 2),) and got.dtype == np.uint8
+    np.testing.assert_array_equal(got, want)
+    assert_padding_zero(got, 2 * n)
+    out = np.full(K.packed_nbytes(n, 2), 0xFF, np.uint8)
+    assert K.sum_sign_fields(packed, n, width, bias, out=out) is out
+    np.testing.assert_array_equal(out, want)
+
+
+@SETTINGS
+@given(n=lengths, width=st.sampled_from(SUM_SIGN_WIDTHS),
+       rows=st.sampled_from(SUM_SIGN_ROWS), seed=seeds, data=st.data())
+def test_sum_sign_fields(n: int, width: int, rows: int, seed: int,
+                         data: st.DataObject) -> None:
+    bias = data.draw(st.integers(0, (1 << width) - 1), label="bias")
+    check_sum_sign(rows, n, width, bias, seed)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("rows", [1, 4, 42, 43])
+@pytest.mark.parametrize("bias", [0, 1, 3])
+def test_sum_sign_fields_two_bits_edges(mode: str, rows: int, bias: int) -> None:
+    """The 2-bit lane path at its limits (every field 0 or every field 3 on every row: the
+    largest lane sums) and at every length around its 32-element words; the parallel
+    kernels with chunk boundaries everywhere."""
+    with dispatch_mode(mode):
+        for n in (0, 1, 31, 32, 33, 63, 64, 65, 95, 1000, 12_345):
+            for fill in (0x00, 0xFF, 0x55, 0xAA):
+                packed = np.full((rows, K.packed_nbytes(n, 2)), fill, np.uint8)
+                np.testing.assert_array_equal(K.sum_sign_fields(packed, n, 2, bias),
+                                              R.sum_sign_fields(packed, n, 2, bias))
+            check_sum_sign(rows, n, 2, bias, n)
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 4, 5])
+def test_sum_sign_parallel_chunks_off_the_lane_words(chunk: int) -> None:
+    """Parallel chunks of 1-5 groups of 8 (not whole 32-element words) take the byte path
+    where a chunk starts inside a word: the same result."""
+    rng = np.random.default_rng(chunk)
+    for width in (2, 3):
+        n = 1001
+        packed = rng.integers(0, 256, size=(4, K.packed_nbytes(n, width)), dtype=np.uint8)
+        out = np.empty(K.packed_nbytes(n, 2), np.uint8)
+        B.field_kernels(width).sum_sign_parallel(packed, n, np.int64(1), out, chunk)
+        np.testing.assert_array_equal(out, R.sum_sign_fields(packed, n, width, 1))
+
+
+def test_sum_sign_fields_errors() -> None:
+    rows = np.zeros((3, 3), np.uint8)
+    with raises_usage("rows"):
+        K.sum_sign_fields(rows, 13, 2, 1)  # 13 fields of 2 bits take 4 bytes
+    with raises_usage("rows"):
+        K.sum_sign_fields(rows[0], 12, 2, 1)  # not 2-D
+    with raises_usage("rows"):
+        K.sum_sign_fields(np.zeros((3, 6), np.uint8)[:, ::2], 12, 2, 1)  # not contiguous
+    with raises_usage("rows"):
+        K.sum_sign_fields(rows.astype(np.int8), 12, 2, 1)
+    with raises_usage("out"):
+        K.sum_sign_fields(rows, 12, 2, 1, out=np.zeros(4, np.uint8))
+    with raises_usage("width"):
+        K.sum_sign_fields(rows, 12, 17, 1)
+    with raises_usage("bias"):
+        K.sum_sign_fields(rows, 12, 2, 4)
+
+
 @pytest.mark.parametrize("width", [2, 7], ids=["byte-aligned", "general"])
 @SETTINGS
 @given(n=lengths, seed=seeds, dtype=st.sampled_from(INT_DTYPES),

@@ -862,6 +862,143 @@ def _unpack_tail(packed: Any, out: Any, bias: np.int64, accumulate: bool, W: int
                 out[8 * g + k] = _get_field(lw, hw, k, W) - bias
 
 
+_SUM_SIGN_BLOCK = 4096
+"""Elements per block of the aligned ``sum_sign`` kernels (a multiple of 8: the block's sums
+stay in the L1 cache)."""
+
+
+@_inline_ir()
+def _sum_sign_aligned(rows: Any, out: Any, g0: int, g1: int, n: int, bias: np.int64,
+                      W: int) -> None:
+    """:func:`_sum_sign_groups` for a width that divides 8, block by block: the rows'
+    fields summed byte by byte into a small int32 buffer, then its signs packed."""
+    per = 8 // W
+    fmask = (np.uint64(1) << np.uint64(W)) - np.uint64(1)
+    r = rows.shape[0]
+    total_bias = np.int64(r) * bias
+    acc = np.zeros(_SUM_SIGN_BLOCK + 8, np.int32)
+    e_end = min(n, 8 * g1)
+    for e0 in range(8 * g0, e_end, _SUM_SIGN_BLOCK):
+        m = min(_SUM_SIGN_BLOCK, e_end - e0)
+        j0 = e0 * W // 8
+        j1 = (e0 + m) * W // 8 + (1 if ((e0 + m) * W) % 8 else 0)
+        if r == 0:
+            for k in range(m):
+                acc[k] = 0
+        for i in range(r):
+            if i == 0:
+                for j in range(j0, j1):
+                    b = np.uint64(rows[i, j])
+                    for k in range(per):
+                        acc[(j - j0) * per + k] = np.int32((b >> np.uint64(W * k)) & fmask)
+            else:
+                for j in range(j0, j1):
+                    b = np.uint64(rows[i, j])
+                    for k in range(per):
+                        acc[(j - j0) * per + k] += np.int32((b >> np.uint64(W * k)) & fmask)
+        tb = np.int32(total_bias)
+        for k in range(m):  # the sign + 1 of each sum, in place: 0, 1 or 2
+            t = acc[k] - tb
+            acc[k] = np.int32(t > 0) - np.int32(t < 0) + np.int32(1)
+        for k in range(m, (m + 3) // 4 * 4):
+            acc[k] = 0  # the padding fields of a last partial byte
+        for q in range(0, (m + 3) // 4):
+            out[e0 // 4 + q] = np.uint8(acc[4 * q] | (acc[4 * q + 1] << 2)
+                                        | (acc[4 * q + 2] << 4) | (acc[4 * q + 3] << 6))
+
+
+_LANES_3 = np.uint64(0x0303030303030303)
+_LANES_1 = np.uint64(0x0101010101010101)
+_LANES_H = np.uint64(0x8080808080808080)
+
+SUM_SIGN_SWAR_ROWS = 42
+"""Most rows the 2-bit ``sum_sign`` kernel sums in 8-bit lanes (3 * 42 = 126: every lane's
+sum and its ``+ 1`` stay below 128, so lane-wise compares need no borrow between lanes)."""
+
+
+@_helper()
+def _sign_code(t: np.uint64, c_plus_1: np.uint64, c_high: np.uint64) -> np.uint64:
+    """Per 8-bit lane of ``t`` (sums below 127), ``sign(t - c) + 1``: ``c_plus_1`` holds
+    ``c + 1`` and ``c_high`` holds ``c | 0x80`` in every lane (``c`` below 127)."""
+    gt = (((t | _LANES_H) - c_plus_1) & _LANES_H) >> np.uint64(7)  # t >= c + 1
+    lt = ((c_high - (t + _LANES_1)) & _LANES_H) >> np.uint64(7)  # c >= t + 1
+    out: np.uint64 = _LANES_1 + gt - lt
+    return out
+
+
+@_helper()
+def _sum_sign_w2(rows: Any, out: Any, e0: int, e1: int, bias: np.int64) -> None:
+    """Elements ``[e0, e1)`` (multiples of 32) of the 2-bit ``sum_sign`` kernel, 32 at a
+    time in 64-bit words: each row's word split into its four fields of every byte, one per
+    8-bit lane, summed over the rows (at most :data:`SUM_SIGN_SWAR_ROWS`), compared with
+    ``rows * bias`` lane by lane and packed back."""
+    r = rows.shape[0]
+    c = np.uint64(np.int64(r) * bias)
+    c_plus_1 = (c + np.uint64(1)) * _LANES_1
+    c_high = (c * _LANES_1) | _LANES_H
+    for j in range(e0 // 4, e1 // 4, 8):
+        a0 = np.uint64(0)
+        a1 = np.uint64(0)
+        a2 = np.uint64(0)
+        a3 = np.uint64(0)
+        for i in range(r):
+            w = _load_u64(rows[i], j)
+            a0 += w & _LANES_3
+            a1 += (w >> np.uint64(2)) & _LANES_3
+            a2 += (w >> np.uint64(4)) & _LANES_3
+            a3 += (w >> np.uint64(6)) & _LANES_3
+        _store_u64(out, j, _sign_code(a0, c_plus_1, c_high)
+                   | (_sign_code(a1, c_plus_1, c_high) << np.uint64(2))
+                   | (_sign_code(a2, c_plus_1, c_high) << np.uint64(4))
+                   | (_sign_code(a3, c_plus_1, c_high) << np.uint64(6)))
+
+
+@_inline_ir()
+def _sum_sign_groups(rows: Any, out: Any, g0: int, g1: int, n: int, bias: np.int64,
+                     W: int) -> None:
+    """Groups ``[g0, g1)`` of 8 elements (the last one may be partial: ``n`` elements in
+    all) of :func:`field_kernels`' ``sum_sign``: per element the sum over the rows of
+    ``field - bias``, its sign + 1 packed as a 2-bit field (2 bytes per group; the padding
+    bits of a partial group's last byte are 0)."""
+    if W == 2 and rows.shape[0] <= SUM_SIGN_SWAR_ROWS and 0 <= bias <= 3 and \
+            (8 * g0) % 32 == 0:
+        e_end = min(n, 8 * g1)
+        e_swar = 8 * g0 + (e_end - 8 * g0) // 32 * 32
+        _sum_sign_w2(rows, out, 8 * g0, e_swar, bias)
+        if e_swar < e_end:
+            _sum_sign_aligned(rows, out, e_swar // 8, g1, n, bias, W)
+        return
+    if 8 % W == 0:
+        _sum_sign_aligned(rows, out, g0, g1, n, bias, W)
+        return
+    r = rows.shape[0]
+    acc = np.zeros(8, np.int64)
+    total_bias = np.int64(r) * bias
+    for g in range(g0, g1):
+        count = min(8, n - 8 * g)
+        nb = (count * W + 7) // 8
+        o = g * W
+        for k in range(8):
+            acc[k] = 0
+        for i in range(r):
+            lw = np.uint64(0)
+            hw = np.uint64(0)
+            for b in range(min(nb, 8)):
+                lw |= np.uint64(rows[i, o + b]) << np.uint64(8 * b)
+            for b in range(8, nb):
+                hw |= np.uint64(rows[i, o + b]) << np.uint64(8 * (b - 8))
+            for k in range(8):
+                acc[k] += _get_field(lw, hw, k, W)
+        word = np.int64(0)
+        for k in range(count):
+            t = acc[k] - total_bias
+            word |= (np.int64(2) if t > 0 else (np.int64(0) if t < 0 else np.int64(1))) \
+                << np.int64(2 * k)
+        out[2 * g] = np.uint8(word & 0xFF)
+        if count > 4:
+            out[2 * g + 1] = np.uint8((word >> np.int64(8)) & 0xFF)
+
+
 class FieldKernels(NamedTuple):
     """The field kernels of one width (see :func:`field_kernels`)."""
 
@@ -869,6 +1006,8 @@ class FieldKernels(NamedTuple):
     pack_parallel: Callable[..., int]
     unpack_serial: Callable[..., int]
     unpack_parallel: Callable[..., int]
+    sum_sign_serial: Callable[..., int]
+    sum_sign_parallel: Callable[..., int]
 
 
 @cache
@@ -880,6 +1019,10 @@ def field_kernels(width: int) -> FieldKernels:
     ``values[i] - lo`` (mod 2**64) <= ``span``. Returns the first invalid index or -1.
     ``unpack_*(packed, out, bias, accumulate[, chunk])``: ``out[i] = field i - bias`` (cast to
     out's dtype), or ``out[i] += field i - bias`` (wrapping in out's dtype) when ``accumulate``.
+    ``sum_sign_*(rows, n, bias, out[, chunk])``: for ``rows`` (``uint8[r, ceil(n*width/8)]``,
+    r >= 0) and each element i < n, ``t = sum over the rows of (field i - bias)``, written to
+    ``out`` (``uint8[ceil(n/4)]``) as the 2-bit field ``sign(t) + 1`` (what unpacking every
+    row, adding, ``np.sign`` and packing at width 2 with bias 1 give, in one pass).
     Chunks are counted in groups of 8 elements.
     """
     return _make_field_kernels(width)
@@ -927,7 +1070,21 @@ def _make_field_kernels(width: int) -> FieldKernels:
         _unpack_tail(packed, out, bias, accumulate, W)
         return 0
 
-    return FieldKernels(pack_serial, pack_parallel, unpack_serial, unpack_parallel)
+    @_kernel()
+    def sum_sign_serial(rows: Any, n: int, bias: np.int64, out: Any) -> int:
+        _sum_sign_groups(rows, out, 0, (n + 7) // 8, n, bias, W)
+        return 0
+
+    @_kernel(parallel=True)
+    def sum_sign_parallel(rows: Any, n: int, bias: np.int64, out: Any, chunk: int) -> int:
+        ngroups = (n + 7) // 8
+        nchunks = (ngroups + chunk - 1) // chunk
+        for c in prange(nchunks):
+            _sum_sign_groups(rows, out, c * chunk, min(ngroups, (c + 1) * chunk), n, bias, W)
+        return 0
+
+    return FieldKernels(pack_serial, pack_parallel, unpack_serial, unpack_parallel,
+                        sum_sign_serial, sum_sign_parallel)
 
 
 # --------------------------------------------------------------------------------------------

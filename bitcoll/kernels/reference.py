@@ -138,6 +138,14 @@ def add_fields(packed: U8, n: int, width: int, bias: int,
     return acc
 
 
+def sum_sign_fields(rows: U8, n: int, width: int, bias: int) -> U8:
+    """Field i = sign(sum over the rows of (field i - bias)) + 1, as 2 bits."""
+    total = np.zeros(n, np.int64)
+    for row in rows:
+        total += _fields_of(row, n, width) - bias
+    return _bits_to_fields(np.sign(total) + 1, 2)
+
+
 def pack_ternary(x: npt.NDArray[np.floating[Any]]) -> U8:
     """sign(x) + 1 (0 for x < 0, 1 for x == 0 or -0.0, 2 for x > 0) as 2-bit fields."""
     _check_nan(x)
