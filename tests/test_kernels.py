@@ -540,8 +540,10 @@ def test_fields_roundtrip_parallel(n: int, width: int, seed: int, data: st.DataO
         check_fields_roundtrip(n, width, bias, seed)
 
 
-SUM_SIGN_WIDTHS = [1, 2, 3, 8, 16]  # 2: the 64-bit lane path; 1, 8: byte-aligned; 3, 16: general
-SUM_SIGN_ROWS = [0, 1, 2, 3, 4, 5, 8, 42, 43]  # 42: the most the 2-bit lane path sums
+# 2: the 8-bit lane path; 1, 3, 8: 16-bit lanes; 16: element by element
+SUM_SIGN_WIDTHS = [1, 2, 3, 8, 16]
+# 42: the most the 8-bit lanes sum (2-bit fields); 200 rows of 8 bits: past the 16-bit lanes
+SUM_SIGN_ROWS = [0, 1, 2, 3, 4, 5, 8, 42, 43, 200]
 
 
 def check_sum_sign(rows: int, n: int, width: int, bias: int, seed: int) -> None:
@@ -576,9 +578,10 @@ def test_sum_sign_fields(n: int, width: int, rows: int, seed: int,
 @pytest.mark.parametrize("rows", [1, 4, 42, 43])
 @pytest.mark.parametrize("bias", [0, 1, 3])
 def test_sum_sign_fields_two_bits_edges(mode: str, rows: int, bias: int) -> None:
-    """The 2-bit lane path at its limits (every field 0 or every field 3 on every row: the
-    largest lane sums) and at every length around its 32-element words; the parallel
-    kernels with chunk boundaries everywhere."""
+    """The 2-bit fields' lane paths at their limits (every field 0 or every field 3 on every
+    row: the largest lane sums; 42 rows in 8-bit lanes, 43 in 16-bit lanes) and at every
+    length around their 32-element words; the parallel kernels with chunk boundaries
+    everywhere."""
     with dispatch_mode(mode):
         for n in (0, 1, 31, 32, 33, 63, 64, 65, 95, 1000, 12_345):
             for fill in (0x00, 0xFF, 0x55, 0xAA):
@@ -590,8 +593,8 @@ def test_sum_sign_fields_two_bits_edges(mode: str, rows: int, bias: int) -> None
 
 @pytest.mark.parametrize("chunk", [1, 3, 4, 5])
 def test_sum_sign_parallel_chunks_off_the_lane_words(chunk: int) -> None:
-    """Parallel chunks of 1-5 groups of 8 (not whole 32-element words) take the byte path
-    where a chunk starts inside a word: the same result."""
+    """Parallel chunks of 1-5 groups of 8 (not whole 32-element words): a chunk that starts
+    inside a word of the 8-bit lane path takes the 16-bit lanes: the same result."""
     rng = np.random.default_rng(chunk)
     for width in (2, 3):
         n = 1001

@@ -284,12 +284,13 @@ class _SignOfSum(VoteCodec):
     def combine(self, rows: Array, n: int, first: int, out: Array,
                 work: Array | None = None) -> None:
         """As :meth:`VoteCodec.combine`, in one pass over the rows
-        (:func:`bitcoll.kernels.sum_sign_fields`: no int32 sums; 4x faster for 2-bit
-        contributions of up to :data:`~bitcoll.kernels.SUM_SIGN_SWAR_ROWS` ranks, its
-        64-bit lane path, which it takes only then) when ``rows`` is C-contiguous with
+        (:func:`bitcoll.kernels.sum_sign_fields`: no int32 sums) where that kernel works in
+        64-bit words (``rows * (2**w_in - 1)`` below
+        :data:`~bitcoll.kernels.SUM_SIGN_WORDS_LIMIT`), ``rows`` is C-contiguous with
         exactly the packed bytes of ``n`` elements per row and ``out`` holds exactly ``n``
         2-bit fields; the same bytes as :meth:`totals` then :meth:`finish`."""
-        if self.w_in == 2 and rows.ndim == 2 and rows.shape[0] <= kernels.SUM_SIGN_SWAR_ROWS and \
+        if rows.ndim == 2 and \
+                rows.shape[0] * ((1 << self.w_in) - 1) < kernels.SUM_SIGN_WORDS_LIMIT and \
                 rows.flags.c_contiguous and \
                 rows.shape[1] == kernels.packed_nbytes(n, self.w_in) and out.ndim == 1 and \
                 out.size == kernels.packed_nbytes(n, 2) and out.flags.c_contiguous:

@@ -74,7 +74,7 @@ __all__ = [
     "unpack_fields",
     "add_fields",
     "sum_sign_fields",
-    "SUM_SIGN_SWAR_ROWS",
+    "SUM_SIGN_WORDS_LIMIT",
     "pack_ternary",
     "extract_bits",
     "insert_bits",
@@ -100,9 +100,11 @@ PARALLEL_MIN_ELEMENTS = 1 << 20
 MAX_FIELD_WIDTH = 16
 """The widest field :func:`pack_fields` and friends support, in bits."""
 
-SUM_SIGN_SWAR_ROWS: int = _k.SUM_SIGN_SWAR_ROWS
-"""Most rows :func:`sum_sign_fields` sums in 64-bit words (2-bit fields only: about 4x the
-speed of unpacking, adding and packing); more rows, or other widths, take its byte path."""
+SUM_SIGN_WORDS_LIMIT: int = _k.SUM_SIGN_LANES16_LIMIT
+""":func:`sum_sign_fields` works in 64-bit words while ``rows * (2**width - 1)`` is below
+this (2-bit fields of up to 42 rows in 8-bit lanes, 32 elements a word: about 4x the speed
+of unpacking, adding and packing; others in 16-bit lanes, 8 elements per two words); beyond
+it, element by element."""
 
 _CHUNK_ELEMENTS = 1 << 18  # elements per parallel work item
 
@@ -810,7 +812,8 @@ def sum_sign_fields(rows: npt.NDArray[np.uint8], n: int, width: int, bias: int,
     (exact), field i of the result is ``sign(t) + 1`` (0, 1 or 2):
     ``uint8[ceil(n/4)]``, its padding bits 0. The same bytes as unpacking every row,
     adding, ``np.sign`` and :func:`pack_fields` at width 2 with bias 1, in one pass over the
-    rows and without the int32 sums. Bad arguments raise :class:`UsageError`.
+    rows and without the int32 sums (in 64-bit words below :data:`SUM_SIGN_WORDS_LIMIT`).
+    Bad arguments raise :class:`UsageError`.
     """
     n = _length(n)
     w = _width(width)

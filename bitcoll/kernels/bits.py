@@ -862,51 +862,6 @@ def _unpack_tail(packed: Any, out: Any, bias: np.int64, accumulate: bool, W: int
                 out[8 * g + k] = _get_field(lw, hw, k, W) - bias
 
 
-_SUM_SIGN_BLOCK = 4096
-"""Elements per block of the aligned ``sum_sign`` kernels (a multiple of 8: the block's sums
-stay in the L1 cache)."""
-
-
-@_inline_ir()
-def _sum_sign_aligned(rows: Any, out: Any, g0: int, g1: int, n: int, bias: np.int64,
-                      W: int) -> None:
-    """:func:`_sum_sign_groups` for a width that divides 8, block by block: the rows'
-    fields summed byte by byte into a small int32 buffer, then its signs packed."""
-    per = 8 // W
-    fmask = (np.uint64(1) << np.uint64(W)) - np.uint64(1)
-    r = rows.shape[0]
-    total_bias = np.int64(r) * bias
-    acc = np.zeros(_SUM_SIGN_BLOCK + 8, np.int32)
-    e_end = min(n, 8 * g1)
-    for e0 in range(8 * g0, e_end, _SUM_SIGN_BLOCK):
-        m = min(_SUM_SIGN_BLOCK, e_end - e0)
-        j0 = e0 * W // 8
-        j1 = (e0 + m) * W // 8 + (1 if ((e0 + m) * W) % 8 else 0)
-        if r == 0:
-            for k in range(m):
-                acc[k] = 0
-        for i in range(r):
-            if i == 0:
-                for j in range(j0, j1):
-                    b = np.uint64(rows[i, j])
-                    for k in range(per):
-                        acc[(j - j0) * per + k] = np.int32((b >> np.uint64(W * k)) & fmask)
-            else:
-                for j in range(j0, j1):
-                    b = np.uint64(rows[i, j])
-                    for k in range(per):
-                        acc[(j - j0) * per + k] += np.int32((b >> np.uint64(W * k)) & fmask)
-        tb = np.int32(total_bias)
-        for k in range(m):  # the sign + 1 of each sum, in place: 0, 1 or 2
-            t = acc[k] - tb
-            acc[k] = np.int32(t > 0) - np.int32(t < 0) + np.int32(1)
-        for k in range(m, (m + 3) // 4 * 4):
-            acc[k] = 0  # the padding fields of a last partial byte
-        for q in range(0, (m + 3) // 4):
-            out[e0 // 4 + q] = np.uint8(acc[4 * q] | (acc[4 * q + 1] << 2)
-                                        | (acc[4 * q + 2] << 4) | (acc[4 * q + 3] << 6))
-
-
 _LANES_3 = np.uint64(0x0303030303030303)
 _LANES_1 = np.uint64(0x0101010101010101)
 _LANES_H = np.uint64(0x8080808080808080)
@@ -953,24 +908,87 @@ def _sum_sign_w2(rows: Any, out: Any, e0: int, e1: int, bias: np.int64) -> None:
                    | (_sign_code(a3, c_plus_1, c_high) << np.uint64(6)))
 
 
+_LANES16_1 = np.uint64(0x0001000100010001)
+_LANES16_H = np.uint64(0x8000800080008000)
+
+SUM_SIGN_LANES16_LIMIT = 32767
+"""The 16-bit lane path of ``sum_sign`` takes ``rows * (2**width - 1)`` below this (every
+lane's sum and its ``+ 1`` stay below 32768)."""
+
+
+@_helper()
+def _sign_code16(t: np.uint64, c_plus_1: np.uint64, c_high: np.uint64) -> np.uint64:
+    """:func:`_sign_code` in 16-bit lanes (sums and ``c`` below 32767), the four lanes'
+    codes packed as 2-bit fields (8 bits)."""
+    gt = (((t | _LANES16_H) - c_plus_1) & _LANES16_H) >> np.uint64(15)
+    lt = ((c_high - (t + _LANES16_1)) & _LANES16_H) >> np.uint64(15)
+    code = _LANES16_1 + gt - lt
+    out: np.uint64 = (code & np.uint64(3)) | ((code >> np.uint64(14)) & np.uint64(0xC)) \
+        | ((code >> np.uint64(28)) & np.uint64(0x30)) \
+        | ((code >> np.uint64(42)) & np.uint64(0xC0))
+    return out
+
+
+@_inline_ir()
+def _sum_sign_lanes16(rows: Any, out: Any, g0: int, g1: int, bias: np.int64, W: int) -> None:
+    """Whole groups ``[g0, g1)`` of 8 elements of ``sum_sign`` at any width: each row's 8
+    fields of a group spread over two words of four 16-bit lanes and summed over the rows,
+    then compared with ``rows * bias`` lane by lane and packed as 16 bits. One pass over the
+    packed rows and nothing else (no buffer of sums)."""
+    r = rows.shape[0]
+    nbytes = rows.shape[1]
+    c = np.uint64(np.int64(r) * bias)
+    c_plus_1 = (c + np.uint64(1)) * _LANES16_1
+    c_high = (c * _LANES16_1) | _LANES16_H
+    for g in range(g0, g1):
+        o = g * W
+        a_lo = np.uint64(0)
+        a_hi = np.uint64(0)
+        for i in range(r):
+            if o + 8 <= nbytes:
+                lw = _load_u64(rows[i], o)
+            else:
+                lw = np.uint64(0)
+                for b in range(min(W, 8)):
+                    lw |= np.uint64(rows[i, o + b]) << np.uint64(8 * b)
+            hw = np.uint64(0)
+            for b in range(8, W):
+                hw |= np.uint64(rows[i, o + b]) << np.uint64(8 * (b - 8))
+            a_lo += np.uint64(_get_field(lw, hw, 0, W)) \
+                | (np.uint64(_get_field(lw, hw, 1, W)) << np.uint64(16)) \
+                | (np.uint64(_get_field(lw, hw, 2, W)) << np.uint64(32)) \
+                | (np.uint64(_get_field(lw, hw, 3, W)) << np.uint64(48))
+            a_hi += np.uint64(_get_field(lw, hw, 4, W)) \
+                | (np.uint64(_get_field(lw, hw, 5, W)) << np.uint64(16)) \
+                | (np.uint64(_get_field(lw, hw, 6, W)) << np.uint64(32)) \
+                | (np.uint64(_get_field(lw, hw, 7, W)) << np.uint64(48))
+        out[2 * g] = np.uint8(_sign_code16(a_lo, c_plus_1, c_high))
+        out[2 * g + 1] = np.uint8(_sign_code16(a_hi, c_plus_1, c_high))
+
+
 @_inline_ir()
 def _sum_sign_groups(rows: Any, out: Any, g0: int, g1: int, n: int, bias: np.int64,
                      W: int) -> None:
     """Groups ``[g0, g1)`` of 8 elements (the last one may be partial: ``n`` elements in
     all) of :func:`field_kernels`' ``sum_sign``: per element the sum over the rows of
     ``field - bias``, its sign + 1 packed as a 2-bit field (2 bytes per group; the padding
-    bits of a partial group's last byte are 0)."""
+    bits of a partial group's last byte are 0). 2-bit fields of few rows take
+    :func:`_sum_sign_w2`, whole groups whose sums fit 16 bits :func:`_sum_sign_lanes16`,
+    the rest (a partial last group, very many rows or wide fields) the loop below."""
     if W == 2 and rows.shape[0] <= SUM_SIGN_SWAR_ROWS and 0 <= bias <= 3 and \
             (8 * g0) % 32 == 0:
-        e_end = min(n, 8 * g1)
-        e_swar = 8 * g0 + (e_end - 8 * g0) // 32 * 32
+        e_swar = 8 * g0 + (min(n, 8 * g1) - 8 * g0) // 32 * 32
         _sum_sign_w2(rows, out, 8 * g0, e_swar, bias)
-        if e_swar < e_end:
-            _sum_sign_aligned(rows, out, e_swar // 8, g1, n, bias, W)
-        return
-    if 8 % W == 0:
-        _sum_sign_aligned(rows, out, g0, g1, n, bias, W)
-        return
+        g0 = e_swar // 8  # left: fewer than 32 elements
+        if g0 >= g1:
+            return
+    if rows.shape[0] * ((1 << W) - 1) < SUM_SIGN_LANES16_LIMIT:
+        whole = min(g1, n // 8)
+        if g0 < whole:
+            _sum_sign_lanes16(rows, out, g0, whole, bias, W)
+            g0 = whole  # left: a last partial group, element by element below
+        if g0 >= g1:
+            return
     r = rows.shape[0]
     acc = np.zeros(8, np.int64)
     total_bias = np.int64(r) * bias
