@@ -825,7 +825,7 @@ class Communicator:
             fields = (op.value, dtype.str, size, "native")
             sig = signature("allreduce", *fields)
             divisor = np.asarray(self.size, dtype=dtype) if op is ReduceOp.AVG else None
-            plan = _Plan(fields, sig, op, _native_allreduce(
+            plan = _Plan(fields, sig, op, _checked_native(
                 nt.prepared_checked_allreduce(dtype, size, mpi_op), sig, divisor))
         if len(plans) >= _PLANS_MAX:
             plans.clear()
@@ -1799,7 +1799,7 @@ class _Plan(NamedTuple):
     mpi: Callable[[int, Array, Array, float], bool] | None = None
     """Over MPI ("inline" and "native"): the whole all-reduce #``seq`` of ``x`` into ``out``,
     argument check included, ``run(seq, x, out, deadline)``: :func:`_inline_allreduce` or
-    :func:`_native_allreduce`. Else None."""
+    :func:`_checked_native`. Else None."""
 
 
 def _inline_allreduce(records: Callable[[int, int, bytes | memoryview, float], bool], sig: int,
@@ -1819,7 +1819,7 @@ def _inline_allreduce(records: Callable[[int, int, bytes | memoryview, float], b
     return run
 
 
-def _native_allreduce(checked: Callable[[int, int, Array, Array, float], bool], sig: int,
+def _checked_native(checked: Callable[[int, int, Array, Array, float], bool], sig: int,
                       divisor: Array | None) -> Callable[[int, Array, Array, float], bool]:
     """The whole "native" all-reduce #``seq`` of ``x`` into ``out`` (C-contiguous, the plan's
     dtype and count, any shape; ``out is x`` in place, else not overlapping): the transport's
