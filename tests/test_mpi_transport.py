@@ -21,6 +21,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
+from types import FrameType
 from typing import Any
 
 import numpy as np
@@ -100,19 +101,24 @@ def _shared_dir() -> str:
     return shared
 
 
-def _mark_when_waiting(path: str) -> threading.Thread:
+def _mark_when_waiting(path: str,
+                       within: Callable[[FrameType], bool] | None = None) -> threading.Thread:
     """Create the file ``path`` as soon as the calling thread is inside a wait loop of the
     MPI transport (a request found not complete and is backing off: ``_Poller.pause`` on its
-    stack). The other ranks wait for these marks instead of sleeping."""
+    stack), and, if ``within`` is given, some frame further up that stack satisfies it. The
+    other ranks wait for these marks instead of sleeping."""
     ident = threading.get_ident()
 
     def watch() -> None:
         end = time.monotonic() + 30.0
         while time.monotonic() < end:
             frame = sys._current_frames().get(ident)
+            pausing = False
             while frame is not None:
                 if frame.f_code.co_name == "pause" and \
                         frame.f_code.co_filename == mpi_requests.__file__:
+                    pausing = True
+                if pausing and (within is None or within(frame)):
                     with open(path, "w"):
                         return
                 frame = frame.f_back
@@ -673,6 +679,43 @@ def test_abort_during_native_collective(transport: MPITransport) -> None:
         start = time.monotonic()
         with pytest.raises(PeerLostError, match="not joining"):
             t.native_allreduce(x, y, "sum", _deadline())
+        assert time.monotonic() - start < PROMPT
+
+
+@mpi
+@pytest.mark.timeout(60)
+def test_abort_during_persistent_allreduce(transport: MPITransport) -> None:
+    """The checked all-reduce's persistent MPI all-reduce (made at the second call with the
+    same arrays, started at the third) that one rank never starts: it joins the argument
+    check with the bid of that request, then aborts. The others, waiting inside the
+    persistent all-reduce, fail promptly with its reason; closing leaves their started
+    request to MPI without hanging (the fixture closes)."""
+    from bitcoll.transport.mpi.persistent import BID
+
+    t = transport
+    run = t.prepared_checked_allreduce(np.dtype(np.float32), 1000, "sum")
+    x = np.ones(1000, dtype=np.float32)
+    y = np.empty_like(x)
+    for seq in range(3):  # a plain all-reduce, one that makes the request, one that starts it
+        assert run(seq, SIG, x, y, _deadline())
+        np.testing.assert_array_equal(y, float(t.size))
+    assert t._persist._made == 1
+    marks = _shared_dir()
+    if t.rank == t.size - 1:
+        records = t.prepared_records(BID.size)
+        assert records(3, SIG, BID.pack(0, 1), _deadline())  # request 0, as the others bid
+        _await_marks(marks, list(range(t.size - 1)))  # the others are inside the all-reduce
+        shutil.rmtree(marks, ignore_errors=True)
+        t.abort("not joining")
+    else:
+        # inside the wait of the all-reduce (a native collective named by a callable), not
+        # the argument check's (named by a string)
+        _mark_when_waiting(os.path.join(marks, str(t.rank)),
+                           within=lambda f: f.f_code.co_name == "_await"
+                           and callable(f.f_locals.get("what")))
+        start = time.monotonic()
+        with pytest.raises(PeerLostError, match="not joining"):
+            run(3, SIG, x, y, _deadline())
         assert time.monotonic() - start < PROMPT
 
 
