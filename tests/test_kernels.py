@@ -552,7 +552,7 @@ def check_sum_sign(rows: int, n: int, width: int, bias: int, seed: int) -> None:
     rng = np.random.default_rng(seed)
     nb = K.packed_nbytes(n, width)
     packed = rng.integers(0, 256, size=(rows, nb), dtype=np.uint8)
-    if rows and n:  # some elements with every row at one extreme
+    if rows and n:  # some elements the same on every row: sums of rows times one field
         for i in range(rows):
             packed[i, : nb // 4] = packed[0, : nb // 4]
     want = R.sum_sign_fields(packed, n, width, bias)

@@ -908,6 +908,24 @@ def _sum_sign_w2(rows: Any, out: Any, e0: int, e1: int, bias: np.int64) -> None:
                    | (_sign_code(a3, c_plus_1, c_high) << np.uint64(6)))
 
 
+@_inline_ir()
+def _group_words(row: Any, o: int, nb: int) -> tuple[np.uint64, np.uint64]:
+    """Bytes ``[o, o + nb)`` of ``row`` (1-D uint8, ``nb <= 16``) as two little-endian
+    words, bytes 8 and up in the second. The first is one 8-byte load where ``row`` holds 8
+    bytes from ``o``: bytes past ``nb`` then fill it, so callers read only the fields of
+    those ``nb`` bytes."""
+    if o + 8 <= row.size:
+        lw = _load_u64(row, o)
+    else:
+        lw = np.uint64(0)
+        for b in range(min(nb, 8)):
+            lw |= np.uint64(row[o + b]) << np.uint64(8 * b)
+    hw = np.uint64(0)
+    for b in range(8, nb):
+        hw |= np.uint64(row[o + b]) << np.uint64(8 * (b - 8))
+    return lw, hw
+
+
 _LANES16_1 = np.uint64(0x0001000100010001)
 _LANES16_H = np.uint64(0x8000800080008000)
 
@@ -936,7 +954,6 @@ def _sum_sign_lanes16(rows: Any, out: Any, g0: int, g1: int, bias: np.int64, W: 
     then compared with ``rows * bias`` lane by lane and packed as 16 bits. One pass over the
     packed rows and nothing else (no buffer of sums)."""
     r = rows.shape[0]
-    nbytes = rows.shape[1]
     c = np.uint64(np.int64(r) * bias)
     c_plus_1 = (c + np.uint64(1)) * _LANES16_1
     c_high = (c * _LANES16_1) | _LANES16_H
@@ -945,15 +962,7 @@ def _sum_sign_lanes16(rows: Any, out: Any, g0: int, g1: int, bias: np.int64, W: 
         a_lo = np.uint64(0)
         a_hi = np.uint64(0)
         for i in range(r):
-            if o + 8 <= nbytes:
-                lw = _load_u64(rows[i], o)
-            else:
-                lw = np.uint64(0)
-                for b in range(min(W, 8)):
-                    lw |= np.uint64(rows[i, o + b]) << np.uint64(8 * b)
-            hw = np.uint64(0)
-            for b in range(8, W):
-                hw |= np.uint64(rows[i, o + b]) << np.uint64(8 * (b - 8))
+            lw, hw = _group_words(rows[i], o, W)
             a_lo += np.uint64(_get_field(lw, hw, 0, W)) \
                 | (np.uint64(_get_field(lw, hw, 1, W)) << np.uint64(16)) \
                 | (np.uint64(_get_field(lw, hw, 2, W)) << np.uint64(32)) \
@@ -999,13 +1008,8 @@ def _sum_sign_groups(rows: Any, out: Any, g0: int, g1: int, n: int, bias: np.int
         for k in range(8):
             acc[k] = 0
         for i in range(r):
-            lw = np.uint64(0)
-            hw = np.uint64(0)
-            for b in range(min(nb, 8)):
-                lw |= np.uint64(rows[i, o + b]) << np.uint64(8 * b)
-            for b in range(8, nb):
-                hw |= np.uint64(rows[i, o + b]) << np.uint64(8 * (b - 8))
-            for k in range(8):
+            lw, hw = _group_words(rows[i], o, nb)
+            for k in range(8):  # (fields from count on may hold bytes past the group: unused)
                 acc[k] += _get_field(lw, hw, k, W)
         word = np.int64(0)
         for k in range(count):
