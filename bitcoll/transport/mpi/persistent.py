@@ -53,13 +53,14 @@ REPEAT_BID: Final = BID.pack(-1, 1)
 
 
 class Persistent:
-    """One persistent all-reduce: its request (None once freed), its arrays (``send is recv``
-    in place), its bid and the records of a call where every rank bid it."""
+    """One persistent all-reduce: its number, its request (None once freed), its arrays
+    (``send is recv`` in place), its bid and the records of a call where every rank bid it."""
 
-    __slots__ = ("agreed", "bid", "recv", "req", "send")
+    __slots__ = ("agreed", "bid", "number", "recv", "req", "send")
 
     def __init__(self, req: MPI.Prequest, send: npt.NDArray[Any], recv: npt.NDArray[Any],
                  number: int, size: int) -> None:
+        self.number = number
         self.req: MPI.Prequest | None = req
         self.send: npt.NDArray[Any] | None = send
         self.recv: npt.NDArray[Any] | None = recv
@@ -105,10 +106,7 @@ class PersistentAllreduces:
     def _free(self, old: Persistent) -> None:
         """Free ``old``'s request (it is inactive: every start was waited for) and forget it."""
         req = old.req
-        for number, held in self._live.items():
-            if held is old:
-                del self._live[number]
-                break
+        self._live.pop(old.number, None)
         old.req = old.send = old.recv = None
         if req is not None:
             req.Free()
