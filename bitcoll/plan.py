@@ -36,6 +36,10 @@ packed ``hierarchical``                  votes counted inside each host (shared 
                                          of ``ceil(log2(l+1))`` bits exchanged between hosts
 =======================================  ==========================================================
 
+Every transfer across hosts takes the longer of its link time and the CPU that moving its
+bytes costs the rank (``remote_cpu`` per byte sent or received, on the rank's share of a core);
+in a pipeline that CPU joins the stages' other work.
+
 (``pack(n) = n / R_pack`` on the rank's share of a core, ``count(r, m) = r m / R_count``,
 ``decode(m) = m / R_decode``; ``m`` the output's elements: ``n`` for an all-reduce, ``n/p``
 for a reduce-scatter.)
@@ -130,7 +134,11 @@ class CostModel:
     peer that sends must first be scheduled), per other rank that shares the waiting rank's
     core (:meth:`switch_wait`); ``segment_cpu`` what each message of a
     pipeline's further segments costs a rank on top of ``message_cpu`` (the hand-offs to the
-    transport's threads and the waits of one more pipeline stage, on the rank's core)."""
+    transport's threads and the waits of one more pipeline stage, on the rank's core);
+    ``remote_cpu`` the CPU seconds a rank spends per byte it sends or receives across hosts
+    (the kernel's copies and protocol work, the frame checksum), on its share of a core:
+    where a link is faster than that, the CPU and not the link sets a transfer's pace
+    (:func:`_transfer`)."""
 
     local_latency: float = 25e-6
     local_bandwidth: float = 8.0e9
@@ -146,6 +154,7 @@ class CostModel:
     host_cores: float = 1.0
     switch_latency: float = 200e-6
     segment_cpu: float = 100e-6
+    remote_cpu: float = 2.5e-10
 
     def as_array(self) -> npt.NDArray[np.float64]:
         """The fields in declaration order (to send to other ranks)."""
@@ -226,6 +235,26 @@ def _mesh_share(g: Group) -> float:
     return g.per_host * (g.size - g.per_host) / max(1, g.size - 1)
 
 
+def _remote_share(g: Group) -> float:
+    """The share of a rank's peers on other hosts (0 on one host)."""
+    if g.hosts <= 1:
+        return 0.0
+    return (g.size - g.per_host) / max(1, g.size - 1)
+
+
+def _moving(m: CostModel, g: Group, moved: float) -> float:
+    """The CPU time of sending and receiving ``moved`` bytes across hosts in all, on the
+    rank's share of a core (``remote_cpu`` per byte)."""
+    return moved * m.remote_cpu / g.cores_per_rank
+
+
+def _transfer(m: CostModel, g: Group, wire: float, moved: float) -> float:
+    """The time of a transfer whose link time is ``wire`` and which makes a rank send and
+    receive ``moved`` bytes across hosts in all: the link's time, or the CPU's where moving
+    the bytes takes longer (:func:`_moving`; a 10 Gbit link outruns half a core)."""
+    return max(wire, _moving(m, g, moved))
+
+
 def _rounds_rd(p: int) -> int:
     below = 1 << (p.bit_length() - 1)
     return (below.bit_length() - 1) + (0 if below == p else 2)
@@ -235,13 +264,18 @@ def _dense_rd(m: CostModel, g: Group, c: Call) -> float:
     a, b = m.link(g.hosts > 1, g)
     n = c.nbytes
     rate = m.reduce_rate * g.cores_per_rank
-    return m.call_cpu + _rounds_rd(g.size) * (a + m.message_cpu + n * _mesh_share(g) / b
-                                              + n / rate)
+    moved = 2 * n * _remote_share(g)  # each round sends and receives n
+    return m.call_cpu + _rounds_rd(g.size) * (
+        a + m.message_cpu + _transfer(m, g, n * _mesh_share(g) / b, moved) + n / rate)
 
 
 def _ring(m: CostModel, g: Group, p: int, n: float, remote: bool) -> float:
     a, b = m.link(remote, g)
-    return (2 * (p - 1) * (a + m.message_cpu) + 2 * (p - 1) / p * n / b
+    # the ring's pace is its slowest step's: a rank whose neighbour is on another host
+    # sends and receives every step's block across hosts
+    wire = 2 * (p - 1) / p * n / b
+    return (2 * (p - 1) * (a + m.message_cpu)
+            + (_transfer(m, g, wire, 2 * wire * b) if remote else wire)
             + (p - 1) / p * n / (m.reduce_rate * g.cores_per_rank))
 
 
@@ -257,7 +291,8 @@ def _dense_hier(m: CostModel, g: Group, c: Call) -> float:
         + (loc - 1) / loc * n / (m.reduce_rate * cores)
     # every local rank runs a ring between hosts on its slice: the host's link carries all
     ar, br = m.link(True, g)
-    between = 2 * (h - 1) * (ar + m.message_cpu) + 2 * (h - 1) / h * n / br \
+    between = 2 * (h - 1) * (ar + m.message_cpu) \
+        + _transfer(m, g, 2 * (h - 1) / h * n / br, 4 * (h - 1) / h * n / loc) \
         + (h - 1) / h * n / loc / (m.reduce_rate * cores)
     return m.call_cpu + inside + between
 
@@ -281,10 +316,12 @@ def _count(m: CostModel, g: Group, rows: float, elements: float) -> float:
 def _packed_allgather(m: CostModel, g: Group, c: Call) -> float:
     p = g.size
     a, b = m.link(g.hosts > 1, g)
-    wire = (p - 1) * c.count * c.w_in / 8 / b * _mesh_share(g)
+    row = c.count * c.w_in / 8
+    wire = (p - 1) * row / b * _mesh_share(g)
     # Bruck's all-gather: ceil(log2 p) rounds of one send and one receive
     rounds = max(1, (p - 1).bit_length())
-    return (m.call_cpu + _pack(m, g, c) + rounds * (a + 2 * m.message_cpu) + wire
+    return (m.call_cpu + _pack(m, g, c) + rounds * (a + 2 * m.message_cpu)
+            + _transfer(m, g, wire, 2 * (p - 1) * row * _remote_share(g))
             + _count(m, g, p, _out_count(g, c)) + _decode(m, g, c))
 
 
@@ -326,8 +363,11 @@ def _packed_direct(m: CostModel, g: Group, c: Call) -> float:
         * _mesh_share(g)
     phases = 2 if c.gather else 1
     msgs = phases * (p - 1) * k
+    moved = 2 * (p - 1) / p * c.count * (c.w_in + (c.w_out if c.gather else 0)) / 8 \
+        * _remote_share(g)
     cpu = (_pack(m, g, c) + _count(m, g, p, c.count / p) + _decode(m, g, c)
-           + 2 * msgs * m.message_cpu + _stages(m, g, msgs, k))
+           + 2 * msgs * m.message_cpu + _stages(m, g, msgs, k)
+           + _moving(m, g, moved))
     return m.call_cpu + _pipeline(cpu, wire, k, phases * (a + _waits(m, g, p - 1)))
 
 
@@ -341,6 +381,8 @@ def _packed_ring(m: CostModel, g: Group, c: Call) -> float:
     # each of the p - 1 reducing steps unpacks, adds and packs again a block of counts
     repack = (p - 1) * block / (m.repack_rate * g.cores_per_rank)
     cpu = _pack(m, g, c) + _count(m, g, 2 * (p - 1), block) + _decode(m, g, c) + repack
+    if g.hosts > 1:  # as the dense ring: its slowest step crosses hosts
+        wire = _transfer(m, g, wire, 2 * wire * b)
     return m.call_cpu + steps * (a + 2 * m.message_cpu) + wire + cpu
 
 
@@ -355,7 +397,8 @@ def _packed_hier(m: CostModel, g: Group, c: Call) -> float:
     between = (h - 1) / h * c.count * (w_c + c.w_out) / 8 / br
     msgs = k * (2 * (loc - 1) + 2 * (h - 1))
     cpu = (_pack(m, g, c) + _count(m, g, loc + h, c.count / loc) + _decode(m, g, c)
-           + 2 * msgs * m.message_cpu + _stages(m, g, msgs, k))
+           + 2 * msgs * m.message_cpu + _stages(m, g, msgs, k)
+           + _moving(m, g, 2 * between * br / loc))
     return m.call_cpu + _pipeline(cpu, inside + between, k,
                                   2 * (al + _waits(m, g, loc - 1) + ar + _waits(m, g, h - 1)))
 

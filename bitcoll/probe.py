@@ -78,26 +78,42 @@ def compute_rates(n: int = 1 << 24, rows: int = 4) -> dict[str, float]:
             "repack_rate": n / t_repack}
 
 
-def _exchange_time(comm: Any, nbytes: int, repeats: int) -> float:
+def _exchange_time(comm: Any, nbytes: int, repeats: int) -> tuple[float, float]:
     """Best time of one exchange of ``nbytes`` in each direction at once on the 2-rank
-    ``comm``: an all-gather, which on 2 ranks is one step of one message each way (a
-    broadcast would add its root check's round and count two latencies)."""
+    ``comm`` (an all-gather, which on 2 ranks is one step of one message each way: a
+    broadcast would add its root check's round and count two latencies), and the process's
+    CPU time per exchange (every thread, user and system: the transport's threads and the
+    kernel's work in its system calls), the least of the repetitions."""
     buf = np.zeros(max(1, nbytes), np.uint8)
     out = np.empty(2 * buf.size, np.uint8)
-    best = float("inf")
+    best = cpu = float("inf")
     for i in range(repeats + 1):
+        c0 = time.process_time()
         t0 = time.perf_counter()
         comm.allgather(buf, out=out)
         if i:
             best = min(best, time.perf_counter() - t0)
-    return best
+            cpu = min(cpu, time.process_time() - c0)
+    return best, cpu
 
 
 def link_rates(comm: Any, repeats: int = 5, nbytes: int = 8 << 20) -> dict[str, float]:
     """Latency and bandwidth between ranks 0 and 1 of one host and, when the ranks span
     several hosts, between host 0's first rank and host 1's first rank (collective over
     ``comm``; the figures are rank 0's). Keys: ``local_latency``, ``local_bandwidth``,
-    ``remote_latency``, ``remote_bandwidth`` (only those the world can measure)."""
+    ``remote_latency``, ``remote_bandwidth``, ``remote_cpu`` (only those the world can
+    measure).
+
+    The latency is what the cost model means by it: the time of one exchange of 8 bytes
+    less what the model already charges such an exchange elsewhere, ``call_cpu`` and a
+    ``message_cpu`` for the send and one for the receive (``comm.cost_model``'s), so that the
+    model's prediction of the exchange is the time measured (never below a quarter of that
+    time, in case those two figures exceed this machine's). The bandwidth: ``nbytes`` over
+    the large exchange's time less the small one's. ``remote_cpu``: the large exchange's CPU
+    time less the small one's, per byte sent and received (``2 nbytes``), as rank 0 spent
+    it."""
+    model = comm.cost_model
+    overhead = model.call_cpu + 2 * model.message_cpu
     hosts = comm.topology.hosts
     pairs: dict[str, tuple[int, int]] = {}
     same = [r for r in range(comm.size) if hosts[r] == hosts[0]]
@@ -114,14 +130,17 @@ def link_rates(comm: Any, repeats: int = 5, nbytes: int = 8 << 20) -> dict[str, 
         if sub is None:
             continue
         try:
-            small = _exchange_time(sub, 8, repeats * 20)
-            large = _exchange_time(sub, nbytes, repeats)
+            small, small_cpu = _exchange_time(sub, 8, repeats * 20)
+            large, large_cpu = _exchange_time(sub, nbytes, repeats)
         finally:
             sub.close()
-        out[f"{kind}_latency"] = small
+        out[f"{kind}_latency"] = max(small - overhead, small / 4)
         out[f"{kind}_bandwidth"] = nbytes / max(large - small, 1e-9)
+        if kind == "remote":
+            out["remote_cpu"] = max(large_cpu - small_cpu, 1e-6) / (2 * nbytes)
     # rank 0's figures for everyone (rank 0 may not be in the local pair)
-    keys = ("local_latency", "local_bandwidth", "remote_latency", "remote_bandwidth")
+    keys = ("local_latency", "local_bandwidth", "remote_latency", "remote_bandwidth",
+            "remote_cpu")
     mine = np.array([out.get(k, np.nan) for k in keys], np.float64)
     table = comm.allgather(mine).reshape(comm.size, len(keys))
     merged: dict[str, float] = {}

@@ -287,6 +287,41 @@ def _probe_links(comm: bitcoll.Communicator) -> dict[str, float]:
     return link_rates(comm, repeats=2, nbytes=1 << 16)
 
 
+def _probe_links_timed(comm: bitcoll.Communicator, call_cpu: float, kind: str
+                       ) -> dict[str, float]:
+    """link_rates with exchanges that take 100 us at 8 B and 100 us + 1 ms at 1 MiB, and
+    50 us and 50 us + 0.5 ms of CPU; ``kind`` "remote": the two ranks on two hosts."""
+    from bitcoll import probe
+    from bitcoll.topology import Topology
+
+    if kind == "remote":
+        comm._topology = Topology((0, 1), comm.rank)
+
+    def exchange(sub: object, nbytes: int, repeats: int) -> tuple[float, float]:
+        return 100e-6 + (1e-3 if nbytes > 8 else 0.0), 50e-6 + (5e-4 if nbytes > 8 else 0.0)
+
+    probe._exchange_time = exchange  # type: ignore[assignment]  # this rank's process only
+    comm.cost_model = comm.cost_model.replace(call_cpu=call_cpu, message_cpu=10e-6)
+    return probe.link_rates(comm, repeats=1, nbytes=1 << 20)
+
+
+@pytest.mark.parametrize("kind", ["local", "remote"])
+@pytest.mark.parametrize("call_cpu, latency", [(30e-6, 50e-6), (1.0, 25e-6)])
+def test_the_probes_latency_leaves_out_what_the_model_charges_elsewhere(
+        call_cpu: float, latency: float, kind: str) -> None:
+    """The latency is the 8-byte exchange's time less the model's ``call_cpu`` and two
+    ``message_cpu`` (so the model predicts the exchange as measured), never below a quarter
+    of it; the bandwidth is the bytes over the difference of the two exchanges; across hosts
+    ``remote_cpu`` is the difference of their CPU times per byte sent and received."""
+    first, second = run_world(2, _probe_links_timed, call_cpu, kind, timeout=120)
+    assert first == second
+    expected = {f"{kind}_latency": pytest.approx(latency),
+                f"{kind}_bandwidth": pytest.approx((1 << 20) / 1e-3)}
+    if kind == "remote":
+        expected["remote_cpu"] = pytest.approx(5e-4 / (2 << 20))
+    assert first == expected
+
+
 def test_the_probe_measures_the_link_between_two_ranks() -> None:
     """``bitcoll.probe.link_rates`` on 2 ranks of one host: both ranks get rank 0's local
     latency and bandwidth (positive, finite), no remote figures (one host), and a model built

@@ -22,7 +22,8 @@ for c in ${collectives//,/ }; do
     fi
     for shape in 2x1 3x1 4x1 2x4; do
       h=${shape%x*}; l=${shape#*x}
-      cores=$("$py" -c "print(min(1.0, 2 / $h))")
+      # the share of a core of the hosts on the busiest core (3 hosts on 2 cores: 0.5)
+      cores=$("$py" -c "print(min(1.0, 1 / -(-$h // 2)))")
       "$py" bench/netbed.py --hosts "$h" --nproc-per-host "$l" --rate "$rate" \
         bench/cost_validate.py "${link[@]}" --host-cores "$cores" --collective "$c" \
         -m 8,4K,64K,256K,1M,16M,256M > "$out/h${shape}_${rate}_${c}.txt" 2>&1
