@@ -17,12 +17,14 @@ TCP gets through tbf, see the environment notes) so the prediction uses the link
 every rank sets the same model.
 
 The testbed's links are token buckets (``tc ... tbf``, ``NETBED_BURST`` bytes, which
-``bench/netbed.py`` gives the job): after a pause a link passes that many bytes faster than
-its rate, which no real link does, and a short timed loop of mid-size calls (32 KiB each at
-1M packed elements on 2 hosts) would measure the bucket, not the link. So before every timed
-loop each algorithm first runs calls until they have sent ``--drain`` times the bucket
-(default 3; at most ``DRAIN_SECONDS`` of calls, the same count on every rank): a call that
-the link limits then runs at the link's steady rate, and one that it does not is unaffected.
+``bench/netbed.py`` gives the job): a link passes as many bytes as it saved up while idle
+(up to the bucket) faster than its rate, which no real link does, so a short timed loop
+measures the bucket, not the link (4M packed elements on 2 hosts at 1 Gbit: 4.2 ms per call
+over a loop of two calls, where the link needs 4.4 ms for the bytes). Over a loop that sends
+at least ``--bucket-share`` times the bucket (default 20) the saved-up bytes shorten it by at
+most that share (5%): each timed loop runs that many calls more, as far as
+``MAX_LOOP_SECONDS`` allows (the count taken from one call's bytes and time, the same on
+every rank). A call too small to be limited by the link is unaffected.
 """
 
 from __future__ import annotations
@@ -39,8 +41,8 @@ import osu
 from bitcoll.plan import Call, candidates, choose, predict
 
 ROUNDS = 3
-#: The most time the calls that drain the links' buckets before one timed loop may take.
-DRAIN_SECONDS = 0.25
+#: The longest a timed loop is made to run so that it outlasts the links' buckets.
+MAX_LOOP_SECONDS = 0.25
 RATES = {"100mbit": 1.25e7, "1gbit": 1.25e8, "10gbit": 1.25e9}
 
 
@@ -55,11 +57,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host-cores", type=float, default=None, metavar="C",
                    help="the cores each host has, for the model (the testbed's hosts share the "
                         "machine's cores: 2 cores and 4 hosts give 0.5)")
-    p.add_argument("--drain", type=float, default=3.0, metavar="K",
-                   help="before each timed loop, send K times the links' bucket "
-                        "(NETBED_BURST bytes; 0: do not drain; default 3)")
+    p.add_argument("--bucket-share", type=float, default=20.0, metavar="K",
+                   help="make each timed loop send at least K times the links' bucket "
+                        "(NETBED_BURST bytes; 0: as many calls as for any link; default 20)")
     args = p.parse_args(argv)
-    burst = int(os.environ.get("NETBED_BURST", "0") or 0) * args.drain
+    burst = int(os.environ.get("NETBED_BURST", "0") or 0) * args.bucket_share
     rt = osu.BitcollRuntime(timeout=600.0)
     comm = rt.comm
     if args.link is not None:
@@ -71,8 +73,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"# bitcoll cost model validation: {args.collective}, {group}")
         print(f"# model: {comm.cost_model}")
         if burst > 0:
-            print(f"# each timed loop after calls that sent {burst:.0f} bytes (the links' "
-                  f"bucket x {args.drain:g}) or ran {DRAIN_SECONDS:g} s")
+            print(f"# each timed loop sends at least {burst:.0f} bytes (the links' bucket x "
+                  f"{args.bucket_share:g}) or runs {MAX_LOOP_SECONDS:g} s")
         print("# Size        algorithm            measured_us  predicted_us  pred/meas  mark")
     for nbytes in args.sizes:
         n = nbytes // 4
@@ -90,18 +92,18 @@ def main(argv: list[str] | None = None) -> int:
             ops = {a: partial(comm.allreduce, v, out=res, algorithm=a) for a in names}
         iters, warm = (2, 1) if nbytes >= 16 << 20 else (20, 2) if nbytes >= 256 << 10 \
             else (200, 20)
-        drain = dict.fromkeys(names, warm)
+        loops = dict.fromkeys(names, iters)
         if burst > 0:
             for a in names:  # the bytes and time of one call: the same on every rank
-                once = osu.time_loop(rt, ops[a], 1, 0)
+                once = osu.time_loop(rt, ops[a], 1, warm)
                 calls = math.ceil(burst / max(1.0, once.wire_bytes or 0.0))
-                cap = math.ceil(DRAIN_SECONDS / max(1e-6, once.avg_us * 1e-6))
-                drain[a] = max(warm, min(calls, cap))
+                cap = math.floor(MAX_LOOP_SECONDS / max(1e-6, once.avg_us * 1e-6))
+                loops[a] = max(iters, min(calls, cap))
         best = dict.fromkeys(names, float("inf"))
         for r in range(ROUNDS):
             order = names if r % 2 == 0 else names[::-1]
             for a in order:
-                best[a] = min(best[a], osu.time_loop(rt, ops[a], iters, drain[a]).avg_us)
+                best[a] = min(best[a], osu.time_loop(rt, ops[a], loops[a], warm).avg_us)
         fastest = min(best, key=lambda a: best[a])
         if rt.rank == 0:
             for a in names:
