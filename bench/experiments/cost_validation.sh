@@ -11,27 +11,20 @@ here=$(cd "$(dirname "$0")/../.." && pwd)
 py=$here/.venv/bin/python
 mkdir -p "$out"
 cd "$here"
-# The links' token buckets as small as keeps TCP near the rate (1 Gbit: 0.952 Gbit/s with
-# 64 KiB against 0.961 with netbed's default 256 KiB; 10 Gbit: 9.51 Gbit/s with 256 KiB
-# against 9.62 with 1.25 MB): a bucket lets a link pass the bytes it saved up while a call
-# was packing faster than its rate, which a real link cannot, and would hide part of a
-# call's CPU time behind its wire time.
-declare -A burst=([1gbit]=65536 [10gbit]=262144)
 for c in ${collectives//,/ }; do
   for rate in 1gbit 10gbit; do
-    bed=(--rate "$rate" --burst "${burst[$rate]}")
     link=(--link "$rate")
     if [ "${PROBED:-0}" = 1 ]; then
       export BITCOLL_COST_MODEL=$out/model_$rate.json
       [ -f "$BITCOLL_COST_MODEL" ] || "$py" bench/netbed.py --hosts 2 --nproc-per-host 1 \
-        "${bed[@]}" -m bitcoll.probe > "$out/probe_$rate.txt" 2>&1
+        --rate "$rate" -m bitcoll.probe > "$out/probe_$rate.txt" 2>&1
       link=()
     fi
     for shape in 2x1 3x1 4x1 2x4; do
       h=${shape%x*}; l=${shape#*x}
       # the share of a core of the hosts on the busiest core (3 hosts on 2 cores: 0.5)
       cores=$("$py" -c "print(min(1.0, 1 / -(-$h // 2)))")
-      "$py" bench/netbed.py --hosts "$h" --nproc-per-host "$l" "${bed[@]}" \
+      "$py" bench/netbed.py --hosts "$h" --nproc-per-host "$l" --rate "$rate" \
         bench/cost_validate.py "${link[@]}" --host-cores "$cores" --collective "$c" \
         -m 8,4K,64K,256K,1M,16M,256M > "$out/h${shape}_${rate}_${c}.txt" 2>&1
     done
