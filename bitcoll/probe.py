@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from .plan import CostModel, load_model, model_path
+from .plan import PACK_CACHED_BYTES, CostModel, load_model, model_path
 
 __all__ = ["compute_rates", "link_rates", "main"]
 
@@ -41,11 +41,12 @@ def _best(fn: Callable[[], object], repeats: int = 5) -> float:
 
 def compute_rates(n: int = 1 << 24, rows: int = 4) -> dict[str, float]:
     """Per-core rates of this process, measured on ``n`` elements: ``pack_rate`` (float32
-    signs packed to bits, elements/s), ``count_rate`` (majority of ``rows`` packed rows,
-    row-elements/s), ``decode_rate`` (bits to int8 +-1, elements/s), ``reduce_rate``
-    (float32 ``a += b``, bytes of ``a`` per second), ``repack_rate`` (one step of the packed
-    ring: this rank's votes packed and unpacked, the incoming 2-bit counts unpacked, added
-    and packed again at 3 bits; elements/s)."""
+    signs packed to bits, elements/s), ``pack_rate_cached`` (the same on an input of
+    :data:`~bitcoll.plan.PACK_CACHED_BYTES`, which fits the cache), ``count_rate``
+    (majority of ``rows`` packed rows, row-elements/s), ``decode_rate`` (bits to int8
+    +-1, elements/s), ``reduce_rate`` (float32 ``a += b``, bytes of ``a`` per second),
+    ``repack_rate`` (one step of the packed ring: this rank's votes packed and unpacked,
+    the incoming 2-bit counts unpacked, added and packed again at 3 bits; elements/s)."""
     from . import kernels
 
     old = kernels.get_num_threads()
@@ -60,6 +61,9 @@ def compute_rates(n: int = 1 << 24, rows: int = 4) -> dict[str, float]:
         out = np.empty(n, np.int8)
         y = np.ones(n, np.float32)
         t_pack = _best(lambda: kernels.pack_signs(x, out=bits))
+        small = x[:PACK_CACHED_BYTES // 4]
+        small_bits = bits[:small.size // 8]
+        t_pack_cached = _best(lambda: kernels.pack_signs(small, out=small_bits), 50)
         t_count = _best(lambda: kernels.majority(packed, n, kernels.TIE_POSITIVE, 0, out=res))
         t_decode = _best(lambda: kernels.unpack_signs(bits, n, out=out, dtype=np.int8))
         t_reduce = _best(lambda: np.add(y, x, out=y))
@@ -73,7 +77,8 @@ def compute_rates(n: int = 1 << 24, rows: int = 4) -> dict[str, float]:
         t_repack = _best(ring_step)
     finally:
         kernels.set_num_threads(old)
-    return {"pack_rate": n / t_pack, "count_rate": rows * n / t_count,
+    return {"pack_rate": n / t_pack, "pack_rate_cached": small.size / t_pack_cached,
+            "count_rate": rows * n / t_count,
             "decode_rate": n / t_decode, "reduce_rate": 4 * n / t_reduce,
             "repack_rate": n / t_repack}
 
@@ -164,7 +169,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if comm.size > 1:
             fields.update(link_rates(comm))
         # every rank measured its own rates: the model takes the slowest rank's
-        rates = ("pack_rate", "count_rate", "decode_rate", "reduce_rate", "repack_rate")
+        rates = ("pack_rate", "pack_rate_cached", "count_rate", "decode_rate", "reduce_rate",
+                 "repack_rate")
         mine = np.array([fields[k] for k in rates], np.float64)
         low = comm.allreduce(mine, op="min")
         fields.update({k: float(v) for k, v in zip(rates, low, strict=True)})

@@ -25,6 +25,7 @@ from bitcoll.plan import (
     choose,
     group_of,
     load_model,
+    pack_rate_of,
     predict,
     segment_for,
 )
@@ -169,6 +170,45 @@ def test_a_wait_queues_behind_every_rank_that_shares_the_core() -> None:
     two_by_four = Group(8, 2, 4, 0.25)
     assert choose("packed", one_gbit, two_by_four, Call(count=64 << 10)) == "allgather"
     assert choose("packed", one_gbit, two_by_four, Call(count=64 << 20)) == "hierarchical"
+
+
+def test_packing_runs_at_the_cached_rate_up_to_1_mib_and_the_streamed_rate_from_64() -> None:
+    """pack_rate_of: ``pack_rate_cached`` for inputs of up to 1 MiB of float32, ``pack_rate``
+    from 64 MiB, geometric in between (8 MiB: the geometric mean), never rising with size;
+    the all-gather's prediction of 256K elements charges the cached rate."""
+    m = DEFAULT_MODEL.replace(pack_rate=2e9, pack_rate_cached=1.8e10)
+    assert pack_rate_of(m, 0) == pack_rate_of(m, 256 << 10) == 1.8e10
+    assert pack_rate_of(m, 16 << 20) == pack_rate_of(m, 1 << 30) == 2e9
+    assert pack_rate_of(m, 2 << 20) == pytest.approx((2e9 * 1.8e10) ** 0.5)
+    rates = [pack_rate_of(m, n) for n in range(200 << 10, 20 << 20, 100 << 10)]
+    assert rates == sorted(rates, reverse=True)
+    slow = m.replace(pack_rate_cached=2e9)
+    call, group = Call(count=256 << 10), Group(2, hosts=2)
+    saved = predict("packed", "allgather", slow, group, call) - \
+        predict("packed", "allgather", m, group, call)
+    assert saved == pytest.approx((256 << 10) * (1 / 2e9 - 1 / 1.8e10))
+
+
+def test_a_link_faster_than_the_cores_is_paced_by_remote_cpu() -> None:
+    """A transfer across hosts takes the longer of its wire time and its bytes' CPU
+    (``remote_cpu`` per byte sent or received, on the rank's share of a core): a 256 MiB
+    dense ring on 2 hosts of a 100 Gbit link is the CPU's; at 1 Gbit the wire's; on one
+    host remote_cpu plays no part."""
+    n = 256 << 20
+    call, group = Call(nbytes=n), Group(2, hosts=2)
+    fast = DEFAULT_MODEL.replace(remote_bandwidth=1.25e10, remote_cpu=4e-10)
+    moved = 2 * n  # half the vector each way in each of the two phases, sent and received
+    assert predict("allreduce", "ring", fast, group, call) > moved * 4e-10
+    free = fast.replace(remote_cpu=1e-15)
+    assert predict("allreduce", "ring", free, group, call) < 0.5 * moved * 4e-10
+    half_core = Group(2, hosts=2, cores_per_rank=0.5)
+    assert predict("allreduce", "ring", fast, half_core, call) > 2 * moved * 4e-10
+    slow = fast.replace(remote_bandwidth=1.25e8)
+    assert predict("allreduce", "ring", slow, group, call) == \
+        pytest.approx(predict("allreduce", "ring", slow.replace(remote_cpu=1e-15), group, call))
+    one_host = Group(2, hosts=1)
+    assert predict("allreduce", "ring", fast, one_host, call) == \
+        predict("allreduce", "ring", free, one_host, call)
 
 
 def test_group_of_counts_hosts_ranks_and_cores() -> None:
