@@ -159,7 +159,7 @@ class CostModel:
     host_cores: float = 1.0
     switch_latency: float = 200e-6
     segment_cpu: float = 100e-6
-    remote_cpu: float = 2.5e-10
+    remote_cpu: float = 3.5e-10
     pack_rate_cached: float = 1.5e10
 
     def as_array(self) -> npt.NDArray[np.float64]:
