@@ -9,8 +9,8 @@ several hosts, between hosts, and rank 0 writes the file. It takes a few seconds
 ``--dry-run`` prints the model without writing it; ``--output PATH`` writes elsewhere.
 
 Every compute rate is the best of several repetitions (the least disturbed), the way the cost
-model uses them: a prediction of an undisturbed call; the links' figures are medians (see
-``_exchange_time``).
+model uses them: a prediction of an undisturbed call; the links' figures are the mean of a
+loop of exchanges (see ``_exchange_time``).
 """
 
 from __future__ import annotations
@@ -85,25 +85,23 @@ def compute_rates(n: int = 1 << 24, rows: int = 4) -> dict[str, float]:
 
 
 def _exchange_time(comm: Any, nbytes: int, repeats: int) -> tuple[float, float]:
-    """Best time of one exchange of ``nbytes`` in each direction at once on the 2-rank
-    ``comm`` (an all-gather, which on 2 ranks is one step of one message each way: a
-    broadcast would add its root check's round and count two latencies), and the process's
-    CPU time per exchange (every thread, user and system: the transport's threads and the
-    kernel's work in its system calls). Both are the medians of the repetitions: a loop of
-    calls runs at its typical exchange's pace, not its fastest one's (on the 1 Gbit testbed
-    the fastest 8-byte exchange of 100 took 50 us, a loop of them 67-79 us per call)."""
+    """Time of one exchange of ``nbytes`` in each direction at once on the 2-rank ``comm``
+    (an all-gather, which on 2 ranks is one step of one message each way: a broadcast would
+    add its root check's round and count two latencies), and the process's CPU time per
+    exchange (every thread, user and system: the transport's threads and the kernel's work
+    in its system calls): a loop of ``repeats`` exchanges after one more, divided by
+    ``repeats``, the way collectives are called and measured (one exchange alone varies:
+    on the 1 Gbit testbed single 8-byte exchanges took 50-114 us, a loop of them 67-79 us
+    per call)."""
     buf = np.zeros(max(1, nbytes), np.uint8)
     out = np.empty(2 * buf.size, np.uint8)
-    times: list[float] = []
-    cpus: list[float] = []
-    for i in range(repeats + 1):
-        c0 = time.process_time()
-        t0 = time.perf_counter()
+    comm.allgather(buf, out=out)
+    c0 = time.process_time()
+    t0 = time.perf_counter()
+    for _ in range(repeats):
         comm.allgather(buf, out=out)
-        if i:
-            times.append(time.perf_counter() - t0)
-            cpus.append(time.process_time() - c0)
-    return float(np.median(times)), float(np.median(cpus))
+    elapsed = time.perf_counter() - t0
+    return elapsed / repeats, (time.process_time() - c0) / repeats
 
 
 def link_rates(comm: Any, repeats: int = 5, nbytes: int = 8 << 20) -> dict[str, float]:
