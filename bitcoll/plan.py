@@ -157,7 +157,7 @@ class CostModel:
     reduce_rate: float = 4.0e9
     repack_rate: float = 2.5e8
     host_cores: float = 1.0
-    switch_latency: float = 200e-6
+    switch_latency: float = 150e-6
     segment_cpu: float = 100e-6
     remote_cpu: float = 3.5e-10
     pack_rate_cached: float = 1.5e10
