@@ -84,24 +84,39 @@ def compute_rates(n: int = 1 << 24, rows: int = 4) -> dict[str, float]:
             "repack_rate": n / t_repack}
 
 
-def _exchange_time(comm: Any, nbytes: int, repeats: int) -> tuple[float, float]:
-    """Time of one exchange of ``nbytes`` in each direction at once on the 2-rank ``comm``
-    (an all-gather, which on 2 ranks is one step of one message each way: a broadcast would
-    add its root check's round and count two latencies), and the process's CPU time per
-    exchange (every thread, user and system: the transport's threads and the kernel's work
-    in its system calls): a loop of ``repeats`` exchanges after one more, divided by
-    ``repeats``, the way collectives are called and measured (one exchange alone varies:
-    on the 1 Gbit testbed single 8-byte exchanges took 50-114 us, a loop of them 67-79 us
-    per call)."""
-    buf = np.zeros(max(1, nbytes), np.uint8)
-    out = np.empty(2 * buf.size, np.uint8)
-    comm.allgather(buf, out=out)
+def _loop(call: Callable[[], object], repeats: int) -> tuple[float, float]:
+    """Mean time and process CPU time (every thread, user and system: the transport's
+    threads and the kernel's work in its system calls) per call of a loop of ``repeats``
+    calls after one more: the way collectives are called and measured (one call alone
+    varies: on the 1 Gbit testbed single 8-byte exchanges took 50-114 us, a loop of them
+    67-79 us per call)."""
+    call()
     c0 = time.process_time()
     t0 = time.perf_counter()
     for _ in range(repeats):
-        comm.allgather(buf, out=out)
-    elapsed = time.perf_counter() - t0
-    return elapsed / repeats, (time.process_time() - c0) / repeats
+        call()
+    return (time.perf_counter() - t0) / repeats, (time.process_time() - c0) / repeats
+
+
+def _exchange_time(comm: Any, nbytes: int, repeats: int) -> tuple[float, float]:
+    """:func:`_loop` of one exchange of ``nbytes`` in each direction at once on the 2-rank
+    ``comm``: an all-gather, which on 2 ranks is one step of one message each way (a
+    broadcast would add its root check's round and count two latencies)."""
+    buf = np.zeros(max(1, nbytes), np.uint8)
+    out = np.empty(2 * buf.size, np.uint8)
+    return _loop(lambda: comm.allgather(buf, out=out), repeats)
+
+
+def _small_exchange_time(comm: Any, repeats: int) -> tuple[float, float]:
+    """:func:`_loop` of the packed all-gather of 8 votes on the 2-rank ``comm``: one round
+    of one 1-byte message each way, which the model predicts as ``call_cpu + latency + 2
+    message_cpu`` (plus kernels too short to count). The dense all-gather of 8 bytes takes
+    the collectives' general path and costs about 50 us more per call on this VM, the dense
+    all-reduce's lean path about 25 us less than this one: the latency is taken from the
+    exchange whose formula names it."""
+    votes = np.ones(8, np.float32)
+    out = np.empty(8, np.int8)
+    return _loop(lambda: comm.sign_allreduce(votes, out=out, algorithm="allgather"), repeats)
 
 
 def link_rates(comm: Any, repeats: int = 5, nbytes: int = 8 << 20) -> dict[str, float]:
@@ -111,8 +126,9 @@ def link_rates(comm: Any, repeats: int = 5, nbytes: int = 8 << 20) -> dict[str, 
     ``remote_latency``, ``remote_bandwidth``, ``remote_cpu`` (only those the world can
     measure).
 
-    The latency is what the cost model means by it: the time of one exchange of 8 bytes
-    less what the model already charges such an exchange elsewhere, ``call_cpu`` and a
+    The latency is what the cost model means by it: the time of one small exchange (the
+    packed all-gather of 8 votes, :func:`_small_exchange_time`) less what the model already
+    charges such an exchange elsewhere, ``call_cpu`` and a
     ``message_cpu`` for the send and one for the receive (``comm.cost_model``'s), so that the
     model's prediction of the exchange is the time measured (never below a quarter of that
     time, in case those two figures exceed this machine's). The bandwidth: ``nbytes`` over
@@ -137,7 +153,7 @@ def link_rates(comm: Any, repeats: int = 5, nbytes: int = 8 << 20) -> dict[str, 
         if sub is None:
             continue
         try:
-            small, small_cpu = _exchange_time(sub, 8, repeats * 20)
+            small, small_cpu = _small_exchange_time(sub, repeats * 20)
             large, large_cpu = _exchange_time(sub, nbytes, repeats)
         finally:
             sub.close()

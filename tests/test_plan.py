@@ -341,6 +341,7 @@ def _probe_links_timed(comm: bitcoll.Communicator, call_cpu: float, kind: str
         return 100e-6 + (1e-3 if nbytes > 8 else 0.0), 50e-6 + (5e-4 if nbytes > 8 else 0.0)
 
     probe._exchange_time = exchange  # type: ignore[assignment]  # this rank's process only
+    probe._small_exchange_time = lambda sub, repeats: exchange(sub, 8, repeats)  # type: ignore[assignment]
     comm.cost_model = comm.cost_model.replace(call_cpu=call_cpu, message_cpu=10e-6)
     return probe.link_rates(comm, repeats=1, nbytes=1 << 20)
 
