@@ -51,19 +51,18 @@ see their host's share instead of oversubscribing the machine.
 
 Before the job the testbed prints one line, ``netbed: H hosts x P ranks, links RATE (tbf burst
 B), bitcoll TCP, hosts pinned to their share of the cores``, and gives the job ``B`` in
-``NETBED_BURST``; with ``--probe`` it first sends 64
-MiB from host 1 to host 0 over one TCP connection (``bench/netbed_helpers.py``) and prints the
-measured rate (``netbed: probe host 1 -> host 0: X Gbit/s``). ``--model-link`` tells the
-ranks' cost model (:mod:`bitcoll.plan`) that rate (else the nominal one) and the added round
-trip through ``BITCOLL_COST_REMOTE_BANDWIDTH`` and ``BITCOLL_COST_REMOTE_LATENCY``, as a user
-of such a cluster would configure it or ``python -m bitcoll.probe`` on two hosts would
-measure it, and, where more hosts than cores share the machine, the share of a core of the
-hosts on the busiest core (``1 / ceil(H / C)``: 3 hosts on 2 cores get half a core, not two
-thirds, since a collective runs at its slowest rank's pace) through
-``BITCOLL_COST_HOST_CORES`` (a rank pinned to a shared core would count it as its own);
-without it the ranks plan with the model they find. A failing host is reported on
-stderr (``netbed: host 1 exited with status 3; stopped the other hosts``) after its launcher's
-own report.
+``NETBED_BURST``; with ``--probe`` it first sends 64 MiB from host 1 to host 0 over one TCP
+connection (``bench/netbed_helpers.py``) and prints the measured rate (``netbed: probe host 1
+-> host 0: X Gbit/s``). ``--model-link`` tells the ranks' cost model (:mod:`bitcoll.plan`) that
+rate (else the nominal one) and the added round trip through ``BITCOLL_COST_REMOTE_BANDWIDTH``
+and ``BITCOLL_COST_REMOTE_LATENCY``, as a user of such a cluster would configure it or ``python
+-m bitcoll.probe`` on two hosts would measure it, and, where more hosts than cores share the
+machine, the share of a core of the hosts on the busiest core (``1 / ceil(H / C)``: 3 hosts on
+2 cores get half a core, not two thirds, since a collective runs at its slowest rank's pace)
+through ``BITCOLL_COST_HOST_CORES`` (a rank pinned to a shared core would count it as its own);
+without it the ranks plan with the model they find. A failing host is reported on stderr
+(``netbed: host 1 exited with status 3; stopped the other hosts``) after its launcher's own
+report.
 
 MPI
 ---
@@ -122,7 +121,7 @@ HOST_GRACE_MARGIN = 2.0
 SECRET_ENV = "BITCOLL_SECRET"
 #: Environment variable that tells the job the links' tbf bucket in bytes (the burst a link
 #: passes faster than its rate after a pause: benchmarks that want the link's steady rate
-#: drain it first, as ``bench/cost_validate.py`` does).
+#: time loops long enough to outlast it, as ``bench/cost_validate.py`` does).
 BURST_ENV = "NETBED_BURST"
 #: The programs run inside the namespaces (pinning, the probe's two ends).
 HELPERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "netbed_helpers.py")

@@ -88,8 +88,7 @@ def _loop(call: Callable[[], object], repeats: int) -> tuple[float, float]:
     """Mean time and process CPU time (every thread, user and system: the transport's
     threads and the kernel's work in its system calls) per call of a loop of ``repeats``
     calls after one more: the way collectives are called and measured (one call alone
-    varies: on the 1 Gbit testbed single 8-byte exchanges took 50-114 us, a loop of them
-    67-79 us per call)."""
+    varies: on the 1 Gbit testbed single 8-byte all-gathers took from 50 to 114 us)."""
     call()
     c0 = time.process_time()
     t0 = time.perf_counter()
@@ -128,10 +127,10 @@ def link_rates(comm: Any, repeats: int = 5, nbytes: int = 8 << 20) -> dict[str, 
 
     The latency is what the cost model means by it: the time of one small exchange (the
     packed all-gather of 8 votes, :func:`_small_exchange_time`) less what the model already
-    charges such an exchange elsewhere, ``call_cpu`` and a
-    ``message_cpu`` for the send and one for the receive (``comm.cost_model``'s), so that the
-    model's prediction of the exchange is the time measured (never below a quarter of that
-    time, in case those two figures exceed this machine's). The bandwidth: ``nbytes`` over
+    charges such an exchange elsewhere, ``call_cpu`` and a ``message_cpu`` for the send and
+    one for the receive (``comm.cost_model``'s), so that the model's prediction of the
+    exchange is the time measured (never below a quarter of that time, in case those two
+    figures exceed this machine's). The bandwidth: ``nbytes`` over
     the large exchange's time less the small one's. ``remote_cpu``: the large exchange's CPU
     time less the small one's, per byte sent and received (``2 nbytes``), as rank 0 spent
     it."""
