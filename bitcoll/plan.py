@@ -299,9 +299,9 @@ def _ring(m: CostModel, g: Group, p: int, n: float, remote: bool) -> float:
     a, b = m.link(remote, g)
     # the ring's pace is its slowest step's: a rank whose neighbour is on another host
     # sends and receives every step's block across hosts
-    wire = 2 * (p - 1) / p * n / b
+    sent = 2 * (p - 1) / p * n
     return (2 * (p - 1) * (a + m.message_cpu)
-            + (_transfer(m, g, wire, 2 * wire * b) if remote else wire)
+            + (_transfer(m, g, sent / b, 2 * sent) if remote else sent / b)
             + (p - 1) / p * n / (m.reduce_rate * g.cores_per_rank))
 
 
@@ -385,15 +385,13 @@ def _packed_direct(m: CostModel, g: Group, c: Call) -> float:
     p = g.size
     a, b = m.link(g.hosts > 1, g)
     k = _segments(c, p, c.w_in)
-    wire = (p - 1) / p * c.count * (c.w_in + (c.w_out if c.gather else 0)) / 8 / b \
-        * _mesh_share(g)
+    sent = (p - 1) / p * c.count * (c.w_in + (c.w_out if c.gather else 0)) / 8
+    wire = sent / b * _mesh_share(g)
     phases = 2 if c.gather else 1
     msgs = phases * (p - 1) * k
-    moved = 2 * (p - 1) / p * c.count * (c.w_in + (c.w_out if c.gather else 0)) / 8 \
-        * _remote_share(g)
     cpu = (_pack(m, g, c) + _count(m, g, p, c.count / p) + _decode(m, g, c)
            + 2 * msgs * m.message_cpu + _stages(m, g, msgs, k)
-           + _moving(m, g, moved))
+           + _moving(m, g, 2 * sent * _remote_share(g)))
     return m.call_cpu + _pipeline(cpu, wire, k, phases * (a + _waits(m, g, p - 1)))
 
 
@@ -402,13 +400,14 @@ def _packed_ring(m: CostModel, g: Group, c: Call) -> float:
     a, b = m.link(g.hosts > 1, g)
     block = c.count / p
     bits = sum(max(c.w_in, math.ceil(math.log2(s + 2))) for s in range(p - 1))
-    wire = block * bits / 8 / b + ((p - 1) * block * c.w_out / 8 / b if c.gather else 0.0)
+    sent = block * bits / 8 + ((p - 1) * block * c.w_out / 8 if c.gather else 0.0)
+    wire = sent / b
     steps = 2 * (p - 1) if c.gather else p - 1
     # each of the p - 1 reducing steps unpacks, adds and packs again a block of counts
     repack = (p - 1) * block / (m.repack_rate * g.cores_per_rank)
     cpu = _pack(m, g, c) + _count(m, g, 2 * (p - 1), block) + _decode(m, g, c) + repack
     if g.hosts > 1:  # as the dense ring: its slowest step crosses hosts
-        wire = _transfer(m, g, wire, 2 * wire * b)
+        wire = _transfer(m, g, wire, 2 * sent)
     return m.call_cpu + steps * (a + 2 * m.message_cpu) + wire + cpu
 
 
@@ -420,11 +419,12 @@ def _packed_hier(m: CostModel, g: Group, c: Call) -> float:
     k = _segments(c, loc, c.w_in)
     inside = (loc - 1) / loc * c.count * (c.w_in + (c.w_out if c.gather else 0)) / 8 / bl
     # each local rank sends its slice's counts: the host's link carries all the slices
-    between = (h - 1) / h * c.count * (w_c + c.w_out) / 8 / br
+    crossing = (h - 1) / h * c.count * (w_c + c.w_out) / 8
+    between = crossing / br
     msgs = k * (2 * (loc - 1) + 2 * (h - 1))
     cpu = (_pack(m, g, c) + _count(m, g, loc + h, c.count / loc) + _decode(m, g, c)
            + 2 * msgs * m.message_cpu + _stages(m, g, msgs, k)
-           + _moving(m, g, 2 * between * br / loc))
+           + _moving(m, g, 2 * crossing / loc))
     return m.call_cpu + _pipeline(cpu, inside + between, k,
                                   2 * (al + _waits(m, g, loc - 1) + ar + _waits(m, g, h - 1)))
 
