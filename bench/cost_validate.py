@@ -37,6 +37,7 @@ from functools import partial
 
 import numpy as np
 import osu
+from netbed import BURST_ENV
 
 from bitcoll.plan import Call, candidates, choose, predict
 
@@ -61,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="make each timed loop send at least K times the links' bucket "
                         "(NETBED_BURST bytes; 0: as many calls as for any link; default 20)")
     args = p.parse_args(argv)
-    burst = int(os.environ.get("NETBED_BURST", "0") or 0) * args.bucket_share
+    loop_bytes = int(os.environ.get(BURST_ENV, "0") or 0) * args.bucket_share
     rt = osu.BitcollRuntime(timeout=600.0)
     comm = rt.comm
     if args.link is not None:
@@ -72,8 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     if rt.rank == 0:
         print(f"# bitcoll cost model validation: {args.collective}, {group}")
         print(f"# model: {comm.cost_model}")
-        if burst > 0:
-            print(f"# each timed loop sends at least {burst:.0f} bytes (the links' bucket x "
+        if loop_bytes > 0:
+            print(f"# each timed loop sends at least {loop_bytes:.0f} bytes (the links' bucket x "
                   f"{args.bucket_share:g}) or runs {MAX_LOOP_SECONDS:g} s")
         print("# Size        algorithm            measured_us  predicted_us  pred/meas  mark")
     for nbytes in args.sizes:
@@ -93,10 +94,10 @@ def main(argv: list[str] | None = None) -> int:
         iters, warm = (2, 1) if nbytes >= 16 << 20 else (20, 2) if nbytes >= 256 << 10 \
             else (200, 20)
         loops = dict.fromkeys(names, iters)
-        if burst > 0:
+        if loop_bytes > 0:
             for a in names:  # the bytes and time of one call: the same on every rank
                 once = osu.time_loop(rt, ops[a], 1, warm)
-                calls = math.ceil(burst / max(1.0, once.wire_bytes or 0.0))
+                calls = math.ceil(loop_bytes / max(1.0, once.wire_bytes or 0.0))
                 cap = math.floor(MAX_LOOP_SECONDS / max(1e-6, once.avg_us * 1e-6))
                 loops[a] = max(iters, min(calls, cap))
         best = dict.fromkeys(names, float("inf"))

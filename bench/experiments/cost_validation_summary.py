@@ -77,6 +77,11 @@ def _call(collective: str, size: int) -> Call:
     return Call(count=size // 4) if collective == "packed" else Call(nbytes=size)
 
 
+def _scaled(model: CostModel, factors: dict[str, float]) -> CostModel:
+    """``model`` with the fields ``factors`` names multiplied by them."""
+    return model.replace(**{f: getattr(model, f) * k for f, k in factors.items()})
+
+
 def _score(files: list[tuple[str, str, dict[int, dict[str, tuple[float, float, str]]]]],
            base: dict[str, float], factors: dict[str, float]) -> tuple[int, float]:
     """(picks predicted within 15%, sum of clipped |log(pred/meas)| over every algorithm)
@@ -87,7 +92,7 @@ def _score(files: list[tuple[str, str, dict[int, dict[str, tuple[float, float, s
         if plan is None:
             continue
         collective, model, group = plan
-        model = model.replace(**{f: getattr(model, f) * k for f, k in factors.items()})
+        model = _scaled(model, factors)
         for size, algos in sizes.items():
             call = _call(collective, size)
             for algo, (meas, _, _) in algos.items():
@@ -153,8 +158,7 @@ def main(argv: list[str]) -> int:
             continue
         if plan is not None and factors:
             collective, model, group = plan
-            plan = collective, model.replace(
-                **{f: getattr(model, f) * k for f, k in factors.items()}), group
+            plan = collective, _scaled(model, factors), group
         cells = []
         for size, algos in sorted(sizes.items()):
             if plan is not None:
