@@ -44,7 +44,7 @@ F32 = npt.NDArray[np.float32]
 COLLECTIVES = ("reduce_scatter", "allgather", "broadcast", "alltoall", "barrier")
 TITLES = {"reduce_scatter": "Reduce_scatter", "allgather": "Allgather",
           "broadcast": "Broadcast", "alltoall": "Alltoall", "barrier": "Barrier"}
-ALGORITHMS = ("auto", "ring", "tree", "direct", "dissemination", "native")
+ALGORITHMS = ("auto", "ring", "bruck", "tree", "direct", "dissemination", "native")
 ROOT = 0
 
 

@@ -527,4 +527,5 @@ def share_hosts(comm: Communicator, use_shm: bool, timeout: float) -> Communicat
     # or a failed probe): every rank must restart at collective #0 together.
     return Communicator(wrapped, timeout=comm.timeout, segment_bytes=comm.segment_bytes,
                         packed_segment_bytes=comm.packed_segment_bytes, topology=topo,
-                        two_level=comm.two_level, cost_model=comm.cost_model)
+                        two_level=comm.two_level, cost_model=comm.cost_model,
+                        shm=bool(flags.any()))

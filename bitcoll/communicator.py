@@ -36,6 +36,7 @@ import numpy as np
 import numpy.typing as npt
 
 from . import argcheck
+from .algorithms.allgather_bruck import allgather_bruck
 from .algorithms.allgather_ring import allgather_ring
 from .algorithms.allreduce_gathered import GatheredReduce
 from .algorithms.allreduce_recursive_doubling import allreduce_recursive_doubling
@@ -113,7 +114,7 @@ NATIVE_ALLREDUCE_MAX_BYTES = 512 << 10
 _ALGORITHMS: dict[str, tuple[str, ...]] = {
     "allreduce": ("auto", "ring", "recursive_doubling", "hierarchical", "native"),
     "reduce_scatter": ("auto", "ring", "native"),
-    "allgather": ("auto", "ring", "native"),
+    "allgather": ("auto", "ring", "bruck", "native"),
     "broadcast": ("auto", "tree", "native"),
     "alltoall": ("auto", "direct", "native"),
     "barrier": ("auto", "dissemination", "native"),
@@ -268,7 +269,10 @@ class Communicator:
     ``topology``: which ranks share a host (:class:`~bitcoll.topology.Topology` of this rank,
     the same ``hosts`` on every rank) when the caller knows it; default None: exchanged on
     first use of :attr:`topology`. UsageError unless it has ``size`` entries and this rank.
-    ``two_level``: see :attr:`two_level` (the same on every rank). ``cost_model``: the
+    ``two_level``: see :attr:`two_level` (the same on every rank). ``shm``: whether the
+    job's ranks that share a host exchange frames through shared memory (the same on every
+    rank: ``bitcoll.init`` agrees on it), which tells the planner that the ring's passes
+    between them go frame by frame (:attr:`plan_group`). ``cost_model``: the
     parameters the automatic algorithm choice uses (:mod:`bitcoll.plan`; the same on every
     rank: ``bitcoll.init`` gives every rank rank 0's).
     """
@@ -277,9 +281,11 @@ class Communicator:
                  segment_bytes: int = DEFAULT_SEGMENT_BYTES,
                  packed_segment_bytes: int | None = None,
                  topology: Topology | None = None, two_level: bool = True,
-                 cost_model: CostModel = DEFAULT_MODEL) -> None:
+                 cost_model: CostModel = DEFAULT_MODEL, shm: bool = False) -> None:
         if not isinstance(two_level, bool):
             raise UsageError(f"two_level must be True or False, got {two_level!r}")
+        if not isinstance(shm, bool):
+            raise UsageError(f"shm must be True or False, got {shm!r}", argument="shm")
         if topology is not None and (len(topology.hosts) != transport.size or
                                      topology.rank != transport.rank):
             raise UsageError(f"topology covers {len(topology.hosts)} ranks as rank "
@@ -302,6 +308,7 @@ class Communicator:
         self._agreed_failure: CommError | None = None  # see AGREED
         self._topology: Topology | None = topology
         self._two_level_on = two_level
+        self._shm = shm
         self._model = DEFAULT_MODEL
         self._group: Group | None = None  # the planner's view of this group, see plan_group
         self._host_comms: dict[str, Communicator] = {}  # host_comm() / cross_host_comm()
@@ -318,6 +325,7 @@ class Communicator:
         self._mpi_plans: dict[tuple[object, ...], _Plan | None] = {}
         # _packed_choice's answers: (algorithm, segment bytes)
         self._packed_plans: dict[tuple[object, ...], tuple[str, int]] = {}
+        self._allgather_algos: dict[int, str] = {}  # _auto_allgather's answers by bytes
         # The synchronous sign collectives' plans, see _fast_packed.
         self._fast_packed_plans: dict[tuple[object, ...], _PackedPlan | None] = {}
         self.cost_model = cost_model
@@ -512,17 +520,27 @@ class Communicator:
         self._plans.clear()
         self._mpi_plans.clear()
         self._packed_plans.clear()
+        self._allgather_algos.clear()
         self._fast_packed_plans.clear()
 
     @property
     def plan_group(self) -> Group:
         """This communicator as the planner sees it (:class:`bitcoll.plan.Group`): ranks,
         hosts (when the topology is known; else one host), ranks per host, each rank's share
-        of a core, whether the two-level algorithms may be chosen."""
+        of a core, whether the two-level algorithms may be chosen, whether the ring's passes
+        stream (the transport runs them in native code, :meth:`~bitcoll.transport.base.
+        Transport.stream`: TCP and MPI without frame integrity, unless ranks of one host
+        share memory, which goes frame by frame). The same on every rank: it depends on the
+        topology and on settings every rank shares."""
         if self._group is None:
             topo = self._topology
-            self._group = group_of(self.size, None if topo is None else topo.hosts,
-                                   self._model, self._two_level_on)
+            hosts = None if topo is None else topo.hosts
+            t = self._transport
+            streams = t.streams and not getattr(t, "integrity", False)
+            if streams and self._shm:
+                streams = len(set(hosts)) == self.size if hosts else self.size == 1
+            self._group = group_of(self.size, hosts, self._model, self._two_level_on,
+                                   streams)
         return self._group
 
     def _hosts(self) -> tuple[int, ...]:
@@ -1043,15 +1061,22 @@ class Communicator:
         Returns ``out`` (1-D, ``size * x.size`` elements) or a Work. Rank ``j``'s data is
         ``out[j * x.size:(j + 1) * x.size]`` on every rank. ``algorithm``: "auto" (over MPI,
         an ``x`` that fits the argument check's records travels inside it, as in
-        :meth:`allreduce`: one MPI collective; else "ring"), "ring", "native" (MPI backend).
+        :meth:`allreduce`: one MPI collective; else the cost model's choice,
+        :func:`bitcoll.plan.choose`: where the ring's passes go frame by frame, as between
+        ranks of a host that share memory, "bruck" (``ceil(log2 size)`` rounds) on one host
+        at every size and across hosts for small outputs, else "ring"; where the transport
+        streams the ring's passes, "ring"), "ring", "bruck"
+        (:mod:`bitcoll.algorithms.allgather_bruck`), "native" (MPI backend).
         """
         with self._validating("allgather"):
             v = intake(x)
             vec = v.flat
             m, p = vec.size, self.size
             res, flat = output(out, m * p, vec.dtype, bf16=v.bf16)
-            algo = self._algorithm("allgather", algorithm,
-                                   "inline" if vec.nbytes <= self._record_room() else "ring")
+            algo = self._algorithm("allgather", algorithm, "")
+            if not algo:
+                algo = "inline" if vec.nbytes <= self._record_room() else \
+                    self._auto_allgather(vec.nbytes * p)
         fields = (v.label, m, algo)
 
         def body(ctx: OpContext) -> Any:
@@ -1065,11 +1090,27 @@ class Communicator:
                 np.copyto(flat.reshape(p, m), rows[:, :vec.nbytes].view(vec.dtype))
                 return res
             np.copyto(flat[self.rank * m:(self.rank + 1) * m], vec)
-            allgather_ring(ctx, flat, [j * m for j in range(p + 1)])
+            if algo == "bruck":
+                allgather_bruck(ctx, flat, m)
+            else:
+                allgather_ring(ctx, flat, [j * m for j in range(p + 1)])
             return res
 
         return self.run("allgather", fields, body, async_op, timeout,
                         checks_itself=algo == "inline")
+
+    def _auto_allgather(self, nbytes: int) -> str:
+        """The default all-gather algorithm for an output of ``nbytes`` (the same on every rank
+        that passes the same arguments): the cost model's cheaper of "bruck" and "ring",
+        cached per size."""
+        algo = self._allgather_algos.get(nbytes)
+        if algo is None:
+            algo = choose("allgather", self._model, self.plan_group,
+                          Call(nbytes=nbytes, segment_bytes=self._segment_bytes))
+            if len(self._allgather_algos) >= _PLANS_MAX:
+                self._allgather_algos.clear()
+            self._allgather_algos[nbytes] = algo
+        return algo
 
     def _record_room(self) -> int:
         """Payload bytes of the argument check's records (MPI, several ranks), else -1: a
@@ -1250,7 +1291,8 @@ class Communicator:
             self._topology.subset(members, members.index(self.rank))
         return Communicator(transport, timeout=self.timeout, segment_bytes=self.segment_bytes,
                             packed_segment_bytes=self.packed_segment_bytes, topology=topo,
-                            two_level=self._two_level_on, cost_model=self._model)
+                            two_level=self._two_level_on, cost_model=self._model,
+                            shm=self._shm)
 
     # ------------------------------------------------------------------ packed-bit collectives
     def _packed(self, name: str, x: Any, codec_args: tuple[str, str, int], out: Any,

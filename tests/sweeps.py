@@ -25,6 +25,7 @@ DTYPES = ("float16", "float32", "float64", "int8", "int16", "int32", "int64",
           "uint8", "uint16", "uint32", "uint64")
 OPS = ("sum", "avg", "max", "min")
 ALLREDUCE_ALGOS = ("ring", "recursive_doubling")
+ALLGATHER_ALGOS = ("ring", "bruck")
 
 
 def rank_input(seed: int, rank: int, n: int, dtype: str) -> Array:
@@ -87,7 +88,11 @@ def dense_sweep(comm: Communicator, seed: int = 0, lengths: tuple[int, ...] = LE
                 _eq(comm.reduce_scatter(mine, op=op), want[lo:hi],
                     f"reduce_scatter n={n} {dt} {op} p={p}")
                 checks += 1
-            _eq(comm.allgather(mine), np.concatenate(xs), f"allgather n={n} {dt} p={p}")
+            gathered = np.concatenate(xs)
+            _eq(comm.allgather(mine), gathered, f"allgather n={n} {dt} p={p}")
+            for algo in ALLGATHER_ALGOS:
+                _eq(comm.allgather(mine, algorithm=algo), gathered,
+                    f"allgather n={n} {dt} {algo} p={p}")
             root = (n + seed) % p
             buf = mine.copy()
             comm.broadcast(buf, root=root)
@@ -98,7 +103,7 @@ def dense_sweep(comm: Communicator, seed: int = 0, lengths: tuple[int, ...] = LE
             want = np.concatenate([x[r * blk:(r + 1) * blk] for x in xs]) if m else mine[:0]
             _eq(got, want, f"alltoall n={m} {dt} p={p}")
             _eq(mine, original, f"input left untouched n={n} {dt} p={p}")
-            checks += 4
+            checks += 4 + len(ALLGATHER_ALGOS)
     comm.barrier()
     return checks
 

@@ -114,13 +114,15 @@ def test_communicators_run_the_planners_segment() -> None:
 @pytest.mark.parametrize("p", [1, 2, 3, 4, 5, 8, 64, 1024])
 def test_choices_are_registered_eligible_and_deterministic(p: int) -> None:
     for hosts in sorted({1, max(1, p // 2), p}):
-        for two_level in (False, True):
-            group = group_of(p, tuple(r % hosts for r in range(p)), DEFAULT_MODEL, two_level)
+        for two_level, streams in ((False, False), (True, False), (True, True)):
+            group = group_of(p, tuple(r % hosts for r in range(p)), DEFAULT_MODEL, two_level,
+                             streams)
             for count in (0, 1, 7, 8, 9, 1001, 1 << 20, (1 << 26) + 1):
                 for collective, call in (("packed", Call(count=count)),
                                          ("packed", Call(count=count, w_in=5, w_out=9)),
                                          ("packed", Call(count=count, gather=False)),
-                                         ("allreduce", Call(nbytes=4 * count))):
+                                         ("allreduce", Call(nbytes=4 * count)),
+                                         ("allgather", Call(nbytes=4 * count))):
                     name = choose(collective, DEFAULT_MODEL, group, call)
                     names = [a.name for a in candidates(collective, group, call)]
                     assert name in names
@@ -151,6 +153,54 @@ def test_latency_bound_dense_all_reduce_takes_recursive_doubling() -> None:
         assert choose("allreduce", DEFAULT_MODEL, group, Call(nbytes=8)) == \
             "recursive_doubling"
         assert choose("allreduce", DEFAULT_MODEL, group, Call(nbytes=256 << 20)) == "ring"
+
+
+def test_the_dense_all_gather_takes_bruck_unless_the_ring_streams() -> None:
+    """Bruck's ceil(log2 p) rounds send the ring's bytes in fewer messages: where the ring
+    also goes frame by frame, the default on one host at every size (its frames straight
+    into the output, measured as fast as the ring's or faster), and on hosts of several
+    ranks for small outputs (for large ones the ring crosses each host's link once). Where
+    the ring's passes stream, Bruck is not a candidate."""
+    for p in (2, 3, 4, 5, 8):
+        group = group_of(p, None, DEFAULT_MODEL)
+        for nbytes in (0, 8, 1 << 20, 256 << 20):
+            assert choose("allgather", DEFAULT_MODEL, group, Call(nbytes=nbytes)) == "bruck"
+        for hosts in (None, tuple(range(p))):
+            streaming = group_of(p, hosts, DEFAULT_MODEL, streams=True)
+            assert [a.name for a in candidates("allgather", streaming, Call(nbytes=8))] == \
+                ["ring"]
+    shared = group_of(8, (0, 0, 0, 0, 1, 1, 1, 1), ONE_GBIT)
+    assert choose("allgather", ONE_GBIT, shared, Call(nbytes=8 << 10)) == "bruck"
+    assert choose("allgather", ONE_GBIT, shared, Call(nbytes=64 << 20)) == "ring"
+    assert predict("allgather", "bruck", DEFAULT_MODEL, group_of(5, None, DEFAULT_MODEL),
+                   Call(nbytes=8)) < predict("allgather", "ring", DEFAULT_MODEL,
+                                              group_of(5, None, DEFAULT_MODEL), Call(nbytes=8))
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 5])
+def test_communicators_gather_in_brucks_rounds_by_default(p: int) -> None:
+    """On one host the default all-gather sends ceil(log2 p) rounds of one or two frames each
+    (two where a non-power-of-two round's blocks wrap past the last rank), the forced ring
+    p - 1 frames; both give every rank's block in rank order."""
+
+    def body(comm: bitcoll.Communicator) -> tuple[int, int]:
+        x = np.arange(5, dtype=np.int32) + 10 * comm.rank
+        want = np.concatenate([np.arange(5, dtype=np.int32) + 10 * r for r in range(p)])
+        sent = []
+        for algo in (None, "ring"):
+            comm.stats.reset()
+            np.testing.assert_array_equal(comm.allgather(x, algorithm=algo), want)
+            sent.append(comm.stats.snapshot()["messages_sent"])
+        return sent[0], sent[1]
+
+    rounds = (p - 1).bit_length()
+    for r, (default, ring) in enumerate(run_threads(p, body)):
+        assert ring == p - 1
+        if p & (p - 1) == 0:
+            assert default == rounds
+        else:  # round k sends ranks r .. r + min(2^k, p - 2^k) - 1, two frames if it wraps
+            assert default == sum(1 + (r + min(1 << k, p - (1 << k)) > p)
+                                  for k in range(rounds))
 
 
 def test_a_wait_queues_behind_every_rank_that_shares_the_core() -> None:
@@ -294,6 +344,39 @@ def test_communicators_choose_what_the_planner_chooses() -> None:
     for before, after, default, later in run_threads(4, body):
         assert (before, after) == ("direct", "allgather")
         assert later < default  # the all-gather's fewer messages
+
+
+def _gather_plan(comm: bitcoll.Communicator) -> tuple[bool, str, int]:
+    """(the group's streams, the default all-gather of 8 bytes a rank, the messages that
+    all-gather sent), after checking its result."""
+    x = np.full(2, comm.rank, np.float32)
+    comm.stats.reset()
+    got = comm.allgather(x)
+    np.testing.assert_array_equal(got, np.repeat(np.arange(comm.size, dtype=np.float32), 2))
+    sent = comm.stats.snapshot()["messages_sent"]
+    g = comm.plan_group
+    return g.streams, choose("allgather", comm.cost_model, g, Call(nbytes=8 * comm.size)), sent
+
+
+@pytest.mark.parametrize("hosts, shm, streams", [
+    ((0, 0, 0, 0), True, False),   # one host, shared memory: frame by frame
+    ((0, 0, 0, 0), False, True),   # one host over TCP: the ring streams
+    ((0, 0, 1), True, False),      # the rank alone on host 1 agrees with the others
+    ((0, 1, 2), True, True),       # every rank alone on its host: TCP streams
+])
+def test_every_rank_sees_the_same_streaming_ring(hosts: tuple[int, ...], shm: bool,
+                                                 streams: bool) -> None:
+    """plan_group's ``streams`` comes from the topology and the job's agreed settings, so
+    every rank plans the same all-gather, also the rank that is alone on its host (it has no
+    shared memory of its own): Bruck's rounds where the ring goes frame by frame, the ring
+    where it streams."""
+    env = {r: {"GROUP_RANK": str(h)} for r, h in enumerate(hosts)}
+    results = run_world(len(hosts), _gather_plan, timeout=120, rank_env=env, shm=shm)
+    want = "ring" if streams else "bruck"
+    p = len(hosts)
+    assert [(s, a) for s, a, _ in results] == [(streams, want)] * p
+    if streams:
+        assert all(sent == p - 1 for _, _, sent in results)
 
 
 def test_init_gives_every_rank_rank_0s_model(tmp_path: Path,
