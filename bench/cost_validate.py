@@ -6,12 +6,14 @@ planner's pick is within 5% of the fastest algorithm measured.
 
     python bench/netbed.py --hosts 4 --rate 1gbit bench/cost_validate.py --link 1gbit
     python -m launch -n 2 bench/cost_validate.py --collective allreduce -m 8,64K,1M,16M
+    python -m launch -n 4 bench/cost_validate.py --collective allgather -m 8,64K,1M,16M
     python bench/netbed.py --hosts 4 --rate 1gbit bench/cost_validate.py --link 1gbit \
         --host-cores 0.5          # 4 emulated hosts sharing 2 cores
 
-Columns: size (bytes of the float32 input), algorithm, measured µs (best round, averaged over
-ranks), predicted µs, predicted / measured, ``*`` on the planner's pick and ``+`` on the
-fastest measured. Below each size: ``pick/best`` = measured time of the pick over the fastest.
+Columns: size (bytes of the float32 input; each rank's, for the all-gather), algorithm,
+measured µs (best round, averaged over ranks), predicted µs, predicted / measured, ``*`` on
+the planner's pick and ``+`` on the fastest measured. Below each size: ``pick/best`` =
+measured time of the pick over the fastest.
 ``--link`` sets the model's remote bandwidth to the testbed's nominal rate times 0.96 (what
 TCP gets through tbf, see the environment notes) so the prediction uses the link the job has;
 every rank sets the same model.
@@ -50,9 +52,11 @@ RATES = {"100mbit": 1.25e7, "1gbit": 1.25e8, "10gbit": 1.25e9}
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--collective", choices=("packed", "allreduce"), default="packed")
+    p.add_argument("--collective", choices=("packed", "allreduce", "allgather"),
+                   default="packed")
     p.add_argument("-m", "--sizes", type=osu.sizes_arg, default=osu.sizes_arg("4K,256K,16M,256M"),
-                   help="sizes in bytes of the float32 input (default 4K,256K,16M,256M)")
+                   help="sizes in bytes of the float32 input, each rank's (default "
+                        "4K,256K,16M,256M)")
     p.add_argument("--link", choices=tuple(RATES), default=None,
                    help="the testbed's link rate, for the model's remote bandwidth")
     p.add_argument("--host-cores", type=float, default=None, metavar="C",
@@ -80,14 +84,19 @@ def main(argv: list[str] | None = None) -> int:
     for nbytes in args.sizes:
         n = nbytes // 4
         v = np.random.default_rng(rt.rank).standard_normal(n).astype(np.float32)
-        call = Call(count=n, segment_bytes=comm.packed_segment_bytes or 0) \
-            if args.collective == "packed" else \
-            Call(nbytes=nbytes, segment_bytes=comm.segment_bytes)
+        if args.collective == "packed":
+            call = Call(count=n, segment_bytes=comm.packed_segment_bytes or 0)
+        else:  # the all-gather's call is its output, every rank's input
+            total = nbytes * (comm.size if args.collective == "allgather" else 1)
+            call = Call(nbytes=total, segment_bytes=comm.segment_bytes)
         names = [a.name for a in candidates(args.collective, group, call)]
         pick = choose(args.collective, comm.cost_model, group, call)
         if args.collective == "packed":
             out = np.empty(n, np.int8)
             ops = {a: partial(comm.sign_allreduce, v, out=out, algorithm=a) for a in names}
+        elif args.collective == "allgather":
+            res = np.empty(n * comm.size, np.float32)
+            ops = {a: partial(comm.allgather, v, out=res, algorithm=a) for a in names}
         else:
             res = np.empty(n, np.float32)
             ops = {a: partial(comm.allreduce, v, out=res, algorithm=a) for a in names}

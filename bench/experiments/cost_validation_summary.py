@@ -54,7 +54,8 @@ def _replanner(text: str, overrides: dict[str, float]) -> tuple[str, CostModel, 
     model = CostModel.from_mapping({**fields, **overrides})
     gf = _fields(g.group(2))
     group = Group(int(gf["size"]), int(gf["hosts"]), int(gf["per_host"]),
-                  float(gf["cores_per_rank"]), gf.get("two_level", "True") == "True")
+                  float(gf["cores_per_rank"]), gf.get("two_level", "True") == "True",
+                  gf.get("streams", "False") == "True")
     return g.group(1), model, group
 
 
@@ -73,8 +74,12 @@ def _load(folder: Path) -> list[tuple[str, str, dict[int, dict[str, tuple[float,
     return files
 
 
-def _call(collective: str, size: int) -> Call:
-    return Call(count=size // 4) if collective == "packed" else Call(nbytes=size)
+def _call(collective: str, size: int, group: Group) -> Call:
+    """The call of a row: ``size`` bytes of float32 input (each rank's for the all-gather,
+    whose call is its output)."""
+    if collective == "packed":
+        return Call(count=size // 4)
+    return Call(nbytes=size * (group.size if collective == "allgather" else 1))
 
 
 def _scaled(model: CostModel, factors: dict[str, float]) -> CostModel:
@@ -94,7 +99,7 @@ def _score(files: list[tuple[str, str, dict[int, dict[str, tuple[float, float, s
         collective, model, group = plan
         model = _scaled(model, factors)
         for size, algos in sizes.items():
-            call = _call(collective, size)
+            call = _call(collective, size, group)
             for algo, (meas, _, _) in algos.items():
                 err += min(abs(math.log(predict(collective, algo, model, group, call) * 1e6
                                         / meas)), math.log(2))
@@ -163,7 +168,7 @@ def main(argv: list[str]) -> int:
         for size, algos in sorted(sizes.items()):
             if plan is not None:
                 collective, model, group = plan
-                call = _call(collective, size)
+                call = _call(collective, size, group)
                 pick = choose(collective, model, group, call)
                 if pick not in algos:
                     continue
