@@ -177,6 +177,31 @@ def test_the_dense_all_gather_takes_bruck_unless_the_ring_streams() -> None:
                                               group_of(5, None, DEFAULT_MODEL), Call(nbytes=8))
 
 
+def test_a_ring_crosses_hosts_on_one_rank_per_host() -> None:
+    """A ring over hosts of one rank each moves every rank's bytes across hosts (its time at
+    10 Gbit on half a core is the CPU's); over hosts of 4 ranks sharing a core, one rank per
+    host moves them across and three through shared memory, so the ring is cheaper than
+    charging each rank the remote CPU on its quarter of a core, and it wins the large
+    all-gathers there, as measured (2x4 at 10 Gbit: 16 MiB per rank, ring 227 ms, Bruck
+    320 ms)."""
+    ten = DEFAULT_MODEL.replace(remote_bandwidth=1.2e9, host_cores=1.0)
+    alone = group_of(4, (0, 1, 2, 3), ten.replace(host_cores=0.5))
+    n = 256 << 20
+    sent = 3 / 4 * n
+    cpu = 2 * sent * ten.remote_cpu / alone.cores_per_rank
+    assert cpu > sent / ten.remote_bandwidth  # paced by the CPU, as before
+    assert predict("allgather", "ring", ten, alone, Call(nbytes=n)) == pytest.approx(
+        ten.call_cpu + 3 * (ten.remote_latency + ten.switch_wait(alone) + ten.message_cpu)
+        + cpu)
+    layered = group_of(8, (0, 0, 0, 0, 1, 1, 1, 1), ten)
+    sent = 7 / 8 * n
+    every_rank = 2 * sent * ten.remote_cpu / layered.cores_per_rank
+    ring = predict("allgather", "ring", ten, layered, Call(nbytes=n))
+    assert ring < every_rank
+    assert choose("allgather", ten, layered, Call(nbytes=8 * (16 << 20))) == "ring"
+    assert choose("allgather", ten, layered, Call(nbytes=8 * (4 << 10))) == "bruck"
+
+
 @pytest.mark.parametrize("p", [1, 2, 3, 4, 5])
 def test_communicators_gather_in_brucks_rounds_by_default(p: int) -> None:
     """On one host the default all-gather sends ceil(log2 p) rounds of one or two frames each
