@@ -529,14 +529,15 @@ class Communicator:
         hosts (when the topology is known; else one host), ranks per host, each rank's share
         of a core, whether the two-level algorithms may be chosen, whether the ring's passes
         stream (the transport runs them in native code, :meth:`~bitcoll.transport.base.
-        Transport.stream`: TCP and MPI without frame integrity, unless ranks of one host
-        share memory, which goes frame by frame). The same on every rank: it depends on the
-        topology and on settings every rank shares."""
+        Transport.stream`: the TCP and MPI backends without frame integrity, unless ranks of
+        one host share memory, which goes frame by frame). The same on every rank: it
+        depends on the topology and on settings every rank shares, not on whether this
+        rank's transport can stream (a rank that cannot makes the same frames one by one)."""
         if self._group is None:
             topo = self._topology
             hosts = None if topo is None else topo.hosts
             t = self._transport
-            streams = t.streams and not getattr(t, "integrity", False)
+            streams = t.name in ("tcp", "mpi") and not getattr(t, "integrity", False)
             if streams and self._shm:
                 streams = len(set(hosts)) == self.size if hosts else self.size == 1
             self._group = group_of(self.size, hosts, self._model, self._two_level_on,
