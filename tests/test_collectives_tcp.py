@@ -22,6 +22,7 @@ from sweeps import (
 
 import bitcoll
 from bitcoll.communicator import Communicator
+from bitcoll.transport.tcp import TCPTransport
 
 pytestmark = pytest.mark.tcp
 
@@ -54,6 +55,30 @@ def test_streaming_and_frame_by_frame_ranks_interoperate(size: int) -> None:
     assert len({n for n, _ in results}) == 1
     assert results[1][1] == 0
     assert all(streamed > 10 for r, (_, streamed) in enumerate(results) if r != 1)
+
+
+def _oversubscription(comm: Communicator) -> tuple[bool, bool]:
+    """(this rank's TCP transport marked oversubscribed, whether its host runs more ranks
+    than this process has cores)."""
+    from bitcoll.topology import usable_cores
+
+    t = comm.transport
+    tcp = getattr(t, "_tcp", t)  # under shared memory's
+    assert isinstance(tcp, TCPTransport)
+    return tcp.oversubscribed, comm.local_size > usable_cores()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("hosts, shm", [((0, 0, 0), False), ((0, 0, 0), True),
+                                        ((0, 1, 2), False)])
+def test_tcp_knows_whether_its_host_is_oversubscribed(hosts: tuple[int, ...],
+                                                      shm: bool) -> None:
+    """bitcoll.init tells each rank's TCP transport whether its host runs more ranks than
+    the rank has cores (its streams then look for small frames only briefly)."""
+    env = {r: {"GROUP_RANK": str(h)} for r, h in enumerate(hosts)}
+    for marked, expected in run_world(len(hosts), _oversubscription, timeout=100,
+                                      rank_env=env, shm=shm):
+        assert marked == expected
 
 
 def _packed(comm: Communicator) -> dict[str, Any]:

@@ -153,6 +153,56 @@ def test_stream_uses_a_header_read_ahead(monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 @pytest.mark.timeout(30)
+@pytest.mark.parametrize("n", [1000, (256 << 10) // 4 + 1])
+def test_small_streams_look_before_they_block(monkeypatch: pytest.MonkeyPatch, n: int) -> None:
+    """A stream that receives at most HELPER_RECEIVE_BYTES first looks for its frame without
+    blocking (poll timeouts of 0, yielding between looks), then blocks; a larger one blocks
+    at once, as does any stream on an oversubscribed host. Either way the frame, sent in two
+    parts around the first block, lands whole."""
+    calls: list[int] = []
+    blocked = threading.Event()
+    run = stream_kernel.run_stream_checked
+
+    def counting(*args: Any) -> int:
+        calls.append(args[21])  # timeout_ms
+        if args[21] > 0:
+            blocked.set()
+        return int(run(*args))
+
+    monkeypatch.setattr(stream_kernel, "run_stream_checked", counting)
+    with _raw_pair(monkeypatch) as (t, peer, _):
+        t.oversubscribed = False  # (this host's ranks fit its cores)
+        data = np.arange(n, dtype=np.float32)
+        frame = _frame(0, data)
+        work, plan = _one_recv(n)
+
+        def send() -> None:
+            peer.sendall(frame[:HEADER_SIZE + 8])
+            blocked.wait(10)  # the stream blocked in poll: the rest wakes it
+            peer.sendall(frame[HEADER_SIZE + 8:])
+
+        sender = threading.Thread(target=send)
+        sender.start()
+        assert t.stream(0, 0, plan, time.monotonic() + 10)
+        sender.join(10)
+        assert np.array_equal(work, data) and _rx(t) is RxPhase.HEADER
+        assert blocked.is_set()
+        if n * 4 <= (256 << 10):
+            assert calls[0] == 0
+        else:
+            assert 0 not in calls
+        calls.clear()
+        blocked.clear()
+        t.oversubscribed = True
+        work, plan = _one_recv(n)
+        sender = threading.Thread(target=send)
+        sender.start()
+        assert t.stream(0, 0, plan, time.monotonic() + 10)
+        sender.join(10)
+        assert np.array_equal(work, data) and 0 not in calls
+
+
+@pytest.mark.timeout(30)
 def test_stream_folds_what_the_kernel_computes_exactly(monkeypatch: pytest.MonkeyPatch) -> None:
     """The TCP stream folds what its native kernel computes as numpy would: sums of every
     dtype but float16, max and min of integers only (numpy's NaN rules for floats)."""
