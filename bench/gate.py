@@ -15,6 +15,8 @@ rounds per side):
 
 * ``allreduce_vs_gloo_{8B,1M,16M}``: bitcoll's float32 all-reduce over 2 local ranks (launcher,
   TCP with shared memory) against torch gloo's, in place;
+* ``allgather_vs_allreduce_8B``: bitcoll's all-gather of 8 bytes a rank against its
+  all-reduce of the same 8 bytes (2 local ranks: one exchange each way in both);
 * ``majority_vs_float32_{16K,1M}``: bitcoll's majority sign all-reduce of n float32 elements
   against its own float32 all-reduce of the same elements (the packed collective moves 32x
   fewer bytes, so it should never be slower);

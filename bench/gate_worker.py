@@ -48,10 +48,11 @@ def _iters(nbytes: int) -> tuple[int, int]:
 
 
 def loopback(rt: osu.BitcollRuntime) -> None:
-    """bitcoll's float32 all-reduce against gloo's (in place, both), the packed majority
-    all-reduce against bitcoll's own float32 all-reduce of the same elements, and the torch
-    backend's ``dist.all_reduce`` against the communicator behind it (what the torch layer
-    adds)."""
+    """bitcoll's float32 all-reduce against gloo's (in place, both), its all-gather of 8
+    bytes a rank against its all-reduce of the same 8 bytes (one exchange each on 2 ranks),
+    the packed majority all-reduce against bitcoll's own float32 all-reduce of the same
+    elements, and the torch backend's ``dist.all_reduce`` against the communicator behind it
+    (what the torch layer adds)."""
     import torch
     import torch.distributed as dist
 
@@ -64,6 +65,10 @@ def loopback(rt: osu.BitcollRuntime) -> None:
             t = torch.zeros(nbytes // 4, dtype=torch.float32)
             _paired(f"allreduce_vs_gloo_{label}", (rt, partial(comm.allreduce, x, out=x)),
                     (gloo, partial(dist.all_reduce, t)), *_iters(nbytes))
+        x = np.zeros(2, np.float32)
+        gathered = np.zeros(2 * rt.size, np.float32)
+        _paired("allgather_vs_allreduce_8B", (rt, partial(comm.allgather, x, out=gathered)),
+                (rt, partial(comm.allreduce, x, out=x)), *_iters(8))
         for n, label in ((1 << 14, "16K"), (1 << 20, "1M")):
             v = np.random.default_rng(rt.rank).standard_normal(n).astype(np.float32)
             out = np.empty(n, np.int8)
