@@ -5,11 +5,13 @@ its frames before the stream starts, or from a thread the test releases with an 
 
 from __future__ import annotations
 
+import itertools
 import os
 import select
 import socket
 import threading
 import time
+import types
 from typing import Any
 
 import numpy as np
@@ -200,6 +202,59 @@ def test_small_streams_look_before_they_block(monkeypatch: pytest.MonkeyPatch, n
         assert t.stream(0, 0, plan, time.monotonic() + 10)
         sender.join(10)
         assert np.array_equal(work, data) and 0 not in calls
+
+
+class _CountingPoll:
+    """``select.poll()`` whose ``poll`` calls are recorded (their timeouts), and which sets
+    ``blocked`` on the first one that may block."""
+
+    def __init__(self, timeouts: list[int], blocked: threading.Event) -> None:
+        self._p = select.poll()
+        self._timeouts = timeouts
+        self._blocked = blocked
+
+    def register(self, fd: int, mask: int) -> None:
+        self._p.register(fd, mask)
+
+    def unregister(self, fd: int) -> None:
+        self._p.unregister(fd)
+
+    def poll(self, timeout: int) -> list[tuple[int, int]]:
+        self._timeouts.append(timeout)
+        if timeout:
+            self._blocked.set()
+        return self._p.poll(timeout)
+
+
+@pytest.mark.timeout(30)
+def test_frame_waits_on_an_oversubscribed_host_block_at_once(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Waiting for a frame, a rank whose host runs more ranks than it has cores looks once
+    and then blocks in poll (no spin that would keep the awaited rank off the core); the
+    frame, sent once it blocked, completes the receive."""
+    from bitcoll.transport.tcp import transport as tcp_module
+
+    timeouts: list[int] = []
+    blocked = threading.Event()
+    monkeypatch.setattr(tcp_module, "select", types.SimpleNamespace(
+        poll=lambda: _CountingPoll(timeouts, blocked)))  # this transport's polls only
+    with _raw_pair(monkeypatch) as (t, peer, _):
+        t.oversubscribed = True
+        data = np.arange(10, dtype=np.float32)
+        buf = np.zeros(10, np.float32)
+        req = t.irecv(0, buf.data, _h(0, data.nbytes))
+
+        def send() -> None:
+            blocked.wait(10)
+            peer.sendall(_frame(0, data))
+
+        sender = threading.Thread(target=send)
+        sender.start()
+        req.wait(time.monotonic() + 10)
+        sender.join(10)
+        assert np.array_equal(buf, data) and blocked.is_set()
+        # every look that found nothing was followed by a block, never by another look
+        assert all(not (a == 0 and b == 0) for a, b in itertools.pairwise(timeouts))
 
 
 @pytest.mark.timeout(30)
