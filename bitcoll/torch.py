@@ -870,9 +870,34 @@ class BitcollProcessGroup(dist.ProcessGroup):
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor,
                         opts: Any = None) -> BitcollWork:
         """``all_gather_into_tensor``: ``output`` holds ``size`` inputs in rank order."""
+        lean = self._lean_allgather(output, input, opts)
+        if lean is not None:
+            return lean
         return self._submit("all_gather_into_tensor",
                             self._allgather_job([output], [input], "all_gather_into_tensor"),
                             opts)
+
+    def _lean_allgather(self, output: torch.Tensor, input: torch.Tensor,
+                        opts: Any) -> BitcollWork | None:
+        """``all_gather_into_tensor`` of a contiguous CPU tensor into a contiguous CPU output
+        of its dtype and ``size`` times its elements (any dtype: the bytes move), through
+        byte views made now, without staging: run on this thread at once when the call is
+        synchronous and no job is queued or running (:meth:`_submit`), queued otherwise, as
+        :meth:`_lean_allreduce`. None when the call does not qualify (the general path then
+        checks and stages it)."""
+        if not (input.is_cpu and output.is_cpu and input.is_contiguous()
+                and output.is_contiguous()) or input.dtype != output.dtype \
+                or output.numel() != self.size() * input.numel() \
+                or input.is_neg() or output.is_neg() or input.is_conj() or output.is_conj():
+            return None
+        x, y = _raw(input.detach()), _raw(output.detach())
+        comm = self._comm
+
+        def job() -> list[torch.Tensor]:
+            comm.allgather(x, out=y)
+            return [output]
+
+        return self._submit("all_gather_into_tensor", job, opts)
 
     all_gather_single = _allgather_base
 

@@ -166,10 +166,18 @@ def _sweep(group: Any, dtypes: list[Any], lengths: list[int], fails: list[str],
                 dist.all_gather(outs, mine, group=group)
                 if not all(torch.equal(a, b) for a, b in zip(outs, outs_ok, strict=True)):
                     fails.append(f"all_gather list {tag}")
-            out = torch.empty(p * n, dtype=dtype)
-            dist.all_gather_into_tensor(out, rows[me], group=group)
-            if not torch.equal(out, torch.cat(rows)):
-                fails.append(f"all_gather_into_tensor {tag}")
+            # contiguous (the lean path), and for odd n a strided input (the general path)
+            for strided in (False, True)[:1 + n % 2]:
+                out = torch.empty(p * n, dtype=dtype)
+                if strided:
+                    big = torch.zeros(2 * n, dtype=dtype)
+                    x = big[::2]
+                    x.copy_(rows[me])
+                else:
+                    x = rows[me]
+                dist.all_gather_into_tensor(out, x, group=group)
+                if not torch.equal(out, torch.cat(rows)):
+                    fails.append(f"all_gather_into_tensor {tag} strided={strided}")
             # reduce_scatter: list and tensor forms (rank r gets block r of the sum)
             if dtype != torch.bool:
                 blocks = [_values(r, dtype, p * n, salt + 500) for r in range(p)]
