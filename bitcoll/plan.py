@@ -317,18 +317,26 @@ def _ring_moving(m: CostModel, g: Group, sent: float) -> float:
         / (g.cores_per_rank * per_host)
 
 
-def _ring(m: CostModel, g: Group, p: int, n: float, remote: bool) -> float:
-    a, b = m.link(remote, g)
-    # the ring's pace is its slowest step's: a rank whose neighbour is on another host
-    # sends and receives every step's block across hosts
-    sent = 2 * (p - 1) / p * n
-    return (2 * (p - 1) * (a + m.message_cpu)
-            + (max(sent / b, _ring_moving(m, g, sent)) if remote else sent / b)
-            + (p - 1) / p * n / (m.reduce_rate * g.cores_per_rank))
+def _ring_pass(m: CostModel, g: Group, c: Call) -> float:
+    """One pass of a dense ring over ``n`` bytes (the whole vector): ``p - 1`` steps between
+    neighbours, each sending one block of ``n / p`` bytes. The ring's pace is its slowest
+    step's: a rank whose neighbour is on another host sends and receives every step's block
+    across hosts (:func:`_ring_moving`)."""
+    p = g.size
+    a, b = m.link(g.hosts > 1, g)
+    sent = (p - 1) / p * c.nbytes
+    wire = max(sent / b, _ring_moving(m, g, sent)) if g.hosts > 1 else sent / b
+    return (p - 1) * (a + m.message_cpu) + wire
+
+
+def _ring_reduce(m: CostModel, g: Group, c: Call) -> float:
+    """A reducing pass's reductions: each rank adds ``p - 1`` received blocks."""
+    return (g.size - 1) / g.size * c.nbytes / (m.reduce_rate * g.cores_per_rank)
 
 
 def _dense_ring(m: CostModel, g: Group, c: Call) -> float:
-    return m.call_cpu + _ring(m, g, g.size, c.nbytes, g.hosts > 1)
+    """The all-reduce's ring: a reducing pass, then an all-gather pass."""
+    return m.call_cpu + 2 * _ring_pass(m, g, c) + _ring_reduce(m, g, c)
 
 
 def _dense_hier(m: CostModel, g: Group, c: Call) -> float:
@@ -452,19 +460,13 @@ def _packed_hier(m: CostModel, g: Group, c: Call) -> float:
 
 
 def _gather_ring(m: CostModel, g: Group, c: Call) -> float:
-    """The dense all-gather's (and reduce-scatter's) ring: ``p - 1`` steps between
-    neighbours, each sending one block of ``n / p`` bytes (``n`` the whole vector); the
-    reduce-scatter also reduces each block it receives."""
-    p = g.size
-    a, b = m.link(g.hosts > 1, g)
-    sent = (p - 1) / p * c.nbytes
-    wire = max(sent / b, _ring_moving(m, g, sent)) if g.hosts > 1 else sent / b
-    return m.call_cpu + (p - 1) * (a + m.message_cpu) + wire
+    """The dense all-gather's ring: one pass over the output (``n``)."""
+    return m.call_cpu + _ring_pass(m, g, c)
 
 
 def _dense_reduce_scatter(m: CostModel, g: Group, c: Call) -> float:
-    p = g.size
-    return _gather_ring(m, g, c) + (p - 1) / p * c.nbytes / (m.reduce_rate * g.cores_per_rank)
+    """The dense reduce-scatter's ring: one reducing pass."""
+    return m.call_cpu + _ring_pass(m, g, c) + _ring_reduce(m, g, c)
 
 
 def _dense_bruck(m: CostModel, g: Group, c: Call) -> float:
