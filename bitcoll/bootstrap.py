@@ -518,7 +518,7 @@ def share_hosts(comm: Communicator, use_shm: bool, timeout: float) -> Communicat
                 f"bitcoll.init, or set {ENV_SHM} alike, on every rank")
         tcp = comm.transport
         if isinstance(tcp, TCPTransport):
-            tcp.oversubscribed = topo.hosts.count(topo.hosts[topo.rank]) > usable_cores()
+            tcp.oversubscribed = topo.oversubscribed
         if not use_shm or not isinstance(tcp, TCPTransport):
             return comm
         wrapped = HybridTransport.create(tcp, topo.hosts, timeout)

@@ -93,6 +93,12 @@ class Topology:
     def local_size(self) -> int:
         return len(self.local_ranks)
 
+    @property
+    def oversubscribed(self) -> bool:
+        """Whether this rank's host runs more ranks than this process has cores (waiting
+        ranks then do not spin: it would keep the awaited rank off the core)."""
+        return self.local_size > usable_cores()
+
     def local_rank_of(self, rank: int) -> int:
         """The local rank of ``rank`` on its host."""
         h = self.hosts[rank]

@@ -24,13 +24,13 @@ from multiproc import context, free_port, run_world, start, tcp_env
 from sweeps import dense_sweep, inplace_and_async, packed_bandwidth, packed_sweep
 
 import bitcoll
+from bitcoll import topology as topology_mod
 from bitcoll.communicator import Communicator
 from bitcoll.errors import CommError, CommTimeoutError, PeerLostError, ProtocolError
 from bitcoll.transport import peer as peer_mod
 from bitcoll.transport.base import HEADER_SIZE, FrameHeader, Transport
 from bitcoll.transport.peer import FrameRequest, PeerState
 from bitcoll.transport.shm import channel as shm
-from bitcoll.transport.shm import hybrid as hybrid_mod
 from bitcoll.transport.shm.hybrid import HybridTransport, shm_enabled
 from bitcoll.transport.tcp import TCPTransport
 
@@ -274,7 +274,7 @@ def test_an_oversubscribed_host_spins_less(cores: int, monkeypatch: pytest.Monke
     """With more ranks on the host than cores, a waiter looks at the ring for
     OVERSUBSCRIBED_SPIN_SECONDS (yielding the core) instead of SPIN_SECONDS; small frames
     still complete on the waiting thread."""
-    monkeypatch.setattr(hybrid_mod, "usable_cores", lambda: cores)
+    monkeypatch.setattr(topology_mod, "usable_cores", lambda: cores)
     t0, t1 = _thread_world(2)
     seen = _finishers(monkeypatch)
     try:

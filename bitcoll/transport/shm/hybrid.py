@@ -118,7 +118,7 @@ from ...errors import (
     ProtocolError,
     UsageError,
 )
-from ...topology import usable_cores
+from ...topology import Topology
 from ..base import (
     HEADER_SIZE,
     Consumer,
@@ -330,7 +330,7 @@ class HybridTransport(LinkTransport):
         self.stats = CombinedStats(self.stats_local, self.stats_remote)
         self._init_links(pipe=True, fails_with=tcp)  # one failure record with the TCP side
         #: More ranks on this host than this process has cores: waiters spin less and yield.
-        self.oversubscribed = self.hosts.count(self.hosts[self.rank]) > usable_cores()
+        self.oversubscribed = Topology(self.hosts, self.rank).oversubscribed
         self._spin = OVERSUBSCRIBED_SPIN_SECONDS if self.oversubscribed else SPIN_SECONDS
         self._peers: dict[int, _Peer] = {p: _Peer(ch) for p, ch in channels.items()}
         self._start_links(list(self._peers.values()), "shm")

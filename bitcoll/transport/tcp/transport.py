@@ -722,12 +722,18 @@ class TCPTransport(LinkTransport):
             # the awaited rank off the core: 3 and 4 ranks on 2 cores took 1.2-1.3x longer
             # for a small recursive-doubling all-reduce).
             events = poller.poll(0)
-            spin_end = time.monotonic() + (0.0 if self.oversubscribed else SPIN_SECONDS)
+            spin_end = time.monotonic() + self._spin_seconds
             while not events and time.monotonic() < spin_end:
                 events = poller.poll(0)
             if not events:
                 events = poller.poll(max(1, int(min(left, IDLE_LOOK_SECONDS) * 1000) + 1))
             ready = [polled[fd] for fd, _ in events if fd in polled]
+
+    @property
+    def _spin_seconds(self) -> float:
+        """How long a wait for small frames looks without sleeping before it blocks in
+        ``poll``: :data:`SPIN_SECONDS`, not at all where :attr:`oversubscribed`."""
+        return 0.0 if self.oversubscribed else SPIN_SECONDS
 
     # ---------------------------------------------------------------- streams
 
@@ -855,8 +861,8 @@ class TCPTransport(LinkTransport):
         # Between looks the core goes to any rank that shares it (sched_yield): on the
         # emulated testbed, whose hosts share cores unseen, a plain spin made small streams
         # 1.15-1.25x slower.
-        spin = SPIN_SECONDS if not self.oversubscribed and \
-            int(r_len.sum()) * work.itemsize <= HELPER_RECEIVE_BYTES else 0.0
+        spin = self._spin_seconds \
+            if int(r_len.sum()) * work.itemsize <= HELPER_RECEIVE_BYTES else 0.0
         spin_end = -1.0  # from the first look on
         moved = state[:4].copy() if spin else state
         watch: np.ndarray[Any, np.dtype[np.int32]] | None = None
