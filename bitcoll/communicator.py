@@ -430,6 +430,13 @@ class Communicator:
         return self._majority_calls
 
     @property
+    def collectives_started(self) -> int:
+        """Collectives started so far on this communicator (counted from the end of
+        :func:`bitcoll.init`'s set-up): the number the next one gets, which its errors carry
+        as :attr:`CommError.sequence <bitcoll.errors.CommError>`."""
+        return self._seq
+
+    @property
     def transport(self) -> Transport:
         """The transport under this communicator (for algorithms and benchmarks)."""
         return self._transport

@@ -81,7 +81,12 @@ own: nothing waits longer). A failed collective raises on its ``wait``: ``DistNe
 when a peer was lost (a rank died or aborted), ``DistBackendError`` for a timeout or a
 mismatch; the message names this rank, the group and the collective, and the original
 bitcoll error is the ``__cause__``. Bad arguments raise ValueError (bitcoll's UsageError)
-naming the rank. After a failure every later collective of the group raises at once.
+naming the rank, before the collective starts: the group stays usable when every rank made
+the same mistake. When only some ranks did, the others are left in the collective and fail
+with a mismatch (or their deadline); the ranks whose checks failed leave a note in the
+group's store, and those failures quote it ("rank 1's all_gather_into_tensor failed its
+argument check ...: output must have ..."). After a failure every later collective of the
+group raises at once.
 
 **Not served by torch's own functions.** ``torch.distributed.monitored_barrier`` accepts
 only gloo groups (it raises ValueError for any other backend before reaching the group):
@@ -126,6 +131,11 @@ ENV_TRANSPORT = "BITCOLL_TORCH_TRANSPORT"
 #: How long a group's shutdown waits for its threads to return (seconds, after its queued
 #: collectives finished and its communicators closed).
 _JOIN_SECONDS = 5.0
+#: Store keys of the argument-check notes (:meth:`BitcollProcessGroup._note_usage`).
+_NOTES_KEY = "bitcoll/usage/"
+#: The most recent notes a failing rank reads, and how long a store request may take then.
+_NOTES_READ = 8
+_NOTES_SECONDS = 5.0
 
 Array = npt.NDArray[Any]
 Job = Callable[[], Any]
@@ -146,15 +156,17 @@ class Options:
 
 
 # ---------------------------------------------------------------------------------- errors
-def _dist_error(exc: BaseException, rank: int, group: str, what: str) -> BaseException:
-    """torch's error type for a bitcoll error ``exc`` of ``what`` on ``rank`` of ``group``."""
+def _dist_error(exc: BaseException, rank: int, group: str, what: str,
+                hint: str = "") -> BaseException:
+    """torch's error type for a bitcoll error ``exc`` of ``what`` on ``rank`` of ``group``;
+    ``hint`` (a CommError's) is appended to the message."""
     where = f"bitcoll rank {rank} (group {group!r}), {what}"
     if isinstance(exc, UsageError):
         err: BaseException = UsageError(f"{where}: {exc}")
     elif isinstance(exc, PeerLostError):
-        err = dist.DistNetworkError(f"{where}: peer lost: {exc}")
+        err = dist.DistNetworkError(f"{where}: peer lost: {exc}{hint}")
     elif isinstance(exc, CommError):
-        err = dist.DistBackendError(f"{where}: {type(exc).__name__}: {exc}")
+        err = dist.DistBackendError(f"{where}: {type(exc).__name__}: {exc}{hint}")
     elif isinstance(exc, (ValueError, TypeError, RuntimeError)):
         return exc
     else:
@@ -292,6 +304,11 @@ class _Worker:
             self._busy = True
         self._run((job, work, wrap))
         return True
+
+    def idle(self) -> bool:
+        """Whether no job is queued or running."""
+        with self._cond:
+            return not self._busy and not self._pending
 
     def try_run(self, work: BitcollWork) -> None:
         """Run ``work``'s job on this thread if it is the next one and none is running."""
@@ -629,6 +646,8 @@ class BitcollProcessGroup(dist.ProcessGroup):
         self._channels_lock = threading.Lock()
         self._closed = False
         self._mb_store: Any = None  # monitored_barrier's own store client (made on use)
+        self._notes_store: Any = None  # the argument-check notes' own client (made on use)
+        self._own_notes: dict[int, str] = {}  # sequence -> this rank's failed check there
         self._mb_seq = 0
         self._mb_clean = False  # the last monitored_barrier passed
 
@@ -658,9 +677,14 @@ class BitcollProcessGroup(dist.ProcessGroup):
                 f"{self.size()}>")
 
     # -------------------------------------------------------------- machinery
-    def _wrap(self, what: str) -> Callable[[BaseException], BaseException]:
+    def _wrap(self, what: str, notes: bool = True) -> Callable[[BaseException], BaseException]:
+        """torch's error for a failure of ``what``; with ``notes`` (a collective of the group's
+        communicator) a CommError's message quotes the argument-check notes of its call
+        (:meth:`_notes_hint`)."""
         rank, group = self._me, self._group_name
-        return lambda exc: _dist_error(exc, rank, group, what)
+        if not notes:
+            return lambda exc: _dist_error(exc, rank, group, what)
+        return lambda exc: _dist_error(exc, rank, group, what, self._notes_hint(exc))
 
     def _submit(self, what: str, job: Job, opts: Any = None) -> BitcollWork:
         """Queue ``job`` (returns the future's value) on this group's worker. ``opts``: the
@@ -680,11 +704,68 @@ class BitcollProcessGroup(dist.ProcessGroup):
         return work
 
     def _check(self, what: str, fn: Callable[[], Any]) -> Any:
-        """Argument checks on the caller's thread: errors name the rank."""
+        """Argument checks on the caller's thread: errors name the rank, and leave a note for
+        the peers (:meth:`_note_usage`)."""
         try:
             return fn()
         except UsageError as exc:
+            self._note_usage(what, exc)
             raise _dist_error(exc, self.rank(), self._group_name, what) from exc
+
+    def _notes(self) -> Any:
+        """The argument-check notes' store client (its own connection, made on first use)."""
+        if self._notes_store is None:
+            store = _own_client(self._store)
+            with contextlib.suppress(Exception):
+                store.set_timeout(datetime.timedelta(seconds=_NOTES_SECONDS))
+            self._notes_store = store
+        return self._notes_store
+
+    def _note_usage(self, what: str, exc: UsageError) -> None:
+        """This rank's ``what`` failed its argument check before it started, so peers whose
+        arguments passed are left in it: note that in the group's store under the number the
+        call would have had (the communicator's next), for their failure to quote
+        (:meth:`_notes_hint`). Only when no collective of the group is queued or running
+        (the next number is then this call's); best effort (a store error is ignored)."""
+        if self.size() == 1 or not self._worker.idle():
+            return
+        seq = self._comm.collectives_started
+        msg = str(exc)
+        msg = msg[len(what) + 2:] if msg.startswith(f"{what}: ") else msg
+        text = f"rank {self._me}'s {what} failed its argument check before it started: {msg}"
+        if len(self._own_notes) >= _NOTES_READ:
+            self._own_notes.pop(next(iter(self._own_notes)))
+        self._own_notes[seq] = what
+        with contextlib.suppress(Exception):
+            store = self._notes()
+            n = store.add(_NOTES_KEY + "count", 1)
+            store.set(f"{_NOTES_KEY}{n}", f"{seq}|{self._me}|{text}")
+
+    def _notes_hint(self, exc: BaseException) -> str:
+        """For a CommError of the group's collective #``exc.sequence``: what the notes of
+        that number say (``"; rank 1's ... failed its argument check ..."``): the peers'; a
+        rank whose own check failed there says so instead (its peers were left in that
+        collective); "" when there are none, when every rank's check failed there (the same
+        mistake everywhere: nobody was left in it, and the failure has another cause), or
+        when the store does not answer."""
+        if not isinstance(exc, CommError) or exc.sequence is None or self.size() == 1:
+            return ""
+        seq, p = exc.sequence, self.size()
+        mine = self._own_notes.get(seq)
+        found: dict[int, str] = {}
+        with contextlib.suppress(Exception):
+            store = self._notes()
+            count = int(store.add(_NOTES_KEY + "count", 0))
+            for n in range(count, max(0, count - _NOTES_READ - p), -1):
+                at, rank, text = store.get(f"{_NOTES_KEY}{n}").decode().split("|", 2)
+                if int(at) == seq and int(rank) != self._me:
+                    found.setdefault(int(rank), text)
+        if len(found) + (mine is not None) >= p:
+            return ""
+        if mine is not None:
+            return (f"; this rank's {mine} had failed its argument check before it started, "
+                    "and its peers were left in that collective")
+        return "".join(f"; {found[r]}" for r in sorted(found))
 
     def _reduce_into(self, tensors: Sequence[_Staged], red: _Reduction) -> None:
         """All-reduce each staged tensor in place (worker thread)."""
@@ -1286,7 +1367,7 @@ class BitcollProcessGroup(dist.ProcessGroup):
             return list(tensors)
 
         work = BitcollWork(f"{ch.name} on group {self._group_name!r}")
-        return ch.worker.submit(job, work, self._wrap(ch.name))
+        return ch.worker.submit(job, work, self._wrap(ch.name, notes=False))
 
     def send(self, tensors: list[torch.Tensor], dstRank: int, tag: int) -> BitcollWork:
         return self._p2p(tensors, int(dstRank), tag, True)

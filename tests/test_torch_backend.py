@@ -545,11 +545,85 @@ def _scenario_timeout(fails: list[str]) -> None:
         store.wait(["test/seen"], datetime.timedelta(seconds=TIMEOUT))
 
 
+NOTE = "failed its argument check before it started"
+
+
+def _scenario_lopsided(fails: list[str]) -> None:
+    """A bad argument on one rank only: its check raises there, before the collective; the
+    ranks whose arguments passed are left in the collective and fail when rank 1 goes on to
+    its next call, and their errors quote rank 1's reason (the note it left in the group's
+    store); rank 1's next call names its own failed check. A mistake every rank made leaves
+    the group usable, and its notes are not quoted by a later, unrelated mismatch."""
+    p, me = dist.get_world_size(), dist.get_rank()
+    sub = dist.new_group(backend="bitcoll")  # for the second half (the default group dies)
+    # The same mistake on every rank, then a mismatch of its own at the same number.
+    try:
+        dist.all_reduce(torch.ones(3, dtype=torch.int32), op=R.AVG)
+        fails.append("a bad op did not raise")
+    except ValueError:
+        pass
+    try:
+        dist.all_reduce(torch.ones(4 + me))
+        fails.append("mismatched lengths did not raise")
+    except dist.DistError as exc:
+        if NOTE in str(exc):
+            fails.append(f"a mismatch quotes the checks every rank failed: {exc}")
+    # One rank's mistake.
+    x = torch.full((4,), float(me))
+    out = torch.empty(4 * p + (1 if me == 1 else 0))
+    try:
+        dist.all_gather_into_tensor(out, x, group=sub)
+        fails.append("all_gather_into_tensor did not raise")
+    except ValueError as exc:
+        if me != 1:
+            fails.append(f"rank {me} raised ValueError: {exc}")
+    except dist.DistError as exc:
+        if me == 1:
+            fails.append(f"rank 1 raised {type(exc).__name__}: {exc}")
+        elif f"rank 1's all_gather_into_tensor {NOTE}: output must have" not in str(exc):
+            fails.append(f"rank {me}'s error does not quote rank 1's check: {exc}")
+    if me == 1:
+        try:
+            dist.barrier(group=sub)
+            fails.append("the barrier after a lopsided call passed")
+        except dist.DistError as exc:
+            if f"this rank's all_gather_into_tensor had {NOTE[:-25]}" not in str(exc):
+                fails.append(f"rank 1's next call does not name its failed check: {exc}")
+
+
+def _scenario_lopsided_timeout(fails: list[str]) -> None:
+    """As in ``lopsided``, but rank 1 makes no further call (it waits for the others through
+    the store): they raise at the group's deadline, quoting rank 1's reason."""
+    p, me = dist.get_world_size(), dist.get_rank()
+    store = dist.distributed_c10d._get_default_store()
+    dist.all_reduce(torch.ones(4))  # connected
+    try:
+        dist.broadcast(torch.ones(4), src=0 if me != 1 else p)
+        fails.append("broadcast did not raise")
+    except ValueError as exc:
+        if me != 1:
+            fails.append(f"rank {me} raised ValueError: {exc}")
+    except dist.DistError as exc:
+        if me == 1:
+            fails.append(f"rank 1 raised {type(exc).__name__}: {exc}")
+        elif f"rank 1's broadcast {NOTE}: root {p} is not a rank" not in str(exc):
+            fails.append(f"rank {me}'s error does not quote rank 1's check: {exc}")
+    if me == 1:
+        store.wait([f"test/raised/{r}" for r in range(p) if r != 1],
+                   datetime.timedelta(seconds=TIMEOUT))
+        store.set("test/seen", "1")
+        return
+    store.set(f"test/raised/{me}", "1")
+    if me == 0:
+        store.wait(["test/seen"], datetime.timedelta(seconds=TIMEOUT))
+
+
 SCENARIOS: dict[str, Callable[[list[str]], None]] = {
     "full": _scenario_full, "small": _scenario_small, "training": _scenario_training,
-    "killed": _scenario_killed, "timeout": _scenario_timeout}
+    "killed": _scenario_killed, "timeout": _scenario_timeout,
+    "lopsided": _scenario_lopsided, "lopsided_timeout": _scenario_lopsided_timeout}
 #: init_process_group's timeout (seconds) where a scenario needs another one.
-SCENARIO_TIMEOUT = {"timeout": 3.0}
+SCENARIO_TIMEOUT = {"timeout": 3.0, "lopsided_timeout": 3.0}
 
 
 def _rank_main(rank: int, size: int, how: str, where: str, scenario: str,
@@ -642,6 +716,14 @@ def test_timeout_of_init_process_group_is_honoured() -> None:
     """A rank that stays out of a collective: the others raise DistError by the 3 s deadline
     given to init_process_group (not the 60 s of the other tests)."""
     _run(3, "tcp", "timeout", timeout=120.0)
+
+
+@pytest.mark.timeout(300)
+def test_a_bad_argument_on_one_rank_is_quoted_by_the_others() -> None:
+    """One rank's argument check fails: the others, left in the collective, quote its reason
+    when it moves on (3 ranks) and when it does not (at the 3 s deadline)."""
+    _run(3, "tcp", "lopsided")
+    _run(3, "tcp", "lopsided_timeout", timeout=120.0)
 
 
 @pytest.mark.timeout(300)
