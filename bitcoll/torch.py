@@ -70,7 +70,9 @@ splits, ``barrier``, the coalesced forms DDP and FSDP call, the object collectiv
 ``new_group``/``new_subgroups``. SUM, AVG, MIN and MAX run as bitcoll's all-reduce (bfloat16
 reduced in float32 and rounded once); PRODUCT and the bitwise ops as an all-gather folded in
 rank order on every rank (every rank gets the same bits); PREMUL_SUM scales a copy, then
-sums. Dtypes: float64/32/16, bfloat16, int8-64, uint8-64, bool, complex64/128. Inputs may be
+sums; sparse COO tensors are all-reduced with SUM (DDP's sparse embedding gradients: the
+ranks' entries gathered and coalesced in rank order on every rank). Dtypes: float64/32/16,
+bfloat16, int8-64, uint8-64, bool, complex64/128. Inputs may be
 non-contiguous (a contiguous copy is sent and the result copied back) and CUDA tensors are
 staged through host memory (copied to the host when the call is issued, results copied back
 before the work completes). Inputs must not change, and outputs must not be read, before the
@@ -107,6 +109,7 @@ import secrets
 import socket
 import threading
 import time
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -369,6 +372,10 @@ class _Staged:
     __slots__ = ("copied", "host", "orig")
 
     def __init__(self, t: torch.Tensor, copy_in: bool = True) -> None:
+        if t.layout != torch.strided:
+            raise UsageError(f"a {t.layout} tensor: the bitcoll backend serves strided "
+                             "tensors, and sparse COO ones in all_reduce with ReduceOp.SUM "
+                             "(use .to_dense())")
         self.orig = t
         src = t.detach()
         if src.device.type == "cpu" and src.is_contiguous() and not src.is_neg() and \
@@ -712,6 +719,12 @@ class BitcollProcessGroup(dist.ProcessGroup):
             self._note_usage(what, exc)
             raise _dist_error(exc, self.rank(), self._group_name, what) from exc
 
+    def _staged(self, what: str, tensors: Sequence[torch.Tensor],
+                copy_in: bool = True) -> list[_Staged]:
+        """``tensors`` staged (:class:`_Staged`) as part of ``what``'s argument check: a
+        tensor the group does not serve (a sparse one) is that check's UsageError."""
+        return self._check(what, lambda: [_Staged(t, copy_in) for t in tensors])  # type: ignore[no-any-return]
+
     def _notes(self) -> Any:
         """The argument-check notes' store client (its own connection, made on first use)."""
         if self._notes_store is None:
@@ -794,12 +807,14 @@ class BitcollProcessGroup(dist.ProcessGroup):
     # -------------------------------------------------------------- all-reduce
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> BitcollWork:  # type: ignore[override]
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
-        if len(tensors) == 1:
+        if len(tensors) == 1 and tensors[0].layout == torch.strided:
             lean = self._lean_allreduce(tensors, op, opts)
             if lean is not None:
                 return lean
+        elif any(t.layout == torch.sparse_coo for t in tensors):
+            return self._sparse_allreduce(tensors, op, opts)
         plans = self._check("allreduce", lambda: [_reduction(op, t.dtype) for t in tensors])
-        staged = [_Staged(t) for t in tensors]
+        staged = self._staged("allreduce", tensors)
 
         def job() -> list[torch.Tensor]:
             for st, red in zip(staged, plans, strict=True):
@@ -808,6 +823,66 @@ class BitcollProcessGroup(dist.ProcessGroup):
             return list(tensors)
 
         return self._submit("allreduce", job, opts)
+
+    def _sparse_allreduce(self, tensors: list[torch.Tensor], op: Any,
+                          opts: Any) -> BitcollWork:
+        """All-reduce of sparse COO tensors (DDP's gradients of ``nn.Embedding(sparse=True)``),
+        SUM only, as gloo serves them: each becomes the sum of every rank's tensor, sparse
+        and coalesced, with the same indices and bits on every rank (:meth:`_sparse_sum`)."""
+        def check() -> None:
+            for t in tensors:
+                if t.layout != torch.sparse_coo:
+                    raise UsageError(f"all_reduce of a {t.layout} tensor is not served: "
+                                     "strided and sparse COO tensors are")
+            if _op_type(op) != dist.ReduceOp.SUM:
+                raise UsageError("sparse tensors are all-reduced with ReduceOp.SUM only")
+
+        self._check("allreduce", check)
+
+        def job() -> list[torch.Tensor]:
+            for t in tensors:
+                self._sparse_sum(t)
+            return list(tensors)
+
+        return self._submit("allreduce", job, opts)
+
+    def _sparse_sum(self, t: torch.Tensor) -> None:
+        """``t`` (sparse COO, on any device) = the sum of every rank's ``t``: the ranks'
+        shapes and entry counts gathered first (UsageError on every rank when the shapes
+        differ), then their coalesced indices and values, padded to the most entries; the
+        entries in rank order are coalesced (duplicates summed) on every rank alike, so every
+        rank gets the same indices and bits. UsageError on every rank when the shapes, value
+        dtypes or sparse dimensions differ. Worker thread."""
+        comm, p = self._comm, self.size()
+        src = t.detach().to("cpu").coalesce()
+        idx, vals = src.indices().contiguous(), src.values().contiguous()
+        nnz = idx.shape[1]
+        kind = zlib.crc32(f"{vals.dtype} {idx.shape[0]}".encode())
+        head = torch.tensor([nnz, kind, *src.shape], dtype=torch.int64)
+        heads = torch.empty((p, head.numel()), dtype=torch.int64)
+        comm.allgather(_raw(head), out=_raw(heads))
+        if heads[:, 1:].ne(head[1:]).any():
+            other = " (another dtype or sparse_dim)"
+            raise UsageError("all_reduce of sparse tensors of different shapes, dtypes or "
+                             "sparse dimensions: " + ", ".join(
+                                 f"rank {r} {tuple(heads[r, 2:].tolist())}"
+                                 f"{other if heads[r, 1] != kind else ''}" for r in range(p)))
+        counts = heads[:, 0].tolist()
+        m = max(counts)
+        pad_i = torch.zeros((idx.shape[0], m), dtype=torch.int64)
+        pad_i[:, :nnz] = idx
+        pad_v = torch.zeros((m, *vals.shape[1:]), dtype=vals.dtype)
+        pad_v[:nnz] = vals
+        all_i = torch.empty((p, *pad_i.shape), dtype=torch.int64)
+        all_v = torch.empty((p, *pad_v.shape), dtype=vals.dtype)
+        comm.allgather(_raw(pad_i), out=_raw(all_i))
+        comm.allgather(_raw(pad_v), out=_raw(all_v))
+        total = torch.sparse_coo_tensor(
+            torch.cat([all_i[r, :, :counts[r]] for r in range(p)], dim=1),
+            torch.cat([all_v[r, :counts[r]] for r in range(p)], dim=0),
+            src.shape).coalesce()
+        with torch.no_grad():
+            t.copy_(total.to(t.device))
 
     def _lean_allreduce(self, tensors: list[torch.Tensor], op: Any,
                         opts: Any) -> BitcollWork | None:
@@ -841,7 +916,7 @@ class BitcollProcessGroup(dist.ProcessGroup):
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
         plans = self._check("allreduce_coalesced",
                             lambda: [_reduction(op, t.dtype) for t in tensors])
-        staged = [_Staged(t) for t in tensors]
+        staged = self._staged("allreduce_coalesced", tensors)
 
         def job() -> list[torch.Tensor]:
             groups: dict[tuple[torch.dtype, int], list[int]] = {}
@@ -872,7 +947,7 @@ class BitcollProcessGroup(dist.ProcessGroup):
         self._check("reduce", lambda: self._check_root(root))
         plans = self._check("reduce", lambda: [_reduction(opts.reduceOp, t.dtype)
                                                for t in tensors])
-        staged = [_Staged(t) for t in tensors]
+        staged = self._staged("reduce", tensors)
         mine = self.rank() == root
 
         def job() -> list[torch.Tensor]:
@@ -893,7 +968,7 @@ class BitcollProcessGroup(dist.ProcessGroup):
     def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> BitcollWork:  # type: ignore[override]
         root = int(opts.rootRank)
         self._check("broadcast", lambda: self._check_root(root))
-        staged = [_Staged(t) for t in tensors]
+        staged = self._staged("broadcast", tensors)
 
         def job() -> list[torch.Tensor]:
             for st in staged:
@@ -922,8 +997,8 @@ class BitcollProcessGroup(dist.ProcessGroup):
                                      f"{x.numel()}")
 
         self._check("allgather", check)
-        staged_in = [_Staged(x) for x in input_tensors]
-        staged_out = [[_Staged(o, copy_in=False) for o in outs] for outs in output_tensors]
+        staged_in = self._staged("allgather", input_tensors)
+        staged_out = [self._staged("allgather", outs, False) for outs in output_tensors]
 
         def job() -> list[list[torch.Tensor]]:
             for st, outs in zip(staged_in, staged_out, strict=True):
@@ -993,8 +1068,8 @@ class BitcollProcessGroup(dist.ProcessGroup):
                                      f"{x.dtype}, got {o.numel()} of {o.dtype}")
 
         self._check(what, check)
-        ins = [_Staged(x) for x in inputs]
-        outs = [_Staged(o, copy_in=False) for o in outputs]
+        ins = self._staged(what, inputs)
+        outs = self._staged(what, outputs, False)
 
         def job() -> list[torch.Tensor]:
             for si, so in zip(ins, outs, strict=True):
@@ -1034,7 +1109,7 @@ class BitcollProcessGroup(dist.ProcessGroup):
             return [_reduction(op, out.dtype) for out in output_tensors]
 
         plans = self._check("reduce_scatter", check)
-        staged_out = [_Staged(o, copy_in=False) for o in output_tensors]
+        staged_out = self._staged("reduce_scatter", output_tensors, False)
         ins_host = [[x.detach().to("cpu").reshape(-1) for x in ins] for ins in input_tensors]
 
         def job() -> list[torch.Tensor]:
@@ -1091,8 +1166,8 @@ class BitcollProcessGroup(dist.ProcessGroup):
             return [_reduction(opts.reduceOp, o.dtype) for o in outputs]
 
         plans = self._check(what, check)
-        ins = [_Staged(x) for x in inputs]
-        outs = [_Staged(o, copy_in=False) for o in outputs]
+        ins = self._staged(what, inputs)
+        outs = self._staged(what, outputs, False)
 
         def job() -> list[torch.Tensor]:
             for si, so, red in zip(ins, outs, plans, strict=True):
@@ -1134,8 +1209,8 @@ class BitcollProcessGroup(dist.ProcessGroup):
                 raise UsageError(f"gather needs {p} output tensors on the root")
 
         self._check("gather", check)
-        x = _Staged(input_tensors[0])
-        outs = [_Staged(o, copy_in=False) for o in output_tensors[0]] if me == root else []
+        x = self._staged("gather", input_tensors)[0]
+        outs = self._staged("gather", output_tensors[0], False) if me == root else []
 
         def job() -> list[list[torch.Tensor]]:
             if me == root:
@@ -1162,8 +1237,8 @@ class BitcollProcessGroup(dist.ProcessGroup):
                 raise UsageError(f"scatter needs {p} input tensors on the root")
 
         self._check("scatter", check)
-        out = _Staged(output_tensors[0], copy_in=False)
-        ins = [_Staged(x) for x in input_tensors[0]] if me == root else []
+        out = self._staged("scatter", output_tensors, False)[0]
+        ins = self._staged("scatter", input_tensors[0]) if me == root else []
 
         def job() -> list[torch.Tensor]:
             label = str(out.host.dtype)
@@ -1191,8 +1266,8 @@ class BitcollProcessGroup(dist.ProcessGroup):
                 raise UsageError(f"all_to_all: input {me} and output {me} differ in size")
 
         self._check("alltoall", check)
-        ins = [_Staged(x) for x in input_tensors]
-        outs = [_Staged(o, copy_in=False) for o in output_tensors]
+        ins = self._staged("alltoall", input_tensors)
+        outs = self._staged("alltoall", output_tensors, False)
 
         def job() -> list[torch.Tensor]:
             outs[me].host.reshape(-1).copy_(ins[me].host.reshape(-1))
@@ -1235,7 +1310,8 @@ class BitcollProcessGroup(dist.ProcessGroup):
             return si, so
 
         si, so = self._check("all_to_all_single", check)
-        sin, sout = _Staged(input), _Staged(output, copy_in=False)
+        sin, sout = self._staged("all_to_all_single", [input])[0], \
+            self._staged("all_to_all_single", [output], False)[0]
 
         def job() -> torch.Tensor:
             src, dst = _raw(sin.host), _raw(sout.host)
@@ -1351,8 +1427,11 @@ class BitcollProcessGroup(dist.ProcessGroup):
         if len(tensors) != 1:
             raise _dist_error(UsageError(f"{what} takes one tensor"), self.rank(),
                               self._group_name, what)
+        try:
+            st = _Staged(tensors[0], copy_in=sending)
+        except UsageError as exc:
+            raise _dist_error(exc, self.rank(), self._group_name, what) from exc
         ch = self._channel(peer, tag, sending)
-        st = _Staged(tensors[0], copy_in=sending)
 
         def job() -> list[torch.Tensor]:
             comm = ch.communicator(self)

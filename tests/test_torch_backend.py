@@ -331,6 +331,45 @@ def _errors(fails: list[str]) -> None:
         fails.append("registration")
 
 
+def _sparse(fails: list[str]) -> None:
+    """Sparse COO all_reduce (SUM): every rank gets the sum, the same indices and bits
+    everywhere; rank-dependent entry counts, duplicates, an empty rank, a dense dimension.
+    Shapes that differ are a ValueError on every rank and leave the group usable; other ops
+    and other collectives refuse sparse tensors with a ValueError naming the rank."""
+    p, me = dist.get_world_size(), dist.get_rank()
+
+    def mine(r: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(500 + r)
+        n = 0 if r == 1 else 3 + 2 * r  # rank 1 holds no entries
+        idx = torch.randint(0, 6, (2, n), generator=g)  # duplicates among them
+        vals = torch.randn(n, 3, generator=g, dtype=torch.float64)
+        return torch.sparse_coo_tensor(idx, vals, (6, 5, 3))
+
+    x = mine(me)
+    dist.all_reduce(x)
+    want = sum(mine(r).to_dense() for r in range(p))
+    if not x.is_sparse or not torch.allclose(x.to_dense(), want, rtol=0, atol=1e-12):
+        fails.append(f"sparse all_reduce: {x}")
+    got = [None] * p
+    dist.all_gather_object(got, (x.indices().tolist(), x.values().tolist()))
+    if any(g != got[0] for g in got):
+        fails.append("sparse all_reduce: the ranks' results differ")
+    for bad, why in ((lambda: dist.all_reduce(torch.zeros(2 + me, 2).to_sparse()),
+                      "different shapes"),
+                     (lambda: dist.all_reduce(mine(me), op=R.MAX), "ReduceOp.SUM only"),
+                     (lambda: dist.broadcast(mine(me), src=0), "use .to_dense()")):
+        try:
+            bad()
+            fails.append(f"no error for {why}")
+        except ValueError as exc:
+            if why not in str(exc) or f"rank {me}" not in str(exc):
+                fails.append(f"unclear error for {why}: {exc}")
+    y = torch.ones(2)
+    dist.all_reduce(y)
+    if y.tolist() != [float(p)] * 2:
+        fails.append("the group is not usable after the sparse errors")
+
+
 def _training(fails: list[str]) -> None:
     """DDP and FSDP2 on the bitcoll backend against the same runs on gloo."""
     from torch.distributed.device_mesh import DeviceMesh
@@ -369,12 +408,35 @@ def _training(fails: list[str]) -> None:
             opt.step()
         return [q.full_tensor().detach().clone() for q in m.parameters()]
 
-    for name, fn in (("DDP", ddp), ("FSDP2", fsdp)):
+    class Sparse(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.e = torch.nn.Embedding(50, 8, sparse=True)
+            self.l = torch.nn.Linear(8, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            idx = (x.abs() * 10).long().clamp(max=49)  # rank-dependent rows of the embedding
+            return torch.stack([self.l(self.e(idx[:, j])) for j in range(2)]).sum(0)
+
+    sparse_base = Sparse()
+
+    def ddp_sparse(pg: Any) -> list[Any]:
+        """DDP over sparse embedding gradients (its reducer all-reduces them unbucketed)."""
+        m = DDP(copy.deepcopy(sparse_base), process_group=pg)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        for x in batches():
+            opt.zero_grad()
+            m(x).pow(2).mean().backward()
+            opt.step()
+        return [q.detach().clone() for q in m.parameters()]
+
+    for name, fn in (("DDP", ddp), ("FSDP2", fsdp), ("DDP, sparse embedding", ddp_sparse)):
         a, b = fn(dist.group.WORLD), fn(gloo)
         if not all(torch.allclose(x, y, rtol=1e-5, atol=1e-6) for x, y in zip(a, b,
                                                                                  strict=True)):
             fails.append(f"{name} differs from gloo")
-        if any(torch.equal(x, y) for x, y in zip(a, base.parameters(), strict=True)):
+        start = sparse_base if name.startswith("DDP, sparse") else base
+        if any(torch.equal(x, y) for x, y in zip(a, start.parameters(), strict=True)):
             fails.append(f"{name} did not train")
 
 
@@ -383,6 +445,7 @@ def _scenario_full(fails: list[str]) -> None:
     _sweep(None, DTYPES, LENGTHS, fails)
     _p2p_and_objects(fails)
     _errors(fails)
+    _sparse(fails)
     p, me = dist.get_world_size(), dist.get_rank()
     sub = dist.new_group([0, p - 1])  # every rank calls it; only the members get a group
     if me in (0, p - 1):
