@@ -729,8 +729,9 @@ class BitcollProcessGroup(dist.ProcessGroup):
         """The argument-check notes' store client (its own connection, made on first use)."""
         if self._notes_store is None:
             store = _own_client(self._store)
-            with contextlib.suppress(Exception):
-                store.set_timeout(datetime.timedelta(seconds=_NOTES_SECONDS))
+            if store is not self._store:  # a store without clone() keeps its own timeout
+                with contextlib.suppress(Exception):
+                    store.set_timeout(datetime.timedelta(seconds=_NOTES_SECONDS))
             self._notes_store = store
         return self._notes_store
 
