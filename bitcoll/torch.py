@@ -293,9 +293,30 @@ class _Worker:
         work._worker = self
         with self._cond:
             self._pending.append((job, work, wrap))
-            if wake:
-                self._cond.notify()
+            if threading.current_thread() is not self._thread:
+                if wake:
+                    self._cond.notify()
+                return work
+        # Submitted from this worker's own thread: by a callback of a future it completed
+        # (torch runs a future's callbacks on the thread that completes it), which may wait
+        # for this very work (PowerSGD's hook does: a collective inside ``then``, then
+        # ``wait()``). Nothing else would run the queue meanwhile, so this thread runs the
+        # jobs queued up to this one now, in order.
+        self._drain_to(work)
         return work
+
+    def _drain_to(self, work: BitcollWork) -> None:
+        """Run queued jobs on this thread, in order, until ``work``'s has run (another
+        thread's job that is running first is waited for)."""
+        while True:
+            with self._cond:
+                while self._busy:
+                    self._cond.wait()
+                if not self._pending or work._done:
+                    return
+                item = self._pending.popleft()
+                self._busy = True
+            self._run(item)
 
     def run_now(self, job: Job, work: BitcollWork,
                 wrap: Callable[[BaseException], BaseException]) -> bool:

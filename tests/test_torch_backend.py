@@ -331,6 +331,23 @@ def _errors(fails: list[str]) -> None:
         fails.append("registration")
 
 
+def _callbacks(fails: list[str]) -> None:
+    """A future's callback that issues a collective and waits for it (PowerSGD's hook does):
+    torch runs the callback on the thread that completed the future, the group's worker, which
+    then runs the new collective itself instead of waiting for it forever."""
+    p = dist.get_world_size()
+    x, y, z = torch.ones(2), torch.ones(3), torch.ones(4)
+
+    def nested(fut: Any) -> list[float]:
+        dist.all_reduce(y, async_op=True).get_future().wait()
+        dist.all_reduce(z)  # synchronous, also inside the callback
+        return fut.value()[0].tolist()
+
+    got = dist.all_reduce(x, async_op=True).get_future().then(nested).wait()
+    if got != [float(p)] * 2 or y.tolist() != [float(p)] * 3 or z.tolist() != [float(p)] * 4:
+        fails.append(f"collectives inside a future's callback: {got} {y} {z}")
+
+
 def _sparse(fails: list[str]) -> None:
     """Sparse COO all_reduce (SUM): every rank gets the sum, the same indices and bits
     everywhere; rank-dependent entry counts, duplicates, an empty rank, a dense dimension.
@@ -430,7 +447,25 @@ def _training(fails: list[str]) -> None:
             opt.step()
         return [q.detach().clone() for q in m.parameters()]
 
-    for name, fn in (("DDP", ddp), ("FSDP2", fsdp), ("DDP, sparse embedding", ddp_sparse)):
+    def ddp_powersgd(pg: Any) -> list[Any]:
+        """DDP with torch's PowerSGD hook (collectives inside its futures' callbacks), one
+        bucket: with several, the callbacks' collectives and the next buckets' race for
+        their places in the order on a CPU backend (gloo then aborts the process with a size
+        mismatch, bitcoll raises a ProtocolError)."""
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
+
+        m = DDP(copy.deepcopy(base), process_group=pg)
+        m.register_comm_hook(ps.PowerSGDState(process_group=pg, matrix_approximation_rank=1,
+                                              start_powerSGD_iter=2), ps.powerSGD_hook)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        for x in batches():
+            opt.zero_grad()
+            m(x).pow(2).mean().backward()
+            opt.step()
+        return [q.detach().clone() for q in m.parameters()]
+
+    for name, fn in (("DDP", ddp), ("FSDP2", fsdp), ("DDP, sparse embedding", ddp_sparse),
+                     ("DDP, PowerSGD hook", ddp_powersgd)):
         a, b = fn(dist.group.WORLD), fn(gloo)
         if not all(torch.allclose(x, y, rtol=1e-5, atol=1e-6) for x, y in zip(a, b,
                                                                                  strict=True)):
@@ -446,6 +481,7 @@ def _scenario_full(fails: list[str]) -> None:
     _p2p_and_objects(fails)
     _errors(fails)
     _sparse(fails)
+    _callbacks(fails)
     p, me = dist.get_world_size(), dist.get_rank()
     sub = dist.new_group([0, p - 1])  # every rank calls it; only the members get a group
     if me in (0, p - 1):
