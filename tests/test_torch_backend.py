@@ -338,7 +338,7 @@ def _callbacks(fails: list[str]) -> None:
     p = dist.get_world_size()
     x, y, z = torch.ones(2), torch.ones(3), torch.ones(4)
 
-    def nested(fut: Any) -> list[float]:
+    def nested(fut: Any) -> Any:
         dist.all_reduce(y, async_op=True).get_future().wait()
         dist.all_reduce(z)  # synchronous, also inside the callback
         return fut.value()[0].tolist()
@@ -355,7 +355,7 @@ def _sparse(fails: list[str]) -> None:
     and other collectives refuse sparse tensors with a ValueError naming the rank."""
     p, me = dist.get_world_size(), dist.get_rank()
 
-    def mine(r: int) -> torch.Tensor:
+    def mine(r: int) -> Any:
         g = torch.Generator().manual_seed(500 + r)
         n = 0 if r == 1 else 3 + 2 * r  # rank 1 holds no entries
         idx = torch.randint(0, 6, (2, n), generator=g)  # duplicates among them
@@ -371,10 +371,11 @@ def _sparse(fails: list[str]) -> None:
     dist.all_gather_object(got, (x.indices().tolist(), x.values().tolist()))
     if any(g != got[0] for g in got):
         fails.append("sparse all_reduce: the ranks' results differ")
-    for bad, why in ((lambda: dist.all_reduce(torch.zeros(2 + me, 2).to_sparse()),
-                      "different shapes"),
-                     (lambda: dist.all_reduce(mine(me), op=R.MAX), "ReduceOp.SUM only"),
-                     (lambda: dist.broadcast(mine(me), src=0), "use .to_dense()")):
+    cases: list[tuple[Callable[[], object], str]] = [
+        (lambda: dist.all_reduce(torch.zeros(2 + me, 2).to_sparse()), "different shapes"),
+        (lambda: dist.all_reduce(mine(me), op=R.MAX), "ReduceOp.SUM only"),
+        (lambda: dist.broadcast(mine(me), src=0), "use .to_dense()")]
+    for bad, why in cases:
         try:
             bad()
             fails.append(f"no error for {why}")
@@ -425,13 +426,13 @@ def _training(fails: list[str]) -> None:
             opt.step()
         return [q.full_tensor().detach().clone() for q in m.parameters()]
 
-    class Sparse(torch.nn.Module):
+    class Sparse(torch.nn.Module):  # type: ignore[misc,name-defined]  # torch: Any here
         def __init__(self) -> None:
             super().__init__()
             self.e = torch.nn.Embedding(50, 8, sparse=True)
             self.l = torch.nn.Linear(8, 4)
 
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
+        def forward(self, x: Any) -> Any:
             idx = (x.abs() * 10).long().clamp(max=49)  # rank-dependent rows of the embedding
             return torch.stack([self.l(self.e(idx[:, j])) for j in range(2)]).sum(0)
 
