@@ -403,14 +403,17 @@ def _training(fails: list[str]) -> None:
         g = torch.Generator().manual_seed(100 + me)
         return [torch.randn(4, 8, generator=g) for _ in range(4)]
 
-    def ddp(pg: Any) -> list[Any]:
-        m = DDP(copy.deepcopy(base), process_group=pg, bucket_cap_mb=0.0001)
+    def steps(m: Any, full: Callable[[Any], Any] = lambda q: q) -> list[Any]:
+        """Train ``m`` on the batches with SGD; its parameters after (``full`` of each)."""
         opt = torch.optim.SGD(m.parameters(), lr=0.1)
         for x in batches():
             opt.zero_grad()
             m(x).pow(2).mean().backward()
             opt.step()
-        return [q.detach().clone() for q in m.parameters()]
+        return [full(q).detach().clone() for q in m.parameters()]
+
+    def ddp(pg: Any) -> list[Any]:
+        return steps(DDP(copy.deepcopy(base), process_group=pg, bucket_cap_mb=0.0001))
 
     def fsdp(pg: Any) -> list[Any]:
         m = copy.deepcopy(base)
@@ -419,12 +422,7 @@ def _training(fails: list[str]) -> None:
             if isinstance(layer, torch.nn.Linear):
                 fully_shard(layer, mesh=mesh)
         fully_shard(m, mesh=mesh)
-        opt = torch.optim.SGD(m.parameters(), lr=0.1)
-        for x in batches():
-            opt.zero_grad()
-            m(x).pow(2).mean().backward()
-            opt.step()
-        return [q.full_tensor().detach().clone() for q in m.parameters()]
+        return steps(m, lambda q: q.full_tensor())
 
     class Sparse(torch.nn.Module):  # type: ignore[misc,name-defined]  # torch: Any here
         def __init__(self) -> None:
@@ -440,13 +438,7 @@ def _training(fails: list[str]) -> None:
 
     def ddp_sparse(pg: Any) -> list[Any]:
         """DDP over sparse embedding gradients (its reducer all-reduces them unbucketed)."""
-        m = DDP(copy.deepcopy(sparse_base), process_group=pg)
-        opt = torch.optim.SGD(m.parameters(), lr=0.1)
-        for x in batches():
-            opt.zero_grad()
-            m(x).pow(2).mean().backward()
-            opt.step()
-        return [q.detach().clone() for q in m.parameters()]
+        return steps(DDP(copy.deepcopy(sparse_base), process_group=pg))
 
     def ddp_powersgd(pg: Any) -> list[Any]:
         """DDP with torch's PowerSGD hook (collectives inside its futures' callbacks), one
@@ -458,12 +450,7 @@ def _training(fails: list[str]) -> None:
         m = DDP(copy.deepcopy(base), process_group=pg)
         m.register_comm_hook(ps.PowerSGDState(process_group=pg, matrix_approximation_rank=1,
                                               start_powerSGD_iter=2), ps.powerSGD_hook)
-        opt = torch.optim.SGD(m.parameters(), lr=0.1)
-        for x in batches():
-            opt.zero_grad()
-            m(x).pow(2).mean().backward()
-            opt.step()
-        return [q.detach().clone() for q in m.parameters()]
+        return steps(m)
 
     for name, fn in (("DDP", ddp), ("FSDP2", fsdp), ("DDP, sparse embedding", ddp_sparse),
                      ("DDP, PowerSGD hook", ddp_powersgd)):
@@ -648,6 +635,23 @@ def _scenario_timeout(fails: list[str]) -> None:
 NOTE = "failed its argument check before it started"
 
 
+def _lopsided_call(call: Callable[[], object], quote: str, fails: list[str]) -> None:
+    """``call`` fails its argument check on rank 1 only: a ValueError there; on the others a
+    DistError whose message quotes rank 1's reason (contains ``quote``)."""
+    me = dist.get_rank()
+    try:
+        call()
+        fails.append(f"no error, expected one quoting {quote!r}")
+    except ValueError as exc:
+        if me != 1:
+            fails.append(f"rank {me} raised ValueError: {exc}")
+    except dist.DistError as exc:
+        if me == 1:
+            fails.append(f"rank 1 raised {type(exc).__name__}: {exc}")
+        elif quote not in str(exc):
+            fails.append(f"rank {me}'s error does not quote rank 1's check: {exc}")
+
+
 def _scenario_lopsided(fails: list[str]) -> None:
     """A bad argument on one rank only: its check raises there, before the collective; the
     ranks whose arguments passed are left in the collective and fail when rank 1 goes on to
@@ -671,17 +675,8 @@ def _scenario_lopsided(fails: list[str]) -> None:
     # One rank's mistake.
     x = torch.full((4,), float(me))
     out = torch.empty(4 * p + (1 if me == 1 else 0))
-    try:
-        dist.all_gather_into_tensor(out, x, group=sub)
-        fails.append("all_gather_into_tensor did not raise")
-    except ValueError as exc:
-        if me != 1:
-            fails.append(f"rank {me} raised ValueError: {exc}")
-    except dist.DistError as exc:
-        if me == 1:
-            fails.append(f"rank 1 raised {type(exc).__name__}: {exc}")
-        elif f"rank 1's all_gather_into_tensor {NOTE}: output must have" not in str(exc):
-            fails.append(f"rank {me}'s error does not quote rank 1's check: {exc}")
+    _lopsided_call(lambda: dist.all_gather_into_tensor(out, x, group=sub),
+                   f"rank 1's all_gather_into_tensor {NOTE}: output must have", fails)
     if me == 1:
         try:
             dist.barrier(group=sub)
@@ -697,17 +692,8 @@ def _scenario_lopsided_timeout(fails: list[str]) -> None:
     p, me = dist.get_world_size(), dist.get_rank()
     store = dist.distributed_c10d._get_default_store()
     dist.all_reduce(torch.ones(4))  # connected
-    try:
-        dist.broadcast(torch.ones(4), src=0 if me != 1 else p)
-        fails.append("broadcast did not raise")
-    except ValueError as exc:
-        if me != 1:
-            fails.append(f"rank {me} raised ValueError: {exc}")
-    except dist.DistError as exc:
-        if me == 1:
-            fails.append(f"rank 1 raised {type(exc).__name__}: {exc}")
-        elif f"rank 1's broadcast {NOTE}: root {p} is not a rank" not in str(exc):
-            fails.append(f"rank {me}'s error does not quote rank 1's check: {exc}")
+    _lopsided_call(lambda: dist.broadcast(torch.ones(4), src=0 if me != 1 else p),
+                   f"rank 1's broadcast {NOTE}: root {p} is not a rank", fails)
     if me == 1:
         store.wait([f"test/raised/{r}" for r in range(p) if r != 1],
                    datetime.timedelta(seconds=TIMEOUT))
