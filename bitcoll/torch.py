@@ -188,7 +188,12 @@ class BitcollWork(_C10dWork):
     ``DistBackendError`` if it is not done by then (the collective goes on under its own
     deadline; one run by the waiting thread ends by that deadline). ``is_completed()`` never
     blocks. ``get_future()`` is a ``torch.futures.Future`` completed (value: the output
-    tensors, a list) or failed by the thread that ran the collective.
+    tensors, a list) or failed by the thread that ran the collective. It fails as C++ sees a
+    failure: torch's Python ``Future.set_exception`` completes a future *with the exception
+    as its value* (only Python's ``wait``/``value`` raise it), which DDP's reducer read as a
+    result without tensors and crashed on (a segmentation fault in ``finalize_backward``
+    when a peer died); so the returned future is a ``then`` of a private one, whose callback
+    raises the error, which fails the returned future itself.
     """
 
     def __init__(self, name: str) -> None:
@@ -204,24 +209,26 @@ class BitcollWork(_C10dWork):
         self._error: BaseException | None = None
         self._value: Any = None
         self._future: Future[Any] | None = None  # made by get_future (most calls need none)
+        self._source: Future[Any] | None = None  # the private future the returned one follows
         self._worker: _Worker | None = None
 
     def _finish(self, value: Any, error: BaseException | None) -> None:
         with self._lock:
             self._value, self._error, self._done = value, error, True
-            fut = self._future
+            src = self._source
         try:
-            if fut is not None:
-                self._complete(fut)
+            if src is not None:
+                self._complete(src)
         finally:
             self._finished = True
             self._gate.release()
 
-    def _complete(self, fut: Future[Any]) -> None:
+    def _complete(self, src: Future[Any]) -> None:
+        """Complete the private future: the returned one follows it (:func:`_follow`)."""
         if self._error is None:
-            fut.set_result(self._value)
+            src.set_result(self._value)
         else:
-            fut.set_exception(self._error)
+            src.set_exception(self._error)
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
         if not self._finished and self._worker is not None:
@@ -255,17 +262,24 @@ class BitcollWork(_C10dWork):
         with self._lock:
             fut = self._future
             if fut is None:
-                fut = self._future = Future()
+                src = self._source = Future()
+                fut = self._future = src.then(_follow)
                 done = self._done
             else:
                 done = False
         if done:  # finished before anyone asked: complete the new future now
-            self._complete(fut)
+            self._complete(src)
         return fut
 
     def __repr__(self) -> str:
         state = "completed" if self._finished else "pending"
         return f"<BitcollWork {self._name} {state}>"
+
+
+def _follow(src: Future[Any]) -> Any:
+    """The ``then`` callback of a work's returned future: the private future's value, or
+    its error raised (so that the returned future fails for C++ callers too)."""
+    return src.value()
 
 
 _Item = tuple[Job, "BitcollWork", Callable[[BaseException], BaseException]]

@@ -9,6 +9,7 @@ inside a collective. A rank returns the list of checks that failed (empty: all p
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import datetime
 import functools
@@ -403,13 +404,17 @@ def _training(fails: list[str]) -> None:
         g = torch.Generator().manual_seed(100 + me)
         return [torch.randn(4, 8, generator=g) for _ in range(4)]
 
-    def steps(m: Any, full: Callable[[Any], Any] = lambda q: q) -> list[Any]:
-        """Train ``m`` on the batches with SGD; its parameters after (``full`` of each)."""
-        opt = torch.optim.SGD(m.parameters(), lr=0.1)
-        for x in batches():
-            opt.zero_grad()
-            m(x).pow(2).mean().backward()
-            opt.step()
+    def steps(m: Any, full: Callable[[Any], Any] = lambda q: q, opt: Any = None,
+              extra: int = 0, join: bool = False) -> list[Any]:
+        """Train ``m`` on the batches (``extra`` more on this rank; every rank under DDP's
+        ``join()`` with ``join``) with ``opt`` (default SGD); its parameters after (``full``
+        of each)."""
+        opt = opt or torch.optim.SGD(m.parameters(), lr=0.1)
+        with m.join() if join else contextlib.nullcontext():
+            for x in batches() + batches()[:extra]:
+                opt.zero_grad()
+                m(x).pow(2).mean().backward()
+                opt.step()
         return [full(q).detach().clone() for q in m.parameters()]
 
     def ddp(pg: Any) -> list[Any]:
@@ -452,8 +457,27 @@ def _training(fails: list[str]) -> None:
                                               start_powerSGD_iter=2), ps.powerSGD_hook)
         return steps(m)
 
+    def ddp_fp16(pg: Any) -> list[Any]:
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        m = DDP(copy.deepcopy(base), process_group=pg)
+        m.register_comm_hook(pg, default_hooks.fp16_compress_hook)
+        return steps(m)
+
+    def ddp_join(pg: Any) -> list[Any]:
+        """Uneven inputs: rank r trains r more steps under ``join()``."""
+        return steps(DDP(copy.deepcopy(base), process_group=pg), extra=me, join=True)
+
+    def ddp_zero(pg: Any) -> list[Any]:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        m = DDP(copy.deepcopy(base), process_group=pg)
+        return steps(m, opt=ZeroRedundancyOptimizer(m.parameters(), torch.optim.SGD,
+                                                    process_group=pg, lr=0.1))
+
     for name, fn in (("DDP", ddp), ("FSDP2", fsdp), ("DDP, sparse embedding", ddp_sparse),
-                     ("DDP, PowerSGD hook", ddp_powersgd)):
+                     ("DDP, PowerSGD hook", ddp_powersgd), ("DDP, fp16 hook", ddp_fp16),
+                     ("DDP, join", ddp_join), ("DDP, ZeRO", ddp_zero)):
         a, b = fn(dist.group.WORLD), fn(gloo)
         if not all(torch.allclose(x, y, rtol=1e-5, atol=1e-6) for x, y in zip(a, b,
                                                                                  strict=True)):
@@ -574,9 +598,42 @@ def _scenario_small(fails: list[str]) -> None:
     _monitored(fails)
 
 
+def _dtensor_and_checkpoint(fails: list[str]) -> None:
+    """DTensor (shard, replicate, a sharded matmul, functional collectives) and a
+    distributed checkpoint saved and loaded, on the default (bitcoll) group."""
+    import torch.distributed._functional_collectives as funcol
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    p, me = dist.get_world_size(), dist.get_rank()
+    mesh = init_device_mesh("cpu", (p,))
+    x = torch.arange(p * 4.0).reshape(p * 2, 2)
+    d = distribute_tensor(x, mesh, [Shard(0)])
+    if not torch.equal(d.redistribute(mesh, [Replicate()]).to_local(), x) or \
+            not torch.equal(d.full_tensor(), x):
+        fails.append("DTensor shard/replicate")
+    a = distribute_tensor(torch.ones(4, 4), mesh, [Shard(0)])
+    b = distribute_tensor(torch.ones(4, 4), mesh, [Replicate()])
+    c: Any = a @ b  # a DTensor (typed as a Tensor)
+    if c.full_tensor().sum().item() != 64.0:
+        fails.append("DTensor matmul")
+    if funcol.all_reduce(torch.full((3,), float(me)), "sum", mesh).tolist() != \
+            [float(sum(range(p)))] * 3:
+        fails.append("functional all_reduce")
+    where = [tempfile.mkdtemp(prefix="bitcoll-dcp-") if me == 0 else None]
+    dist.broadcast_object_list(where, src=0)
+    dcp.save({"w": torch.arange(4.0) + 10}, checkpoint_id=where[0])  # type: ignore[attr-defined]
+    back = {"w": torch.zeros(4)}
+    dcp.load(back, checkpoint_id=where[0])  # type: ignore[attr-defined]
+    if back["w"].tolist() != [10.0, 11.0, 12.0, 13.0]:
+        fails.append(f"DCP save/load: {back}")
+
+
 def _scenario_training(fails: list[str]) -> None:
     _sweep(None, [torch.float16, torch.int8, torch.complex64], [7], fails)
     _training(fails)
+    _dtensor_and_checkpoint(fails)
 
 
 def _scenario_killed(fails: list[str]) -> None:
@@ -606,6 +663,35 @@ def _scenario_killed(fails: list[str]) -> None:
         fails.append("the group is usable after the failure")
     except dist.DistError:
         pass
+
+
+def _scenario_ddp_killed(fails: list[str]) -> None:
+    """The last rank dies in the third step of DDP training: the others' backward raises
+    (DDP's reducer reads the failed bucket's future) instead of crashing the process, well
+    before the group's deadline, naming the lost peer."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    p, me = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(0)
+    m = DDP(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(),
+                                torch.nn.Linear(16, 4)))
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    t0 = time.monotonic()
+    try:
+        for step in range(4):
+            if step == 2:
+                if me == p - 1:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                t0 = time.monotonic()
+            opt.zero_grad()
+            m(torch.randn(4, 8)).pow(2).mean().backward()
+            opt.step()
+        fails.append("no error after a rank was killed")
+    except RuntimeError as exc:
+        if "peer lost" not in str(exc) or f"rank {me}" not in str(exc):
+            fails.append(f"unclear error: {exc}")
+        if time.monotonic() - t0 >= TIMEOUT / 2:
+            fails.append(f"raised after {time.monotonic() - t0:.1f} s")
 
 
 def _scenario_timeout(fails: list[str]) -> None:
@@ -707,7 +793,8 @@ def _scenario_lopsided_timeout(fails: list[str]) -> None:
 SCENARIOS: dict[str, Callable[[list[str]], None]] = {
     "full": _scenario_full, "small": _scenario_small, "training": _scenario_training,
     "killed": _scenario_killed, "timeout": _scenario_timeout,
-    "lopsided": _scenario_lopsided, "lopsided_timeout": _scenario_lopsided_timeout}
+    "lopsided": _scenario_lopsided, "lopsided_timeout": _scenario_lopsided_timeout,
+    "ddp_killed": _scenario_ddp_killed}
 #: init_process_group's timeout (seconds) where a scenario needs another one.
 SCENARIO_TIMEOUT = {"timeout": 3.0, "lopsided_timeout": 3.0}
 
@@ -795,6 +882,13 @@ def test_killed_rank_fails_the_survivors() -> None:
     """A killed rank: the others raise DistNetworkError naming their rank, in under half the
     group's 60 s deadline."""
     _run(3, "tcp", "killed", expect_dead=(2,))
+
+
+@pytest.mark.timeout(300)
+def test_killed_rank_inside_ddp_backward() -> None:
+    """DDP training, a rank killed: the survivors' backward raises (it crashed the process
+    when the failed future carried the error as its value)."""
+    _run(3, "tcp", "ddp_killed", expect_dead=(2,))
 
 
 @pytest.mark.timeout(300)
