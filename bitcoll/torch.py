@@ -126,7 +126,7 @@ from .communicator import Communicator
 from .errors import CommError, PeerLostError, UsageError
 
 __all__ = ["BACKEND_NAME", "ENV_TRANSPORT", "Options", "BitcollProcessGroup", "BitcollWork",
-           "register", "communicator_of", "submit", "monitored_barrier"]
+           "register", "communicator_of", "submit", "monitored_barrier", "hook_future"]
 
 BACKEND_NAME = "bitcoll"
 #: Environment variable choosing the data transport of new groups: "tcp" (default) or "mpi".
@@ -189,11 +189,8 @@ class BitcollWork(_C10dWork):
     deadline; one run by the waiting thread ends by that deadline). ``is_completed()`` never
     blocks. ``get_future()`` is a ``torch.futures.Future`` completed (value: the output
     tensors, a list) or failed by the thread that ran the collective. It fails as C++ sees a
-    failure: torch's Python ``Future.set_exception`` completes a future *with the exception
-    as its value* (only Python's ``wait``/``value`` raise it), which DDP's reducer read as a
-    result without tensors and crashed on (a segmentation fault in ``finalize_backward``
-    when a peer died); so the returned future is a ``then`` of a private one, whose callback
-    raises the error, which fails the returned future itself.
+    failure (:func:`hook_future`: DDP's reducer crashed the process when a peer died in
+    backward).
     """
 
     def __init__(self, name: str) -> None:
@@ -262,8 +259,8 @@ class BitcollWork(_C10dWork):
         with self._lock:
             fut = self._future
             if fut is None:
-                src = self._source = Future()
-                fut = self._future = src.then(_follow)
+                src, fut = hook_future()
+                self._source, self._future = src, fut
                 done = self._done
             else:
                 done = False
@@ -277,9 +274,22 @@ class BitcollWork(_C10dWork):
 
 
 def _follow(src: Future[Any]) -> Any:
-    """The ``then`` callback of a work's returned future: the private future's value, or
-    its error raised (so that the returned future fails for C++ callers too)."""
+    """The ``then`` callback of :func:`hook_future`'s result: the source's value, or its
+    error raised (so that the result fails for C++ callers too)."""
     return src.value()
+
+
+def hook_future() -> tuple[Future[Any], Future[Any]]:
+    """A future to hand to torch from Python, as a pair ``(source, result)``: complete
+    ``source`` (``set_result`` or ``set_exception``, from any thread) and give torch
+    ``result``, which follows it. torch's Python ``Future.set_exception`` completes a future
+    with the exception *as its value* (only Python's ``wait``/``value`` raise it); C++
+    callers such as DDP's reducer read that as a result without tensors (a segmentation
+    fault in ``finalize_backward``). ``result`` is ``source.then(...)`` whose callback
+    raises the error, which fails ``result`` for C++ too. The works of this backend and
+    lioncub's DDP comm hooks return such futures."""
+    source: Future[Any] = Future()
+    return source, source.then(_follow)
 
 
 _Item = tuple[Job, "BitcollWork", Callable[[BaseException], BaseException]]

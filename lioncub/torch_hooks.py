@@ -104,6 +104,7 @@ import torch
 from torch.optim import Optimizer
 
 from bitcoll.errors import UsageError
+from bitcoll.torch import hook_future
 
 from .buckets import Bucket, Slot
 from .comm import CommLike, WorkLike
@@ -410,7 +411,7 @@ class LionCubHookState:
             grads[s.index] = flat[s.offset:s.stop]
         pieces: list[tuple[Bucket, Buffers, WorkLike, int]] = []
         last = bool(bucket.is_last())
-        fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        src, fut = hook_future()  # fut fails for DDP's C++ reducer too
         try:
             for run in self._runs(slots):
                 a = run[0].offset
@@ -441,9 +442,9 @@ class LionCubHookState:
                     core.end_step(step.sums, step.before, step.start, comm_seconds=step.waited)
             except BaseException as exc:
                 step.error = exc
-                fut.set_exception(exc)  # type: ignore[arg-type]  # torch stubs it as T
+                src.set_exception(exc)
                 return
-            fut.set_result(buffer)
+            src.set_result(buffer)
 
         self._worker.submit(complete)
         return fut
@@ -718,7 +719,7 @@ class SignHookState:
         w_scales: WorkLike = comm.allreduce(scales, op="avg", out=scales, async_op=True)
         w_votes: WorkLike = comm.sign_allreduce(v, op="majority", tie=self.tie, out=votes,
                                                 async_op=True)
-        fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        src, fut = hook_future()  # fut fails for DDP's C++ reducer too
 
         def complete() -> None:
             try:
@@ -730,9 +731,9 @@ class SignHookState:
                         np.subtract(v[a:b], own * np.float32(local[k]), out=err)
                     np.multiply(votes[a:b], np.float32(scales[k]), out=flat[a:b])
             except BaseException as exc:
-                fut.set_exception(exc)  # type: ignore[arg-type]  # torch stubs it as T
+                src.set_exception(exc)
                 return
-            fut.set_result(buffer)
+            src.set_result(buffer)
 
         self._worker.submit(complete)
         return fut

@@ -665,17 +665,25 @@ def _scenario_killed(fails: list[str]) -> None:
         pass
 
 
-def _scenario_ddp_killed(fails: list[str]) -> None:
-    """The last rank dies in the third step of DDP training: the others' backward raises
-    (DDP's reducer reads the failed bucket's future) instead of crashing the process, well
-    before the group's deadline, naming the lost peer."""
+def _ddp_killed(fails: list[str], hook: bool) -> None:
+    """The last rank dies in the third step of DDP training (with lioncub's hook when
+    ``hook``): the others' backward raises (DDP's reducer reads the failed future) instead
+    of crashing the process or failing to read it, well before the group's deadline,
+    naming the lost peer."""
     from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from lioncub.torch_hooks import LionCubHookState, LionCubStep, lioncub_hook
 
     p, me = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(0)
     m = DDP(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(),
                                 torch.nn.Linear(16, 4)))
-    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    opt: Any = torch.optim.SGD(m.parameters(), lr=0.1)
+    state = None
+    if hook:
+        opt = LionCubStep(m.parameters(), lr=1e-3)
+        state = LionCubHookState(opt, variant="lioncub-l1")  # its own communicator
+        m.register_comm_hook(state, lioncub_hook)
     t0 = time.monotonic()
     try:
         for step in range(4):
@@ -688,10 +696,15 @@ def _scenario_ddp_killed(fails: list[str]) -> None:
             opt.step()
         fails.append("no error after a rank was killed")
     except RuntimeError as exc:
-        if "peer lost" not in str(exc) or f"rank {me}" not in str(exc):
+        if ("PeerLostError" not in str(exc) and "peer lost" not in str(exc)) or \
+                f"rank {me}" not in str(exc):
             fails.append(f"unclear error: {exc}")
         if time.monotonic() - t0 >= TIMEOUT / 2:
             fails.append(f"raised after {time.monotonic() - t0:.1f} s")
+    finally:
+        if state is not None:  # the hook's thread, and the communicator split for it
+            state.close()
+            state.comm.close()  # type: ignore[attr-defined]
 
 
 def _scenario_timeout(fails: list[str]) -> None:
@@ -794,7 +807,8 @@ SCENARIOS: dict[str, Callable[[list[str]], None]] = {
     "full": _scenario_full, "small": _scenario_small, "training": _scenario_training,
     "killed": _scenario_killed, "timeout": _scenario_timeout,
     "lopsided": _scenario_lopsided, "lopsided_timeout": _scenario_lopsided_timeout,
-    "ddp_killed": _scenario_ddp_killed}
+    "ddp_killed": functools.partial(_ddp_killed, hook=False),
+    "ddp_hook_killed": functools.partial(_ddp_killed, hook=True)}
 #: init_process_group's timeout (seconds) where a scenario needs another one.
 SCENARIO_TIMEOUT = {"timeout": 3.0, "lopsided_timeout": 3.0}
 
@@ -886,9 +900,11 @@ def test_killed_rank_fails_the_survivors() -> None:
 
 @pytest.mark.timeout(300)
 def test_killed_rank_inside_ddp_backward() -> None:
-    """DDP training, a rank killed: the survivors' backward raises (it crashed the process
-    when the failed future carried the error as its value)."""
+    """DDP training, a rank killed, with DDP's own all-reduce and with lioncub's hook: the
+    survivors' backward raises (DDP's reducer crashed the process when the failed future
+    carried the error as its value; the hook's failure could not be read as a tensor)."""
     _run(3, "tcp", "ddp_killed", expect_dead=(2,))
+    _run(3, "tcp", "ddp_hook_killed", expect_dead=(2,))
 
 
 @pytest.mark.timeout(300)
