@@ -894,17 +894,15 @@ class BitcollProcessGroup(dist.ProcessGroup):
 
     def _sparse_sum(self, t: torch.Tensor) -> None:
         """``t`` (sparse COO, on any device) = the sum of every rank's ``t``: the ranks'
-        shapes and entry counts gathered first (UsageError on every rank when the shapes
-        differ), then their coalesced indices and values, padded to the most entries; the
-        entries in rank order are coalesced (duplicates summed) on every rank alike, so every
-        rank gets the same indices and bits. UsageError on every rank when the shapes, value
-        dtypes or sparse dimensions differ. Worker thread."""
+        shapes, value dtypes, sparse dimensions and entry counts gathered first (UsageError on
+        every rank when any but the counts differ), then their coalesced indices and values
+        (:meth:`_gather_list`); the entries in rank order are coalesced (duplicates summed) on
+        every rank alike, so every rank gets the same indices and bits. Worker thread."""
         comm, p = self._comm, self.size()
         src = t.detach().to("cpu").coalesce()
-        idx, vals = src.indices().contiguous(), src.values().contiguous()
-        nnz = idx.shape[1]
-        kind = zlib.crc32(f"{vals.dtype} {idx.shape[0]}".encode())
-        head = torch.tensor([nnz, kind, *src.shape], dtype=torch.int64)
+        idx, vals = src.indices().t().contiguous(), src.values().contiguous()  # entry by row
+        kind = zlib.crc32(f"{vals.dtype} {idx.shape[1]}".encode())
+        head = torch.tensor([idx.shape[0], kind, *src.shape], dtype=torch.int64)
         heads = torch.empty((p, head.numel()), dtype=torch.int64)
         comm.allgather(_raw(head), out=_raw(heads))
         if heads[:, 1:].ne(head[1:]).any():
@@ -914,19 +912,12 @@ class BitcollProcessGroup(dist.ProcessGroup):
                                  f"rank {r} {tuple(heads[r, 2:].tolist())}"
                                  f"{other if heads[r, 1] != kind else ''}" for r in range(p)))
         counts = heads[:, 0].tolist()
-        m = max(counts)
-        pad_i = torch.zeros((idx.shape[0], m), dtype=torch.int64)
-        pad_i[:, :nnz] = idx
-        pad_v = torch.zeros((m, *vals.shape[1:]), dtype=vals.dtype)
-        pad_v[:nnz] = vals
-        all_i = torch.empty((p, *pad_i.shape), dtype=torch.int64)
-        all_v = torch.empty((p, *pad_v.shape), dtype=vals.dtype)
-        comm.allgather(_raw(pad_i), out=_raw(all_i))
-        comm.allgather(_raw(pad_v), out=_raw(all_v))
-        total = torch.sparse_coo_tensor(
-            torch.cat([all_i[r, :, :counts[r]] for r in range(p)], dim=1),
-            torch.cat([all_v[r, :counts[r]] for r in range(p)], dim=0),
-            src.shape).coalesce()
+        all_i = [torch.empty((k, idx.shape[1]), dtype=torch.int64) for k in counts]
+        all_v = [torch.empty((k, *vals.shape[1:]), dtype=vals.dtype) for k in counts]
+        self._gather_list(idx, all_i)
+        self._gather_list(vals, all_v)
+        total = torch.sparse_coo_tensor(torch.cat(all_i).t(), torch.cat(all_v),
+                                        src.shape).coalesce()
         with torch.no_grad():
             t.copy_(total.to(t.device))
 
