@@ -780,11 +780,19 @@ class MPITransport(Transport):
         :meth:`_spin` first, then the wait loop with its deadline and abort checks, under one
         taking of the lock."""
         with self._lock:
-            if self._spin(req, what):
-                return
-            waiter = _CollectiveRequest(self, req, keep, what)
-            self._pending.add(waiter)
-        waiter.wait(deadline)
+            waiter = self._pend(req, keep, what)
+        if waiter is not None:
+            waiter.wait(deadline)
+
+    def _pend(self, req: MPI.Request, keep: tuple[object, ...],
+              what: str | Callable[[], str]) -> _CollectiveRequest | None:
+        """Lock held: :meth:`_spin`; None when ``req`` completed within it, else the wait
+        loop's request for it, registered (the caller waits for it after the lock)."""
+        if self._spin(req, what):
+            return None
+        waiter = _CollectiveRequest(self, req, keep, what)
+        self._pending.add(waiter)
+        return waiter
 
     def _spin(self, req: MPI.Request, what: str | Callable[[], str]) -> bool:
         """Whether the started collective ``req`` completes within
@@ -1042,11 +1050,7 @@ class MPITransport(Transport):
             else:
                 persistent.Start()
                 req = persistent
-            if not self._spin(req, _RECORDS):
-                waiter = _CollectiveRequest(self, req, (), _RECORDS)
-                self._pending.add(waiter)
-            else:
-                waiter = None
+            waiter = self._pend(req, (), _RECORDS)
         if waiter is not None:
             waiter.wait(deadline)
         return self._heads.tobytes() == head * self.size
